@@ -1,0 +1,1 @@
+"""Register the Triton kernels as the CUDA implementations of fp4compile's custom ops."""
