@@ -1,0 +1,177 @@
+"""Precision policies: which GEMM, by module path and role, runs in which precision.
+
+A policy is an ordered list of rules ``(module-path glob, role or None) -> spec``; the *last* matching rule
+wins, so ``override`` appends. Specs are frozen, hashable dataclasses (Dynamo guards them as constants and
+the backend hashes ``repr(policy)`` into the compile-cache key).
+
+    >>> p = Policy.full_stack().override("lm_head", BF16)
+    >>> p.resolve("transformer.h.0.mlp.c_fc", "linear.dgrad")
+    NVFP4(rounding='ms_eden', four_over_six=False, hadamard=128, block=16)
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Optional, Tuple, Union
+
+#: every GEMM role the backend, reports and kernels know
+ROLES = (
+    "linear.fprop", "linear.dgrad", "linear.wgrad",
+    "attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.dsq",
+    "optim.ns",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4:
+    """NVFP4 for one GEMM operand pair: both operands quantized along the contraction dim.
+
+    rounding: "rtn" | "sr" | "ms_eden"; four_over_six: adaptive 4/6 block scaling; hadamard: None or RHT
+    size (16..128) applied to both operands along K with one shared random sign vector; block: 16 or
+    (16, 16) (2D blocks, used for weights: transpose-invariant).
+    """
+
+    rounding: str = "rtn"
+    four_over_six: bool = False
+    hadamard: Optional[int] = None
+    block: Union[int, Tuple[int, int]] = 16
+
+    def __post_init__(self):
+        from .formats.nvfp4 import HADAMARD_SIZES, ROUNDINGS
+
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"NVFP4.rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.hadamard is not None and self.hadamard not in HADAMARD_SIZES:
+            raise ValueError(f"NVFP4.hadamard must be None or one of {HADAMARD_SIZES}, got {self.hadamard!r}")
+        if isinstance(self.block, list):
+            object.__setattr__(self, "block", tuple(self.block))
+        if self.block not in (16, (16, 16)):
+            raise ValueError(f"NVFP4.block must be 16 or (16, 16), got {self.block!r}")
+
+    @property
+    def name(self) -> str:
+        return "nvfp4"
+
+    def __str__(self):
+        parts = [self.rounding]
+        if self.four_over_six:
+            parts.append("4/6")
+        if self.hadamard:
+            parts.append(f"rht{self.hadamard}")
+        if self.block != 16:
+            parts.append("2d")
+        return "nvfp4(" + ",".join(parts) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class _BF16:
+    """Keep the GEMM in BF16 (the model's own precision)."""
+
+    @property
+    def name(self) -> str:
+        return "bf16"
+
+    def __str__(self):
+        return "bf16"
+
+    def __repr__(self):
+        return "BF16"
+
+
+BF16 = _BF16()
+Precision = Union[NVFP4, _BF16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    pattern: str
+    role: Optional[str]
+    spec: Precision
+
+    def matches(self, path: str, role: str) -> bool:
+        return (self.role is None or self.role == role) and fnmatch.fnmatchcase(path, self.pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Ordered rules; the last match wins; no match means BF16."""
+
+    rules: Tuple[Rule, ...] = ()
+    name: str = "custom"
+
+    def resolve(self, module_path: str, role: str) -> Precision:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        for rule in reversed(self.rules):
+            if rule.matches(module_path, role):
+                return rule.spec
+        return BF16
+
+    def override(self, pattern: str, spec: Union[Precision, str], role: Optional[str] = None) -> "Policy":
+        """A new policy with one more rule (it takes precedence over the earlier ones)."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        if isinstance(spec, str):
+            spec = _spec_from_str(spec)
+        return dataclasses.replace(self, rules=self.rules + (Rule(pattern, role, spec),))
+
+    def __str__(self):
+        lines = [f"Policy {self.name!r} (last matching rule wins; unmatched -> bf16):"]
+        for r in self.rules:
+            lines.append(f"  {r.pattern:<28} {r.role or '*':<14} -> {r.spec}")
+        return "\n".join(lines)
+
+    # presets ---------------------------------------------------------------------------------
+    @classmethod
+    def bf16(cls) -> "Policy":
+        return cls((), "bf16")
+
+    @classmethod
+    def quartet2(cls) -> "Policy":
+        """Quartet II linear scheme: fprop RTN + 4/6; dgrad/wgrad RHT-128 + MS-EDEN; attention BF16."""
+        bwd = NVFP4("ms_eden", hadamard=128)
+        return cls(_linear_rules(NVFP4("rtn", four_over_six=True), bwd, bwd), "quartet2")
+
+    @classmethod
+    def full_stack(cls) -> "Policy":
+        """The Full-Stack FP4 paper: Quartet II linears, Q-Attn split, Newton-Schulz in NVFP4."""
+        p = cls.quartet2()
+        rules = p.rules + tuple(Rule("*", r, NVFP4("rtn")) for r in ("attn.qk", "attn.dsk", "attn.dsq", "optim.ns"))
+        return cls(rules + _bf16_edges(), "full_stack")
+
+    @classmethod
+    def nvidia(cls, n_layers: Optional[int] = None, layer_glob: str = "*.{i}.*") -> "Policy":
+        """NVIDIA's recipe: 2D 16x16 weights (RTN), SR gradients, RHT-16 on the wgrad operands, the last
+        ~15 % of blocks (when ``n_layers`` is given) and the LM head in BF16."""
+        fprop = NVFP4("rtn", block=(16, 16))
+        dgrad = NVFP4("sr", block=16)
+        wgrad = NVFP4("sr", hadamard=16)
+        rules = _linear_rules(fprop, dgrad, wgrad)
+        if n_layers:
+            keep = max(1, round(0.15 * n_layers))
+            rules += tuple(Rule(layer_glob.format(i=i), None, BF16) for i in range(n_layers - keep, n_layers))
+        return cls(rules + _bf16_edges(), "nvidia")
+
+    @classmethod
+    def preset(cls, name: str) -> "Policy":
+        presets = {"full_stack": cls.full_stack, "quartet2": cls.quartet2, "nvidia": cls.nvidia, "bf16": cls.bf16}
+        if name not in presets:
+            raise ValueError(f"unknown policy preset {name!r}; presets are {sorted(presets)}")
+        return presets[name]()
+
+
+def _linear_rules(fprop, dgrad, wgrad):
+    return (Rule("*", "linear.fprop", fprop), Rule("*", "linear.dgrad", dgrad), Rule("*", "linear.wgrad", wgrad))
+
+
+def _bf16_edges():
+    """Embeddings, norms and the LM head stay BF16 (embeddings/norms are not GEMM sites anyway)."""
+    return (Rule("*lm_head*", None, BF16), Rule("*embed*", None, BF16), Rule("*wte*", None, BF16))
+
+
+def _spec_from_str(s: str) -> Precision:
+    if s == "bf16":
+        return BF16
+    if s == "nvfp4":
+        return NVFP4()
+    raise ValueError(f"unknown precision {s!r}: use 'bf16', 'nvfp4' or an NVFP4(...) spec")
