@@ -254,7 +254,7 @@ def _match_handwritten(sm: fx.Node):
         x = x.args[0]
     elif _is_call(x, (operator.add, torch.add), ("add",)) and len(x.args) == 2:
         a, b = x.args
-        main = a if _is_call(a, (operator.mul, torch.mul, operator.truediv, torch.div) | _MATMUL,
+        main = a if _is_call(a, {operator.mul, torch.mul, operator.truediv, torch.div} | _MATMUL,
                              ("mul", "div", "matmul")) else b
         mask, kind = (b if main is a else a), "add"
         if not isinstance(mask, fx.Node):
