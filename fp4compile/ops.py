@@ -234,8 +234,18 @@ def _register_qattn_cuda():
         _qattn_check(q, k, v, fp4_roles)
         if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
-        views = _aref.quantize_qkv(q, k, v, fp4_roles, quantize=_attn.quantize_2d)
-        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles)
+        fq, fk, fv = _aref.needs_fp4(fp4_roles)
+        vals, deq = [], {}
+        for name, x, need, fwd_role in (("q", q, fq, _aref.QK), ("k", k, fk, _aref.QK), ("v", v, fv, _aref.PV)):
+            if need:  # the FP4 copy (saved) and, when the forward reads it, its bf16 code x scale (transient)
+                r = _attn.quantize_2d(x, dequantized=bool(fp4_roles & fwd_role))
+                vals += r[:3]
+                if len(r) == 4:
+                    deq[name] = r[3]
+            else:
+                vals += _aref._empty_view(x)
+        views = _aref.QuantizedQKV(*vals)
+        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq)
         return (out, lse, *views)
 
     @qattn_bwd.register_kernel("cuda")

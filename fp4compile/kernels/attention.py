@@ -5,11 +5,15 @@ The numerics (which operand is quantized how, which copy is reused, the scale le
 
 * ``quantize_2d`` (Triton ``_quant2d_kernel``): Q, K, V (and dO) -> NVFP4 with 16x16 tiles and a per-tensor
   global computed on the device (no host sync). One copy serves both contraction axes, so the forward's copy
-  is the one saved for, and reused by, the backward.
-* ``attention_fwd``: one program per (128-query block, batch x head); K/V tiles are loaded as BF16 or as FP4
-  codes + E4M3 scales and dequantized in registers (code x scale is exact in BF16), S = Q·Kᵀ runs on BF16
-  tensor cores with FP32 accumulation, the FP32 global scales multiply the accumulator. P is quantized on the
-  fly (1x16 along keys) when attn.pv is NVFP4.
+  is the one saved for, and reused by, the backward. The same pass also writes code x E4M3 scale as BF16 (exact:
+  2 + 4 significant bits), a transient operand buffer for the MMA kernels; the backward rebuilds it from the
+  saved codes with ``_dequant2d_kernel``. (H200 has no FP4 tensor cores: the products are BF16 MMAs on exactly
+  the NVFP4 values, with the FP32 global scales applied to the FP32 accumulators -- what Blackwell computes.
+  Dequantizing each K/V tile inside the attention loop instead was measured 1.8-2.8x slower: every query
+  block would redo it.)
+* ``attention_fwd``: one program per (128-query block, batch x head), S = Q·Kᵀ on BF16 tensor cores with FP32
+  accumulation, online softmax in base 2. P is quantized on the fly, in registers (1x16 along keys), when
+  attn.pv is NVFP4.
 * ``attention_bwd``: FlashAttention-2 structure: D = rowsum(dO∘O); a dK/dV kernel (one program per 64-key
   block and KV head, looping over the GQA group's query heads and query blocks) and a dQ kernel (one program
   per 64-query block). dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a
@@ -131,35 +135,27 @@ if triton is not None:
     P_GLOBAL_C = tl.constexpr(P_GLOBAL)
 
     @triton.jit
-    def _load_tile(ptr, codes_ptr, scales_ptr, offs_t, mask_t, stride_t, D: tl.constexpr, FP4: tl.constexpr):
-        """[BT, D] bf16 operand tile: the BF16 tensor, or the FP4 copy dequantized (code x E4M3, no global).
-
-        ``ptr`` points at the (batch, head) slice of the BF16 tensor (row stride ``stride_t``); ``codes_ptr`` /
-        ``scales_ptr`` at the slice of its contiguous FP4 copy ([T, D/2] bytes, [T, D/16] scale bytes)."""
-        if FP4:
-            ob = tl.arange(0, D // 2)
-            byte = tl.load(codes_ptr + offs_t[:, None] * (D // 2) + ob[None, :], mask=mask_t[:, None], other=0)
-            byte = byte.to(tl.int32)
-            code = tl.reshape(tl.join(byte & 15, byte >> 4), [offs_t.shape[0], D])
-            os_ = tl.arange(0, D // 16)
-            sb = tl.load(scales_ptr + offs_t[:, None] * (D // 16) + os_[None, :], mask=mask_t[:, None], other=0)
-            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            val = tl.reshape(_e2m1_value(code), [offs_t.shape[0], D // 16, 16]) * sf[:, :, None]
-            return _to_bf16(tl.reshape(val, [offs_t.shape[0], D]))
-        else:
-            od = tl.arange(0, D)
-            x = tl.load(ptr + offs_t[:, None] * stride_t + od[None, :], mask=mask_t[:, None], other=0.0)
-            return _to_bf16(x)
+    def _ld(ptr, offs_t, mask_t, stride_t, D: tl.constexpr):
+        """[BT, D] bf16 operand tile of the (batch, head) slice at ``ptr`` (row stride ``stride_t``)."""
+        od = tl.arange(0, D)
+        x = tl.load(ptr + offs_t[:, None] * stride_t + od[None, :], mask=mask_t[:, None], other=0.0)
+        return _to_bf16(x)
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
-    def _quant2d_kernel(x_ptr, codes_ptr, scales_ptr, senc_ptr, gdec_ptr, T, H, sxb, sxh, sxt,
-                        BT: tl.constexpr, D: tl.constexpr):
-        """NVFP4 RTN, 16x16 tiles over (T, D), of one [BT, D] slab of x[b, h]; == attention_ref.quantize_2d."""
+    def _quant2d_kernel(x_ptr, codes_ptr, scales_ptr, deq_ptr, amax_ptr, gdec_ptr, T, H, sxb, sxh, sxt,
+                        BT: tl.constexpr, D: tl.constexpr, WRITE_DEQ: tl.constexpr):
+        """NVFP4 RTN, 16x16 tiles over (T, D), of one [BT, D] slab of x[b, h]; == attention_ref.quantize_2d.
+        With WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
+        amax_t = tl.load(amax_ptr)
+        s_enc = tl.where(amax_t == 0.0, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
+        g_dec = tl.where(amax_t == 0.0, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
+        if (pid_t == 0) & (pid_bh == 0):
+            tl.store(gdec_ptr, g_dec)
         offs_t = pid_t * BT + tl.arange(0, BT)
         mt = offs_t < T
         od = tl.arange(0, D)
@@ -167,8 +163,6 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         x4 = tl.reshape(x, [BT // 16, 16, D // 16, 16])
         amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)  # [BT/16, D/16]
-        s_enc = tl.load(senc_ptr)
-        g_dec = tl.load(gdec_ptr)
         sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
         sf = sf8.to(tl.float32)
         enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
@@ -176,9 +170,13 @@ if triton is not None:
         a = x * tl.reshape(enc4, [BT, D])
         mag = _e2m1_mag_code(tl.abs(a))
         code = tl.where(a < 0, mag | 8, mag)
+        base = (b * H + h) * T
+        if WRITE_DEQ:
+            sf4 = tl.broadcast_to(tl.reshape(sf, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
+            val = _e2m1_value(code) * tl.reshape(sf4, [BT, D])
+            tl.store(deq_ptr + (base + offs_t[:, None]) * D + od[None, :], _to_bf16(val), mask=mt[:, None])
         lo, hi = tl.split(tl.reshape(code, [BT, D // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)
-        base = (b * H + h) * T
         ob = tl.arange(0, D // 2)
         tl.store(codes_ptr + (base + offs_t[:, None]) * (D // 2) + ob[None, :], packed, mask=mt[:, None])
         sbytes = sf8.to(tl.uint8, bitcast=True)
@@ -187,84 +185,110 @@ if triton is not None:
         os_ = tl.arange(0, D // 16)
         tl.store(scales_ptr + (base + offs_t[:, None]) * (D // 16) + os_[None, :], srows, mask=mt[:, None])
 
+    @triton.jit
+    def _dequant2d_kernel(codes_ptr, scales_ptr, out_ptr, R, BT: tl.constexpr, D: tl.constexpr):
+        """code x E4M3 scale (bf16, global excluded) of a contiguous [R, D] NVFP4 copy; purely elementwise."""
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        m = rows < R
+        od = tl.arange(0, D)
+        byte = tl.load(codes_ptr + rows[:, None] * (D // 2) + od[None, :] // 2, mask=m[:, None], other=0)
+        code = (byte.to(tl.int32) >> ((od[None, :] % 2) * 4)) & 15
+        sb = tl.load(scales_ptr + rows[:, None] * (D // 16) + od[None, :] // 16, mask=m[:, None], other=0)
+        sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * D + od[None, :], _to_bf16(_e2m1_value(code) * sf), mask=m[:, None])
+
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
-    def _attn_fwd_kernel(Q, K, V, Qc, Qs, Kc, Ks, Vc, Vs, G, Bias, O, LSE,
-                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                         sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
-                         QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // GROUPS
-        Hkv = H // GROUPS
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        mm = offs_m < Tq
-        q = _load_tile(Q + b * sqb + h * sqh, Qc + (pid_bh * Tq) * (D // 2), Qs + (pid_bh * Tq) * (D // 16),
-                       offs_m, mm, sqt, D, QK_FP4)
-        kvh = b * Hkv + hk
-        k_ptr = K + b * skb + hk * skh
-        v_ptr = V + b * svb + hk * svh
-        kc_ptr = Kc + (kvh * Tk) * (D // 2)
-        ks_ptr = Ks + (kvh * Tk) * (D // 16)
-        vc_ptr = Vc + (kvh * Tk) * (D // 2)
-        vs_ptr = Vs + (kvh * Tk) * (D // 16)
-        qk_scale = sm_scale * 1.4426950408889634
-        if QK_FP4:
-            qk_scale = qk_scale * tl.load(G) * tl.load(G + 1)
-        pv_scale = 1.0
-        if PV_FP4:
-            pv_scale = tl.load(G + 2) * P_GLOBAL_C
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        hi = Tk
-        if CAUSAL:
-            hi = tl.minimum((pid_m + 1) * BM, Tk)
-        for start_n in range(0, hi, BN):
+    def _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, svt, sbb, sbh, sbm, sbn,
+                   qk_scale, pv_scale, Tk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PV_FP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """Online-softmax over key tiles [lo, hi); MASKED: apply the key-range and causal masks."""
+        for start_n in range(lo, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             mn = offs_n < Tk
-            k = _load_tile(k_ptr, kc_ptr, ks_ptr, offs_n, mn, skt, D, QK_FP4)
+            k = _ld(k_ptr, offs_n, mn, skt, D)
             s = _mma(q, tl.trans(k)) * qk_scale
             if HAS_BIAS:
                 bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
                                mask=mm[:, None] & mn[None, :], other=0.0)
                 s = s + bias * 1.4426950408889634
-            valid = mn[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(valid, s, float("-inf"))
+            if MASKED:
+                valid = mn[None, :]
+                if CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _load_tile(v_ptr, vc_ptr, vs_ptr, offs_n, mn, svt, D, PV_FP4)
+            v = _ld(v_ptr, offs_n, mn, svt, D)
             if PV_FP4:
                 pq = _fq_rows(p, G_NUM_C, P_GLOBAL_C, BM, BN)
                 acc += _mma(_to_bf16(pq), v) * pv_scale
             else:
                 acc += _mma(_to_bf16(p), v)
             m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _attn_fwd_kernel(Q, K, V, Gq, Gk, Gv, Bias, O, LSE,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                         sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
+                         QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """Q/K (and V) are BF16, or the dequantized code x scale of their NVFP4 copies when the role is NVFP4;
+        the FP4 global scales multiply the FP32 scores / accumulator. Key tiles fully inside the visible range
+        run without masks; the causal diagonal band and the ragged tail run masked."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // GROUPS
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        mm = offs_m < Tq
+        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D)
+        k_ptr = K + b * skb + hk * skh
+        v_ptr = V + b * svb + hk * svh
+        qk_scale = sm_scale * 1.4426950408889634
+        if QK_FP4:
+            qk_scale = qk_scale * tl.load(Gq) * tl.load(Gk)
+        pv_scale = 1.0
+        if PV_FP4:
+            pv_scale = tl.load(Gv) * P_GLOBAL_C
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        if CAUSAL:
+            hi = tl.minimum((pid_m + 1) * BM, Tk)
+            full = (tl.minimum(pid_m * BM, Tk) // BN) * BN
+        else:
+            hi = Tk
+            full = (Tk // BN) * BN
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, 0, full, skt, svt,
+                                   sbb, sbh, sbm, sbn, qk_scale, pv_scale, Tk, False, CAUSAL, HAS_BIAS, PV_FP4,
+                                   BM, BN, D)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, full, hi, skt, svt,
+                                   sbb, sbh, sbm, sbn, qk_scale, pv_scale, Tk, True, CAUSAL, HAS_BIAS, PV_FP4,
+                                   BM, BN, D)
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("inf"), m_i / 1.4426950408889634 + tl.log(tl.where(empty, 1.0, l_i)))
         od = tl.arange(0, D)
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + od[None, :], _cast_like(o, O),
-                 mask=mm[:, None])
+        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + od[None, :], _cast_like(o, O), mask=mm[:, None])
         tl.store(LSE + pid_bh * Tq + offs_m, lse, mask=mm)
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
-    def _attn_bwd_dkdv_kernel(Q, K, V, DO, Qc, Qs, Kc, Ks, Vc, Vs, DOc, DOs, G, Bias, LSE, DELTA, DK, DV,
-                              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
-                              sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
+    def _attn_bwd_dkdv_kernel(Q, Q2, K, V, DO, DO2, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DK, DV,
+                              sqb, sqh, sqt, sq2b, sq2h, sq2t, skb, skh, skt, svb, svh, svt,
+                              sdb, sdh, sdt, sd2b, sd2h, sd2t, sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                               QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                               DSQ_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """dK, dV for one 64-key block of one KV head. Q: the attn.qk operand, Q2: the attn.dsq operand (read
+        only when the two precisions differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem)."""
         pid_n = tl.program_id(0)
         pid_bhk = tl.program_id(1)
         Hkv = H // GROUPS
@@ -272,21 +296,20 @@ if triton is not None:
         hk = pid_bhk % Hkv
         offs_n = pid_n * BN + tl.arange(0, BN)
         mn = offs_n < Tk
-        kc_ptr = Kc + (pid_bhk * Tk) * (D // 2)
-        ks_ptr = Ks + (pid_bhk * Tk) * (D // 16)
-        k = _load_tile(K + b * skb + hk * skh, kc_ptr, ks_ptr, offs_n, mn, skt, D, QK_FP4)
-        v = _load_tile(V + b * svb + hk * svh, Vc + (pid_bhk * Tk) * (D // 2), Vs + (pid_bhk * Tk) * (D // 16),
-                       offs_n, mn, svt, D, DOV_FP4)
+        k = _ld(K + b * skb + hk * skh, offs_n, mn, skt, D)
+        v = _ld(V + b * svb + hk * svh, offs_n, mn, svt, D)
         qk_scale = sm_scale * 1.4426950408889634
         if QK_FP4:
-            qk_scale = qk_scale * tl.load(G) * tl.load(G + 1)
+            qk_scale = qk_scale * tl.load(Gq) * tl.load(Gk)
         dp_scale = 1.0
         if DOV_FP4:
-            dp_scale = tl.load(G + 2) * tl.load(G + 3)
+            dp_scale = tl.load(Gv) * tl.load(Gdo)
         dv_scale = 1.0
         if PDO_FP4:
-            dv_scale = tl.load(G + 3) * P_GLOBAL_C
-        gq = tl.load(G)
+            dv_scale = tl.load(Gdo) * P_GLOBAL_C
+        gq = 1.0
+        if DSQ_FP4:
+            gq = tl.load(Gq)
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         lo = 0
@@ -296,15 +319,13 @@ if triton is not None:
             h = hk * GROUPS + g
             bh = b * H + h
             q_ptr = Q + b * sqb + h * sqh
-            qc_ptr = Qc + (bh * Tq) * (D // 2)
-            qs_ptr = Qs + (bh * Tq) * (D // 16)
+            q2_ptr = Q2 + b * sq2b + h * sq2h
             do_ptr = DO + b * sdb + h * sdh
-            doc_ptr = DOc + (bh * Tq) * (D // 2)
-            dos_ptr = DOs + (bh * Tq) * (D // 16)
+            do2_ptr = DO2 + b * sd2b + h * sd2h
             for start_m in range(lo, Tq, BM):
                 offs_m = start_m + tl.arange(0, BM)
                 mm = offs_m < Tq
-                q = _load_tile(q_ptr, qc_ptr, qs_ptr, offs_m, mm, sqt, D, QK_FP4)
+                q = _ld(q_ptr, offs_m, mm, sqt, D)
                 sT = _mma(k, tl.trans(q)) * qk_scale  # [BN, BM]
                 if HAS_BIAS:
                     bias = tl.load(Bias + b * sbb + h * sbh + offs_m[None, :] * sbm + offs_n[:, None] * sbn,
@@ -315,72 +336,66 @@ if triton is not None:
                 if CAUSAL:
                     valid = valid & (offs_n[:, None] <= offs_m[None, :])
                 pT = tl.where(valid, tl.math.exp2(sT - lse[None, :]), 0.0)
-                do_pdo = _load_tile(do_ptr, doc_ptr, dos_ptr, offs_m, mm, sdt, D, PDO_FP4)
+                do = _ld(do_ptr, offs_m, mm, sdt, D)
                 if PDO_FP4:
                     pq = _fq_rows(pT, G_NUM_C, P_GLOBAL_C, BN, BM)
-                    dv += _mma(_to_bf16(pq), do_pdo) * dv_scale
+                    dv += _mma(_to_bf16(pq), do) * dv_scale
                 else:
-                    dv += _mma(_to_bf16(pT), do_pdo)
+                    dv += _mma(_to_bf16(pT), do)
                 if DOV_FP4 == PDO_FP4:
-                    do_dov = do_pdo
+                    do2 = do
                 else:
-                    do_dov = _load_tile(do_ptr, doc_ptr, dos_ptr, offs_m, mm, sdt, D, DOV_FP4)
-                dpT = _mma(v, tl.trans(do_dov)) * dp_scale
+                    do2 = _ld(do2_ptr, offs_m, mm, sd2t, D)
+                dpT = _mma(v, tl.trans(do2)) * dp_scale
                 delta = tl.load(DELTA + bh * Tq + offs_m, mask=mm, other=0.0)
                 dsT = pT * (dpT - delta[None, :])
+                if DSQ_FP4 == QK_FP4:
+                    q2 = q
+                else:
+                    q2 = _ld(q2_ptr, offs_m, mm, sq2t, D)
                 if DSQ_FP4:
-                    if QK_FP4:
-                        q_dsq = q
-                    else:
-                        q_dsq = _load_tile(q_ptr, qc_ptr, qs_ptr, offs_m, mm, sqt, D, True)
                     s_enc, g_dec = _tile_scales(dsT)
                     dsq = _fq_rows(dsT, s_enc, g_dec, BN, BM)
-                    dk += _mma(_to_bf16(dsq), q_dsq) * (g_dec * gq)
+                    dk += _mma(_to_bf16(dsq), q2) * (g_dec * gq)
                 else:
-                    if QK_FP4:
-                        q_dsq = _load_tile(q_ptr, qc_ptr, qs_ptr, offs_m, mm, sqt, D, False)
-                    else:
-                        q_dsq = q
-                    dk += _mma(_to_bf16(dsT), q_dsq)
+                    dk += _mma(_to_bf16(dsT), q2)
         od = tl.arange(0, D)
         out_off = (pid_bhk * Tk + offs_n[:, None]) * D + od[None, :]
-        tl.store(DK + out_off, _cast_like((dk * sm_scale), DK), mask=mn[:, None])
+        tl.store(DK + out_off, _cast_like(dk * sm_scale, DK), mask=mn[:, None])
         tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
 
     @triton.jit
-    def _attn_bwd_dq_kernel(Q, K, V, DO, Qc, Qs, Kc, Ks, Vc, Vs, DOc, DOs, G, Bias, LSE, DELTA, DQ,
-                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
+    def _attn_bwd_dq_kernel(Q, K, K2, V, DO, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DQ,
+                            sqb, sqh, sqt, skb, skh, skt, sk2b, sk2h, sk2t, svb, svh, svt, sdb, sdh, sdt,
                             sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                             QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr,
                             CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """dQ for one 64-query block. K: the attn.qk operand, K2: the attn.dsk operand (read only when the two
+        precisions differ); DO: the attn.dov operand."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
         hk = h // GROUPS
-        kvh = b * (H // GROUPS) + hk
         offs_m = pid_m * BM + tl.arange(0, BM)
         mm = offs_m < Tq
-        q = _load_tile(Q + b * sqb + h * sqh, Qc + (pid_bh * Tq) * (D // 2), Qs + (pid_bh * Tq) * (D // 16),
-                       offs_m, mm, sqt, D, QK_FP4)
-        do = _load_tile(DO + b * sdb + h * sdh, DOc + (pid_bh * Tq) * (D // 2), DOs + (pid_bh * Tq) * (D // 16),
-                        offs_m, mm, sdt, D, DOV_FP4)
+        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D)
+        do = _ld(DO + b * sdb + h * sdh, offs_m, mm, sdt, D)
         lse = tl.load(LSE + pid_bh * Tq + offs_m, mask=mm, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + pid_bh * Tq + offs_m, mask=mm, other=0.0)
         k_ptr = K + b * skb + hk * skh
+        k2_ptr = K2 + b * sk2b + hk * sk2h
         v_ptr = V + b * svb + hk * svh
-        kc_ptr = Kc + (kvh * Tk) * (D // 2)
-        ks_ptr = Ks + (kvh * Tk) * (D // 16)
-        vc_ptr = Vc + (kvh * Tk) * (D // 2)
-        vs_ptr = Vs + (kvh * Tk) * (D // 16)
         qk_scale = sm_scale * 1.4426950408889634
         if QK_FP4:
-            qk_scale = qk_scale * tl.load(G) * tl.load(G + 1)
+            qk_scale = qk_scale * tl.load(Gq) * tl.load(Gk)
         dp_scale = 1.0
         if DOV_FP4:
-            dp_scale = tl.load(G + 2) * tl.load(G + 3)
-        gk = tl.load(G + 1)
+            dp_scale = tl.load(Gv) * tl.load(Gdo)
+        gk = 1.0
+        if DSK_FP4:
+            gk = tl.load(Gk)
         dq = tl.zeros([BM, D], tl.float32)
         hi = Tk
         if CAUSAL:
@@ -388,7 +403,7 @@ if triton is not None:
         for start_n in range(0, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             mn = offs_n < Tk
-            k = _load_tile(k_ptr, kc_ptr, ks_ptr, offs_n, mn, skt, D, QK_FP4)
+            k = _ld(k_ptr, offs_n, mn, skt, D)
             s = _mma(q, tl.trans(k)) * qk_scale
             if HAS_BIAS:
                 bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
@@ -398,25 +413,21 @@ if triton is not None:
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-            v = _load_tile(v_ptr, vc_ptr, vs_ptr, offs_n, mn, svt, D, DOV_FP4)
+            v = _ld(v_ptr, offs_n, mn, svt, D)
             dp = _mma(do, tl.trans(v)) * dp_scale
             ds = p * (dp - delta[:, None])
+            if DSK_FP4 == QK_FP4:
+                k2 = k
+            else:
+                k2 = _ld(k2_ptr, offs_n, mn, sk2t, D)
             if DSK_FP4:
-                if QK_FP4:
-                    k_dsk = k
-                else:
-                    k_dsk = _load_tile(k_ptr, kc_ptr, ks_ptr, offs_n, mn, skt, D, True)
                 s_enc, g_dec = _tile_scales(ds)
                 dsq = _fq_rows(ds, s_enc, g_dec, BM, BN)
-                dq += _mma(_to_bf16(dsq), k_dsk) * (g_dec * gk)
+                dq += _mma(_to_bf16(dsq), k2) * (g_dec * gk)
             else:
-                if QK_FP4:
-                    k_dsk = _load_tile(k_ptr, kc_ptr, ks_ptr, offs_n, mn, skt, D, False)
-                else:
-                    k_dsk = k
-                dq += _mma(_to_bf16(ds), k_dsk)
+                dq += _mma(_to_bf16(ds), k2)
         od = tl.arange(0, D)
-        tl.store(DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :], _cast_like((dq * sm_scale), DQ),
+        tl.store(DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :], _cast_like(dq * sm_scale, DQ),
                  mask=mm[:, None])
 
 
@@ -431,32 +442,41 @@ def _lastdim_contig(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def global_scales(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(s_enc, g_dec) fp32 device scalars from x's amax, computed exactly as the reference does (no sync)."""
-    amax = x.abs().amax().to(torch.float32)
-    zero = amax == 0
-    s_enc = torch.where(zero, torch.ones_like(amax), torch.full_like(amax, G_NUM) / amax)  # not G_NUM/amax: rtruediv is reciprocal*G
-    return s_enc, torch.where(zero, torch.zeros_like(amax), 1.0 / s_enc)
+def quantize_2d(x: Tensor, *, dequantized: bool = False):
+    """Triton twin of ``attention_ref.quantize_2d`` for ``[B, H, T, D]`` (D a power of two, 16..256).
 
-
-def quantize_2d(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Triton twin of ``attention_ref.quantize_2d`` for ``[B, H, T, D]`` (D in 16..256, a power of two)."""
+    Returns (codes, scales, global); with ``dequantized=True`` also the bf16 tensor of code x E4M3 scale (the
+    NVFP4 values without the global scale; exact in bf16) that the attention kernels consume. The per-tensor
+    amax stays on the device (no host sync); the kernel derives the global scales from it exactly as the
+    reference does."""
     _require_triton()
     x = _lastdim_contig(x)
     B, H, T, D = x.shape
-    s_enc, g_dec = global_scales(x)
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    g_dec = torch.empty((), dtype=torch.float32, device=x.device)
     codes = torch.empty((B, H, T, D // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((B, H, T, D // 16), dtype=torch.uint8, device=x.device)
+    deq = torch.empty((B, H, T, D), dtype=torch.bfloat16, device=x.device) if dequantized else codes
+    BT = 32
+    _quant2d_kernel[(triton.cdiv(T, BT), B * H)](x, codes, scales, deq, amax, g_dec, T, H, x.stride(0), x.stride(1),
+                                                 x.stride(2), BT=BT, D=D, WRITE_DEQ=dequantized, num_warps=4)
+    return (codes, scales, g_dec, deq) if dequantized else (codes, scales, g_dec)
+
+
+def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
+    """bf16 code x E4M3 scale of a contiguous NVFP4 copy [..., D/2] (global excluded)."""
+    _require_triton()
+    D = codes.shape[-1] * 2
+    out = torch.empty((*codes.shape[:-1], D), dtype=torch.bfloat16, device=codes.device)
+    R_ = codes.numel() // (D // 2)
     BT = 64
-    grid = (triton.cdiv(T, BT), B * H)
-    _quant2d_kernel[grid](x, codes, scales, s_enc, g_dec, T, H, x.stride(0), x.stride(1), x.stride(2),
-                          BT=BT, D=D, num_warps=4)
-    return codes, scales, g_dec
+    _dequant2d_kernel[(triton.cdiv(R_, BT),)](codes, scales, out, R_, BT=BT, D=D, num_warps=4)
+    return out
 
 
 def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
     if attn_mask is None:
-        return torch.empty(1, device=device, dtype=torch.float32), (0, 0, 0, 0), False
+        return _dummy(device, torch.float32), (0, 0, 0, 0), False
     if attn_mask.dtype == torch.bool:
         bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=device).masked_fill(~attn_mask, -math.inf)
     else:
@@ -465,38 +485,58 @@ def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
     return bias, tuple(bias.stride()), True
 
 
-def _dummy(device):
-    return torch.empty(1, dtype=torch.uint8, device=device)
+_DUMMIES: dict = {}
 
 
-def _fwd_config(D: int):
-    # Hopper: 128-query tiles, 8 warps. BN is PV_TILE (64): part of the attn.pv numerics, not a tuning knob.
-    return dict(BM=128, BN=PV_TILE, num_warps=8, num_stages=3 if D == 64 else 2)
+def _dummy(device, dtype=torch.bfloat16):
+    key = (device, dtype)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
+    return t
+
+
+def _st(t: Tensor):
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
+
+
+def _fwd_config(D: int, pv_fp4: bool):
+    # Hopper: 128-query tiles, 8 warps. With attn.pv in NVFP4 the key tile is PV_TILE (64): it is part of the
+    # numerics (P̃ is quantized relative to the running max of each tile), not a tuning knob.
+    return dict(BM=128, BN=PV_TILE if pv_fp4 or D == 128 else 128, num_warps=8, num_stages=3 if D == 64 else 2)
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mask: Optional[Tensor],
-                  is_causal: bool, scale: float, mask: int, *, config: Optional[dict] = None):
-    """Triton forward: (O [B, H, Tq, D] in q's dtype, LSE fp32 [B, H, Tq])."""
+                  is_causal: bool, scale: float, mask: int, *, dequantized: Optional[dict] = None,
+                  config: Optional[dict] = None):
+    """Triton forward: (O [B, H, Tq, D] in q's dtype, LSE fp32 [B, H, Tq]).
+
+    ``dequantized`` may hold the bf16 code x scale tensors ("q", "k", "v") made by ``quantize_2d(...,
+    dequantized=True)``; missing ones are dequantized from ``views`` here."""
     _require_triton()
     q, k, v = (_lastdim_contig(t) for t in (q, k, v))
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq_ = dict(dequantized or {})
+
+    def operand(name, x, fp4):
+        if not fp4:
+            return x
+        if name not in dq_:
+            c, s = getattr(views, f"{name}_codes"), getattr(views, f"{name}_scales")
+            dq_[name] = dequantize_2d(c, s)
+        return dq_[name]
+
+    qa, ka = operand("q", q, mask & QK), operand("k", k, mask & QK)
+    va = operand("v", v, mask & PV)
+    o = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-    dev = q.device
-    G = torch.stack([views.q_global, views.k_global, views.v_global]).to(torch.float32)
-    bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, dev)
-    cfg = dict(_fwd_config(D), **(config or {}))
+    bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, q.device)
+    cfg = dict(_fwd_config(D, bool(mask & PV)), **(config or {}))
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
-    d = _dummy(dev)
-    qc, qs = (views.q_codes, views.q_scales) if mask & QK else (d, d)
-    kc, ks = (views.k_codes, views.k_scales) if mask & QK else (d, d)
-    vc, vs = (views.v_codes, views.v_scales) if mask & PV else (d, d)
     grid = (triton.cdiv(Tq, BM), B * H)
-    _attn_fwd_kernel[grid](q, k, v, qc, qs, kc, ks, vc, vs, G, bias, o, lse,
-                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                           v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                           *sb, float(scale), H, H // Hkv, Tq, Tk,
+    _attn_fwd_kernel[grid](qa, ka, va, views.q_global, views.k_global, views.v_global, bias, o, lse,
+                           *_st(qa), *_st(ka), *_st(va), *_st(o), *sb, float(scale), H, H // Hkv, Tq, Tk,
                            QK_FP4=bool(mask & QK), PV_FP4=bool(mask & PV), CAUSAL=bool(is_causal),
                            HAS_BIAS=has_bias, BM=BM, BN=BN, D=D, **cfg)
     return o, lse
@@ -505,30 +545,30 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mas
 def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
                   views: QuantizedQKV, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                   scale: float, mask: int, *, config: Optional[dict] = None):
-    """Triton backward: (dQ, dK, dV). q/k/v may be None where only their FP4 copy was saved."""
+    """Triton backward: (dQ, dK, dV). q/k/v may be None where only their FP4 copy was saved; the FP4 copies
+    are dequantized once (bf16 code x scale, a transient buffer) and read by both kernels."""
     _require_triton()
     do = _lastdim_contig(grad_out)
     B, H, Tq, D = do.shape
     dev = do.device
     kv_ref = k if k is not None else (views.k_codes if views.k_codes.dim() == 4 else views.v_codes)
     Hkv, Tk = kv_ref.shape[1], kv_ref.shape[2]
-    if v is None and views.v_codes.dim() != 4:
-        raise RuntimeError("qattn backward: neither V nor its FP4 copy was saved")
-    delta = (do.float() * out.float()).sum(-1)
-    d = _dummy(dev)
-    dummy_bf = torch.empty(1, dtype=do.dtype, device=dev)
-    q_ = _lastdim_contig(q) if q is not None else dummy_bf
-    k_ = _lastdim_contig(k) if k is not None else dummy_bf
-    v_ = _lastdim_contig(v) if v is not None else dummy_bf
+    fq, fk, _ = needs_fp4(mask)
+    qh = dequantize_2d(views.q_codes, views.q_scales) if fq else None
+    kh = dequantize_2d(views.k_codes, views.k_scales) if fk else None
+    q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)
+    k_qk, k_ds = (kh if mask & QK else k), (kh if mask & DSK else k)
+    v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
+    if q_qk is None or k_qk is None or v_dov is None or q_ds is None or k_ds is None:
+        raise RuntimeError("qattn backward: an operand was not saved (precision mask mismatch)")
+    q_qk, q_ds, k_qk, k_ds, v_dov = (_lastdim_contig(t) for t in (q_qk, q_ds, k_qk, k_ds, v_dov))
     if mask & (DOV | PDO):
-        doc, dos, dog = quantize_2d(do)
+        _, _, g_do, doh = quantize_2d(do, dequantized=True)
     else:
-        doc, dos, dog = d, d, torch.zeros((), dtype=torch.float32, device=dev)
-    G = torch.stack([views.q_global, views.k_global, views.v_global, dog]).to(torch.float32)
-    fq, fk, fv = needs_fp4(mask)
-    qc, qs = (views.q_codes, views.q_scales) if fq else (d, d)
-    kc, ks = (views.k_codes, views.k_scales) if fk else (d, d)
-    vc, vs = (views.v_codes, views.v_scales) if mask & DOV else (d, d)
+        g_do, doh = torch.zeros((), dtype=torch.float32, device=dev), None
+    do_pdo = doh if mask & PDO else do
+    do_dov = doh if mask & DOV else do
+    delta = (do.float() * out.float()).sum(-1)
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, dev)
     dtype = do.dtype
     dq = torch.empty((B, H, Tq, D), dtype=dtype, device=dev)
@@ -537,17 +577,16 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     cfg = dict(num_warps=4 if D == 64 else 8, num_stages=2)
     cfg.update(config or {})
     BM = BN = DS_TILE  # fixed: the dS per-tile global scale is defined on this tile (numerics, not tuning)
-
-    def strides(t):
-        return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
-
-    common = (*strides(q_), *strides(k_), *strides(v_), *strides(do), *sb, float(scale), H, H // Hkv, Tq, Tk)
+    G = (views.q_global, views.k_global, views.v_global, g_do)
     flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias,
                  BM=BM, BN=BN, D=D)
+    tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * Hkv)](
-        q_, k_, v_, do, qc, qs, kc, ks, vc, vs, doc, dos, G, bias, lse, delta, dk, dv, *common,
+        q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,
+        *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *tail,
         PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), **flags, **cfg)
     _attn_bwd_dq_kernel[(triton.cdiv(Tq, BM), B * H)](
-        q_, k_, v_, do, qc, qs, kc, ks, vc, vs, doc, dos, G, bias, lse, delta, dq, *common,
+        q_qk, k_qk, k_ds, v_dov, do_dov, *G, bias, lse, delta, dq,
+        *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *tail,
         DSK_FP4=bool(mask & DSK), **flags, **cfg)
     return dq, dk, dv
