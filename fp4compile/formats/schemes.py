@@ -139,6 +139,7 @@ def _quantize_sr(x2: torch.Tensor, block2d: bool, four_over_six: bool, seed: tor
     idx = torch.arange(R * K, device=x2.device, dtype=torch.int64).view(R, K // 16, 16)
     u = uniform(seed, idx)
     q = sr_codes(xb * enc.unsqueeze(-1), u)
+    q = torch.where(amax == 0, torch.zeros_like(q), q)
     return pack_nibbles(q.flatten(-2)), stored, gscale
 
 
@@ -181,6 +182,7 @@ def _quantize_eden(x2: torch.Tensor, block2d: bool, seed: torch.Tensor):
     bidx = rows[:, None] * nb + torch.arange(nb, device=x2.device, dtype=torch.int64)[None, :]
     u = uniform(seed, bidx)
     final = torch.where(u < p, hi, lo).to(torch.float8_e4m3fn)
+    q = torch.where(amax == 0, torch.zeros_like(q), q)
     return pack_nibbles(q.flatten(-2)), final, gscale
 
 
