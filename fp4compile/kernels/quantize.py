@@ -312,7 +312,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
-                       HAD: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                       HAD: tl.constexpr, NORM: tl.constexpr, OUT_BF16: tl.constexpr, BR: tl.constexpr,
+                       BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -332,6 +333,10 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
         y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD)
         y = tl.reshape(y * NORM, (BR, BC // HAD, HAD)) * sg[None, None, :]
         vals = tl.reshape(y, (BR, BC))
+    if OUT_BF16:  # explicit RNE to bf16 (the interpreter's cast truncates); exact afterwards on every backend
+        b = vals.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        vals = b.to(tl.float32, bitcast=True)
     cols = pid_c * BC + tl.arange(0, BC)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals.to(out_ptr.dtype.element_ty),
              mask=rmask & (cols < K)[None, :])
@@ -411,6 +416,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         num_warps=cfg["a_warps"], **opts)
     m6, m4 = block_max_targets(rounding)
     br = cfg["q_rows"]
+    if block2d:
+        br = max(16, br // 16 * 16)
     bc = max(cfg["q_cols"], hadamard or 16)
     _quantize_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
         x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
@@ -436,7 +443,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     bc = max(cfg["d_cols"], hadamard or 16)
     _dequantize_kernel[(triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc))](
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
-        HAD=hadamard, NORM=_norm(hadamard), BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"],
+        HAD=hadamard, NORM=_norm(hadamard), OUT_BF16=dtype == torch.bfloat16, BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"],
         **_launch_opts(dev))
     return out
 
