@@ -50,7 +50,8 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
     t = quantize_fp32(src.to(torch.float32).cpu(), rounding=rounding, block=block,
                       four_over_six=four_over_six, hadamard=hadamard or None, generator=None,
                       signs=None if signs is None else signs.cpu(), seed=None if seed is None else seed.cpu())
-    return t.codes.to(dev), t.scales.view(torch.uint8).to(dev), t.global_scale.to(dev)
+    return (t.codes.contiguous().to(dev), t.scales.view(torch.uint8).contiguous().to(dev),
+            t.global_scale.to(dev))
 
 
 @torch.library.custom_op("fp4compile::quantize", mutates_args=())
