@@ -54,10 +54,12 @@ Implementation: three tensor hooks on the leaf parameters (``weight``, ``lora_a.
 backward produced it, so they cost no graph break (``torch.compile(fullgraph=True)`` works) and leave the
 residual's wgrad an ordinary NVFP4 GEMM; under compiled autograd they are traced like any hook. They are
 linear in G and use the factors' current values, so gradient accumulation and data-parallel averaging commute
-with them. Cost per layer and step: 2 r (in out) FLOPs for the residual correction plus O((in + out) r^2).
+with them. Cost per layer and step: 4 r in out FLOPs for the residual correction (two GEMMs the size of the
+low-rank path's) plus O((in + out) r^2) for the bases.
 
-Cholesky-QR (:func:`cholesky_qr`): U and V come from shifted Cholesky-QR3 (Fukaya, Kannan, Nakatsukasa,
-Zhang, Yamamoto, SIAM J. Sci. Comput. 2020) in float64: normalise A by its Frobenius norm, then three passes
+Cholesky-QR (:func:`cholesky_qr`): U and V come from shifted Cholesky-QR (Fukaya, Kannan, Nakatsukasa,
+Zhang, Yamamoto, SIAM J. Sci. Comput. 2020; three passes by default, two in the hooks, where one (U, V) pair
+per layer and backward is shared by the three hooks) in float64: normalise A by its Frobenius norm, then passes
 ``G = Q^T Q + s I, R = chol(G), Q <- Q R^{-1}`` with ``s = 11 (m n + n (n + 1)) u ||Q||_F^2`` (u = 2^-53).
 In float64 that shift is ~1e-9 relative, invisible for well-conditioned factors, and it keeps every Gram
 matrix positive definite, so rank-deficient or ill-conditioned factors do not produce NaN: an exactly null
@@ -168,6 +170,11 @@ def cholesky_qr(a: torch.Tensor, *, passes: int = 3, check: bool = False) -> tor
     return x.to(out_dtype)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for splits/merges: float32, or float64 for float64 layers."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _orth(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(a, mode="reduced").Q
 
@@ -233,6 +240,7 @@ class LoRASVDLinear(nn.Module):
         self.lora_b = nn.Linear(rank, out_features, bias=False, device=device, dtype=fdt)
         self.constrain: Optional[str] = None
         self._hooks: List = []
+        self._basis_cache = None
 
     # construction -------------------------------------------------------------------------
     @classmethod
@@ -247,7 +255,7 @@ class LoRASVDLinear(nn.Module):
         if linear.bias is not None:
             mod.bias = linear.bias
         with torch.no_grad():
-            w32 = w.detach().to(torch.float32)
+            w32 = w.detach().to(_acc(w.dtype))
             u, s, vh = _top_svd(w32, rank, init, generator)
             mod._set_split_(w32, u, s, vh)
         mod.set_constraint(constrain)
@@ -268,7 +276,8 @@ class LoRASVDLinear(nn.Module):
             b, a = b @ rot, rot.mT @ a
         self.lora_b.weight.copy_(b)
         self.lora_a.weight.copy_(a)
-        low = self.lora_b.weight.to(torch.float32) @ self.lora_a.weight.to(torch.float32)
+        acc = w32.dtype
+        low = self.lora_b.weight.to(acc) @ self.lora_a.weight.to(acc)
         self.weight.copy_(w32 - self.beta * low)
 
     # function -----------------------------------------------------------------------------
@@ -276,10 +285,11 @@ class LoRASVDLinear(nn.Module):
         return F.linear(x, self.weight, self.bias) + self.lora_b(self.lora_a(x) * self.beta)
 
     def merged_weight(self) -> torch.Tensor:
-        """W = W_res + beta L2 L1 in float32 (detached)."""
+        """W = W_res + beta L2 L1 in float32 (float64 for a float64 layer), detached."""
+        acc = _acc(self.weight.dtype)
         with torch.no_grad():
-            low = self.lora_b.weight.to(torch.float32) @ self.lora_a.weight.to(torch.float32)
-            return self.weight.to(torch.float32) + self.beta * low
+            low = self.lora_b.weight.to(acc) @ self.lora_a.weight.to(acc)
+            return self.weight.to(acc) + self.beta * low
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with the folded weight; reuses this layer's weight/bias Parameter objects."""
@@ -296,22 +306,43 @@ class LoRASVDLinear(nn.Module):
 
     # subspace-constrained backward ------------------------------------------------------------
     def bases(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(U, V): float32 orthonormal bases of the columns of L2 (out x r) and of the rows of L1 (in x r)."""
-        return cholesky_qr(self.lora_b.weight.detach()), cholesky_qr(self.lora_a.weight.detach().mT)
+        """(U, V): orthonormal bases (float32; float64 for float64 factors) of the columns of L2 (out x r) and of
+        the rows of L1 (in x r), by shifted Cholesky-QR2.
+
+        Cached on the factors' autograd version counters, so the three hooks of one backward share one pair
+        (any in-place update of the factors, e.g. an optimizer step, invalidates it; writes through ``.data``
+        bypass version counters: call ``clear_basis_cache()`` after those).
+        """
+        a, b = self.lora_a.weight, self.lora_b.weight
+        if torch.compiler.is_compiling():      # compiled autograd traces the hooks: no Python-side cache
+            return cholesky_qr(b.detach(), passes=2), cholesky_qr(a.detach().mT, passes=2)
+        key = (a._version, b._version, a.data_ptr(), b.data_ptr(), a.device)
+        cache = self._basis_cache
+        if cache is None or cache[0] != key:
+            cache = (key, cholesky_qr(b.detach(), passes=2), cholesky_qr(a.detach().mT, passes=2))
+            self._basis_cache = cache
+        return cache[1], cache[2]
+
+    def clear_basis_cache(self) -> None:
+        self._basis_cache = None
 
     def _hook_res(self, g: torch.Tensor) -> torch.Tensor:
         u, v = self.bases()                       # dW_res = G - U (U^T G V) V^T
-        gv = (g @ v.to(g.dtype)).to(torch.float32)
+        ct = torch.promote_types(g.dtype, torch.float32)
+        u, v = u.to(ct), v.to(ct)
+        gv = (g @ v.to(g.dtype)).to(ct)
         left = u @ (u.mT @ gv)
         return torch.addmm(g, left.to(g.dtype), v.mT.to(g.dtype), alpha=-1)
 
     def _hook_b(self, g: torch.Tensor) -> torch.Tensor:
-        u = cholesky_qr(self.lora_b.weight.detach())   # dL2 <- U U^T dL2
-        return (u @ (u.mT @ g.to(torch.float32))).to(g.dtype)
+        ct = torch.promote_types(g.dtype, torch.float32)
+        u = self.bases()[0].to(ct)                # dL2 <- U U^T dL2
+        return (u @ (u.mT @ g.to(ct))).to(g.dtype)
 
     def _hook_a(self, g: torch.Tensor) -> torch.Tensor:
-        v = cholesky_qr(self.lora_a.weight.detach().mT)   # dL1 <- dL1 V V^T
-        return ((g.to(torch.float32) @ v) @ v.mT).to(g.dtype)
+        ct = torch.promote_types(g.dtype, torch.float32)
+        v = self.bases()[1].to(ct)                # dL1 <- dL1 V V^T
+        return ((g.to(ct) @ v) @ v.mT).to(g.dtype)
 
     def set_constraint(self, constrain: Optional[str]) -> None:
         """Install (``"cholesky_qr"``) or remove (``None``) the subspace-constrained backward hooks."""
@@ -339,16 +370,18 @@ class LoRASVDLinear(nn.Module):
         Returns old/new factors (float32, for optimizer-state remapping) and ``rel_change`` =
         max |W_after - W_before| / max |W_before|.
         """
-        old_a = self.lora_a.weight.detach().to(torch.float32).clone()
-        old_b = self.lora_b.weight.detach().to(torch.float32).clone()
+        acc = _acc(self.weight.dtype)
+        old_a = self.lora_a.weight.detach().to(acc).clone()
+        old_b = self.lora_b.weight.detach().to(acc).clone()
         w = self.merged_weight()
         init = cholesky_qr(old_a.mT)              # warm start: the current row space
         u, s, vh = randomized_svd(w, self.rank, oversample=oversample, niter=niter, init=init,
                                   generator=generator)
         self._set_split_(w, u, s, vh, align_to=(old_a, old_b))
+        self.clear_basis_cache()
         rel = (self.merged_weight() - w).abs().max() / w.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
-        return {"old_a": old_a, "old_b": old_b, "new_a": self.lora_a.weight.detach().to(torch.float32),
-                "new_b": self.lora_b.weight.detach().to(torch.float32), "rel_change": rel}
+        return {"old_a": old_a, "old_b": old_b, "new_a": self.lora_a.weight.detach().to(acc),
+                "new_b": self.lora_b.weight.detach().to(acc), "rel_change": rel}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
@@ -373,9 +406,8 @@ def _factor_transforms(info: Dict[str, torch.Tensor]):
     old_a, old_b, new_a, new_b = (info[k].double() for k in ("old_a", "old_b", "new_a", "new_b"))
     t_b = (new_a @ torch.linalg.pinv(old_a, rtol=1e-7)).mT          # g_L2' = g_L2 T_b
     t_a = (torch.linalg.pinv(old_b, rtol=1e-7) @ new_b).mT          # g_L1' = T_a g_L1
-    t_b, t_a = t_b.float(), t_a.float()
-    maps_b = (lambda m: m @ t_b, lambda v: v @ (t_b * t_b))
-    maps_a = (lambda m: t_a @ m, lambda v: (t_a * t_a) @ v)
+    maps_b = (lambda m: m @ t_b.to(m.dtype), lambda v: v @ (t_b * t_b).to(v.dtype))
+    maps_a = (lambda m: t_a.to(m.dtype) @ m, lambda v: (t_a * t_a).to(v.dtype) @ v)
     return maps_a, maps_b
 
 
@@ -412,7 +444,7 @@ def _remap_param_state(optimizer, p: torch.nn.Parameter, mode: str, maps) -> Non
             continue
         quad = key in _QUADRATIC_KEYS or (key not in _LINEAR_KEYS and bool((t >= 0).all()))
         fn = quadratic if quad else linear
-        t.copy_(fn(t.to(torch.float32)).to(t.dtype))
+        t.copy_(fn(t.to(_acc(t.dtype))).to(t.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
