@@ -171,6 +171,34 @@ def get_tokenizer(spec: str):
     raise ValueError(f"unknown tokenizer {spec!r}: use 'bytes', 'gpt2', a .tiktoken file or a tokenizers .json")
 
 
+class VocabOnly:
+    """Stands in for a tokenizer whose files are absent when every source is a pre-tokenized ``.bin``
+    (e.g. on the GPU machine): it knows the vocabulary size and EOT id from the ``.json`` sidecar."""
+
+    def __init__(self, name: str, vocab_size: int, eot: int):
+        self.name, self.vocab_size, self.eot = name, vocab_size, eot
+
+    def encode(self, text):
+        raise RuntimeError(f"tokenizer {self.name!r} is not available here (only its vocabulary size is known)")
+
+    encode_docs = decode = encode
+
+
+def tokenizer_for_sources(spec: str, sources: Sequence[str]):
+    """``get_tokenizer(spec)``, or, when its files are missing and all ``sources`` are ``.bin`` files with
+    sidecars, a ``VocabOnly`` built from the sidecar (so a run on pre-tokenized data needs no tokenizer file)."""
+    try:
+        return get_tokenizer(spec)
+    except FileNotFoundError:
+        bins = [s for s in sources if s]
+        if not bins or not all(s.endswith(".bin") and _bin_meta_path(Path(s)).is_file() for s in bins):
+            raise
+        metas = [json.loads(_bin_meta_path(Path(s)).read_text()) for s in bins]
+        if len({(m["vocab_size"], m["eot"]) for m in metas}) != 1:
+            raise ValueError(f"token files {bins} were made with different tokenizers")
+        return VocabOnly(metas[0]["tokenizer"], metas[0]["vocab_size"], metas[0]["eot"])
+
+
 def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
     """Embedding rows: the vocabulary rounded up (nanoGPT's 50257 -> 50304 trick, here to 128)."""
     return -(-vocab_size // multiple) * multiple
@@ -206,7 +234,7 @@ def stdlib_files(split: str = "train") -> List[Path]:
                 out.append(p)
     if not out:
         raise FileNotFoundError(f"no standard-library .py files found under {root}")
-    return out
+    return sorted(out)
 
 
 def iter_documents(path: os.PathLike) -> Iterator[str]:

@@ -96,6 +96,7 @@ class TrainConfig:
     log_interval: int = 10
     resume: bool = False
     max_seconds: Optional[float] = None       # wall-clock budget: checkpoint and stop before it runs out
+    stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run)
     device: str = "auto"
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
     progress: bool = True
@@ -135,7 +136,7 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class RunResult:
-    status: str                   # "done" | "interrupted" | "time_budget"
+    status: str                   # "done" | "interrupted" | "time_budget" | "stopped"
     step: int
     summary: Dict[str, Any]
 
@@ -564,7 +565,7 @@ def train(cfg: TrainConfig) -> RunResult:
     torch.manual_seed(cfg.seed)
 
     # 1. data: tokenizer, the token streams, deterministic batches
-    tok = D.get_tokenizer(cfg.tokenizer)
+    tok = D.tokenizer_for_sources(cfg.tokenizer, [cfg.train_data, cfg.val_data, cfg.brown_data])
     train_tokens = D.load_tokens(cfg.train_data, tok, cfg.tokenizer, cfg.max_train_tokens)
     train_batches = D.TokenBatches(train_tokens, cfg.seq_len, seed=cfg.seed, name=cfg.train_data)
     evals = {}
@@ -703,6 +704,9 @@ def train(cfg: TrainConfig) -> RunResult:
                 checkpoint(step)
             if flag["stop"]:
                 status = "interrupted"
+                break
+            if cfg.stop_after is not None and step >= cfg.stop_after and step < cfg.steps:
+                status = "stopped"
                 break
             if cfg.max_seconds is not None and step < cfg.steps:
                 elapsed = time.perf_counter() - t_start
