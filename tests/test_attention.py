@@ -523,3 +523,16 @@ def test_ablation_pv_dov_fp4():
           f"+PV,dO·Vᵀ NVFP4 {tail(ablation):.4f} (gap {tail(ablation) - tail(base):+.4f})")
     assert all(math.isfinite(v) for v in base + paper + ablation)
     assert tail(paper) < 0.7 * paper[0]
+
+
+def test_real_backend_explain_lists_six_attention_roles():
+    """Through ``fullstack_fp4`` (backend.py calls swap_attention): explain() shows the six roles."""
+    import fp4compile
+
+    torch.manual_seed(0)
+    rep = fp4compile.explain(Block(style="sdpa", kv_heads=1), torch.randn(2, 32, 128, requires_grad=True),
+                             policy="full_stack")
+    attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
+    assert set(attn) == set(R.ATTN_ROLES)
+    assert {r for r, s in attn.items() if s.precision == "nvfp4"} == {"attn.qk", "attn.dsk", "attn.dsq"}
+    assert attn["attn.dsk"].reused == "2d fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)

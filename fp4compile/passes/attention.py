@@ -20,6 +20,8 @@ Left alone: sites whose six roles all resolve to BF16 (``Policy.bf16()``, ``quar
 non-constant scale/dropout/is_causal, mismatched head counts without ``enable_gqa``), each with a one-line
 warning naming the node. Every site found, swapped or not, is returned as an ``AttnSite`` and annotated:
 
+    node.meta["fp4"] = [dict(name=..., path=..., role="attn.qk", precision="nvfp4", spec="nvfp4(rtn)",
+                             shape=(Tq, Tk, D), reused="", note=...), ...]   # explain()'s record API, 6 roles
     node.meta["fp4_attn"] = {
         "module_path": "transformer.h.0.attn",      # from nn_module_stack ("" at the root)
         "source": "sdpa" | "handwritten",
@@ -161,8 +163,33 @@ def _check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[s
     return None
 
 
-def _record(node: fx.Node, site: AttnSite, sites: list):
+_REUSED = {"attn.dsk": "2d fwd copy", "attn.dsq": "2d fwd copy", "attn.dov": "2d fwd copy"}
+
+
+def _gemm_records(node: fx.Node, site: AttnSite, args: Optional[dict]) -> list:
+    """explain()'s records (``inspect.py`` API): one per role, with the per-head GEMM shape (M, N, K)."""
+    shape = {}
+    q, k = (_val(args["query"]), _val(args["key"])) if args else (None, None)
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
+        tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        shape = {"attn.qk": (tq, tk, d), "attn.pv": (tq, d, tk), "attn.dov": (tq, tk, d),
+                 "attn.pdo": (tk, d, tq), "attn.dsk": (tq, d, tk), "attn.dsq": (tk, d, tq)}
+    recs = []
+    for role, spec in site.roles.items():
+        fp4 = site.swapped and spec.name == "nvfp4"
+        rec = dict(name=site.node, path=site.module_path, role=role, precision="nvfp4" if fp4 else "bf16",
+                   spec=str(spec) if fp4 else "bf16", reused=_REUSED.get(role, "") if fp4 else "")
+        if role in shape:
+            rec["shape"] = tuple(int(x) for x in shape[role])
+        if not site.swapped and spec.name == "nvfp4":
+            rec["note"] = f"kept SDPA: {site.reason}"
+        recs.append(rec)
+    return recs
+
+
+def _record(node: fx.Node, site: AttnSite, sites: list, args: Optional[dict] = None):
     node.meta["fp4_attn"] = site.meta()
+    node.meta["fp4"] = _gemm_records(node, site, args)
     sites.append(site)
     if site.reason is not None:
         warnings.warn(f"fp4compile: attention {node.name} at '{site.module_path}' keeps SDPA/eager: {site.reason}",
@@ -175,20 +202,19 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Option
     roles, mask, notes = _resolve(policy, path)
     site = AttnSite(node.name, path, source, False, None, roles, mask)
     if mask == 0:  # all six roles BF16: leave SDPA (or the hand-written code) untouched
-        node.meta["fp4_attn"] = site.meta()
-        sites.append(site)
+        _record(node, site, sites, args)
         return None
     reason = _check(_val(args["query"]), _val(args["key"]), _val(args["value"]), _val(args["attn_mask"]),
                     args["dropout_p"], args["is_causal"], args["scale"], args["enable_gqa"])
     if reason is not None:
         site.reason = reason
-        _record(node, site, sites)
+        _record(node, site, sites, args)
         return None
     if notes:
         warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
                       "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO, 1x16 blocks for P/dS)", stacklevel=3)
     site.swapped = True
-    _record(node, site, sites)
+    _record(node, site, sites, args)
     return mask
 
 
