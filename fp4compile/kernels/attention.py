@@ -365,6 +365,43 @@ if triton is not None:
         tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
 
     @triton.jit
+    def _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, sk2t, svt,
+                  sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, MASKED: tl.constexpr, QK_FP4: tl.constexpr,
+                  DSK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """Accumulate dQ of one query block over key tiles [lo, hi). Unmasked tiles must be complete key
+        tiles strictly below the causal diagonal (query rows past Tq have LSE = +inf: P = dS = 0)."""
+        for start_n in range(lo, hi, BN):
+            offs_n = start_n + tl.arange(0, BN)
+            mn = offs_n < Tk
+            k = _ld(k_ptr, offs_n, mn, skt, D)
+            s = _mma(q, tl.trans(k)) * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                               mask=mm[:, None] & mn[None, :], other=0.0)
+                s = s + bias * 1.4426950408889634
+            p = tl.math.exp2(s - lse[:, None])
+            if MASKED:
+                valid = mm[:, None] & mn[None, :]
+                if CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(valid, p, 0.0)
+            v = _ld(v_ptr, offs_n, mn, svt, D)
+            dp = _mma(do, tl.trans(v)) * dp_scale
+            ds = p * (dp - delta[:, None])
+            if DSK_FP4 == QK_FP4:
+                k2 = k
+            else:
+                k2 = _ld(k2_ptr, offs_n, mn, sk2t, D)
+            if DSK_FP4:
+                s_enc, g_dec = _tile_scales(ds)
+                dsq = _fq_rows(ds, s_enc, g_dec, BM, BN)
+                dq += _mma(_to_bf16(dsq), k2) * (g_dec * gk)
+            else:
+                dq += _mma(_to_bf16(ds), k2)
+        return dq
+
+    @triton.jit
     def _attn_bwd_dq_kernel(Q, K, K2, V, DO, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DQ,
                             sqb, sqh, sqt, skb, skh, skt, sk2b, sk2h, sk2t, svb, svh, svt, sdb, sdh, sdt,
                             sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
@@ -397,35 +434,18 @@ if triton is not None:
         if DSK_FP4:
             gk = tl.load(Gk)
         dq = tl.zeros([BM, D], tl.float32)
-        hi = Tk
         if CAUSAL:
             hi = tl.minimum((pid_m + 1) * BM, Tk)
-        for start_n in range(0, hi, BN):
-            offs_n = start_n + tl.arange(0, BN)
-            mn = offs_n < Tk
-            k = _ld(k_ptr, offs_n, mn, skt, D)
-            s = _mma(q, tl.trans(k)) * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
-                               mask=mm[:, None] & mn[None, :], other=0.0)
-                s = s + bias * 1.4426950408889634
-            valid = mm[:, None] & mn[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-            v = _ld(v_ptr, offs_n, mn, svt, D)
-            dp = _mma(do, tl.trans(v)) * dp_scale
-            ds = p * (dp - delta[:, None])
-            if DSK_FP4 == QK_FP4:
-                k2 = k
-            else:
-                k2 = _ld(k2_ptr, offs_n, mn, sk2t, D)
-            if DSK_FP4:
-                s_enc, g_dec = _tile_scales(ds)
-                dsq = _fq_rows(ds, s_enc, g_dec, BM, BN)
-                dq += _mma(_to_bf16(dsq), k2) * (g_dec * gk)
-            else:
-                dq += _mma(_to_bf16(ds), k2)
+            full = (tl.minimum(pid_m * BM, Tk) // BN) * BN
+        else:
+            hi = Tk
+            full = (Tk // BN) * BN
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, 0, full, skt, sk2t,
+                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, False, QK_FP4, DSK_FP4, CAUSAL,
+                       HAS_BIAS, BM, BN, D)
+        dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, full, hi, skt, sk2t,
+                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, True, QK_FP4, DSK_FP4, CAUSAL,
+                       HAS_BIAS, BM, BN, D)
         od = tl.arange(0, D)
         tl.store(DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :], _cast_like(dq * sm_scale, DQ),
                  mask=mm[:, None])
