@@ -21,6 +21,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -159,6 +161,25 @@ def test_reference_fp32_vs_fp64(label, kw, causal, mkind, mask):
     for got, want, tol in zip(g, g64, (tol_q, tol_k, 0.01)):
         assert torch.isfinite(got).all()
         assert rel(got, want) < tol
+
+
+@settings(max_examples=12, deadline=None)
+@given(tq=st.integers(1, 70), tk=st.integers(1, 70), groups=st.sampled_from([1, 2]), causal=st.booleans(),
+       mask=st.sampled_from([0, PAPER, ALL, R.PV | R.PDO]), seed=st.integers(0, 2**16))
+def test_reference_properties(tq, tk, groups, causal, mask, seed):
+    """Any lengths (ragged tiles, Tq != Tk, causal top-left aligned), GQA, any role mask: finite, FP32 close to
+    float64 (bounds as in test_reference_fp32_vs_fp64, plus E2M1 flips on the P paths), rows see only their
+    admissible keys."""
+    q, k, v, do = _qkv(H=2, Hkv=2 // groups, Tq=tq, Tk=tk, seed=seed)
+    o64, lse64, g64 = _run_ref(q, k, v, do, None, causal, mask, out_dtype=torch.float64)
+    o, lse, g = _run_ref(q, k, v, do, None, causal, mask, dtype=torch.float32, emulate_bf16=True)
+    assert all(torch.isfinite(t).all() for t in (o, lse, *g))
+    assert rel(o, o64) < (0.05 if mask & R.PV else 0.01)
+    for got, want in zip(g, g64):
+        assert rel(got, want) < 0.1 or (want.abs().max() < 1e-6)
+    if causal:  # query 0 sees only key 0: O[0] is V̂[0] (or V[0]) exactly up to rounding
+        v0 = R.dequantize_2d(*R.quantize_2d(v))[:, :, 0] if mask & R.PV else v[:, :, 0].double()
+        torch.testing.assert_close(o64[:, :, 0], v0.repeat_interleave(groups, 1), rtol=2e-2, atol=1e-6)
 
 
 def test_bf16_roles_match_torch_sdpa():
