@@ -45,10 +45,15 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     triton = None
     tl = None
 
-__all__ = ["nvfp4_gemm", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "DEFAULT_DEQUANT"]
+__all__ = ["nvfp4_gemm", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
+           "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
 
 #: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
 DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
+#: implementation used by the registered CUDA op: "half" (the operand with more rows dequantized in registers,
+#: the other pre-dequantized to bf16 by one Triton pass), "full" (both dequantized in registers), or
+#: "dequant_cublas" (both pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
+DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "half")
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
 # $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
@@ -203,6 +208,65 @@ if triton is not None:
             tl.store(c_ptrs, out.to(tl.bfloat16), mask=mask)
 
     @triton.jit
+    def _nvfp4_bf16_gemm_kernel(a_ptr, as_ptr, ag_ptr, b_ptr, bg_ptr, c_ptr,
+                                M, N, K, stride_a, stride_as, stride_b, stride_cm, stride_cn,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                                OUT_FP32: tl.constexpr, K_ITERS: tl.constexpr = 0):
+        """Half-fused variant: A is NVFP4 (dequantized in registers: the wgmma register operand), B is the
+        exact bf16 ``q * S`` of the other operand (from :func:`dequantize_bf16`), streamed through shared
+        memory by the pipeliner so the wgmma can stay in flight while the next A tile is dequantized.
+        C[m, n] is written at ``c_ptr + m * stride_cm + n * stride_cn`` (transposed output when swapped)."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_kb[None, :]
+        as_ptrs = as_ptr + offs_m.to(tl.int64)[:, None] * stride_as + offs_ks[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a_c = tl.load(a_ptrs)
+                a_s = tl.load(as_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a_c = tl.load(a_ptrs, mask=offs_kb[None, :] < K // 2 - kk * (BLOCK_K // 2), other=0)
+                a_s = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
+                b = tl.load(b_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
+            a = _dequant_tile(a_c, a_s, BLOCK_M, BLOCK_K, DEQUANT_ASM)
+            if K_ITERS > 0:  # interpreter: fp32 dot (see _nvfp4_gemm_kernel)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K // 2
+            as_ptrs += BLOCK_K // 16
+            b_ptrs += BLOCK_K
+
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        out = (acc * 256.0) * alpha
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if OUT_FP32:
+            tl.store(c_ptrs, out, mask=mask)
+        else:
+            tl.store(c_ptrs, out.to(tl.bfloat16), mask=mask)
+
+    @triton.jit
     def _dequant_kernel(c_ptr, s_ptr, o_ptr, R, KH, stride_c, stride_s, stride_o,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """Stand-alone dequantization to bf16 ``q * S`` (no global scale); for the cuBLAS baseline."""
@@ -237,6 +301,17 @@ GEMM_CONFIGS = [
 ]
 
 
+#: autotuning space of the half-fused kernel (M here is the larger of the op's M, N)
+HALF_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 4),
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(128, 64, 128, 4, 4),
+    _cfg(64, 64, 128, 4, 4),
+]
+
+
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs whose tiles are far larger than the problem (M <= 64 -> BLOCK_M 64 only, etc.)."""
     M, N = named_args["M"], named_args["N"]
@@ -246,31 +321,35 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs
 
 
-_tuned_kernel = None
+_tuned = {}
 
 
-def _get_tuned_kernel():
-    global _tuned_kernel
-    if _tuned_kernel is None:
+def _get_tuned_kernel(impl="full"):
+    """The autotuned launcher of the ``"full"`` or ``"half"`` kernel (built on first use)."""
+    if impl not in _tuned:
+        space, fn = (GEMM_CONFIGS, _nvfp4_gemm_kernel) if impl == "full" else (HALF_CONFIGS, _nvfp4_bf16_gemm_kernel)
         configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
-                                 num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in GEMM_CONFIGS]
-        _tuned_kernel = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
-                                        prune_configs_by={"early_config_prune": _prune_configs},
-                                        warmup=5, rep=20)(_nvfp4_gemm_kernel)
-    return _tuned_kernel
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
+        _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
+                                       prune_configs_by={"early_config_prune": _prune_configs},
+                                       warmup=5, rep=20)(fn)
+    return _tuned[impl]
 
 
 def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
-               config: Optional[dict] = None, dequant: Optional[str] = None):
-    """NVFP4 GEMM ``C = (A @ B^T) * a_global * b_global`` with the Triton kernel (TN layout).
+               impl: Optional[str] = None, config: Optional[dict] = None, dequant: Optional[str] = None):
+    """NVFP4 GEMM ``C = (A @ B^T) * a_global * b_global`` with the Triton kernels (TN layout).
 
     Args:
         a_codes, b_codes: uint8 ``[M, K/2]`` / ``[N, K/2]`` packed E2M1 codes (element 2i in the low nibble).
         a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
         a_global, b_global: FP32 1-element global decode scales.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
-        config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes over them on CUDA
-            and uses a small fixed tile under the interpreter.
+        impl: ``"half"`` (operand with more rows dequantized in registers as the wgmma register operand, the
+            other pre-dequantized to exact bf16 by :func:`dequantize_bf16`), ``"full"`` (both dequantized in
+            registers; no bf16 copy at all) or ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
+        config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
+            small fixed tile under the interpreter.
         dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
             CUDA, ``"fp32"`` off CUDA.
     """
@@ -278,10 +357,15 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         raise RuntimeError("fp4compile::gemm Triton kernel needs triton")
     M, N, K = _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     on_cuda = a_codes.is_cuda
+    impl = impl or DEFAULT_IMPL
+    if impl not in ("half", "full", "dequant_cublas"):
+        raise ValueError(f"impl must be 'half', 'full' or 'dequant_cublas', got {impl!r}")
     if dequant is None:
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
         raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
+    if impl == "dequant_cublas":
+        return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
@@ -289,8 +373,23 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         return out.zero_()
     a_global = a_global.reshape(()).to(torch.float32)
     b_global = b_global.reshape(()).to(torch.float32)
-    args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out, M, N, K,
-            a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
+    if impl == "full":
+        args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out, M, N, K,
+                a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
+        kernel = _nvfp4_gemm_kernel
+    else:
+        # dequantize the operand with fewer rows; the other is the in-register (wgmma A) operand
+        if M >= N:
+            x_c, x_s, x_g, y16, y_g, MM, NN, scm, scn = (a_codes, a_scales, a_global,
+                                                         dequantize_bf16(b_codes, b_scales, dequant=dequant),
+                                                         b_global, M, N, out.stride(0), 1)
+        else:
+            x_c, x_s, x_g, y16, y_g, MM, NN, scm, scn = (b_codes, b_scales, b_global,
+                                                         dequantize_bf16(a_codes, a_scales, dequant=dequant),
+                                                         a_global, N, M, 1, out.stride(0))
+        args = (x_c, x_s, x_g, y16, y_g, out, MM, NN, K, x_c.stride(0), x_s.stride(0), y16.stride(0), scm, scn)
+        M, N = MM, NN
+        kernel = _nvfp4_bf16_gemm_kernel
     flags = dict(DEQUANT_ASM=dequant == "asm", OUT_FP32=out_dtype == torch.float32)
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1)
@@ -298,15 +397,13 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         c = dict(config)
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _nvfp4_gemm_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8),
-                                 EVEN_K=K % bk == 0, num_warps=c.get("num_warps", 4),
-                                 num_stages=c.get("num_stages", 3),
-                                 K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **flags)
+        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8),
+                     EVEN_K=K % bk == 0, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3),
+                     K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **flags)
         return out
-    kern = _get_tuned_kernel()
+    kern = _get_tuned_kernel(impl)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    # EVEN_K depends on the chosen BLOCK_K; all tuned BLOCK_K divide 128, so K % 128 == 0 is EVEN for all.
-    # Otherwise use the masked variant (correct for every config).
+    # every tuned BLOCK_K divides 128: K % 128 == 0 is EVEN for all of them; otherwise the masked variant
     kern[grid](*args, EVEN_K=K % 128 == 0, **flags)
     return out
 
