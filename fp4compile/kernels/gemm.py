@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     tl = None
 
 __all__ = ["nvfp4_gemm", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
+           "HALF_REGA_CONFIGS",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
 
 #: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
@@ -54,6 +55,7 @@ DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
 #: the other pre-dequantized to bf16 by one Triton pass), "full" (both dequantized in registers), or
 #: "dequant_cublas" (both pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "half")
+IMPLS = ("half", "half_rega", "full", "dequant_cublas")
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
 # $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
@@ -212,11 +214,14 @@ if triton is not None:
                                 M, N, K, stride_a, stride_as, stride_b, stride_cm, stride_cn,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
-                                OUT_FP32: tl.constexpr, K_ITERS: tl.constexpr = 0):
+                                OUT_FP32: tl.constexpr, PREFETCH_S: tl.constexpr = False,
+                                K_ITERS: tl.constexpr = 0):
         """Half-fused variant: A is NVFP4 (dequantized in registers: the wgmma register operand), B is the
         exact bf16 ``q * S`` of the other operand (from :func:`dequantize_bf16`), streamed through shared
         memory by the pipeliner so the wgmma can stay in flight while the next A tile is dequantized.
-        C[m, n] is written at ``c_ptr + m * stride_cm + n * stride_cn`` (transposed output when swapped)."""
+        C[m, n] is written at ``c_ptr + m * stride_cm + n * stride_cn`` (transposed output when swapped).
+        PREFETCH_S: load the block scales one iteration ahead into registers (with BLOCK_K=64 a scale row is
+        4 bytes, too narrow for the pipeliner's async copies, so the plain load would stall every iteration)."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -237,14 +242,22 @@ if triton is not None:
         b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PREFETCH_S:
+            a_s_next = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16, other=0)
         for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if PREFETCH_S:
+                a_s = a_s_next
+                a_s_next = tl.load(as_ptrs + BLOCK_K // 16,
+                                   mask=offs_ks[None, :] < K // 16 - (kk + 1) * (BLOCK_K // 16), other=0)
             if EVEN_K:
                 a_c = tl.load(a_ptrs)
-                a_s = tl.load(as_ptrs)
+                if not PREFETCH_S:
+                    a_s = tl.load(as_ptrs)
                 b = tl.load(b_ptrs)
             else:
                 a_c = tl.load(a_ptrs, mask=offs_kb[None, :] < K // 2 - kk * (BLOCK_K // 2), other=0)
-                a_s = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
+                if not PREFETCH_S:
+                    a_s = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
                 b = tl.load(b_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
             a = _dequant_tile(a_c, a_s, BLOCK_M, BLOCK_K, DEQUANT_ASM)
             if K_ITERS > 0:  # interpreter: fp32 dot (see _nvfp4_gemm_kernel)
@@ -267,6 +280,79 @@ if triton is not None:
             tl.store(c_ptrs, out.to(tl.bfloat16), mask=mask)
 
     @triton.jit
+    def _bf16_nvfp4_gemm_kernel(a_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr,
+                                M, N, K, stride_a, stride_b, stride_bs, stride_c,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                                OUT_FP32: tl.constexpr, TRANS_OUT: tl.constexpr = False,
+                                PREFETCH_S: tl.constexpr = False, K_ITERS: tl.constexpr = 0):
+        """Half-fused variant with the roles swapped: A is the exact bf16 ``q * S`` operand (pipelined
+        through shared memory by async copies), B is NVFP4, dequantized in registers and stored to shared
+        memory for the wgmma. Both wgmma operands then come from shared memory (no register-operand
+        serialization); the dequantization of the next tile is not overlapped inside one CTA, but between
+        the CTAs resident on an SM. TRANS_OUT: C is stored as ``c[n, m]`` (row stride ``stride_c``), i.e. the
+        kernel computes the transpose of the op's product (the tile is transposed in registers first, so the
+        store stays coalesced). PREFETCH_S: see :func:`_nvfp4_bf16_gemm_kernel`."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_kb[None, :]
+        bs_ptrs = bs_ptr + offs_n.to(tl.int64)[:, None] * stride_bs + offs_ks[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PREFETCH_S:
+            b_s_next = tl.load(bs_ptrs, mask=offs_ks[None, :] < K // 16, other=0)
+        for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if PREFETCH_S:
+                b_s = b_s_next
+                b_s_next = tl.load(bs_ptrs + BLOCK_K // 16,
+                                   mask=offs_ks[None, :] < K // 16 - (kk + 1) * (BLOCK_K // 16), other=0)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b_c = tl.load(b_ptrs)
+                if not PREFETCH_S:
+                    b_s = tl.load(bs_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
+                b_c = tl.load(b_ptrs, mask=offs_kb[None, :] < K // 2 - kk * (BLOCK_K // 2), other=0)
+                if not PREFETCH_S:
+                    b_s = tl.load(bs_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
+            b = _dequant_tile(b_c, b_s, BLOCK_N, BLOCK_K, DEQUANT_ASM)
+            if K_ITERS > 0:  # interpreter: fp32 dot (see _nvfp4_gemm_kernel)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // 2
+            bs_ptrs += BLOCK_K // 16
+
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        out = (acc * 256.0) * alpha
+        if not OUT_FP32:
+            out = out.to(tl.bfloat16)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TRANS_OUT:
+            c_ptrs = c_ptr + rn.to(tl.int64)[:, None] * stride_c + rm[None, :]
+            tl.store(c_ptrs, tl.trans(out), mask=(rn[:, None] < N) & (rm[None, :] < M))
+        else:
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_c + rn[None, :]
+            tl.store(c_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
     def _dequant_kernel(c_ptr, s_ptr, o_ptr, R, KH, stride_c, stride_s, stride_o,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """Stand-alone dequantization to bf16 ``q * S`` (no global scale); for the cuBLAS baseline."""
@@ -286,38 +372,50 @@ if triton is not None:
                  mask=rmask & (ko[None, :] < 2 * KH))
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, warps, stages, group_m=8, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, **extra)
 
 
-#: autotuning space of the registered op (chosen from measurements on the H200, see docs/BENCHMARKS.md)
-GEMM_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(128, 128, 128, 8, 3),
-    _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 256, 128, 8, 3),
-    _cfg(64, 128, 128, 4, 4),
-    _cfg(64, 256, 64, 4, 4),
+#: autotuning space of the ``"half"`` kernel (the default; M = rows of the bf16 operand, N = rows of the
+#: NVFP4 operand). BLOCK_K=64 tiles prefetch their 4-byte scale rows; BLOCK_K=128 ones are pipelined.
+HALF_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(128, 128, 64, 8, 4, PREFETCH_S=True),
+    _cfg(128, 256, 64, 8, 3, PREFETCH_S=True),
+    _cfg(256, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(256, 128, 64, 8, 4, PREFETCH_S=True),
+    _cfg(128, 128, 128, 8, 2),
+    _cfg(64, 128, 128, 4, 3),
+    _cfg(64, 64, 128, 4, 4),
 ]
 
+#: autotuning space of the ``"full"`` kernel (both operands NVFP4; best tiles of the first H200 sweep)
+GEMM_CONFIGS = [
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(64, 128, 128, 4, 4),
+]
 
-#: autotuning space of the half-fused kernel (M here is the larger of the op's M, N)
-HALF_CONFIGS = [
-    _cfg(128, 128, 64, 8, 3),
-    _cfg(128, 256, 64, 8, 3),
-    _cfg(128, 256, 64, 8, 4),
+#: autotuning space of the ``"half_rega"`` kernel (NVFP4 operand as the wgmma register operand)
+HALF_REGA_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(128, 256, 64, 8, 3, PREFETCH_S=True),
     _cfg(128, 128, 128, 8, 3),
-    _cfg(128, 64, 128, 4, 4),
     _cfg(64, 64, 128, 4, 4),
 ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose tiles are far larger than the problem (M <= 64 -> BLOCK_M 64 only, etc.)."""
+    """Keep tiles that fit the problem: 64-wide tiles only for dims < 512 (or N tiles when M < 128, to get
+    more CTAs on skinny problems), 256-wide only for dims >= 256."""
     M, N = named_args["M"], named_args["N"]
+
+    def fits(block, dim, small_ok=False):
+        return block <= max(64, triton.next_power_of_2(dim)) and (block >= 128 or dim < 512 or small_ok)
+
     kept = [c for c in configs
-            if (c.kwargs["BLOCK_M"] <= max(64, triton.next_power_of_2(M)))
-            and (c.kwargs["BLOCK_N"] <= max(128, triton.next_power_of_2(N)))]
+            if fits(c.kwargs["BLOCK_M"], M) and fits(c.kwargs["BLOCK_N"], N, small_ok=M < 128)]
     return kept or configs
 
 
@@ -327,7 +425,9 @@ _tuned = {}
 def _get_tuned_kernel(impl="full"):
     """The autotuned launcher of the ``"full"`` or ``"half"`` kernel (built on first use)."""
     if impl not in _tuned:
-        space, fn = (GEMM_CONFIGS, _nvfp4_gemm_kernel) if impl == "full" else (HALF_CONFIGS, _nvfp4_bf16_gemm_kernel)
+        space, fn = {"full": (GEMM_CONFIGS, _nvfp4_gemm_kernel),
+                     "half": (HALF_CONFIGS, _bf16_nvfp4_gemm_kernel),
+                     "half_rega": (HALF_REGA_CONFIGS, _nvfp4_bf16_gemm_kernel)}[impl]
         configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                  num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
         _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
@@ -345,9 +445,11 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
         a_global, b_global: FP32 1-element global decode scales.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
-        impl: ``"half"`` (operand with more rows dequantized in registers as the wgmma register operand, the
-            other pre-dequantized to exact bf16 by :func:`dequantize_bf16`), ``"full"`` (both dequantized in
-            registers; no bf16 copy at all) or ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
+        impl: ``"half"`` (the operand with fewer rows pre-dequantized to exact bf16 by
+            :func:`dequantize_bf16`, the other dequantized in registers tile by tile and stored to shared
+            memory for the wgmma), ``"half_rega"`` (same split, but the NVFP4 operand is the wgmma register
+            operand), ``"full"`` (both dequantized in registers; no bf16 copy at all) or
+            ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
         config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
             small fixed tile under the interpreter.
         dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
@@ -358,8 +460,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     M, N, K = _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     on_cuda = a_codes.is_cuda
     impl = impl or DEFAULT_IMPL
-    if impl not in ("half", "full", "dequant_cublas"):
-        raise ValueError(f"impl must be 'half', 'full' or 'dequant_cublas', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if dequant is None:
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
@@ -373,12 +475,26 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         return out.zero_()
     a_global = a_global.reshape(()).to(torch.float32)
     b_global = b_global.reshape(()).to(torch.float32)
+    extra = {}
     if impl == "full":
         args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out, M, N, K,
                 a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
         kernel = _nvfp4_gemm_kernel
-    else:
-        # dequantize the operand with fewer rows; the other is the in-register (wgmma A) operand
+    elif impl == "half":
+        # the operand with fewer rows is pre-dequantized (bf16, kernel's A); the other stays NVFP4 (kernel's B)
+        if M < N:
+            y16 = dequantize_bf16(a_codes, a_scales, dequant=dequant)
+            args = (y16, a_global, b_codes, b_scales, b_global, out, M, N, K,
+                    y16.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
+            extra["TRANS_OUT"] = False
+        else:
+            y16 = dequantize_bf16(b_codes, b_scales, dequant=dequant)
+            args = (y16, b_global, a_codes, a_scales, a_global, out, N, M, K,
+                    y16.stride(0), a_codes.stride(0), a_scales.stride(0), out.stride(0))
+            extra["TRANS_OUT"] = True
+            M, N = N, M
+        kernel = _bf16_nvfp4_gemm_kernel
+    else:  # half_rega: the operand with more rows is the in-register (wgmma A) operand
         if M >= N:
             x_c, x_s, x_g, y16, y_g, MM, NN, scm, scn = (a_codes, a_scales, a_global,
                                                          dequantize_bf16(b_codes, b_scales, dequant=dequant),
@@ -390,16 +506,18 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         args = (x_c, x_s, x_g, y16, y_g, out, MM, NN, K, x_c.stride(0), x_s.stride(0), y16.stride(0), scm, scn)
         M, N = MM, NN
         kernel = _nvfp4_bf16_gemm_kernel
-    flags = dict(DEQUANT_ASM=dequant == "asm", OUT_FP32=out_dtype == torch.float32)
+    flags = dict(DEQUANT_ASM=dequant == "asm", OUT_FP32=out_dtype == torch.float32, **extra)
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1)
     if config is not None:
         c = dict(config)
-        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+        bm, bn, bk = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
+        nw, ns, gm = c.pop("num_warps", 4), c.pop("num_stages", 3), c.pop("GROUP_M", 8)
+        if impl == "full":
+            c.pop("PREFETCH_S", None)  # the full kernel has no scale prefetch
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8),
-                     EVEN_K=K % bk == 0, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3),
-                     K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **flags)
+        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EVEN_K=K % bk == 0,
+                     num_warps=nw, num_stages=ns, K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **c, **flags)
         return out
     kern = _get_tuned_kernel(impl)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
