@@ -37,6 +37,8 @@ from fp4compile.kernels import gemm as G  # noqa: E402
 from fp4compile.ops import _gemm_reference  # noqa: E402
 
 TOKENS = 16 * 1024
+VARIANT_SHAPES = [("square", 8192, 8192, 8192), ("124M fc1.fprop", TOKENS, 3072, 768),
+                  ("1B fc1.dgrad", TOKENS, 2048, 8192)]
 
 
 def linear_shapes(d, tokens=TOKENS):
@@ -85,7 +87,16 @@ def tflops(M, N, K, ms):
 
 
 def bench_ms(fn, rep):
-    return do_bench(fn, warmup=max(5, rep // 5), rep=rep)
+    return do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median")
+
+
+def safe_tflops(M, N, K, fn, rep):
+    """TFLOP/s of fn, or NaN (with the error printed) if it fails: one bad variant must not lose the table."""
+    try:
+        return tflops(M, N, K, bench_ms(fn, rep))
+    except Exception as e:  # noqa: BLE001
+        print(f"  ERROR {M}x{N}x{K}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
 
 
 def reference64(args):
@@ -224,12 +235,12 @@ def table(quick, out_dir, rep, budget_s):
         args = make_operands(M, N, K)
         a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        ours = tflops(M, N, K, bench_ms(lambda: torch.ops.fp4compile.gemm(*args), rep))
+        ours = safe_tflops(M, N, K, lambda: torch.ops.fp4compile.gemm(*args), rep)
         cfg = _cfg_str(G._get_tuned_kernel(G.DEFAULT_IMPL))
-        full = tflops(M, N, K, bench_ms(lambda: G.nvfp4_gemm(*args, impl="full"), rep))
-        base = tflops(M, N, K, bench_ms(lambda: G.gemm_dequant_cublas(*args), rep))
-        cub = tflops(M, N, K, bench_ms(lambda: torch.mm(a16, b16.t()), rep))
-        best = max(ours, full, base)
+        full = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="full"), rep)
+        base = safe_tflops(M, N, K, lambda: G.gemm_dequant_cublas(*args), rep)
+        cub = safe_tflops(M, N, K, lambda: torch.mm(a16, b16.t()), rep)
+        best = max((v for v in (ours, full, base) if v == v), default=float("nan"))
         line = (f"| {name} | {M} | {N} | {K} | {ours:.0f} | {full:.0f} | {base:.0f} | {cub:.0f} "
                 f"| {ours / cub:.2f} | {best / cub:.2f} | {cfg} |")
         lines.append(line)
@@ -238,6 +249,24 @@ def table(quick, out_dir, rep, budget_s):
             outf.flush()
         print(line, f"[{time.time() - t0:.0f}s]", flush=True)
         del args, a16, b16
+    # the register-operand variant, on a few shapes, while time remains
+    var = ["", "| variant half_rega (NVFP4 operand as wgmma register operand) | M | N | K | TF/s | cuBLAS TF/s | ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for name, M, N, K in VARIANT_SHAPES:
+        if time.time() - t0 > budget_s:
+            break
+        args = make_operands(M, N, K)
+        a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        v = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="half_rega"), rep)
+        cub = safe_tflops(M, N, K, lambda: torch.mm(a16, b16.t()), rep)
+        var.append(f"| {name} | {M} | {N} | {K} | {v:.0f} | {cub:.0f} | {v / cub:.2f} |")
+        print(var[-1], flush=True)
+    if len(var) > 3:
+        lines += var
+        if outf:
+            outf.write("\n".join(var) + "\n")
+            outf.flush()
     print("\n" + "\n".join(lines), flush=True)
 
 
