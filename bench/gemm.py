@@ -6,11 +6,12 @@ Usage (on the H200)::
     python bench/gemm.py --explore       # correctness checks + tile/dequant-path sweep (development)
     python bench/gemm.py --quick         # fewer shapes
 
-Per shape: TFLOP/s (2*M*N*K / time) of ``torch.ops.fp4compile.gemm`` (the registered CUDA kernel, default
-impl "half", autotuned; its time includes the bf16 pre-dequantization of the operand with fewer rows), of the
-"full" kernel (both operands dequantized in registers, autotuned), of the "dequantize both to bf16 with one
-Triton pass each, then cuBLAS (fp32 out), then scale" baseline, and of cuBLAS BF16 ``torch.mm`` on bf16
-operands of the same shape; ours / cuBLAS and best-of-three / cuBLAS. Times: ``triton.testing.do_bench``
+Per shape: TFLOP/s (2*M*N*K / time) of the "half" kernel (autotuned; its time includes the bf16
+pre-dequantization of the operand with fewer rows), of the "full" kernel (both operands dequantized in
+registers, autotuned), of the "dequantize both to bf16 with one Triton pass each, then cuBLAS (fp32 out), then
+scale" baseline, of ``torch.ops.fp4compile.gemm`` as registered (default impl "auto": one of the three, by
+``choose_impl``), and of cuBLAS BF16 ``torch.mm`` on bf16 operands of the same shape; op / cuBLAS and
+best-of-three / cuBLAS. Times: ``triton.testing.do_bench``
 (median, L2 flushed between calls), short rep times.
 
 Shapes: M,N,K in {4096, 8192}; the linear-layer GEMMs of one training step at 16x1024 tokens of GPT-124M
@@ -219,9 +220,9 @@ def table(quick, out_dir, rep, budget_s):
     head = (f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; op impl: {G.DEFAULT_IMPL}; "
             f"dequant path: {G.DEFAULT_DEQUANT}; do_bench rep={rep} ms (median)")
     print(head, flush=True)
-    hdr = ("| shape | M | N | K | ours (op) TF/s | full-fused TF/s | dq+cuBLAS TF/s | cuBLAS bf16 TF/s "
-           "| ours/cuBLAS | best/cuBLAS | op tile |")
-    lines = [head, "", hdr, "|" + "|".join("---" for _ in range(11)) + "|"]
+    hdr = ("| shape | M | N | K | half TF/s | full TF/s | dq+cuBLAS TF/s | op (auto) TF/s | cuBLAS bf16 TF/s "
+           "| op/cuBLAS | best/cuBLAS | auto picks | half tile |")
+    lines = [head, "", hdr, "|" + "|".join("---" for _ in range(13)) + "|"]
     outf = open(os.path.join(out_dir, "gemm_table.md"), "w") if out_dir else None
     if outf:
         outf.write("\n".join(lines) + "\n")
@@ -235,14 +236,16 @@ def table(quick, out_dir, rep, budget_s):
         args = make_operands(M, N, K)
         a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        ours = safe_tflops(M, N, K, lambda: torch.ops.fp4compile.gemm(*args), rep)
-        cfg = _cfg_str(G._get_tuned_kernel(G.DEFAULT_IMPL))
+        half = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="half"), rep)
+        cfg = _cfg_str(G._get_tuned_kernel("half"))
         full = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="full"), rep)
         base = safe_tflops(M, N, K, lambda: G.gemm_dequant_cublas(*args), rep)
+        ours = safe_tflops(M, N, K, lambda: torch.ops.fp4compile.gemm(*args), rep)
         cub = safe_tflops(M, N, K, lambda: torch.mm(a16, b16.t()), rep)
-        best = max((v for v in (ours, full, base) if v == v), default=float("nan"))
-        line = (f"| {name} | {M} | {N} | {K} | {ours:.0f} | {full:.0f} | {base:.0f} | {cub:.0f} "
-                f"| {ours / cub:.2f} | {best / cub:.2f} | {cfg} |")
+        best = max((v for v in (half, full, base) if v == v), default=float("nan"))
+        pick = G.choose_impl(M, N, K) if G.DEFAULT_IMPL == "auto" else G.DEFAULT_IMPL
+        line = (f"| {name} | {M} | {N} | {K} | {half:.0f} | {full:.0f} | {base:.0f} | {ours:.0f} | {cub:.0f} "
+                f"| {ours / cub:.2f} | {best / cub:.2f} | {pick} | {cfg} |")
         lines.append(line)
         if outf:
             outf.write(line + "\n")

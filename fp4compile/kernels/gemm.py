@@ -45,17 +45,37 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     triton = None
     tl = None
 
-__all__ = ["nvfp4_gemm", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
+__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
            "HALF_REGA_CONFIGS",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
 
 #: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
 DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
-#: implementation used by the registered CUDA op: "half" (the operand with more rows dequantized in registers,
-#: the other pre-dequantized to bf16 by one Triton pass), "full" (both dequantized in registers), or
-#: "dequant_cublas" (both pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
-DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "half")
-IMPLS = ("half", "half_rega", "full", "dequant_cublas")
+#: implementation used by the registered CUDA op: "auto" (per shape, see :func:`choose_impl`), "half" (the
+#: operand with fewer rows pre-dequantized to bf16 by one Triton pass, the other dequantized tile by tile
+#: inside the GEMM), "half_rega", "full" (both dequantized inside the GEMM) or "dequant_cublas" (both
+#: pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
+DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
+IMPLS = ("auto", "half", "half_rega", "full", "dequant_cublas")
+
+
+def choose_impl(M: int, N: int, K: int) -> str:
+    """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM.
+
+    Read off the H200 table in docs/BENCHMARKS.md (## GEMM), choosing among the three implementations
+    measured on every shape there:
+
+    * long contractions on large outputs (K >= 4096 and M*N >= 8M): ``"dequant_cublas"`` -- dequantizing
+      both operands once is amortized and cuBLAS then runs at its full rate (0.66-0.90x of cuBLAS BF16 there);
+    * skinny or short problems (min(M, N) <= 768, K <= 1024 or M <= 256): ``"full"`` (no bf16 copy; the
+      "half" kernel's larger tiles are starved there);
+    * otherwise ``"half"``.
+    """
+    if K >= 4096 and M * N >= 8 * 2 ** 20:
+        return "dequant_cublas"
+    if min(M, N) <= 768 or K <= 1024 or M <= 256:
+        return "full"
+    return "half"
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
 # $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
@@ -445,7 +465,7 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
         a_global, b_global: FP32 1-element global decode scales.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
-        impl: ``"half"`` (the operand with fewer rows pre-dequantized to exact bf16 by
+        impl: ``"auto"`` (per shape, :func:`choose_impl`; off CUDA: ``"half"``), ``"half"`` (the operand with fewer rows pre-dequantized to exact bf16 by
             :func:`dequantize_bf16`, the other dequantized in registers tile by tile and stored to shared
             memory for the wgmma), ``"half_rega"`` (same split, but the NVFP4 operand is the wgmma register
             operand), ``"full"`` (both dequantized in registers; no bf16 copy at all) or
@@ -462,6 +482,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     impl = impl or DEFAULT_IMPL
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = choose_impl(M, N, K) if on_cuda else "half"
     if dequant is None:
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
