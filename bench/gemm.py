@@ -253,7 +253,8 @@ def table(quick, out_dir, rep, budget_s):
         print(line, f"[{time.time() - t0:.0f}s]", flush=True)
         del args, a16, b16
     # the register-operand variant, on a few shapes, while time remains
-    var = ["", "| variant half_rega (NVFP4 operand as wgmma register operand) | M | N | K | TF/s | cuBLAS TF/s | ratio |",
+    var = ["", "| variant half_rega (NVFP4 operand = wgmma register operand) | M | N | K | TF/s | cuBLAS TF/s "
+           "| ratio |",
            "|---|---|---|---|---|---|---|"]
     for name, M, N, K in VARIANT_SHAPES:
         if time.time() - t0 > budget_s:

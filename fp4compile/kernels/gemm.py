@@ -1,20 +1,39 @@
-"""NVFP4 x NVFP4 GEMM for sm_90 (Hopper has no FP4 tensor cores): dequantize in registers, BF16 MMA.
+"""NVFP4 x NVFP4 GEMM for sm_90 (Hopper has no FP4 tensor cores): dequantize to exact BF16, BF16 wgmma.
 
 ``C[M, N] = alpha * sum_b (S^A[m,b] * S^B[n,b]) * sum_{k in b} qA[m,k] * qB[n,k]``, alpha = a_global * b_global
 (TN layout: A codes ``[M, K/2]``, B codes ``[N, K/2]``, both quantized along K; see
 ``/work/shared/notes/nvfp4-format.md`` section 11 and ``fp4compile.ops._gemm_reference``).
 
-How the kernel computes it, exactly:
+How the kernels compute it, exactly:
 
 * Each E2M1 x E4M3 product ``q * S`` has at most 6 significant bits and lies in [2^-10, 2688], so it is exact
-  in BF16. The kernel forms ``q * S * 2^-8`` (the 2^-8 keeps every intermediate a normal number and is a power
-  of two, so it changes no rounding) and feeds it to ``tl.dot`` (wgmma on Hopper) with FP32 accumulation.
-* At the end ``acc * 2^16 * alpha`` is the reference's ``(A @ B^T) * (a_global * b_global)`` up to the FP32
-  accumulation order. The global scales are never folded into the BF16 operands (that would round).
+  in BF16. In-kernel dequantization forms ``q * S * 2^-8`` (the 2^-8 keeps every intermediate a normal
+  number and is a power of two, so it changes no rounding) and feeds it to ``tl.dot`` (wgmma on Hopper)
+  with FP32 accumulation; a pre-dequantized operand holds ``q * S`` exactly.
+* At the end ``acc * 2^16 * alpha`` (or ``2^8`` with one pre-dequantized operand) is the reference's
+  ``(A @ B^T) * (a_global * b_global)`` up to the FP32 accumulation order. The global scales are never
+  folded into the BF16 operands (that would round).
 * E2M1 -> float by bit placement: code ``s e1 e0 m`` becomes the float whose sign is ``s`` and whose lowest
   exponent bits and top mantissa bit are ``e1 e0 m``; that float equals ``q * 2^-126`` for every code (the
   code for 0.5 becomes a subnormal), and the E4M3 scale pre-multiplied by 2^118 brings the product to
   ``q * S * 2^-8``.
+
+Implementations (``impl=``; the registered op uses :data:`DEFAULT_IMPL`, ``"auto"``; measurements and the
+SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
+
+* ``"half"`` (:func:`_bf16_nvfp4_gemm_kernel`): the operand with fewer rows is dequantized once to bf16 by
+  :func:`dequantize_bf16`; the other is dequantized tile by tile in registers and stored to shared memory;
+  both wgmma operands come from shared memory.
+* ``"half_rega"`` (:func:`_nvfp4_bf16_gemm_kernel`): same split, the NVFP4 operand is the wgmma register
+  operand (Triton pipelines the dot, but ptxas serializes the HGMMAs).
+* ``"full"`` (:func:`_nvfp4_gemm_kernel`): both operands dequantized inside the GEMM; no bf16 copies.
+* ``"dequant_cublas"`` (:func:`gemm_dequant_cublas`): both operands dequantized to bf16, cuBLAS with FP32
+  output, then the scale and the cast.
+* ``"auto"``: one of ``half`` / ``full`` / ``dequant_cublas`` per shape (:func:`choose_impl`).
+
+All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few configs; see ``*_CONFIGS``) and
+use a GROUP_M-swizzled tile order; M, N tails wrap in the loads and are masked in the store, a K tail (K a
+multiple of 16 but not of BLOCK_K) is masked.
 
 Two dequantization paths (``DEQUANT``):
 
@@ -25,9 +44,8 @@ Two dequantization paths (``DEQUANT``):
   (sm_90 only).
 
 Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU tensors under the interpreter),
-:func:`dequantize_bf16` + :func:`gemm_dequant_cublas` (the "dequantize then cuBLAS" baseline the benchmark
-compares against). Importing this module registers :func:`nvfp4_gemm` as the CUDA kernel of
-``fp4compile::gemm``; it imports cleanly on machines without CUDA.
+:func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`. Importing this module registers
+:func:`nvfp4_gemm` as the CUDA kernel of ``fp4compile::gemm``; it imports cleanly on machines without CUDA.
 """
 from __future__ import annotations
 
@@ -465,11 +483,11 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
         a_global, b_global: FP32 1-element global decode scales.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
-        impl: ``"auto"`` (per shape, :func:`choose_impl`; off CUDA: ``"half"``), ``"half"`` (the operand with fewer rows pre-dequantized to exact bf16 by
-            :func:`dequantize_bf16`, the other dequantized in registers tile by tile and stored to shared
-            memory for the wgmma), ``"half_rega"`` (same split, but the NVFP4 operand is the wgmma register
-            operand), ``"full"`` (both dequantized in registers; no bf16 copy at all) or
-            ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
+        impl: ``"auto"`` (per shape, :func:`choose_impl`; off CUDA: ``"half"``), ``"half"`` (the operand
+            with fewer rows pre-dequantized to exact bf16 by :func:`dequantize_bf16`, the other dequantized
+            in registers tile by tile and stored to shared memory for the wgmma), ``"half_rega"`` (same
+            split, the NVFP4 operand is the wgmma register operand), ``"full"`` (both dequantized in
+            registers; no bf16 copy at all) or ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
         config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
             small fixed tile under the interpreter.
         dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
