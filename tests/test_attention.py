@@ -302,8 +302,11 @@ assert all(torch.equal(a, b) for a, b in zip(A.quantize_2d(x), R.quantize_2d(x))
 CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None), (63, False, 2, 2, 70, "bool"), (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None),
          (0, False, 1, 1, 50, "add")]
 for mask, causal, H, Hkv, T, mk in CASES:
-    q = torch.randn(1, H, T, 64).bfloat16(); k = torch.randn(1, Hkv, T, 64).bfloat16()
-    v = torch.randn(1, Hkv, T, 64).bfloat16(); do = torch.randn(1, H, T, 64).bfloat16()
+    if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
+        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2) for n in (H, Hkv, Hkv, H))
+    else:
+        q = torch.randn(1, H, T, 64).bfloat16(); k = torch.randn(1, Hkv, T, 64).bfloat16()
+        v = torch.randn(1, Hkv, T, 64).bfloat16(); do = torch.randn(1, H, T, 64).bfloat16()
     am = None
     if mk:
         keep = torch.rand(1, 1, T, T) > 0.3; keep[..., 0] = True
