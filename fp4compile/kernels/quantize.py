@@ -85,11 +85,19 @@ def _e4m3_value(code):
 
 @triton.jit
 def _e2m1_rne(v):
-    """FP32 -> E2M1 code (int32, sign in bit 3), RNE, saturating at +-6 (same comparisons as the reference)."""
+    """FP32 -> E2M1 code (int32, sign in bit 3), RNE, saturating at +-6.
+
+    Bit form of the reference's comparison chain (checked equal on 11.5M FP32 values incl. every tie):
+    |v| >= 1: round the FP32 mantissa to 1 bit (RNE) and read exponent:mantissa; |v| < 1: rne(2|v|) via the
+    2^23 magic-number add (exact: 2|v| is exact, the add rounds to nearest even).
+    """
     a = tl.abs(v)
-    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-           + (a > 5.0).to(tl.int32))
+    bits = a.to(tl.uint32, bitcast=True)
+    r = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    normal = tl.minimum((r >> 22).to(tl.int32) - 252, 7)
+    t = a * 2.0 + 12582912.0
+    sub = t.to(tl.int32, bitcast=True) - 0x4B400000
+    mag = tl.where(a < 1.0, sub, normal)
     sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     return mag | (sign << 3)
 
@@ -148,34 +156,46 @@ def _tile_max(t, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _fwht_stage(y, N: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
-    v = tl.permute(tl.reshape(y, (N, D // (2 * H), 2, H)), (0, 1, 3, 2))
-    a, b = tl.split(v)
-    w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+def _fwht_stage(y, N: tl.constexpr, D: tl.constexpr, H: tl.constexpr, IMPL: tl.constexpr):
+    """One butterfly stage: (a, b) = (y[j], y[j + H]) -> (a + b, a - b) for j with bit H clear.
+
+    IMPL 0: permute + split/join. IMPL 1: the partner via ``tl.flip`` on the size-2 axis (an exact xor
+    exchange of bit patterns) and ``v * (+-1) + partner``; both are exactly the reference's FP32 ops.
+    """
+    if IMPL == 0:
+        v = tl.permute(tl.reshape(y, (N, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    else:
+        v = tl.reshape(y, (N, D // (2 * H), 2, H))
+        p = tl.flip(v, 2)
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+        w = v * sgn[None, None, :, None] + p
     return tl.reshape(w, (N, D))
 
 
 @triton.jit
-def _fwht(y, N: tl.constexpr, D: tl.constexpr):
+def _fwht(y, N: tl.constexpr, D: tl.constexpr, IMPL: tl.constexpr):
     """Unnormalized butterfly Walsh-Hadamard transform of the rows of a [N, D] tile (formats.hadamard.fwht)."""
-    y = _fwht_stage(y, N, D, 1)
-    y = _fwht_stage(y, N, D, 2)
-    y = _fwht_stage(y, N, D, 4)
-    y = _fwht_stage(y, N, D, 8)
+    y = _fwht_stage(y, N, D, 1, IMPL)
+    y = _fwht_stage(y, N, D, 2, IMPL)
+    y = _fwht_stage(y, N, D, 4, IMPL)
+    y = _fwht_stage(y, N, D, 8, IMPL)
     if D >= 32:
-        y = _fwht_stage(y, N, D, 16)
+        y = _fwht_stage(y, N, D, 16, IMPL)
     if D >= 64:
-        y = _fwht_stage(y, N, D, 32)
+        y = _fwht_stage(y, N, D, 32, IMPL)
     if D >= 128:
-        y = _fwht_stage(y, N, D, 64)
+        y = _fwht_stage(y, N, D, 64, IMPL)
     return y
 
 
 @triton.jit
-def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr):
+def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr,
+         IMPL: tl.constexpr):
     s = tl.load(signs_ptr + tl.arange(0, HAD))
     xs = tl.reshape(x, (BR, BC // HAD, HAD)) * s[None, None, :]
-    y = _fwht(tl.reshape(xs, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD)
+    y = _fwht(tl.reshape(xs, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, IMPL)
     y = y * NORM + 0.0
     return tl.reshape(y, (BR, BC))
 
@@ -201,10 +221,11 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
-                 HAD: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                 HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, BR: tl.constexpr,
+                 BC: tl.constexpr):
     x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC)
     if HAD > 0:
-        x = _rht(x, signs_ptr, BR, BC, HAD, NORM)
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
@@ -213,13 +234,14 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      codes_ptr, scales_ptr, gscale_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
-                     HAD: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC)
     if HAD > 0:
-        x = _rht(x, signs_ptr, BR, BC, HAD, NORM)
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
 
     amax = tl.load(amax_ptr)
     zero = amax == 0
@@ -312,8 +334,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
-                       HAD: tl.constexpr, NORM: tl.constexpr, OUT_BF16: tl.constexpr, BR: tl.constexpr,
-                       BC: tl.constexpr):
+                       HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, OUT_BF16: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -330,7 +352,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
     vals = tl.reshape(_e2m1_value(q) * s[:, :, None], (BR, BC))
     if HAD > 0:
         sg = tl.load(signs_ptr + tl.arange(0, HAD))
-        y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD)
+        y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, RHT_IMPL)
         y = tl.reshape(y * NORM, (BR, BC // HAD, HAD)) * sg[None, None, :]
         vals = tl.reshape(y, (BR, BC))
     if OUT_BF16:  # explicit RNE to bf16 (the interpreter's cast truncates); exact afterwards on every backend
@@ -343,9 +365,11 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-#: (rows, cols) per program: quantize kernel, amax kernel, dequantize kernel. Tuned on the H200 (bench/quantize.py).
-CONFIG = {"q_rows": 16, "q_cols": 128, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4}
+#: Tile sizes and the butterfly implementation, from the H200 sweep in bench/quantize.py (docs/BENCHMARKS.md):
+#: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
+#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor).
+CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1}
 
 
 def _norm(hadamard: int) -> float:
@@ -367,6 +391,25 @@ def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch
     if signs.numel() != hadamard:
         raise ValueError(f"signs has {signs.numel()} entries, expected hadamard={hadamard}")
     return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+
+
+def _amax(x, R, K, srow, scol, hadamard, sg, cfg):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    bc = max(cfg["a_cols"], hadamard or 16)
+    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
+        x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
+        BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
+    return amax
+
+
+def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None, transpose: bool = False,
+         config: Optional[dict] = None) -> torch.Tensor:
+    """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
+    passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
+    cfg = dict(CONFIG, **(config or {}))
+    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
+    return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg)
 
 
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
@@ -407,13 +450,9 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if R == 0 or K == 0:
         gscale.zero_()
         return codes, scales, gscale
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg)
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
-    bc = max(cfg["a_cols"], hadamard or 16)
-    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
-        x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=norm, BR=cfg["a_rows"], BC=bc,
-        num_warps=cfg["a_warps"], **opts)
     m6, m4 = block_max_targets(rounding)
     br = cfg["q_rows"]
     if block2d:
@@ -423,7 +462,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
         G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
         ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
-        HAD=hadamard, NORM=norm, BR=br, BC=bc, num_warps=cfg["q_warps"], **opts)
+        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], BR=br, BC=bc, num_warps=cfg["q_warps"], **opts)
     return codes, scales, gscale
 
 
@@ -443,8 +482,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     bc = max(cfg["d_cols"], hadamard or 16)
     _dequantize_kernel[(triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc))](
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
-        HAD=hadamard, NORM=_norm(hadamard), OUT_BF16=dtype == torch.bfloat16, BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"],
-        **_launch_opts(dev))
+        HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
+        BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))
     return out
 
 
