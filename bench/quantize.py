@@ -141,6 +141,8 @@ def sweep(x):
                    [dict(q_rows=r, q_cols=c, q_warps=w, rht_impl=i, a_rows=ar) for r, c, w, i, ar in
                     [(16, 128, 4, 0, 32), (16, 128, 4, 1, 32), (16, 256, 4, 1, 32), (8, 128, 4, 1, 16),
                      (16, 256, 8, 1, 16)]]),
+        "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
+                       [dict(t_impl=t, q_rows=r, a_rows=r) for t, r in [(0, 16), (1, 16), (1, 64)]]),
     }
     for name, (case, grid) in grids.items():
         res = []
@@ -149,7 +151,8 @@ def sweep(x):
                 ms = bench_ms(run_case(x, case, cfg))
                 ms_a = bench_ms(lambda: K.amax(x, case.get("hadamard", 0),
                                                torch.ones(case.get("hadamard", 1), device="cuda")
-                                               if case.get("hadamard") else None, config=cfg))
+                                               if case.get("hadamard") else None, case.get("transpose", False),
+                                               config=cfg))
             except Exception as e:  # noqa: BLE001 (a config that does not compile is just skipped)
                 log(f"sweep {name} {cfg}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue
@@ -159,7 +162,7 @@ def sweep(x):
     return best
 
 
-def bench(rows, config_rtn=None, config_had=None):
+def bench(rows, config_rtn=None, config_had=None, config_t=None):
     n = 16384 * 8192
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
@@ -173,6 +176,8 @@ def bench(rows, config_rtn=None, config_had=None):
         actual = logical + ne * 2
         for name, case in BENCH_CASES:
             cfg = config_had if case.get("hadamard") else config_rtn
+            if case.get("transpose") and config_t is not None:
+                cfg = config_t
             ms = bench_ms(run_case(x, case, cfg))
             row = {"shape": list(shape), "case": name, "us": ms * 1e3,
                    "frac_copy_logical": logical / ms / 1e6 / copy_bw,
@@ -212,17 +217,17 @@ def main():
     result["triton"] = triton.__version__
     bad = 0
     if args.bench:
-        cfg_rtn = cfg_had = None
+        cfg_rtn = cfg_had = cfg_t = None
         if args.sweep:
             x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
             best = sweep(x)
-            cfg_rtn, cfg_had = best["rtn"], best["had128"]
+            cfg_rtn, cfg_had, cfg_t = best["rtn"], best["had128"], best["transposed"]
             result["sweep_best"] = best
             log(f"best configs: {best}")
             with open(os.path.join(args.out, "quantize_bench.json"), "w") as f:
                 json.dump(result, f, indent=1)
         result["bench"] = []
-        bench(result["bench"], cfg_rtn, cfg_had)
+        bench(result["bench"], cfg_rtn, cfg_had, cfg_t)
         log("\n| shape | case | us | fraction of copy BW (logical bytes) | (actual bytes incl. amax pass) |")
         log("|---|---|---|---|---|")
         for r in result["bench"]:

@@ -28,13 +28,14 @@ def main():
     warnings.simplefilter("ignore")  # 1/0 in a discarded where() branch
     report = {}
     for case in INTERP_CASES:
-        kind, shape, r, f46, b2, h, tr = case
+        kind, shape, r, f46, b2, h, tr = case[:7]
+        cfg = case[7] if len(case) > 7 else None
         x = data(kind, shape)
         if kind == "bf16":
             x = data("heavy", shape).to(torch.bfloat16)
         sg = SIGNS[:h] if h else None
         try:
-            got = K.quantize(x, r, f46, b2, h, sg, SEED, tr)
+            got = K.quantize(x, r, f46, b2, h, sg, SEED, tr, config=cfg)
             ref = ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr)
             report[case_id(case)] = compare(got, ref)
         except Exception as e:  # noqa: BLE001  (reported per case)
@@ -44,7 +45,7 @@ def main():
         sg = SIGNS[:h] if h else None
         c, s, g = ops._quantize_reference(x, "rtn", False, False, h, sg, None, False)
         try:
-            got = K.dequantize(c, s, g, h, sg, dt)
+            got = K.dequantize(c, s, g, h, sg, dt, config={"rht_impl": 1} if h == 16 else None)
             report[f"dequantize-{h}-{dt}"] = int((got != torch.ops.fp4compile.dequantize(c, s, g, h, sg, dt)).sum())
         except Exception as e:  # noqa: BLE001
             report[f"dequantize-{h}-{dt}"] = f"{type(e).__name__}: {e}"

@@ -66,11 +66,18 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("heavy", (16, 256), "ms_eden", False, False, 128, False),
     ("special", (32, 128), "ms_eden", False, True, 32, False),
     ("gauss", (128, 48), "ms_eden", False, False, 128, True),
+    # the optional 8th entry overrides kernels.quantize.CONFIG: the coalesced transposed load, other tiles
+    ("heavy", (64, 256), "rtn", True, True, 16, True, {"t_impl": 1}),
+    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "q_rows": 32, "q_cols": 128}),
+    ("heavy", (32, 256), "sr", False, False, 32, False, {"q_rows": 8}),
+    # the flip butterfly (the CUDA default; slow under the interpreter, so one small case)
+    ("heavy", (16, 128), "ms_eden", False, False, 16, False, {"rht_impl": 1}),
 ]
 
 
 def case_id(c):
-    return "-".join(map(str, c[2:])) + f"-{c[0]}"
+    cfg = "".join(f"-{k}{v}" for k, v in c[7].items()) if len(c) > 7 else ""
+    return "-".join(map(str, c[2:7])) + f"-{c[0]}{cfg}"
 
 
 @pytest.fixture(scope="module")

@@ -201,12 +201,24 @@ def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NO
 
 
 @triton.jit
-def _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR: tl.constexpr, BC: tl.constexpr):
+def _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR: tl.constexpr, BC: tl.constexpr, TLOAD: tl.constexpr):
+    """The [BR, BC] tile of the logical matrix (x, or x.T through swapped strides) as FP32.
+
+    TLOAD=1 (for transpose=True): load the tile in x's own orientation, [BC, BR] with x's contiguous dim last,
+    and transpose it in registers; the values are the same as TLOAD=0's strided load, only the access
+    pattern differs. Not yet measured on a GPU (off by default: ``CONFIG["t_impl"] = 0``).
+    """
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
-    mask = (rows < R)[:, None] & (cols < K)[None, :]
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * srow + cols.to(tl.int64)[None, :] * scol
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), rows, cols
+    if TLOAD:
+        tmask = (cols < K)[:, None] & (rows < R)[None, :]
+        tptrs = x_ptr + cols.to(tl.int64)[:, None] * scol + rows.to(tl.int64)[None, :] * srow
+        x = tl.trans(tl.load(tptrs, mask=tmask, other=0.0))
+    else:
+        mask = (rows < R)[:, None] & (cols < K)[None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * srow + cols.to(tl.int64)[None, :] * scol
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32), rows, cols
 
 
 @triton.jit
@@ -221,9 +233,9 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
-                 HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, BR: tl.constexpr,
-                 BC: tl.constexpr):
-    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC)
+                 HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr):
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
     if HAD > 0:
         x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
@@ -234,12 +246,12 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      codes_ptr, scales_ptr, gscale_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
-                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr):
+                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC)
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC, TLOAD)
     if HAD > 0:
         x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
 
@@ -367,9 +379,20 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
 # ---------------------------------------------------------------------------------------------- launchers
 #: Tile sizes and the butterfly implementation, from the H200 sweep in bench/quantize.py (docs/BENCHMARKS.md):
 #: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
-#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor).
+#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``t_impl=1`` (transposed tiles loaded
+#: in x's orientation, then ``tl.trans``) is bit-exact under the interpreter but not yet measured on a GPU.
 CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1}
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 0}
+
+
+def _config(device, config: Optional[dict]) -> dict:
+    cfg = dict(CONFIG)
+    if device.type == "cpu":
+        # TRITON_INTERPRET=1: the interpreter runs tl.reduce combine functions (used by tl.flip) in Python,
+        # ~10x slower; the permute/split butterfly gives the same bits (both are checked on the H200).
+        cfg["rht_impl"] = 0
+    cfg.update(config or {})
+    return cfg
 
 
 def _norm(hadamard: int) -> float:
@@ -393,12 +416,12 @@ def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch
     return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
 
 
-def _amax(x, R, K, srow, scol, hadamard, sg, cfg):
+def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     bc = max(cfg["a_cols"], hadamard or 16)
     _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
-        BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
+        TLOAD=tload, BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
     return amax
 
 
@@ -406,10 +429,11 @@ def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = Non
          config: Optional[dict] = None) -> torch.Tensor:
     """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
     passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(x.device, config)
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
-    return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg)
+    return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
+                 bool(transpose and cfg["t_impl"]))
 
 
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
@@ -421,7 +445,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
     NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
     """
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(x.device, config)
     if x.dim() != 2:
         raise ValueError(f"quantize kernel takes a 2D tensor, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -450,7 +474,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if R == 0 or K == 0:
         gscale.zero_()
         return codes, scales, gscale
-    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg)
+    tload = bool(transpose and cfg["t_impl"])
+    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
@@ -462,7 +487,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
         G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
         ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
-        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], BR=br, BC=bc, num_warps=cfg["q_warps"], **opts)
+        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=cfg["q_warps"],
+        **opts)
     return codes, scales, gscale
 
 
@@ -470,7 +496,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
                signs: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16,
                config: Optional[dict] = None) -> torch.Tensor:
     """Launch the NVFP4 dequantize kernel: [R, C/2] codes + [R, C/16] scale bytes -> [R, C] in ``dtype``."""
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(codes.device, config)
     R, K = codes.shape[0], codes.shape[1] * 2
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
