@@ -79,6 +79,8 @@ def _(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=N
 @torch.library.custom_op("fp4compile::dequantize", mutates_args=())
 def dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
                signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    if hadamard and signs is None:
+        raise ValueError("dequantize with hadamard needs the signs used to quantize")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
     if hadamard:
         vals = inverse_rht(vals, signs)

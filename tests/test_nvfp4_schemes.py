@@ -267,3 +267,6 @@ def test_op_bad_inputs():
         torch.ops.fp4compile.quantize(torch.ones(16, 16), "nearest")
     with pytest.raises(TypeError):
         torch.ops.fp4compile.quantize(torch.ones(16, 16, dtype=torch.int64))
+    c, s, g = torch.ops.fp4compile.quantize(torch.ones(16, 32), hadamard=16, signs=torch.ones(16))
+    with pytest.raises(ValueError, match="signs"):
+        torch.ops.fp4compile.dequantize(c, s, g, 16)

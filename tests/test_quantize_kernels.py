@@ -123,6 +123,8 @@ def test_launcher_errors():
     with pytest.raises(ValueError, match="signs"):
         K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
                      torch.ones(()), hadamard=16)
+    with pytest.raises(ValueError, match="scales"):
+        K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.uint8), torch.ones(()))
 
 
 # ---------------------------------------------------------------------------------------------- GPU

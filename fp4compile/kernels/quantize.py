@@ -20,7 +20,6 @@ The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``for
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -500,6 +499,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     R, K = codes.shape[0], codes.shape[1] * 2
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
+    if codes.dim() != 2 or tuple(scales.shape) != (R, K // 16):
+        raise ValueError(f"dequantize expects codes [R, C/2] and scales [R, C/16], got {tuple(codes.shape)} "
+                         f"and {tuple(scales.shape)}")
     dev = codes.device
     sg = prepare_signs(signs, hadamard, dev)
     out = torch.empty((R, K), dtype=dtype, device=dev)
