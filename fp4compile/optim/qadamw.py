@@ -390,7 +390,7 @@ class QAdamW(Optimizer):
         """Load a state dict; every entry is validated first, so a bad one raises and changes nothing."""
         validate_loadable(self, state_dict)
         super().load_state_dict(state_dict)
-        post_load(self)
+        post_load(self, state_dict)
 
 
 def validate_loadable(opt: Optimizer, state_dict, extra_keys=()):
@@ -416,11 +416,20 @@ def validate_loadable(opt: Optimizer, state_dict, extra_keys=()):
             validate_state(p, merged, st, f"param {pid} (group {gi}, shape {tuple(p.shape)})", extra_keys)
 
 
-def post_load(opt: Optimizer):
-    for group in opt.param_groups:
-        for p in group["params"]:
+def post_load(opt: Optimizer, state_dict):
+    """Undo torch's cast of floating state to the parameter dtype (FP32 moments of a BF16 parameter must stay
+    FP32 for a bit-exact resume) and move the step counters to the parameter's device."""
+    saved_groups = state_dict["param_groups"]
+    for group, sg in zip(opt.param_groups, saved_groups):
+        for p, pid in zip(group["params"], sg["params"]):
             st = opt.state.get(p)
-            if st and "step" in st:
+            saved = state_dict["state"].get(pid)
+            if not st or saved is None:
+                continue
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dtype != p.dtype:
+                    st[k] = v.detach().to(device=p.device).clone()
+            if "step" in st:
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
 
