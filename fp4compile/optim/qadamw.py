@@ -6,10 +6,12 @@ Per parameter of at least ``min_numel`` elements, 2-D or more, with ``numel % ti
 
 * first moment m: flat vector -> RHT-``m_hadamard`` (fixed random signs per tensor, kept in the state)
   -> NVFP4 with stochastic rounding and 4/6 block scaling (defaults; configurable);
-* second moment v: r = sqrt(v) -> BF16 mean of each ``tile`` (128) consecutive elements subtracted ->
-  RHT-``v_hadamard`` -> NVFP4 (RTN by default, SR configurable); reconstruction v = max(deq + mean, 0)^2.
+* second moment v: r = sqrt(v) -> BF16 mean of each ``tile`` (32) consecutive elements subtracted ->
+  RHT-``v_hadamard`` -> NVFP4 (RTN + 4/6 by default, SR configurable); reconstruction v = max(deq + mean, 0)^2
+  (clamped at the block's resolution, see ``codec.decode_v_sqrt``). Tile 32 and 4/6 were chosen on real
+  tiny-GPT states (docs/OPTIM.md): tile 128 spans several rows of narrow matrices and loses the row scale.
   The update's denominator uses the reconstructed sqrt(v) directly, plus eps (> 0 keeps it finite).
-* 4.6 + 4.6 bits/element of state (incl. scales, means) instead of 64 bits for FP32 AdamW (~0.14x).
+* 4.5 + 5.0 bits/element of state (incl. scales, means) instead of 64 bits for FP32 AdamW (~0.15x).
 
 Smaller, 1-D, or indivisible tensors keep FP32 ``exp_avg``/``exp_avg_sq`` exactly as torch's AdamW.
 
@@ -266,8 +268,8 @@ def check_group(group: dict):
         raise ValueError(f"bf16_master must be one of {_MASTER}, got {group['bf16_master']!r}")
 
 
-QADAMW_DEFAULTS = dict(quantize=True, min_numel=4096, tile=128, m_hadamard=16, v_hadamard=16,
-                       m_rounding="sr", m_four_over_six=True, v_rounding="rtn", v_four_over_six=False,
+QADAMW_DEFAULTS = dict(quantize=True, min_numel=4096, tile=32, m_hadamard=16, v_hadamard=16,
+                       m_rounding="sr", m_four_over_six=True, v_rounding="rtn", v_four_over_six=True,
                        bf16_master="sr", seed=0)
 
 
@@ -330,9 +332,9 @@ class QAdamW(Optimizer):
     Quantization (also settable per param group):
         quantize: False keeps FP32 states for the group (plain AdamW).
         min_numel: tensors with fewer elements (or 1-D, or numel % tile != 0) keep FP32 states (4096).
-        tile: second-moment mean tile (128 elements, one BF16 mean each).
+        tile: second-moment mean tile (32 elements, one BF16 mean each).
         m_hadamard / v_hadamard: RHT size for m / v (16; None disables).
-        m_rounding, m_four_over_six: "sr", True.   v_rounding, v_four_over_six: "rtn", False.
+        m_rounding, m_four_over_six: "sr", True.   v_rounding, v_four_over_six: "rtn", True.
         bf16_master: how BF16 parameters absorb FP32 updates: "sr" | "kahan" | "rtn".
         seed: base seed of the per-tensor Hadamard signs and stochastic-rounding streams.
     compile: torch.compile each per-parameter step (None: on CUDA only).
