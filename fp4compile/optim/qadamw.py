@@ -92,8 +92,8 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     m = codec.decode_m(m_codes, m_scales, m_gbits, ms)
     r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True)
     m = torch.lerp(m, g32, 1 - beta1)
-    v = (r * r) * beta2 + (g32 * g32) * (1 - beta2)
-    r = v.sqrt()
+    # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
+    r = torch.hypot(r * math.sqrt(beta2), g32 * math.sqrt(1 - beta2))
     bc1 = 1 - torch.pow(beta1, step)
     bc2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
     denom = r / bc2_sqrt + eps
@@ -419,8 +419,9 @@ def validate_loadable(opt: Optimizer, state_dict, extra_keys=()):
 
 
 def post_load(opt: Optimizer, state_dict):
-    """Undo torch's cast of floating state to the parameter dtype (FP32 moments of a BF16 parameter must stay
-    FP32 for a bit-exact resume) and move the step counters to the parameter's device."""
+    """Undo torch's cast of every state tensor to the parameter dtype (``Optimizer.load_state_dict`` casts
+    integer codes too, and FP32 moments of a BF16 parameter must stay FP32 for a bit-exact resume) and move
+    the step counters to the parameter's device."""
     saved_groups = state_dict["param_groups"]
     for group, sg in zip(opt.param_groups, saved_groups):
         for p, pid in zip(group["params"], sg["params"]):
@@ -429,7 +430,7 @@ def post_load(opt: Optimizer, state_dict):
             if not st or saved is None:
                 continue
             for k, v in saved.items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" and v.dtype != p.dtype:
+                if isinstance(v, torch.Tensor) and k != "step" and v.dtype != p.dtype:
                     st[k] = v.detach().to(device=p.device).clone()
             if "step" in st:
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
