@@ -118,9 +118,28 @@ _COMPILED = {}
 
 
 def _compiled(fn):
+    """``torch.compile(fn, fullgraph=True)``, falling back to eager ``fn`` (one warning) if compilation fails."""
     c = _COMPILED.get(fn)
     if c is None:
-        c = _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        compiled = torch.compile(fn, fullgraph=True)
+
+        def c(*args, **kwargs):
+            if _COMPILED.get((fn, "failed")):
+                return fn(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as e:  # compile-time failure: the step has not run yet
+                from torch._dynamo.exc import TorchDynamoException
+                from torch._inductor.exc import InductorError
+
+                if not isinstance(e, (TorchDynamoException, InductorError)):
+                    raise
+                _COMPILED[(fn, "failed")] = True
+                _warn_once(f"fp4compile.optim: torch.compile of {fn.__name__} failed ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}); running the eager torch step instead")
+                return fn(*args, **kwargs)
+
+        _COMPILED[fn] = c
     return c
 
 
