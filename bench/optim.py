@@ -160,11 +160,36 @@ def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
                      ns_share_bf16=min(1.0, nb / tb), ns_share_nvfp4=min(1.0, nq / tq)))
 
 
+def check_compiled(device, rows):
+    """Correctness on this device: codec RTN vs the format reference (bitwise), compiled vs eager Q-AdamW."""
+    from fp4compile.formats import nvfp4
+    from fp4compile.optim import codec
+
+    x = torch.randn(1 << 16, device=device) * torch.rand(1 << 16, device=device) ** 3
+    c, sc, g = codec.encode(x, rounding="rtn", four_over_six=True)
+    c2, s2, g2 = nvfp4.quantize_rtn_(x, False, True)
+    codec_ok = torch.equal(c, c2) and torch.equal(sc, s2.view(torch.uint8)) and torch.equal(g, g2)
+    out = []
+    for comp in (False, True):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(512, 256, device=device))
+        opt = QAdamW([p], lr=1e-3, compile=comp)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        for _ in range(5):
+            p.grad = torch.randn(512, 256, generator=gen).to(device)
+            opt.step()
+        out.append((p.detach().clone(), opt.state[p]["m_codes"].clone()))
+    (pe, me), (pc, mc) = out
+    rows.append(dict(section="check", codec_rtn_bitwise=codec_ok,
+                     compiled_vs_eager_param_maxdiff_over_lr=float((pe - pc).abs().max()) / 1e-3,
+                     compiled_vs_eager_m_codes_mismatch=float((me != mc).float().mean())))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: adamw,peak,root")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,peak,root")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -172,6 +197,8 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
     rows, t_start = [], time.perf_counter()
     jobs = []
+    if "check" not in skip:
+        jobs.append(("check", lambda: check_compiled(device, rows)))
     if "adamw" not in skip:
         jobs += [("adamw " + k, lambda k=k, c=c: bench_adamw(k, c, device, iters, warmup, rows)) for k, c in sets.items()]
     if "peak" not in skip:
