@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..formats.nvfp4 import E4M3_MAX, e2m1_rne_codes, e4m3_rne, pack_nibbles, unpack_nibbles
+from ..formats.nvfp4 import E4M3_MAX, e2m1_rne_codes, e4m3_rne, pack_nibbles, tree_sum, unpack_nibbles
 
 M32 = 0xFFFFFFFF
 
@@ -154,7 +154,8 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
 
         def sse(sf_, enc_):
             q = e2m1_decode(e2m1_rne_codes(xb * enc_.unsqueeze(-1))) * (sf_ * gscale).unsqueeze(-1)
-            return ((xb.double() - q.double()) ** 2).sum(-1)
+            d = xb.double() - q.double()
+            return tree_sum(d * d)  # the format reference's fixed pairwise order
 
         pick4 = sse(sf4, enc4) < sse(sf, enc)
         stored = torch.where(pick4, sf4, sf).to(torch.float8_e4m3fn)
