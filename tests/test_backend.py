@@ -207,7 +207,10 @@ def test_weight_quantizes_are_must_recompute():
     prim = [n for n in bwd.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp4compile.quantize.default
             and n.args[0].op == "placeholder" and n.args[0].meta["val"].shape in ((128, 64), (96, 128), (32, 96))]
     assert len(prim) == 3, bwd.code
-    assert all(n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE or True for n in prim)
+    fwd = [gm for kind, gm in rec.partitions if kind == "fwd"][0]
+    tagged = [n for n in fwd.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+              and n.target is torch.ops.fp4compile.quantize.default]
+    assert len(tagged) == 3 and all(n.args[0].op == "placeholder" for n in tagged)     # the 3 fwd W copies
 
 
 def test_policy_change_recompiles_same_policy_same_key():
@@ -297,7 +300,7 @@ def test_rht_signs_are_drawn_fresh_every_step():
     assert all(rel(g, exact.a.weight.grad) < 0.3 for g in grads)
     g = rec.graphs[0]
     signs = [n for n, a in g.nodes(data=True) if a["target"] == "fp4compile.rht_signs.default"]
-    assert len(signs) == 5                                   # one per backward GEMM (layer a has no dgrad)
+    assert len(signs) == 6                                   # one per backward GEMM (3 dgrad + 3 wgrad)
     assert all(a["side"] == "bwd" for n, a in g.nodes(data=True) if n in signs)
 
 
@@ -349,12 +352,14 @@ def test_matmul_with_parameter_and_conv1d_style_addmm_sites():
     exact = copy.deepcopy(model)
     compiled, rec = compile_recorded(model, RTN)
     x = torch.randn(48, 64, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
     compiled(x).sum().backward()
-    exact(x).sum().backward()
+    exact(xe).sum().backward()
     sites = rec.report().sites
     assert len(sites) == 6 and all(s.precision == "nvfp4" for s in sites), [str(s) for s in sites]
-    assert rel(model.w.grad, exact.w.grad) < 0.3 and rel(x.grad, None or exact(x).new_zeros(0).new_tensor(
-        torch.autograd.grad(exact(x).sum(), x)[0])) < 0.3
+    assert {s.path for s in sites} == {""}                        # issued by the root module
+    for p, pe in ((model.w, exact.w), (model.v, exact.v), (x, xe)):
+        assert 0 < rel(p.grad, pe.grad) < 0.3
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -363,6 +368,7 @@ def test_transformers_models_train_with_all_linears_nvfp4(arch):
     torch.manual_seed(0)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       attn_implementation="sdpa")
         model = transformers.GPT2LMHeadModel(cfg)
         kinds = (nn.Linear, transformers.pytorch_utils.Conv1D)
@@ -373,21 +379,25 @@ def test_transformers_models_train_with_all_linears_nvfp4(arch):
         model = transformers.LlamaForCausalLM(cfg)
         kinds = (nn.Linear,)
     exact = copy.deepcopy(model)
+    ref = use_reference_linears(copy.deepcopy(model))
     compiled, rec = compile_recorded(model, RTN)
     x, _ = batch(0, B=2, T=32)
     loss = compiled(input_ids=x, labels=x).loss
     loss.backward()
     exact(input_ids=x, labels=x).loss.backward()
+    loss_ref = ref(input_ids=x, labels=x).loss
+    loss_ref.backward()
     paths = {n for n, m in model.named_modules() if isinstance(m, kinds)}
     sites = rec.report().sites
     by = {(s.path, s.role): s.precision for s in sites}
     for p in paths:
         for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
             assert by.get((p, role)) == "nvfp4", (p, role, sorted(by))
-    assert torch.isfinite(loss)
-    for (n, p), pe in zip(model.named_parameters(), exact.parameters()):
+    assert torch.isfinite(loss) and abs(loss.item() - loss_ref.item()) < 1e-4
+    # same criterion as the nanoGPT test: far closer to the same-op reference than FP4 is to fp32
+    for (n, p), pr, pe in zip(model.named_parameters(), ref.parameters(), exact.parameters()):
         if pe.grad is not None and pe.grad.norm() > 0:
-            assert rel(p.grad, pe.grad) < 0.5, n
+            assert rel(p.grad, pr.grad) < 0.2 * rel(pr.grad, pe.grad), (n, rel(p.grad, pr.grad), rel(pr.grad, pe.grad))
 
 
 # ------------------------------------------------------------------------------------------------
