@@ -75,7 +75,7 @@ def test_attention_pass_records_appear_in_report(monkeypatch):
     fake.swap_attention = swap_attention
     monkeypatch.setitem(sys.modules, "fp4compile.passes.attention", fake)
     torch.manual_seed(0)
-    rep = fp4compile.explain(GPT(n_layer=1), *batch(0), policy="full_stack")
+    rep = fp4compile.explain(GPT(n_layer=1), *batch(0), policy=RTN.override("*", "bf16", role="attn.pv"))
     attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
     assert set(attn) == set(ATTN_ROLES)
     assert attn["attn.qk"].precision == "nvfp4" and attn["attn.pv"].precision == "bf16"
