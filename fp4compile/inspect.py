@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 

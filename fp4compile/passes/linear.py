@@ -34,7 +34,7 @@ from torch.fx import Graph, Node
 from ..policy import NVFP4, Precision
 from .assign import SITE_KEY
 from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
-from .reuse import QCopy, QSpec, QuantCache
+from .reuse import QSpec, QuantCache
 
 GEMM = torch.ops.fp4compile.gemm.default
 

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Dict, Optional, Set, Tuple
 
 import torch
