@@ -222,10 +222,11 @@ class _FQLinear(torch.autograd.Function):
         r = ctx.bwd_rounding
         h = _had(gy.shape[1])
         s = random_signs(h, ctx.gen, device=gy.device) if h else None
-        dx = _fq(gy, r, hadamard=h, signs=s) @ _fq(w.T.contiguous().float(), r, hadamard=h, signs=s).T
+        dx = _fq(gy, rounding=r, hadamard=h, signs=s) @ _fq(w.T.contiguous().float(), rounding=r, hadamard=h, signs=s).T
         h2 = _had(gy.shape[0])
         s2 = random_signs(h2, ctx.gen, device=gy.device) if h2 else None
-        dw = _fq(gy.T.contiguous(), r, hadamard=h2, signs=s2) @ _fq(x.T.contiguous().float(), r, hadamard=h2, signs=s2).T
+        dw = _fq(gy.T.contiguous(), rounding=r, hadamard=h2, signs=s2) @ _fq(x.T.contiguous().float(), rounding=r, hadamard=h2,
+                                                                   signs=s2).T
         return dx.to(x.dtype), dw.to(w.dtype), None, None
 
 

@@ -406,3 +406,43 @@ def test_bf16_model_forward_backward():
     m(x).float().square().mean().backward()
     for n, p in m.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
+
+
+# ------------------------------------------------------------------------------------------------------
+# through the fullstack_fp4 backend (CPU debug variant: same passes and partitioner, graphs run eagerly)
+def test_fullstack_backend_residual_nvfp4_lowrank_bf16():
+    from fp4compile.policy import BF16, NVFP4, Policy
+
+    torch.manual_seed(14)
+    policy = Policy((), "rtn+lora").override("*", NVFP4("rtn")).override("*lm_head*", BF16) \
+        .override(LORA_BF16_GLOB, BF16)
+    model = MLP(d=32, h=64)
+    prepare(model, rank=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)      # so that fc1 has a dgrad too
+
+    report = fp4compile.explain(model, x, policy=policy)
+    prec = {}
+    for s in report.sites:
+        prec.setdefault((s.path, s.role), set()).add(s.precision)
+    for path in ("fc1", "fc2"):
+        for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
+            assert prec.get((path, role)) == {"nvfp4"}, (path, role, prec)
+    lora_paths = {p for p, _ in prec if p.endswith((".lora_a", ".lora_b"))}
+    assert lora_paths == {"fc1.lora_a", "fc1.lora_b", "fc2.lora_a", "fc2.lora_b"}, prec
+    assert all(prec[k] == {"bf16"} for k in prec if k[0] in lora_paths)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "debug": True},
+                             fullgraph=True)
+    loss = compiled(x).square().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    # the constrained backward still applies to the NVFP4 wgrad of the residual
+    m = model.fc1
+    u, v = cholesky_qr(m.lora_b.weight.detach()), cholesky_qr(m.lora_a.weight.detach().T)
+    assert (u.T @ m.weight.grad @ v).abs().max() < 1e-5 * m.weight.grad.abs().max()
+    # and the compiled (NVFP4) loss differs from the exact one: the residual really is quantized
+    assert (loss - model(x).square().mean()).abs() > 0
+    assert x.grad is not None and torch.isfinite(x.grad).all()
