@@ -308,8 +308,12 @@ def build(variant: str, args, cfg: GPTConfig, device, quant: str, bwd_rounding: 
         gen.manual_seed(args.seed + 1)
         emulate_nvfp4(model, bwd_rounding, gen)
     if nvfp4 and quant == "backend":
-        pol = fp4compile.Policy.quartet2().override("*lm_head*", "bf16").override(LORA_BF16_GLOB, "bf16")
-        fwd = torch.compile(model, backend="fullstack_fp4", options={"policy": pol})
+        pol = fp4compile.Policy.quartet2().override("*lm_head*", "bf16")
+        if handle is not None:
+            pol = pol.override(LORA_BF16_GLOB, "bf16")
+        # on CPU the backend's debug variant (same passes, partitioned graphs run eagerly): Inductor's C++
+        # compile takes minutes on a small CPU box
+        fwd = torch.compile(model, backend="fullstack_fp4", options={"policy": pol, "debug": device.type == "cpu"})
     elif args.compile:
         fwd = torch.compile(model)
     return model, fwd, opt, handle
@@ -433,7 +437,7 @@ def main(argv=None):
         prepare_data(args.prepare_data, args.train_tokens, args.val_tokens, DATA)
         return
     if args.tiny:
-        args.d, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
+        args.d, args.layers, args.heads, args.seq, args.batch = 128, 2, 2, 64, 4   # dims % 128 for RHT-128
         args.rank = min(args.rank, 8)
         args.train_tokens, args.val_tokens = min(args.train_tokens, 120_000), min(args.val_tokens, 16_384)
         args.eval_batches = min(args.eval_batches, 4)

@@ -446,3 +446,51 @@ def test_fullstack_backend_residual_nvfp4_lowrank_bf16():
     # and the compiled (NVFP4) loss differs from the exact one: the residual really is quantized
     assert (loss - model(x).square().mean()).abs() > 0
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_zero_initialised_layer_gets_factors_at_realignment():
+    """A zero weight gives zero factors (they cannot move); the residual trains, and realignment then
+    captures its top-r subspace even though the warm start (the null factors' row space) is empty."""
+    torch.manual_seed(15)
+    lin = nn.Linear(48, 40)
+    with torch.no_grad():
+        lin.weight.zero_()
+    m = LoRASVDLinear.from_linear(lin, 4)
+    assert m.lora_a.weight.abs().max() == 0 and m.lora_b.weight.abs().max() == 0
+    x = torch.randn(8, 48)
+    m(x).square().sum().backward()                       # no NaN from the zero bases
+    assert torch.isfinite(m.weight.grad).all() and m.lora_a.weight.grad.abs().max() == 0
+    u, _ = torch.linalg.qr(torch.randn(40, 6))
+    v, _ = torch.linalg.qr(torch.randn(48, 6))
+    with torch.no_grad():
+        m.weight.copy_((u * torch.tensor([9.0, 7, 5, 3, 0.1, 0.05])) @ v.T)
+    m.realign_(oversample=2, niter=1, generator=torch.Generator().manual_seed(0))
+    q = torch.linalg.qr(m.lora_b.weight.detach()).Q
+    assert torch.linalg.svdvals(q.T @ u[:, :4]).min() > 0.99
+
+
+def test_two_attached_optimizers_count_one_clock():
+    torch.manual_seed(16)
+    model = MLP()
+    h = prepare(model, rank=2, realign_every=2)
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    o1, o2 = torch.optim.SGD(mats, lr=1e-2, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)
+    h.attach(o1).attach(o2)
+    for _ in range(4):
+        model(torch.randn(4, 32)).square().mean().backward()
+        o1.step()
+        o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    assert h.steps == 4 and h.realignments == 2
+    assert h.state_dict() == {"steps": 4, "realignments": 2}
+
+
+def test_optimizer_built_before_prepare_warns():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    h = prepare(model, rank=2).attach(opt)
+    model(torch.randn(4, 32)).sum().backward()
+    with pytest.warns(UserWarning, match="do not hold"):
+        opt.step()
