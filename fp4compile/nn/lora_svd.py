@@ -102,7 +102,7 @@ import fnmatch
 import math
 import warnings
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
