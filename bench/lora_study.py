@@ -471,7 +471,7 @@ def main(argv=None):
     if not steps:
         if not args.budget_seconds:
             raise SystemExit("give --steps or --budget-seconds")
-        args.realign_every = args.realign_every or 1000
+        user_realign, args.realign_every = args.realign_every, 10 ** 9     # no realignment inside the probes
         t_probe, probe, fixed = time.time(), {}, 0.0
         n_probe = args.timing_warmup + 5
         for v in variants:
@@ -482,6 +482,7 @@ def main(argv=None):
         left = args.budget_seconds - (time.time() - t_probe) - fixed          # the real runs pay `fixed` again
         left -= 9 * args.eval_batches / 3 * per_step                           # ~9 evals, forward ~ 1/3 step
         steps = max(20, int(0.9 * left / per_step))
+        args.realign_every = user_realign
         if left <= 0:
             print(f"[budget] {args.budget_seconds}s does not cover probing/compilation; running the minimum 20 steps")
         print(f"probe step times {json.dumps({k: round(v, 4) for k, v in probe.items()})} -> {steps} steps/variant")
