@@ -288,6 +288,7 @@ def quant_error_probe(d: int, rank: int, tokens: int, seed: int, bwd_rounding: s
     weight plus a rank-8 spike (sigma_1..8 = 5x the bulk edge, like trained weights' leading directions).
     Activations X ~ N(0, 1) with a few outlier channels; dY ~ N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)                       # MS-EDEN / SR draw from the default generator
     out_f = 4 * d
     x = torch.randn(tokens, d, generator=g)
     x[:, :4] *= 8.0
