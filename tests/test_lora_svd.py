@@ -368,8 +368,8 @@ def test_attach_realigns_on_schedule_and_uses_optimizer_protocol():
 
 
 def test_loss_curve_has_no_spike_at_realignment():
-    """Tiny LM-like regression with AdamW; realign every 25 steps. The loss right after each realignment
-    must not jump above its pre-realignment value by more than the run's typical step-to-step noise."""
+    """Tiny classification task, full batch, AdamW; realign every 25 steps. No jump and no slow-down of the
+    (here strictly monotone) loss at the realignments."""
     torch.manual_seed(12)
     d, vocab = 32, 48
     teacher = MLP(d, 64, vocab)
@@ -392,9 +392,13 @@ def test_loss_curve_has_no_spike_at_realignment():
             changes.append(max(h.last_realign.values()))
     assert h.realignments == 4 and max(changes) < 1e-5
     diffs = [losses[i + 1] - losses[i] for i in range(len(losses) - 1)]
-    noise = max(abs(d_) for d_ in diffs[50:])
-    for t in (24, 49, 74):                                   # loss[t] is the last loss before realignment t+1
-        assert losses[t + 1] - losses[t] <= max(noise, 1e-3), (t, losses[t - 2:t + 4])
+    # full-batch AdamW: the loss decreases at every step, realignments included ...
+    assert max(diffs) < 0, [(i, d_) for i, d_ in enumerate(diffs) if d_ >= 0]
+    # ... and a realignment does not even slow the decrease down: losses[t] is the last loss before the
+    # realignment after optimizer step t + 1, diffs[t] the change across it, diffs[t + 1] the change made by
+    # the first update with the remapped optimizer state
+    for t in (24, 49, 74):
+        assert max(diffs[t], diffs[t + 1]) <= 0.5 * diffs[t - 1], (t, diffs[t - 2:t + 3])
     assert losses[-1] < 0.7 * losses[0]
 
 
