@@ -53,7 +53,7 @@ def test_preset_sizes():
     assert abs(config_from_preset("124m", vocab_size=50304).num_params() / 1e6 - 123.6) < 1
     assert abs(config_from_preset("350m", vocab_size=50304).num_params() / 1e6 - 360) < 5
     assert abs(config_from_preset("1b", vocab_size=50304).num_params() / 1e9 - 1.03) < 0.02
-    for name in ("cpu", "gpu-demo", "30m", "124m", "350m", "1b"):
+    for name in PRESETS:
         c = config_from_preset(name)
         assert c.d_model % 128 == 0 and c.hidden % 128 == 0, name        # Hadamard-128 friendly
     with pytest.raises(ValueError, match="unknown model preset"):
