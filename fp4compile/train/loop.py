@@ -238,25 +238,91 @@ def _call_supported(fn, *args, **kwargs):
 
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
-    """LoRA-SVD reparametrization of the model's linears (not the tied LM head)."""
+    """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
-                           realign_every=cfg.lora_realign_every, exclude=["lm_head"])
+                           realign_every=cfg.lora_realign_every, seed=cfg.seed)
+
+
+def lora_state(handle) -> dict:
+    """What a LoRA-SVD handle needs to realign on schedule after a resume (step count, RNG of the SVDs)."""
+    if hasattr(handle, "state_dict"):
+        return handle.state_dict()
+    return {"steps": handle.steps, "realignments": handle.realignments,
+            "generators": {str(d): g.get_state() for d, g in handle._generators.items()}}
+
+
+def load_lora_state(handle, state: dict) -> None:
+    if hasattr(handle, "load_state_dict"):
+        handle.load_state_dict(state)
+        return
+    handle.steps, handle.realignments = state["steps"], state["realignments"]
+    for dev, st in state["generators"].items():
+        g = torch.Generator(device=dev)
+        g.set_state(st)
+        handle._generators[torch.device(dev)] = g
 
 
 class OptimizerList:
-    """Several optimizers stepped as one (QRoot for matrices + AdamW/QAdamW for the rest)."""
+    """Several optimizers stepped as one (QRoot for matrices + AdamW/QAdamW for the rest).
+
+    It offers what the LR schedule and LoRA-SVD's realignment use: ``param_groups``, a merged ``state``
+    view, ``register_step_post_hook`` (hooks run after all optimizers stepped), and per-parameter
+    ``remap_param_state``/``reset_param_state`` routed to the optimizer that owns the parameter."""
 
     def __init__(self, *optimizers):
         self.optimizers = list(optimizers)
+        self._post_hooks: Dict[int, Any] = {}
 
     @property
     def param_groups(self):
         return [g for o in self.optimizers for g in o.param_groups]
 
+    @property
+    def state(self):
+        merged: Dict[Any, Any] = {}
+        for o in self.optimizers:
+            merged.update(o.state)
+        return merged
+
     def step(self):
         for o in self.optimizers:
             o.step()
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
+
+    def register_step_post_hook(self, hook):
+        key = max(self._post_hooks, default=-1) + 1
+        self._post_hooks[key] = hook
+        hooks = self._post_hooks
+
+        class _Handle:
+            def remove(self):
+                hooks.pop(key, None)
+
+        return _Handle()
+
+    def _owner(self, p):
+        for o in self.optimizers:
+            if any(q is p for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError("parameter not held by any optimizer")
+
+    def remap_param_state(self, p, linear, quadratic):
+        owner = self._owner(p)
+        if hasattr(owner, "remap_param_state"):
+            return owner.remap_param_state(p, linear, quadratic)
+        from ..nn.lora_svd import _remap_param_state
+
+        return _remap_param_state(owner, p, "project", (linear, quadratic))
+
+    def reset_param_state(self, p):
+        owner = self._owner(p)
+        if hasattr(owner, "reset_param_state"):
+            return owner.reset_param_state(p)
+        from ..nn.lora_svd import _remap_param_state
+
+        return _remap_param_state(owner, p, "reset", None)
 
     def zero_grad(self, set_to_none: bool = True):
         for o in self.optimizers:
@@ -584,9 +650,13 @@ def train(cfg: TrainConfig) -> RunResult:
 
     # 3. policy, optimizer, LR schedule
     policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
+    if policy is not None and lora_handle is not None:
+        from ..nn import LORA_BF16_GLOB
+
+        policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
     optimizer = build_optimizer(model, cfg, policy, device)
-    if lora_handle is not None and hasattr(lora_handle, "attach"):
-        lora_handle.attach(optimizer)                 # realignment remaps optimizer state
+    if lora_handle is not None:
+        lora_handle.attach(optimizer)                 # realign every realign_every steps, remap optimizer state
     schedule = LRSchedule(optimizer, cfg)
 
     # 4. resume
@@ -598,6 +668,8 @@ def train(cfg: TrainConfig) -> RunResult:
                 (out_dir / "checkpoint.old").rename(ckpt_dir)
             state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
             start_step = resume_step = state["step"]
+            if lora_handle is not None:
+                load_lora_state(lora_handle, state["lora"])
             if is_main:
                 print(f"[fp4compile] resumed {ckpt_dir} at step {start_step}", file=sys.stderr)
         elif is_main:
@@ -654,8 +726,10 @@ def train(cfg: TrainConfig) -> RunResult:
 
     def checkpoint(step):
         if is_main:
-            save_checkpoint(out_dir, model, optimizer, schedule, cfg, step,
-                            {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)})
+            extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
+            if lora_handle is not None:
+                extra["lora"] = lora_state(lora_handle)
+            save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
 
     step = start_step
     with _sigint_flag() as flag:
@@ -674,8 +748,6 @@ def train(cfg: TrainConfig) -> RunResult:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if lora_handle is not None and hasattr(lora_handle, "step"):
-                lora_handle.step()                    # periodic randomized-SVD realignment
             step += 1
             pending.append((step, loss_sum / cfg.grad_accum, lr))
             if step % cfg.log_interval == 0 or step == cfg.steps:
