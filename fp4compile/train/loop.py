@@ -65,6 +65,7 @@ class TrainConfig:
     # precision
     backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
     policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
+    backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
     lora_rank: Optional[int] = None           # None: prepare()'s default
@@ -419,7 +420,8 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
         from torch._dynamo.backends.registry import list_backends
 
         backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
-        return torch.compile(model, backend=backend, options={"policy": policy})
+        options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {})}
+        return torch.compile(model, backend=backend, options=options)
     return torch.compile(model, backend=cfg.backend)
 
 
@@ -807,6 +809,7 @@ def train(cfg: TrainConfig) -> RunResult:
         "peak_mem_mib": peak_memory_mib(device),
         "params": model.num_params(),
         "backend": cfg.backend,
+        "backend_debug": cfg.backend_debug,
         "policy": cfg.policy if policy is not None else None,
         "optimizer": cfg.optimizer,
         "lora": cfg.lora,
