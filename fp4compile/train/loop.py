@@ -72,7 +72,7 @@ class TrainConfig:
     lora_beta: Optional[float] = None
     lora_realign_every: Optional[int] = None
     # optimizer and schedule
-    optimizer: str = "adamw"                  # adamw | qadamw | qroot (QRoot + QAdamW) | qroot+adamw
+    optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
     min_lr_ratio: float = 0.1
@@ -264,108 +264,30 @@ def load_lora_state(handle, state: dict) -> None:
         handle._generators[torch.device(dev)] = g
 
 
-class OptimizerList:
-    """Several optimizers stepped as one (QRoot for matrices + AdamW/QAdamW for the rest).
-
-    It offers what the LR schedule and LoRA-SVD's realignment use: ``param_groups``, a merged ``state``
-    view, ``register_step_post_hook`` (hooks run after all optimizers stepped), and per-parameter
-    ``remap_param_state``/``reset_param_state`` routed to the optimizer that owns the parameter."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = list(optimizers)
-        self._post_hooks: Dict[int, Any] = {}
-
-    @property
-    def param_groups(self):
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self):
-        merged: Dict[Any, Any] = {}
-        for o in self.optimizers:
-            merged.update(o.state)
-        return merged
-
-    def step(self):
-        for o in self.optimizers:
-            o.step()
-        for hook in list(self._post_hooks.values()):
-            hook(self, (), {})
-
-    def register_step_post_hook(self, hook):
-        key = max(self._post_hooks, default=-1) + 1
-        self._post_hooks[key] = hook
-        hooks = self._post_hooks
-
-        class _Handle:
-            def remove(self):
-                hooks.pop(key, None)
-
-        return _Handle()
-
-    def _owner(self, p):
-        for o in self.optimizers:
-            if any(q is p for g in o.param_groups for q in g["params"]):
-                return o
-        raise KeyError("parameter not held by any optimizer")
-
-    def remap_param_state(self, p, linear, quadratic):
-        owner = self._owner(p)
-        if hasattr(owner, "remap_param_state"):
-            return owner.remap_param_state(p, linear, quadratic)
-        from ..nn.lora_svd import _remap_param_state
-
-        return _remap_param_state(owner, p, "project", (linear, quadratic))
-
-    def reset_param_state(self, p):
-        owner = self._owner(p)
-        if hasattr(owner, "reset_param_state"):
-            return owner.reset_param_state(p)
-        from ..nn.lora_svd import _remap_param_state
-
-        return _remap_param_state(owner, p, "reset", None)
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, sd):
-        if len(sd.get("optimizers", ())) != len(self.optimizers):
-            raise ValueError("optimizer state has a different number of optimizers")
-        for o, s in zip(self.optimizers, sd["optimizers"]):
-            o.load_state_dict(s)
-
-
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, device=torch.device("cpu")):
-    """AdamW-family optimizer with weight decay on matrices only; QRoot takes the blocks' 2-D matrices."""
+    """AdamW / QAdamW with weight decay on matrices only, or QRoot: Root (Newton–Schulz in the policy's
+    ``optim.ns`` precision) for the blocks' 2-D matrices, (Q-)AdamW for embeddings, head and 1-D params."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2]
-    no_decay = [p for n, p in params if p.dim() < 2]
+    matrices = [p for n, p in params if p.dim() >= 2]
+    vectors = [p for n, p in params if p.dim() < 2]
     adam_kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
-    def adam(cls_name, groups):
-        if cls_name == "adamw":
+    if cfg.optimizer in ("adamw", "qadamw"):
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw":
             extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
             return torch.optim.AdamW(groups, **adam_kw, **extra)
         return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw)
-
-    if cfg.optimizer in ("adamw", "qadamw"):
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return adam(cfg.optimizer, groups)
-    # QRoot: hidden 2-D matrices (inside the blocks); embeddings, head and 1-D params go to (Q)AdamW.
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
-    matrices = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
-    ids = {id(p) for p in matrices}
-    rest_decay = [p for p in decay if id(p) not in ids]
-    root = _call_supported(QRoot, matrices, lr=cfg.matrix_lr or cfg.lr, weight_decay=cfg.weight_decay,
-                           policy=policy)
-    rest = adam("adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
-                [{"params": rest_decay, "weight_decay": cfg.weight_decay},
-                 {"params": no_decay, "weight_decay": 0.0}])
-    return OptimizerList(root, rest)
+    hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    groups = [{"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay,
+               "lr": cfg.matrix_lr or cfg.lr},
+              {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
+               "weight_decay": cfg.weight_decay},
+              {"params": vectors, "use_root": False, "weight_decay": 0.0}]
+    return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
+                           adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw", **adam_kw)
 
 
 class LRSchedule:
