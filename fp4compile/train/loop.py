@@ -330,7 +330,10 @@ class LRSchedule:
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
-    """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``."""
+    """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
+
+    ``dynamic=False``: a run has one batch shape (evaluation reuses it), and static shapes keep Dynamo from
+    handing symbolic sizes to the backend when several runs share a process (tests, ``demo --in-process``)."""
     if cfg.backend == "none":
         return model
     if cfg.backend == "fullstack_fp4":
@@ -343,8 +346,8 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
 
         backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
         options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {})}
-        return torch.compile(model, backend=backend, options=options)
-    return torch.compile(model, backend=cfg.backend)
+        return torch.compile(model, backend=backend, options=options, dynamic=False)
+    return torch.compile(model, backend=cfg.backend, dynamic=False)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -706,7 +709,8 @@ def train(cfg: TrainConfig) -> RunResult:
                 break
             if cfg.max_seconds is not None and step < cfg.steps:
                 elapsed = time.perf_counter() - t_start
-                typical = sorted(step_times)[len(step_times) // 2]
+                steady = step_times[2:] or step_times    # host times; on CUDA the log-step syncs amortize
+                typical = sum(steady) / len(steady)
                 if elapsed + 3 * typical + 30 > cfg.max_seconds:   # room for one more step + checkpoint
                     status = "time_budget"
                     break
