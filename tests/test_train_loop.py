@@ -45,7 +45,7 @@ def test_model_names_are_policy_friendly_and_tied():
     assert m.lm_head.weight is m.embed.weight
     assert m.num_params() == m.cfg.num_params()
     untied = GPT(config_from_preset("tiny", vocab_size=256, tie_embeddings=False))
-    assert untied.num_params() == untied.cfg.num_params() == m.num_params() + 256 * 64
+    assert untied.num_params() == untied.cfg.num_params() == m.num_params() + 256 * 128
 
 
 def test_preset_sizes():

@@ -164,7 +164,9 @@ def cmd_plot(args) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # demo
 
-DEMO_CPU = dict(model="cpu", batch_size=16, seq_len=128, steps=120, lr=3e-3, warmup_steps=10, eval_batches=8,
+#: CPU defaults sized for <= 3 minutes on 2 cores: the FP4 arm's reference quantize ops (torch, not Triton)
+#: make its steps ~7x slower than BF16's, so the budget buys ~60 steps of 2,048 byte tokens.
+DEMO_CPU = dict(model="cpu", batch_size=16, seq_len=128, steps=60, lr=3e-3, warmup_steps=6, eval_batches=4,
                 log_interval=10)
 DEMO_CUDA = dict(model="gpu-demo", batch_size=32, seq_len=512, steps=600, lr=2e-3, warmup_steps=50,
                  eval_batches=20, log_interval=25)
