@@ -164,7 +164,9 @@ def cmd_plot(args) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # demo
 
-DEMO_CPU = dict(model="cpu", batch_size=16, seq_len=128, steps=120, lr=3e-3, warmup_steps=10, eval_batches=8,
+#: CPU defaults sized for <= 3 minutes on 2 cores: the FP4 arm's reference quantize ops (torch, not Triton)
+#: make its steps ~7x slower than BF16's, so the budget buys ~60 steps of 2,048 byte tokens.
+DEMO_CPU = dict(model="cpu", batch_size=16, seq_len=128, steps=60, lr=3e-3, warmup_steps=6, eval_batches=4,
                 log_interval=10)
 DEMO_CUDA = dict(model="gpu-demo", batch_size=32, seq_len=512, steps=600, lr=2e-3, warmup_steps=50,
                  eval_batches=20, log_interval=25)
@@ -172,21 +174,31 @@ DEMO_QUICK = dict(model="tiny", batch_size=4, seq_len=64, steps=8, lr=3e-3, warm
                   log_interval=4)
 
 
-def demo_configs(out_dir: Path, quick: bool, device: str, overrides: Dict, bf16_backend: str,
-                 fp4_backend: str, policy: str):
-    """The two arms' TrainConfigs: identical except for the backend (and the policy it gets)."""
+def demo_configs(out_dir: Path, quick: bool, device: str, overrides: Dict, bf16_backend: Optional[str],
+                 fp4_backend: str, policy: str, fp4_debug: Optional[bool] = None):
+    """The two arms' TrainConfigs: identical except for the backend (and the policy it gets).
+
+    On CUDA both arms use Inductor (the FP4 arm through ``fullstack_fp4``). On a CPU, Inductor's C++
+    compilation would take most of the demo's 3-minute budget while buying nothing for a 1M-parameter
+    model, so by default the BF16 arm runs ``aot_eager`` and the FP4 arm the backend's debug variant
+    (the same FP4 graph passes, the partitioned graphs run eagerly)."""
     import torch
 
     from .loop import TrainConfig
 
     on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if bf16_backend is None:
+        bf16_backend = "inductor" if on_cuda else "aot_eager"
+    if fp4_debug is None:
+        fp4_debug = not on_cuda and fp4_backend == "fullstack_fp4"
     base = dict(DEMO_QUICK if quick else DEMO_CUDA if on_cuda else DEMO_CPU)
     base.update(tokenizer="bytes", train_data="stdlib", val_data="stdlib:val", device=device, eval_interval=0,
                 ckpt_interval=0, seed=0, optimizer="adamw")
     base.update({k: v for k, v in overrides.items() if v is not None})
     return {
         "bf16": TrainConfig(**base, out_dir=str(out_dir / "bf16"), backend=bf16_backend, policy="bf16"),
-        "nvfp4": TrainConfig(**base, out_dir=str(out_dir / "nvfp4"), backend=fp4_backend, policy=policy),
+        "nvfp4": TrainConfig(**base, out_dir=str(out_dir / "nvfp4"), backend=fp4_backend, policy=policy,
+                             backend_debug=fp4_debug),
     }
 
 
@@ -211,7 +223,7 @@ def demo_table(summaries: Dict[str, Dict]) -> str:
         gap = lambda k: "—" if name == "bf16" or s.get(k) is None else f"{100 * (s[k] - b[k]) / b[k]:+.2f}%"  # noqa
         rows.append((name, f"{s['loss']:.4f}", f"{s.get('val_loss', float('nan')):.4f}", gap("loss"),
                      gap("val_loss"), f"{s['tok_per_s']:,.0f}", f"{s['first_step_s']:.1f}",
-                     f"{s['peak_mem_mib']:,.0f}", s["backend"]))
+                     f"{s['peak_mem_mib']:,.0f}", s["backend"] + (" (debug)" if s.get("backend_debug") else "")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -224,14 +236,15 @@ def cmd_demo(args) -> int:
     out_dir = Path(args.out_dir)
     overrides = {k: getattr(args, k) for k in ("model", "steps", "batch_size", "seq_len", "lr", "threads")}
     cfgs = demo_configs(out_dir, args.quick, args.device, overrides, args.bf16_backend, args.fp4_backend,
-                        args.policy)
+                        args.policy, args.fp4_debug)
     for c in cfgs.values():
         shutil.rmtree(c.out_dir, ignore_errors=True)
         c.progress = not args.no_progress
-    first = next(iter(cfgs.values()))
+    first, fp4 = cfgs["bf16"], cfgs["nvfp4"]
     print(f"[fp4compile demo] {first.model} GPT, {first.steps} steps of {first.batch_size}x{first.seq_len} byte "
           f"tokens from the Python {sys.version_info.major}.{sys.version_info.minor} standard library; "
-          f"arms: bf16 ({args.bf16_backend}) vs nvfp4 ({args.fp4_backend}, policy {args.policy})", flush=True)
+          f"arms: bf16 ({first.backend}) vs nvfp4 ({fp4.backend}{' debug variant' if fp4.backend_debug else ''}, "
+          f"policy {fp4.policy})", flush=True)
     t0 = time.perf_counter()
     summaries = {}
     for name, cfg in cfgs.items():
@@ -315,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=None)
     d.add_argument("--threads", type=int, default=None, help="CPU threads per arm")
     d.add_argument("--policy", default="full_stack", help="policy of the NVFP4 arm (default: full_stack)")
-    d.add_argument("--bf16-backend", default="inductor")
+    d.add_argument("--bf16-backend", default=None, help="default: inductor on CUDA, aot_eager on CPU")
+    d.add_argument("--fp4-debug", action=argparse.BooleanOptionalAction, default=None,
+                   help="run fullstack_fp4's debug variant (default: on CPU yes, on CUDA no)")
     d.add_argument("--fp4-backend", default="fullstack_fp4",
                    help="backend of the NVFP4 arm (another backend only for testing the demo's plumbing)")
     d.add_argument("--in-process", action="store_true", help="run both arms in this process")

@@ -65,13 +65,14 @@ class TrainConfig:
     # precision
     backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
     policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
+    backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
     lora_rank: Optional[int] = None           # None: prepare()'s default
     lora_beta: Optional[float] = None
     lora_realign_every: Optional[int] = None
     # optimizer and schedule
-    optimizer: str = "adamw"                  # adamw | qadamw | qroot (QRoot + QAdamW) | qroot+adamw
+    optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
     min_lr_ratio: float = 0.1
@@ -238,67 +239,55 @@ def _call_supported(fn, *args, **kwargs):
 
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
-    """LoRA-SVD reparametrization of the model's linears (not the tied LM head)."""
+    """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
-                           realign_every=cfg.lora_realign_every, exclude=["lm_head"])
+                           realign_every=cfg.lora_realign_every, seed=cfg.seed)
 
 
-class OptimizerList:
-    """Several optimizers stepped as one (QRoot for matrices + AdamW/QAdamW for the rest)."""
+def lora_state(handle) -> dict:
+    """What a LoRA-SVD handle needs to realign on schedule after a resume (step count, RNG of the SVDs)."""
+    if hasattr(handle, "state_dict"):
+        return handle.state_dict()
+    return {"steps": handle.steps, "realignments": handle.realignments,
+            "generators": {str(d): g.get_state() for d, g in handle._generators.items()}}
 
-    def __init__(self, *optimizers):
-        self.optimizers = list(optimizers)
 
-    @property
-    def param_groups(self):
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, sd):
-        if len(sd.get("optimizers", ())) != len(self.optimizers):
-            raise ValueError("optimizer state has a different number of optimizers")
-        for o, s in zip(self.optimizers, sd["optimizers"]):
-            o.load_state_dict(s)
+def load_lora_state(handle, state: dict) -> None:
+    if hasattr(handle, "load_state_dict"):
+        handle.load_state_dict(state)
+        return
+    handle.steps, handle.realignments = state["steps"], state["realignments"]
+    for dev, st in state["generators"].items():
+        g = torch.Generator(device=dev)
+        g.set_state(st)
+        handle._generators[torch.device(dev)] = g
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, device=torch.device("cpu")):
-    """AdamW-family optimizer with weight decay on matrices only; QRoot takes the blocks' 2-D matrices."""
+    """AdamW / QAdamW with weight decay on matrices only, or QRoot: Root (Newton–Schulz in the policy's
+    ``optim.ns`` precision) for the blocks' 2-D matrices, (Q-)AdamW for embeddings, head and 1-D params."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2]
-    no_decay = [p for n, p in params if p.dim() < 2]
+    matrices = [p for n, p in params if p.dim() >= 2]
+    vectors = [p for n, p in params if p.dim() < 2]
     adam_kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
-    def adam(cls_name, groups):
-        if cls_name == "adamw":
+    if cfg.optimizer in ("adamw", "qadamw"):
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw":
             extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
             return torch.optim.AdamW(groups, **adam_kw, **extra)
         return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw)
-
-    if cfg.optimizer in ("adamw", "qadamw"):
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return adam(cfg.optimizer, groups)
-    # QRoot: hidden 2-D matrices (inside the blocks); embeddings, head and 1-D params go to (Q)AdamW.
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
-    matrices = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
-    ids = {id(p) for p in matrices}
-    rest_decay = [p for p in decay if id(p) not in ids]
-    root = _call_supported(QRoot, matrices, lr=cfg.matrix_lr or cfg.lr, weight_decay=cfg.weight_decay,
-                           policy=policy)
-    rest = adam("adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
-                [{"params": rest_decay, "weight_decay": cfg.weight_decay},
-                 {"params": no_decay, "weight_decay": 0.0}])
-    return OptimizerList(root, rest)
+    hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    groups = [{"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay,
+               "lr": cfg.matrix_lr or cfg.lr},
+              {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
+               "weight_decay": cfg.weight_decay},
+              {"params": vectors, "use_root": False, "weight_decay": 0.0}]
+    return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
+                           adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw", **adam_kw)
 
 
 class LRSchedule:
@@ -341,7 +330,10 @@ class LRSchedule:
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
-    """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``."""
+    """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
+
+    ``dynamic=False``: a run has one batch shape (evaluation reuses it), and static shapes keep Dynamo from
+    handing symbolic sizes to the backend when several runs share a process (tests, ``demo --in-process``)."""
     if cfg.backend == "none":
         return model
     if cfg.backend == "fullstack_fp4":
@@ -353,8 +345,9 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
         from torch._dynamo.backends.registry import list_backends
 
         backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
-        return torch.compile(model, backend=backend, options={"policy": policy})
-    return torch.compile(model, backend=cfg.backend)
+        options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {})}
+        return torch.compile(model, backend=backend, options=options, dynamic=False)
+    return torch.compile(model, backend=cfg.backend, dynamic=False)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -584,9 +577,13 @@ def train(cfg: TrainConfig) -> RunResult:
 
     # 3. policy, optimizer, LR schedule
     policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
+    if policy is not None and lora_handle is not None:
+        from ..nn import LORA_BF16_GLOB
+
+        policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
     optimizer = build_optimizer(model, cfg, policy, device)
-    if lora_handle is not None and hasattr(lora_handle, "attach"):
-        lora_handle.attach(optimizer)                 # realignment remaps optimizer state
+    if lora_handle is not None:
+        lora_handle.attach(optimizer)                 # realign every realign_every steps, remap optimizer state
     schedule = LRSchedule(optimizer, cfg)
 
     # 4. resume
@@ -598,6 +595,8 @@ def train(cfg: TrainConfig) -> RunResult:
                 (out_dir / "checkpoint.old").rename(ckpt_dir)
             state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
             start_step = resume_step = state["step"]
+            if lora_handle is not None:
+                load_lora_state(lora_handle, state["lora"])
             if is_main:
                 print(f"[fp4compile] resumed {ckpt_dir} at step {start_step}", file=sys.stderr)
         elif is_main:
@@ -654,8 +653,10 @@ def train(cfg: TrainConfig) -> RunResult:
 
     def checkpoint(step):
         if is_main:
-            save_checkpoint(out_dir, model, optimizer, schedule, cfg, step,
-                            {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)})
+            extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
+            if lora_handle is not None:
+                extra["lora"] = lora_state(lora_handle)
+            save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
 
     step = start_step
     with _sigint_flag() as flag:
@@ -674,8 +675,6 @@ def train(cfg: TrainConfig) -> RunResult:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if lora_handle is not None and hasattr(lora_handle, "step"):
-                lora_handle.step()                    # periodic randomized-SVD realignment
             step += 1
             pending.append((step, loss_sum / cfg.grad_accum, lr))
             if step % cfg.log_interval == 0 or step == cfg.steps:
@@ -710,7 +709,8 @@ def train(cfg: TrainConfig) -> RunResult:
                 break
             if cfg.max_seconds is not None and step < cfg.steps:
                 elapsed = time.perf_counter() - t_start
-                typical = sorted(step_times)[len(step_times) // 2]
+                steady = step_times[2:] or step_times    # host times; on CUDA the log-step syncs amortize
+                typical = sum(steady) / len(steady)
                 if elapsed + 3 * typical + 30 > cfg.max_seconds:   # room for one more step + checkpoint
                     status = "time_budget"
                     break
@@ -735,6 +735,7 @@ def train(cfg: TrainConfig) -> RunResult:
         "peak_mem_mib": peak_memory_mib(device),
         "params": model.num_params(),
         "backend": cfg.backend,
+        "backend_debug": cfg.backend_debug,
         "policy": cfg.policy if policy is not None else None,
         "optimizer": cfg.optimizer,
         "lora": cfg.lora,
