@@ -8,10 +8,12 @@ to ``--out`` (rank 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -116,42 +118,97 @@ class CountingBackend:
         return lookup_backend(self.name)(gm, example_inputs, **kw)
 
 
-def run(parallel, args, env):
+def run(mode, args, env):
+    """mode: none | ddp | fsdp2, optionally prefixed "resume_" (load --load first, continue to --steps)."""
+    resume = mode.startswith("resume_")
+    parallel = mode[len("resume_"):] if resume else mode
     model = make_model(d=args.d_model, n_layer=args.n_layer)
-    backend = CountingBackend(args.backend)
+    backend = CountingBackend(args.backend, json.loads(args.options) if args.options else None)
     wrapped = D.wrap_model(model, parallel, backend=backend, compile=not args.eager,
                            bucket_cap_mb=args.bucket_cap_mb)
     opt = make_optimizer(model, args.optim)
     start = 0
-    if args.load:
-        meta = D.load_checkpoint(args.load, model, opt)
-        start = meta["step"]
-    losses = []
-    saved = []
+    if resume:
+        start = D.load_checkpoint(args.load, model, opt)["step"]
+    losses, saved = [], []
     for step in range(start, args.steps):
         x, y = D.local_batch(global_batch(step, args.batch), env)
-        if args.record_saved and step == start:
-            hook_ctx = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: (saved.append([str(t.dtype), list(t.shape)]), t)[1], lambda t: t)
-        else:
-            import contextlib
-            hook_ctx = contextlib.nullcontext()
-        with hook_ctx:
+        record = args.record_saved and step == start
+        ctx = (torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (saved.append([str(t.dtype), list(t.shape)]), t)[1], lambda t: t)
+            if record else contextlib.nullcontext())
+        with ctx:
             logits = wrapped(x)
             loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(D.reduce_metrics({"loss": loss})["loss"])
-        if args.save and step + 1 == args.save_at:
+        if args.save and mode == args.save_from and step + 1 == args.save_at:
             D.save_checkpoint(args.save, model, opt, step=step + 1)
-    return {"losses": losses, "backend_calls": backend.calls, "saved": saved, "start": start}
+    shapes = {n: [list(p.shape), list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape)]
+              for n, p in model.named_parameters()}
+    return {"losses": losses, "backend_calls": backend.calls, "saved": saved, "start": start,
+            "param_shapes": shapes}
+
+
+def simple_ns(g, steps=5):
+    """Quintic Newton–Schulz (Muon's coefficients) in the input dtype: the test's whole-matrix reference."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tall else x
+
+
+def ns_scenario(env):
+    """distributed_newton_schulz on FSDP2-style Shard(0) DTensors (even and uneven rows) and on
+    replicated tensors, both strategies, against simple_ns of the full matrix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    torch.manual_seed(0)
+    shapes = [(64, 32), (64, 32), (64, 32), (33, 48), (48, 33), (16, 16)]
+    fulls = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    ref = [simple_ns(m) for m in fulls]
+    res = {}
+    for strategy in ("all_to_all", "gather"):
+        calls = []
+
+        def ns(m):
+            calls.append(tuple(m.shape))
+            return simple_ns(m)
+
+        dts = [distribute_tensor(m, mesh, [Shard(0)]) for m in fulls]
+        D.barrier()
+        t0 = time.perf_counter()
+        outs = D.distributed_newton_schulz(dts, ns, strategy=strategy)
+        dt = time.perf_counter() - t0
+        err = max((o.full_tensor() - r).abs().max().item() for o, r in zip(outs, ref))
+        layout_ok = all(isinstance(o, DTensor) and o.placements == d.placements and
+                        o.to_local().shape == d.to_local().shape for o, d in zip(outs, dts))
+        n_calls = D.reduce_metrics({"n": len(calls)}, op="max")["n"]
+        res["sharded_" + strategy] = {"max_err": err, "layout_ok": layout_ok, "max_ns_calls_per_rank": n_calls,
+                                      "seconds": dt}
+        calls.clear()
+        outs = D.distributed_newton_schulz(fulls, ns, strategy=strategy)
+        err = max((o - r).abs().max().item() for o, r in zip(outs, ref))
+        n_calls = D.reduce_metrics({"n": len(calls)}, op="max")["n"]
+        res["replicated_" + strategy] = {"max_err": err, "max_ns_calls_per_rank": n_calls}
+    return res
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", default="none", help="comma list of parallel modes to run in sequence")
+    p.add_argument("--runs", default="none",
+                   help="comma list: none | ddp | fsdp2 | resume_<mode> | ns, run in sequence")
     p.add_argument("--backend", default="aot_eager")
+    p.add_argument("--options", default=None, help="backend options as JSON")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--optim", default="adamw")
     p.add_argument("--steps", type=int, default=6)
@@ -160,6 +217,7 @@ def main(argv=None):
     p.add_argument("--n-layer", type=int, default=N_LAYER)
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--save", default=None)
+    p.add_argument("--save-from", default="fsdp2")
     p.add_argument("--save-at", type=int, default=3)
     p.add_argument("--load", default=None)
     p.add_argument("--record-saved", action="store_true")
@@ -170,7 +228,7 @@ def main(argv=None):
     results = {"world_size": env.world_size}
     for mode in args.runs.split(","):
         torch._dynamo.reset()
-        results[mode] = run(mode, args, env)
+        results[mode] = ns_scenario(env) if mode == "ns" else run(mode, args, env)
     if env.is_main:
         with open(args.out, "w") as f:
             json.dump(results, f)
