@@ -82,9 +82,15 @@ class TinyGPT(nn.Module):
 
 
 def global_batch(step: int, batch: int, seed: int = 1234):
-    """The same (x, y) global batch on every rank: a deterministic function of the step."""
+    """The same (x, y) global batch on every rank: a deterministic function of the step. Sequences follow
+    t[i+1] = (5·t[i] + 3) mod V with 10 % random tokens, so the loss falls and the curves mean something."""
     g = torch.Generator().manual_seed(seed + step)
-    data = torch.randint(0, VOCAB, (batch, T + 1), generator=g)
+    data = torch.empty(batch, T + 1, dtype=torch.long)
+    data[:, 0] = torch.randint(0, VOCAB, (batch,), generator=g)
+    for i in range(T):
+        data[:, i + 1] = (5 * data[:, i] + 3) % VOCAB
+    noise = torch.rand(batch, T + 1, generator=g) < 0.1
+    data[noise] = torch.randint(0, VOCAB, (int(noise.sum()),), generator=g)
     return data[:, :-1], data[:, 1:]
 
 
@@ -101,11 +107,22 @@ def make_optimizer(model, name):
     raise ValueError(name)
 
 
+def rtn_policy():
+    """NVFP4 RTN on every linear role (deterministic: no stochastic rounding, no random Hadamard signs);
+    the LM head and embeddings stay BF16 (the presets' convention), attention stays unquantized."""
+    from fp4compile.policy import NVFP4, Policy
+
+    p = Policy.bf16()
+    for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
+        p = p.override("*", NVFP4("rtn"), role=role)
+    return p.override("*lm_head*", "bf16")
+
+
 class CountingBackend:
     """Wraps a backend name; records every call (the graph's size) — DDPOptimizer calls it per bucket."""
 
-    def __init__(self, name, options=None):
-        self.name, self.options, self.calls = name, options, []
+    def __init__(self, name):
+        self.name, self.calls = name, []
 
     def __call__(self, gm, example_inputs, **kw):
         from torch._dynamo.backends.registry import lookup_backend
@@ -113,34 +130,56 @@ class CountingBackend:
         self.calls.append({"n_placeholders": sum(n.op == "placeholder" for n in gm.graph.nodes),
                            "n_linear": sum(n.op == "call_function" and n.target is F.linear or
                                            n.op == "call_module" for n in gm.graph.nodes)})
-        if self.options:
-            kw["options"] = self.options
+        if self.name == "fullstack_fp4":
+            from fp4compile.backend import fullstack_fp4
+
+            return fullstack_fp4(gm, example_inputs, **kw)
         return lookup_backend(self.name)(gm, example_inputs, **kw)
 
 
 def run(mode, args, env):
-    """mode: none | ddp | fsdp2, optionally prefixed "resume_" (load --load first, continue to --steps)."""
+    """mode: <parallel>[_notag][_eager], parallel = none | ddp | fsdp2, optionally prefixed "resume_" (load
+    --load first, continue to --steps). _eager: fp32 without compilation (and, for none, the full global
+    batch in one micro-batch); _notag: see below."""
     resume = mode.startswith("resume_")
-    parallel = mode[len("resume_"):] if resume else mode
+    eager = mode.endswith("_eager") or args.eager
+    parallel = (mode[len("resume_"):] if resume else mode).replace("_eager", "").replace("_notag", "")
     model = make_model(d=args.d_model, n_layer=args.n_layer)
-    backend = CountingBackend(args.backend, json.loads(args.options) if args.options else None)
-    wrapped = D.wrap_model(model, parallel, backend=backend, compile=not args.eager,
+    backend = CountingBackend(args.backend)
+    options = None
+    if args.backend == "fullstack_fp4":
+        options = {"policy": rtn_policy(), "debug": True}
+        import fp4compile.backend  # noqa: F401  (registers the fp4compile ops)
+        from fp4compile.passes import reuse
+
+        if not hasattr(reuse.QuantCache, "_orig_finalize"):
+            reuse.QuantCache._orig_finalize = reuse.QuantCache.finalize
+        # negative control ("<mode>_notag"): skip the MUST_RECOMPUTE tagging, so FP4 weight copies get saved
+        reuse.QuantCache.finalize = ((lambda self: None) if mode.endswith("_notag")
+                                     else reuse.QuantCache._orig_finalize)
+    wrapped = D.wrap_model(model, parallel, backend=backend, options=options, compile=not eager,
                            bucket_cap_mb=args.bucket_cap_mb)
     opt = make_optimizer(model, args.optim)
     start = 0
     if resume:
         start = D.load_checkpoint(args.load, model, opt)["step"]
     losses, saved = [], []
+    accum = args.accum if parallel == "none" and not eager else 1
     for step in range(start, args.steps):
-        x, y = D.local_batch(global_batch(step, args.batch), env)
-        record = args.record_saved and step == start
-        ctx = (torch.autograd.graph.saved_tensors_hooks(
-            lambda t: (saved.append([str(t.dtype), list(t.shape)]), t)[1], lambda t: t)
-            if record else contextlib.nullcontext())
-        with ctx:
-            logits = wrapped(x)
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
-        loss.backward()
+        gx, gy = D.local_batch(global_batch(step, args.batch), env)
+        total = 0.0
+        for i in range(accum):          # accum > 1: one process emulating `accum` ranks' local batches
+            x, y = D.local_batch((gx, gy), D.DistEnv(rank=i, world_size=accum))
+            record = args.record_saved and step == start and i == 0 and not eager
+            ctx = (torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (saved.append([str(t.dtype), list(t.shape)]), t)[1], lambda t: t)
+                if record else contextlib.nullcontext())
+            with ctx:
+                logits = wrapped(x)
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+            (loss / accum).backward()
+            total += loss.detach() / accum
+        loss = total
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(D.reduce_metrics({"loss": loss})["loss"])
@@ -208,7 +247,7 @@ def main(argv=None):
     p.add_argument("--runs", default="none",
                    help="comma list: none | ddp | fsdp2 | resume_<mode> | ns, run in sequence")
     p.add_argument("--backend", default="aot_eager")
-    p.add_argument("--options", default=None, help="backend options as JSON")
+    p.add_argument("--accum", type=int, default=1, help="mode none: split each global batch in N micro-batches")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--optim", default="adamw")
     p.add_argument("--steps", type=int, default=6)

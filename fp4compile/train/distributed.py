@@ -50,7 +50,7 @@ from torch import nn
 
 __all__ = [
     "DistEnv", "setup", "teardown", "current_env", "is_main", "barrier", "log0", "rank0_only",
-    "wrap_model", "find_blocks", "unwrap", "PARALLEL_MODES",
+    "wrap_model", "find_blocks", "localize_policy", "unwrap", "PARALLEL_MODES",
     "batch_slice", "local_batch", "reduce_metrics", "all_reduce_mean",
     "save_checkpoint", "load_checkpoint",
     "distributed_newton_schulz",
@@ -195,6 +195,33 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return list(best)
 
 
+def localize_policy(policy, module: nn.Module, prefix: str):
+    """The policy that ``module`` compiled *on its own* must get so that every GEMM resolves exactly as in
+    the whole model, where the module lives at path ``prefix``.
+
+    Dynamo names modules relative to the compiled module, so a block compiled alone (FSDP2, torchtitan
+    order) reports ``attn.qkv`` where the whole model reports ``blocks.3.attn.qkv``; rules such as
+    ``"blocks.11.*" -> bf16`` or NVIDIA's last-blocks-in-BF16 would silently stop matching. This returns an
+    explicit rule per (relative module path, role), resolved on the full path. Blocks whose resolutions are
+    equal get *equal* policies (same name, same rules), so identical blocks still share one compilation.
+    ``policy``: a ``fp4compile.Policy`` or a preset name."""
+    import glob
+
+    from ..policy import ROLES, Policy, Rule
+
+    if isinstance(policy, str):
+        policy = Policy.preset(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a fp4compile.Policy or a preset name, got {type(policy).__name__}")
+    extra = {"user": False} if "user" in {f.name for f in dataclasses.fields(Rule)} else {}
+    rules = []
+    for rel, _ in module.named_modules():
+        full = ".".join(x for x in (prefix, rel) if x)
+        for role in ROLES:
+            rules.append(Rule(glob.escape(rel), role, policy.resolve(full, role), **extra))
+    return dataclasses.replace(policy, rules=tuple(rules), name=f"{policy.name}@block")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under DDP / ``torch.compile`` wrappers (FSDP2 wraps in place)."""
     while True:
@@ -272,8 +299,14 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
         mesh = init_device_mesh(dev_type, (world,))
     blocks = list(blocks) if blocks is not None else find_blocks(model)
     if compile:
+        names = {id(m): n for n, m in model.named_modules()}
         for b in blocks:
-            _compile_inplace(b, backend, options)
+            opts = options
+            if options and options.get("policy") is not None:
+                # a block compiled alone sees module paths relative to itself ("attn.qkv"): give it the
+                # policy as resolved on its full paths ("blocks.3.attn.qkv"), so path rules keep working
+                opts = {**options, "policy": localize_policy(options["policy"], b, names.get(id(b), ""))}
+            _compile_inplace(b, backend, opts)
     fs_kw: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         fs_kw["mp_policy"] = mp_policy
