@@ -28,17 +28,30 @@ Tensor = torch.Tensor
 
 def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: bool, hadamard: int,
                         signs: Optional[Tensor], seed: Optional[Tensor], transpose: bool):
+    """The torch reference behind the op on every device without a kernel (CPU in CI).
+
+    Same seed -> same bytes as the CUDA kernels (``formats/random.py``). ``seed=None`` draws a fresh int64
+    seed from torch's default generator on ``x``'s device (so every call of a compiled graph is fresh);
+    ``hadamard`` without ``signs`` draws fresh random signs the same way.
+    """
+    from .formats.random import draw_seed
     from .formats.schemes import quantize_fp32
 
+    if x.dim() != 2:
+        raise ValueError(f"fp4compile::quantize takes a 2D tensor, got shape {tuple(x.shape)}")
+    if rounding not in nvfp4.ROUNDINGS:
+        raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
     src = x.t() if transpose else x
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
-    t = quantize_fp32(src.to(torch.float32).cpu(), rounding=rounding, block=(16, 16) if block2d else 16,
-                      four_over_six=four_over_six, hadamard=hadamard or None, generator=gen,
-                      signs=None if signs is None else signs.cpu())
+    block = (16, 16) if block2d else 16
+    nvfp4.check_input(src, block, hadamard or None, check_finite=False)
     dev = x.device
-    return t.codes.to(dev), t.scales.view(torch.uint8).to(dev), t.global_scale.to(dev)
+    if rounding != "rtn" and seed is None:
+        seed = draw_seed(device=dev)
+    t = quantize_fp32(src.to(torch.float32).cpu(), rounding=rounding, block=block,
+                      four_over_six=four_over_six, hadamard=hadamard or None, generator=None,
+                      signs=None if signs is None else signs.cpu(), seed=None if seed is None else seed.cpu())
+    return (t.codes.contiguous().to(dev), t.scales.view(torch.uint8).contiguous().to(dev),
+            t.global_scale.to(dev))
 
 
 @torch.library.custom_op("fp4compile::quantize", mutates_args=())
@@ -97,7 +110,7 @@ def _register_cuda_kernels():
 
     if not has_triton():
         return
-    from .kernels import register_cuda  # noqa: F401  (kernels/__init__.py registers on import)
+    from .kernels import register_cuda  # noqa: F401  (each kernel module registers itself on import)
 
 
 _register_cuda_kernels()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Optional, Tuple, Union
+import warnings
+from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 
 #: every GEMM role the backend, reports and kernels know
 ROLES = (
@@ -29,6 +30,15 @@ class NVFP4:
     rounding: "rtn" | "sr" | "ms_eden"; four_over_six: adaptive 4/6 block scaling; hadamard: None or RHT
     size (16..128) applied to both operands along K with one shared random sign vector; block: 16 or
     (16, 16) (2D blocks, used for weights: transpose-invariant).
+
+    How the backend applies a spec to the two operands of a linear GEMM (``fp4compile.passes.linear``):
+    - ``rounding`` is the rounding of the *gradient* operand in dgrad/wgrad and of both operands in fprop;
+      the other backward operand (W in dgrad, X in wgrad) uses RTN, except with ``"ms_eden"`` (Quartet II
+      quantizes all four backward operands with MS-EDEN). SR on weights/activations diverges (NVIDIA).
+    - ``block=(16, 16)`` applies to the *weight* operand only; activations and gradients use 1x16 blocks.
+    - ``hadamard``: both operands rotated along the contraction dim with one sign vector, drawn fresh each
+      step inside the compiled graph.
+    - ``four_over_six`` applies to the RTN-rounded operands.
     """
 
     rounding: str = "rtn"
@@ -84,9 +94,13 @@ Precision = Union[NVFP4, _BF16]
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """One ``(module-path glob, role or None) -> spec`` rule. ``user`` is False for a preset's own rules
+    (only user rules are reported when their glob matches no site)."""
+
     pattern: str
     role: Optional[str]
     spec: Precision
+    user: bool = dataclasses.field(default=True, compare=True)
 
     def matches(self, path: str, role: str) -> bool:
         return (self.role is None or self.role == role) and fnmatch.fnmatchcase(path, self.pattern)
@@ -108,12 +122,49 @@ class Policy:
         return BF16
 
     def override(self, pattern: str, spec: Union[Precision, str], role: Optional[str] = None) -> "Policy":
-        """A new policy with one more rule (it takes precedence over the earlier ones)."""
+        """A new policy with one more rule (it takes precedence over the earlier ones).
+
+        ``pattern`` is an fnmatch glob over module paths as written by ``model.named_modules()``
+        (e.g. ``"transformer.h.11.*"``, ``"*lm_head"``); ``spec`` a precision spec or ``"bf16"``/``"nvfp4"``;
+        ``role`` one of :data:`ROLES` or None for every role.
+        """
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"override pattern must be a non-empty glob string, got {pattern!r}")
         if isinstance(spec, str):
             spec = _spec_from_str(spec)
+        if not isinstance(spec, (NVFP4, _BF16)):
+            raise TypeError(f"override spec must be NVFP4(...), BF16, 'bf16' or 'nvfp4', got {spec!r}")
         return dataclasses.replace(self, rules=self.rules + (Rule(pattern, role, spec),))
+
+    @classmethod
+    def from_options(cls, options: Union["Policy", str, Mapping[str, Any], None]) -> "Policy":
+        """The policy named by backend options: a ``Policy``, a preset name, or a mapping whose ``"policy"``
+        entry is one of those (missing/None -> :meth:`full_stack`). Raises ``ValueError``/``TypeError``
+        with the accepted values otherwise."""
+        if isinstance(options, Mapping):
+            options = options.get("policy")
+        if options is None:
+            return cls.full_stack()
+        if isinstance(options, Policy):
+            return options
+        if isinstance(options, str):
+            return cls.preset(options)
+        raise TypeError(f"policy must be a fp4compile.Policy or a preset name {sorted(_PRESETS)}, "
+                        f"got {type(options).__name__}: {options!r}")
+
+    def unmatched_rules(self, paths: Iterable[str]) -> Tuple[Rule, ...]:
+        """The user rules whose glob matches none of ``paths`` (module paths of the GEMM sites)."""
+        paths = tuple(paths)
+        return tuple(r for r in self.rules
+                     if r.user and not any(fnmatch.fnmatchcase(p, r.pattern) for p in paths))
+
+    def warn_unmatched(self, paths: Iterable[str], where: str = "this compiled graph") -> None:
+        """Warn (one line per rule) about user rules whose glob matches no GEMM site."""
+        for r in self.unmatched_rules(paths):
+            warnings.warn(f"fp4compile: policy rule {r.pattern!r} (role {r.role or '*'}) -> {r.spec} matches "
+                          f"no GEMM site in {where}", stacklevel=2)
 
     def __str__(self):
         lines = [f"Policy {self.name!r} (last matching rule wins; unmatched -> bf16):"]
@@ -136,7 +187,7 @@ class Policy:
     def full_stack(cls) -> "Policy":
         """The Full-Stack FP4 paper: Quartet II linears, Q-Attn split, Newton-Schulz in NVFP4."""
         p = cls.quartet2()
-        rules = p.rules + tuple(Rule("*", r, NVFP4("rtn")) for r in ("attn.qk", "attn.dsk", "attn.dsq", "optim.ns"))
+        rules = p.rules + tuple(Rule("*", r, NVFP4("rtn"), user=False) for r in ("attn.qk", "attn.dsk", "attn.dsq", "optim.ns"))
         return cls(rules + _bf16_edges(), "full_stack")
 
     @classmethod
@@ -144,29 +195,35 @@ class Policy:
         """NVIDIA's recipe: 2D 16x16 weights (RTN), SR gradients, RHT-16 on the wgrad operands, the last
         ~15 % of blocks (when ``n_layers`` is given) and the LM head in BF16."""
         fprop = NVFP4("rtn", block=(16, 16))
-        dgrad = NVFP4("sr", block=16)
+        dgrad = NVFP4("sr", block=(16, 16))      # W_bprop is the same 2D-quantized W as in fprop
         wgrad = NVFP4("sr", hadamard=16)
         rules = _linear_rules(fprop, dgrad, wgrad)
         if n_layers:
             keep = max(1, round(0.15 * n_layers))
-            rules += tuple(Rule(layer_glob.format(i=i), None, BF16) for i in range(n_layers - keep, n_layers))
+            rules += tuple(Rule(layer_glob.format(i=i), None, BF16, user=False)
+                           for i in range(n_layers - keep, n_layers))
         return cls(rules + _bf16_edges(), "nvidia")
 
     @classmethod
     def preset(cls, name: str) -> "Policy":
-        presets = {"full_stack": cls.full_stack, "quartet2": cls.quartet2, "nvidia": cls.nvidia, "bf16": cls.bf16}
-        if name not in presets:
-            raise ValueError(f"unknown policy preset {name!r}; presets are {sorted(presets)}")
-        return presets[name]()
+        """The preset called ``name`` (one of ``full_stack``, ``quartet2``, ``nvidia``, ``bf16``)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown policy preset {name!r}; presets are {sorted(_PRESETS)}")
+        return getattr(cls, _PRESETS[name])()
+
+
+_PRESETS = {"full_stack": "full_stack", "quartet2": "quartet2", "nvidia": "nvidia", "bf16": "bf16"}
 
 
 def _linear_rules(fprop, dgrad, wgrad):
-    return (Rule("*", "linear.fprop", fprop), Rule("*", "linear.dgrad", dgrad), Rule("*", "linear.wgrad", wgrad))
+    return (Rule("*", "linear.fprop", fprop, user=False), Rule("*", "linear.dgrad", dgrad, user=False),
+            Rule("*", "linear.wgrad", wgrad, user=False))
 
 
 def _bf16_edges():
     """Embeddings, norms and the LM head stay BF16 (embeddings/norms are not GEMM sites anyway)."""
-    return (Rule("*lm_head*", None, BF16), Rule("*embed*", None, BF16), Rule("*wte*", None, BF16))
+    return (Rule("*lm_head*", None, BF16, user=False), Rule("*embed*", None, BF16, user=False),
+            Rule("*wte*", None, BF16, user=False))
 
 
 def _spec_from_str(s: str) -> Precision:

@@ -1,0 +1,229 @@
+"""The ``fullstack_fp4`` torch.compile backend.
+
+    model = torch.compile(model, backend="fullstack_fp4")            # found through the entry point
+    model = torch.compile(model, backend="fullstack_fp4",
+                          options={"policy": Policy.quartet2(), "dump_dir": "fp4_dump/"})
+
+Pipeline (one screen; each step is one file of ``fp4compile/passes``):
+
+    Dynamo FX graph
+      1. sites      GEMM sites: F.linear, matmul/mm/addmm with a parameter           passes/sites.py
+      2. assign     Policy(module path, role) -> spec in node.meta["fp4"]             passes/assign.py
+      3. swap       attention -> fp4compile::qattn (when passes/attention.py exists)
+    compile_fx(..., config_patches={"joint_custom_pre_pass": FP4JointPass(...)})
+      joint ATen graph (forward + backward)
+      4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
+      5. reuse      one FP4 copy per tensor/layout/rounding; backward from forward    passes/reuse.py
+                    copies; weight quantizes MUST_RECOMPUTE
+      6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
+    -> Inductor partitions and compiles the rest around the opaque fp4compile ops
+
+This module does not register itself (the entry point does; self-registration would trip Dynamo's
+duplicate-name assertion). Options: ``policy`` (a :class:`~fp4compile.policy.Policy` or preset name,
+default ``full_stack``), ``dump_dir`` (write graphs, Inductor code and Triton kernel sources), ``debug``
+(CPU debug variant: same passes, partitioned graphs run eagerly -- for tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import ops  # noqa: F401  (registers the fp4compile:: custom ops)
+from .passes.assign import assign
+from .passes.check import check
+from .passes.common import tangent_closure
+from .passes.linear import SiteInfo, rewrite_linears
+from .passes.reuse import QuantCache
+from .passes.sites import find_sites
+from .policy import Policy
+
+OPTIONS = ("policy", "dump_dir", "debug")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
+    "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
+    "passes/check.py", "passes/common.py"))
+
+
+@dataclasses.dataclass
+class Settings:
+    """Validated backend options (plus the recorder ``fp4compile.explain`` attaches)."""
+
+    policy: Policy
+    dump_dir: Optional[str] = None
+    debug: bool = False
+    recorder: Optional[Any] = None          # fp4compile.inspect.Recorder
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"fullstack_fp4: unknown option(s) {unknown}; options are {list(OPTIONS)}")
+        dump_dir = options.get("dump_dir")
+        if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
+            raise TypeError(f"fullstack_fp4: dump_dir must be a path, got {dump_dir!r}")
+        return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
+                   bool(options.get("debug", False)))
+
+
+class FP4JointPass(CustomGraphPass):
+    """The joint-graph passes (linear -> reuse -> check) as Inductor's ONE ``joint_custom_pre_pass``.
+
+    ``uuid()`` hashes the pass sources, the policy and the site table, so Inductor's / AOTAutograd's caches
+    hit for the same policy and miss when anything that changes the rewrite changes."""
+
+    def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None):
+        self.policy, self.table, self.recorder = policy, table, recorder
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        cache = QuantCache(graph, tangent_closure(graph))
+        records = rewrite_linears(graph, self.table, cache)
+        stable_topological_sort(graph)
+        cache.finalize()
+        check(graph, self.table, records)
+        graph.eliminate_dead_code()
+        graph.lint()
+        if self.recorder is not None:
+            self.recorder.joint(graph, records)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()))))
+
+
+def fullstack_fp4(gm: torch.fx.GraphModule, example_inputs: Sequence, *, mode: Optional[str] = None,
+                  options: Optional[Mapping[str, Any]] = None):
+    """torch.compile backend: NVFP4 GEMMs per policy, the rest compiled by Inductor (see module docstring)."""
+    return compile_graph(gm, example_inputs, Settings.from_options(options), mode)
+
+
+def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = None):
+    """The pipeline, for already validated settings (``fp4compile.explain`` calls this with a recorder)."""
+    policy = settings.policy
+    sites = find_sites(gm, example_inputs)                                        # 1
+    specs = assign(gm, sites, policy)                                             # 2
+    table = {s.name: SiteInfo(s.path, tuple(specs[s.name].items()), _weight_pos(gm, s)) for s in sites}
+    _swap_attention(gm, policy)                                                   # 3
+    policy.warn_unmatched(_site_paths(gm))
+    if settings.recorder is not None:
+        settings.recorder.dynamo(gm)
+    joint = FP4JointPass(policy, table, settings.recorder)                        # 4-6
+    if settings.debug:
+        return _debug_compile(gm, example_inputs, joint, settings)
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(_mode_options(mode))
+    patches["joint_custom_pre_pass"] = joint
+    kw = {}
+    if settings.dump_dir or settings.recorder is not None:
+        kw["inner_compile"] = _recording_inner(settings)
+    return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+def _mode_options(mode: Optional[str]) -> Dict[str, Any]:
+    if mode in (None, "default"):
+        return {}
+    try:
+        return torch._inductor.list_mode_options(mode)
+    except (KeyError, RuntimeError) as e:
+        raise ValueError(f"fullstack_fp4: unknown mode {mode!r}") from e
+
+
+def _weight_pos(gm, site) -> int:
+    """Position of the weight among the two GEMM operands of the traced mm (F.linear: the second)."""
+    if site.kind == "linear":
+        return 1
+    from .passes.sites import _is_param, _placeholder_params
+
+    node = next(n for n in gm.graph.nodes if n.name == site.name)
+    params = _placeholder_params(gm, ())
+    operands = node.args[1:3] if node.target in (torch.addmm, "addmm") else node.args[:2]
+    return 0 if _is_param(operands[0], params) else 1
+
+
+def _swap_attention(gm, policy) -> None:
+    try:
+        from .passes.attention import swap_attention
+    except ImportError:
+        return
+    swap_attention(gm, policy)
+
+
+def _site_paths(gm) -> List[str]:
+    from .inspect import node_records
+
+    return [rec.get("path", "") for n in gm.graph.nodes for rec in node_records(n)]
+
+
+_DUMP_COUNTER = itertools.count()
+
+
+def _recording_inner(settings: Settings) -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner(gm, example_inputs, **kw):                  # kw passed through untouched: version-safe
+        kind = "bwd" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "fwd")
+        readable = gm.print_readable(print_output=False)
+        if settings.recorder is not None:
+            settings.recorder.partitioned(kind, gm)
+        compiled = compile_fx_inner(gm, example_inputs, **kw)
+        if settings.dump_dir:
+            _dump(settings.dump_dir, kind, readable, getattr(compiled, "source_code", None))
+        return compiled
+
+    return inner
+
+
+def _debug_compile(gm, example_inputs, joint: FP4JointPass, settings: Settings):
+    """Same passes; AOTAutograd with Inductor's decompositions and partitioner, graphs run eagerly."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(joint_gm, joint_inputs, **kw):
+        joint(joint_gm.graph)
+        joint_gm.recompile()
+        return min_cut_rematerialization_partition(joint_gm, joint_inputs, compiler="inductor", **kw)
+
+    def compiler(kind):
+        def compile_(g, ex):
+            if kind == "inference":
+                joint(g.graph)
+                g.recompile()
+            if settings.recorder is not None:
+                settings.recorder.partitioned(kind, g)
+            if settings.dump_dir:
+                _dump(settings.dump_dir, kind, g.print_readable(print_output=False), None)
+            return make_boxed_func(g.forward)
+        return compile_
+
+    return aot_autograd(fw_compiler=compiler("fwd"), bw_compiler=compiler("bwd"),
+                        inference_compiler=compiler("inference"), partition_fn=partition,
+                        decompositions=select_decomp_table())(gm, example_inputs)
+
+
+def _dump(dump_dir: str, kind: str, graph_src: str, output_code: Optional[str]) -> None:
+    """Write one compiled graph's readable FX graph, Inductor output code and the fp4compile Triton kernels."""
+    os.makedirs(dump_dir, exist_ok=True)
+    idx = next(_DUMP_COUNTER)
+    with open(os.path.join(dump_dir, f"{idx:03d}_{kind}_graph.py"), "w") as f:
+        f.write(graph_src)
+    if output_code:
+        with open(os.path.join(dump_dir, f"{idx:03d}_{kind}_inductor.py"), "w") as f:
+            f.write(output_code)
+    from .inspect import triton_kernel_sources
+
+    kdir = os.path.join(dump_dir, "kernels")
+    for name, src in triton_kernel_sources().items():
+        os.makedirs(kdir, exist_ok=True)
+        with open(os.path.join(kdir, f"{name}.py"), "w") as f:
+            f.write(src)

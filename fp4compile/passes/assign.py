@@ -1,0 +1,39 @@
+"""Pass 2 (Dynamo graph): the policy decides each site's precision per role.
+
+For every :class:`~fp4compile.passes.sites.Site` it writes
+- ``node.meta["fp4"]``: a list of report records ``{"name", "path", "role", "precision", "spec"}``, one per
+  role (``linear.fprop``, ``linear.dgrad``, ``linear.wgrad``) -- the *plan*; ``fp4compile.inspect`` shows
+  it, overwritten by what the joint-graph passes really did;
+- ``node.meta["custom"]["fp4_site"] = site.name``: AOTAutograd copies ``meta["custom"]`` onto every ATen node
+  traced from this node, forward and backward (notes/torch-compile.md §6), which is how the joint pass
+  finds a site's mm/addmm nodes again.
+
+Returns the site table ``{site name: {role: spec}}`` that the joint pass receives (and hashes into its
+cache key, so the compiled artefact depends on the module paths the policy saw).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from ..policy import Policy, Precision
+from .sites import Site
+
+LINEAR_ROLES = ("linear.fprop", "linear.dgrad", "linear.wgrad")
+SITE_KEY = "fp4_site"
+
+
+def assign(gm: torch.fx.GraphModule, sites: List[Site], policy: Policy) -> Dict[str, Dict[str, Precision]]:
+    table: Dict[str, Dict[str, Precision]] = {}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for site in sites:
+        node = nodes[site.name]
+        specs = {role: policy.resolve(site.path, role) for role in LINEAR_ROLES}
+        table[site.name] = specs
+        node.meta["fp4"] = [dict(name=site.name, path=site.path, role=role, precision=spec.name, spec=str(spec))
+                            for role, spec in specs.items()]
+        custom = dict(node.meta.get("custom") or {})
+        custom[SITE_KEY] = site.name
+        node.meta["custom"] = custom
+    return table

@@ -1,0 +1,248 @@
+"""Pass 4 (joint ATen graph): every mm/addmm of a linear site -> quantize + quantize + ``fp4compile::gemm``.
+
+A linear site (``Y = X·Wᵀ``, found by :mod:`.sites`) appears in the joint graph as mm/addmm nodes carrying
+``meta["custom"]["fp4_site"]`` (or, failing that, the forward node's ``seq_nr``), notes §6/§10:
+
+=================  ================================================  =====================================
+role               ATen form (F.linear; Conv1D/matmul are alike)     FP4 operands (both along the sum dim)
+=================  ================================================  =====================================
+``linear.fprop``   ``addmm(b, view(x), permute(W))`` / ``mm``         X along K, W along K
+``linear.dgrad``   ``mm(dY, permute(permute(W)))``                    dY along N, W along N (Wᵀ copy)
+``linear.wgrad``   ``mm(permute(dY), view(x))``                       dYᵀ and Xᵀ along the tokens M
+=================  ================================================  =====================================
+
+The forward GEMM is the one not fed by a tangent; a backward GEMM is dgrad if its other operand is made
+of W, wgrad if it is made of X. Transposes are folded into the quantize's ``transpose`` flag, so no
+transposed BF16 copy is ever materialized. How a spec applies to each operand is documented on
+:class:`fp4compile.policy.NVFP4`. With a Hadamard spec both operands get the signs of one
+``fp4compile::rht_signs`` node, drawn fresh on every call (never a baked constant). Operands come from
+:class:`.reuse.QuantCache` (backward operands from the forward FP4 copies).
+
+Anything else -- a contraction dim not a multiple of 16 (or of the Hadamard size), a non-float dtype,
+``addmm`` with alpha/beta, a GEMM of a site that cannot be classified -- stays BF16 with a one-line warning
+naming the node.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.fx import Graph, Node
+
+from ..policy import NVFP4, Precision
+from .assign import SITE_KEY
+from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
+from .reuse import QCopy, QSpec, QuantCache
+
+GEMM = torch.ops.fp4compile.gemm.default
+
+
+# ------------------------------------------------------------------------------------------------
+# fresh RHT signs inside the graph
+@torch.library.custom_op("fp4compile::rht_signs", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def rht_signs(like: torch.Tensor, d: int) -> torch.Tensor:
+    """A fresh Rademacher vector (float32 ±1, length ``d``) on ``like``'s device. ``like`` only orders the
+    draw (after the tensor it rotates is computed, e.g. in the backward for a gradient)."""
+    return (torch.randint(0, 2, (d,), device=like.device) * 2 - 1).to(torch.float32)
+
+
+@rht_signs.register_fake
+def _(like, d):
+    return like.new_empty((d,), dtype=torch.float32)
+
+
+RHT_SIGNS = torch.ops.fp4compile.rht_signs.default
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+    """What the joint pass knows of a Dynamo site: module path, spec per role, and which fprop operand
+    (0 = A, 1 = B of ``mm(A, B)``) is the weight."""
+
+    path: str
+    specs: Tuple[Tuple[str, Precision], ...]
+    weight_pos: int = 1
+
+    def spec(self, role: str) -> Precision:
+        return dict(self.specs)[role]
+
+
+@dataclasses.dataclass
+class Gemm:
+    """One GEMM of a site to rewrite."""
+
+    node: Node
+    site: str
+    role: str
+
+
+def _operand(n: Node, along: int) -> Tuple[Node, bool]:
+    """Quantizing ``n`` along dim ``along`` == quantizing the returned source with ``transpose``."""
+    while is_transpose2d(n):
+        n, along = n.args[0], 1 - along
+    return n, along == 0
+
+
+def find_gemms(graph: Graph, table: Dict[str, SiteInfo]) -> Tuple[List[Gemm], List[Tuple[Node, str, str]]]:
+    """The site GEMMs with their roles, and the ones that could not be classified (node, site, reason)."""
+    tangents = tangent_closure(graph)
+    groups: Dict[str, List[Node]] = {}
+    by_seq: Dict[int, str] = {}
+    loose = []
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in GEMMS:
+            continue
+        site = (n.meta.get("custom") or {}).get(SITE_KEY)
+        if site in table:
+            groups.setdefault(site, []).append(n)
+            if n.meta.get("seq_nr") is not None:
+                by_seq.setdefault(n.meta["seq_nr"], site)
+        elif n in tangents and n.meta.get("seq_nr") is not None:
+            loose.append(n)
+    for n in loose:                               # backward nodes whose custom meta was not copied
+        if n.meta["seq_nr"] in by_seq:
+            groups[by_seq[n.meta["seq_nr"]]].append(n)
+
+    out, bad = [], []
+    for site, nodes in groups.items():
+        fwd = [n for n in nodes if n not in tangents]
+        if len(fwd) != 1:
+            bad += [(n, site, f"{len(fwd)} forward GEMMs for one linear site") for n in nodes]
+            continue
+        f = fwd[0]
+        a, b = f.args[-2:]
+        w_root = root((a, b)[table[site].weight_pos])
+        x_root = root((a, b)[1 - table[site].weight_pos])
+        out.append(Gemm(f, site, "linear.fprop"))
+        for n in nodes:
+            if n is f:
+                continue
+            ops = n.args[-2:]
+            if sum(o in tangents for o in ops) != 1:
+                bad.append((n, site, "backward GEMM without exactly one gradient operand"))
+                continue
+            other = root(ops[1] if ops[0] in tangents else ops[0])
+            if other is w_root and other is not x_root:
+                out.append(Gemm(n, site, "linear.dgrad"))
+            elif other is x_root and other is not w_root:
+                out.append(Gemm(n, site, "linear.wgrad"))
+            else:
+                bad.append((n, site, "backward GEMM whose operands are neither W nor X of its site"))
+    return out, bad
+
+
+def _qspecs(spec: NVFP4, role: str) -> Tuple[QSpec, QSpec]:
+    """(activation-or-gradient operand, weight-or-activation operand) quantization of one role."""
+    h = spec.hadamard or 0
+    two_d = spec.block == (16, 16)
+    if role == "linear.fprop":
+        x = QSpec(spec.rounding, spec.four_over_six, False, h)
+        return x, dataclasses.replace(x, block2d=two_d)
+    other_rounding = "ms_eden" if spec.rounding == "ms_eden" else "rtn"
+    g = QSpec(spec.rounding, spec.four_over_six and spec.rounding == "rtn", False, h)
+    o = QSpec(other_rounding, spec.four_over_six and other_rounding == "rtn", two_d and role == "linear.dgrad", h)
+    return g, o
+
+
+def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
+    n = g.node
+    if n.target is torch.ops.aten.addmm.default and (n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1):
+        return "addmm with alpha/beta"
+    a, b = (val(x) for x in n.args[-2:])
+    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        return f"dtype {a.dtype}/{b.dtype}"
+    k = a.shape[1]
+    if not isinstance(k, int):
+        return "symbolic contraction dim"
+    if k % 16:
+        return f"contraction dim {k} is not a multiple of 16"
+    if spec.hadamard and k % spec.hadamard:
+        return f"contraction dim {k} is not a multiple of the Hadamard size {spec.hadamard}"
+    if spec.block == (16, 16) and g.role != "linear.wgrad" and (a.shape[0] % 16 or b.shape[1] % 16):
+        return f"2D 16x16 weight blocks need both output dims to be multiples of 16, got {a.shape[0]}x{b.shape[1]}"
+    return None
+
+
+def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tangents) -> dict:
+    """Replace one GEMM node; returns its report record."""
+    n, role = g.node, g.role
+    spec = info.spec(role)
+    a, b = n.args[-2:]
+    (a_src, a_tr), (b_src, b_tr) = _operand(a, 1), _operand(b, 0)
+    k = val(a).shape[1]
+    rec = dict(name=g.site, path=info.path, role=role, precision="nvfp4", spec=str(spec),
+               shape=(int(val(a).shape[0]), int(val(b).shape[1]), int(k)),
+               graph="bwd" if n in tangents else "fwd", node=n.name, reused="")
+    main, other = _qspecs(spec, role)
+    if role == "linear.fprop":
+        w_pos = info.weight_pos
+        signs = _signs(graph, (a_src, b_src)[1 - w_pos], spec)
+        srcs = ((a_src, a_tr), (b_src, b_tr))
+        xq = cache.forward_copy(g.site, "x", *srcs[1 - w_pos], main, signs, is_weight=False)
+        wq = cache.forward_copy(g.site, "w", *srcs[w_pos], other, signs, is_weight=True)
+        qa, qb = (wq, xq) if w_pos == 0 else (xq, wq)
+        rec["reused"] = "shared" if xq.origin == "shared" else ""
+    else:
+        grad_first = a in tangents
+        (g_src, g_tr), (o_src, o_tr) = ((a_src, a_tr), (b_src, b_tr)) if grad_first else ((b_src, b_tr), (a_src, a_tr))
+        signs = _signs(graph, g_src, spec)
+        gq = cache.quantize(g_src, g_tr, main, signs)
+        oq = cache.for_backward(g.site, "w" if role == "linear.dgrad" else "x", o_src, o_tr, other, signs,
+                                is_weight=role == "linear.dgrad")
+        qa, qb = (gq, oq) if grad_first else (oq, gq)
+        rec["reused"] = oq.origin
+    out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), val(n).dtype), before=n, anchor=n)
+    if n.target is torch.ops.aten.addmm.default:
+        out = add_call(graph, torch.ops.aten.add.Tensor, (out, n.args[0]), before=n, anchor=n)
+    for k_ in ("partitioner_tag", "seq_nr", "nn_module_stack", "fwd_nn_module_stack", "custom", "stack_trace"):
+        if k_ in n.meta:
+            out.meta[k_] = n.meta[k_]
+    out.meta["fp4"] = rec
+    rec["node"] = out.name
+    n.replace_all_uses_with(out)
+    graph.erase_node(n)
+    return rec
+
+
+def _signs(graph: Graph, like: Node, spec: NVFP4) -> Optional[Node]:
+    if not spec.hadamard:
+        return None
+    s = add_call(graph, RHT_SIGNS, (like, spec.hadamard), after=like, anchor=like)
+    for k_ in ("partitioner_tag", "seq_nr", "custom"):
+        if k_ in like.meta:
+            s.meta[k_] = like.meta[k_]
+    return s
+
+
+def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache) -> List[dict]:
+    """Rewrite every classifiable site GEMM the policy sends to NVFP4; returns one record per site GEMM
+    (``precision`` "nvfp4", or "bf16" with a ``note`` for policy-BF16 and fallbacks)."""
+    gemms, bad = find_gemms(graph, table)
+    records = []
+    for n, site, reason in bad:
+        warn_fallback(n, f"{table[site].path or '<root>'}, linear.?", reason)
+        records.append(dict(name=site, path=table[site].path, role="linear.?", precision="bf16", spec="bf16",
+                            shape=_shape(n), graph="?", node=n.name, reused="", note=reason))
+    # forward first: the backward takes its operands from the forward copies
+    gemms.sort(key=lambda g: g.role != "linear.fprop")
+    for g in gemms:
+        info = table[g.site]
+        spec = info.spec(g.role)
+        why = _why_not(g, spec) if isinstance(spec, NVFP4) else None
+        if isinstance(spec, NVFP4) and why is None:
+            records.append(rewrite_gemm(graph, g, info, cache, cache.tangents))
+            continue
+        note = "policy" if not isinstance(spec, NVFP4) else why
+        if why:
+            warn_fallback(g.node, f"{info.path or '<root>'}, {g.role}", why)
+        records.append(dict(name=g.site, path=info.path, role=g.role, precision="bf16", spec=str(spec),
+                            shape=_shape(g.node), graph="bwd" if g.node in cache.tangents else "fwd",
+                            node=g.node.name, reused="", note=note, fallback=bool(why)))
+    return records
+
+
+def _shape(n: Node):
+    a, b = (val(x) for x in n.args[-2:])
+    return (int(a.shape[0]), int(b.shape[1]), int(a.shape[1]))

@@ -1,0 +1,153 @@
+"""Pass 5 (joint graph): one FP4 copy per (tensor, layout, rounding, Hadamard), and what backward consumes.
+
+:class:`QuantCache` is the only place the linear rewrite gets quantized operands from:
+- ``quantize(src, transpose, qspec, signs)`` returns the existing copy for the same key -- the key is the
+  tensor under its views (``view(x, [M, K])`` of q/k/v projections share one copy), the layout
+  (``transpose``), the :class:`QSpec` and the Hadamard sign node -- or inserts a new
+  ``fp4compile::quantize`` right after the source.
+- ``for_backward(...)`` gives a backward GEMM its non-gradient operand (W for dgrad, X for wgrad) from the
+  forward's FP4 copy of that tensor: the copy itself when the layout and RTN quantization are identical,
+  otherwise ``quantize(dequantize(forward copy))`` (Quartet II: "requantized from the forward FP4 copy").
+  The backward never reads a saved BF16 activation.
+- ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
+  every node made for the backward that does not depend on a gradient, so the partitioner saves the packed
+  forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
+  copy or a dequantized BF16 tensor (notes/torch-compile.md §8).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Dict, Optional, Set, Tuple
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .common import VIEWS, add_call, later, val
+
+QUANTIZE = torch.ops.fp4compile.quantize.default
+DEQUANTIZE = torch.ops.fp4compile.dequantize.default
+
+
+@dataclasses.dataclass(frozen=True)
+class QSpec:
+    """How one operand is quantized (along its contraction dim)."""
+
+    rounding: str = "rtn"
+    four_over_six: bool = False
+    block2d: bool = False
+    hadamard: int = 0            # 0: no rotation
+
+    def __str__(self):
+        s = self.rounding + ("+4/6" if self.four_over_six else "") + (f"+rht{self.hadamard}" if self.hadamard else "")
+        return s + ("+2d" if self.block2d else "")
+
+
+@dataclasses.dataclass
+class QCopy:
+    """An FP4 copy in the graph: quantize node, its three outputs, and how it was made."""
+
+    node: Node
+    codes: Node
+    scales: Node
+    glob: Node
+    src: Node
+    transpose: bool
+    qspec: QSpec
+    signs: Optional[Node]
+    origin: str = ""             # "" | "shared" | "fwd copy" | "requant of fwd copy" | "2d fwd copy"
+
+    def outputs(self):
+        return (self.codes, self.scales, self.glob)
+
+
+def _view_root(n: Node) -> Node:
+    while isinstance(n, Node) and n.op == "call_function" and n.target in VIEWS:
+        n = n.args[0]
+    return n
+
+
+class QuantCache:
+    """FP4 copies of one joint graph (see the module docstring)."""
+
+    def __init__(self, graph: Graph, tangent_nodes: Set[Node]):
+        self.graph = graph
+        self.tangents = tangent_nodes
+        self.copies: Dict[Tuple, QCopy] = {}
+        self.fwd: Dict[Tuple[str, str], QCopy] = {}
+        self.dequants: Dict[Node, Node] = {}
+        self._recompute: Set[Node] = set()
+        self.created: Set[Node] = set()
+
+    # -- building blocks -------------------------------------------------------------------------
+    def quantize(self, src: Node, transpose: bool, qspec: QSpec, signs: Optional[Node]) -> QCopy:
+        key = (_view_root(src), tuple(val(src).shape), transpose, qspec, signs)
+        hit = self.copies.get(key)
+        if hit is not None:
+            return dataclasses.replace(hit, origin=hit.origin or "shared")
+        args = (src, qspec.rounding, qspec.four_over_six, qspec.block2d, qspec.hadamard, signs, None, transpose)
+        q, codes, scales, glob = add_call(self.graph, QUANTIZE, args, after=later(src, signs), anchor=src)
+        for n in (q, codes, scales, glob):
+            _copy_meta(src, n)
+            self.created.add(n)
+        copy = QCopy(q, codes, scales, glob, src, transpose, qspec, signs)
+        self.copies[key] = copy
+        return copy
+
+    def dequantize(self, copy: QCopy) -> Node:
+        d = self.dequants.get(copy.node)
+        if d is None:
+            args = (*copy.outputs(), copy.qspec.hadamard, copy.signs, val(copy.src).dtype)
+            d = add_call(self.graph, DEQUANTIZE, args, after=copy.glob, anchor=copy.src)
+            _copy_meta(copy.src, d)
+            self.created.add(d)
+            self.dequants[copy.node] = d
+        return d
+
+    # -- policy of reuse -------------------------------------------------------------------------
+    def forward_copy(self, site: str, operand: str, src: Node, transpose: bool, qspec: QSpec,
+                     signs: Optional[Node], is_weight: bool) -> QCopy:
+        """The fprop operand ``operand`` ("x" or "w") of ``site``; remembered for the backward."""
+        copy = self.quantize(src, transpose, qspec, signs)
+        self.fwd[(site, operand)] = copy
+        if is_weight:
+            self._recompute.update((copy.node, copy.codes, copy.scales, copy.glob))
+        return copy
+
+    def for_backward(self, site: str, operand: str, src: Node, transpose: bool, qspec: QSpec,
+                     signs: Optional[Node], is_weight: bool) -> QCopy:
+        """A backward GEMM's non-gradient operand, taken from the forward FP4 copy when there is one."""
+        fwd = self.fwd.get((site, operand))
+        deterministic = qspec.rounding == "rtn" and not qspec.hadamard and signs is None
+        if fwd is None:                                       # fprop ran in BF16: quantize the source
+            copy = self.quantize(src, transpose, qspec, signs)
+        elif deterministic and fwd.transpose == transpose and fwd.qspec == qspec:
+            return dataclasses.replace(fwd, origin="fwd copy")
+        elif deterministic and is_weight and qspec.block2d and fwd.qspec == qspec:
+            # 16x16 tiles are transpose-invariant: quantizing W^T from the parameter gives exactly the
+            # forward's 2D copy, transposed (NVIDIA's W_fprop == W_bprop)
+            copy = dataclasses.replace(self.quantize(src, transpose, qspec, signs), origin="2d fwd copy")
+        else:
+            copy = dataclasses.replace(self.quantize(self.dequantize(fwd), transpose, qspec, signs),
+                                       origin="requant of fwd copy")
+        self._recompute.update(n for n in (copy.node, copy.codes, copy.scales, copy.glob) if n is not None)
+        if fwd is not None and fwd.node in self.dequants:
+            self._recompute.add(self.dequants[fwd.node])
+        return copy
+
+    def finalize(self) -> None:
+        """Tag MUST_RECOMPUTE (see the module docstring); nodes fed by a gradient are left alone."""
+        grad_fed: Set[Node] = set()
+        for n in self.graph.nodes:
+            if n in self.tangents or any(a in self.tangents or a in grad_fed for a in n.all_input_nodes):
+                grad_fed.add(n)
+        for n in self._recompute:
+            if n not in grad_fed and n.graph is self.graph:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _copy_meta(src: Node, dst: Node) -> None:
+    for k in ("partitioner_tag", "seq_nr", "nn_module_stack", "fwd_nn_module_stack", "custom", "stack_trace"):
+        if k in src.meta and k not in dst.meta:
+            dst.meta[k] = src.meta[k]
