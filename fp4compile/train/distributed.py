@@ -54,6 +54,7 @@ __all__ = [
     "batch_slice", "local_batch", "reduce_metrics", "all_reduce_mean",
     "save_checkpoint", "load_checkpoint",
     "distributed_newton_schulz",
+    "wrap_for_training", "save_train_checkpoint", "load_train_checkpoint",
 ]
 
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
@@ -406,6 +407,8 @@ def _optimizers(optimizer) -> list:
         return []
     if isinstance(optimizer, (list, tuple)):
         return list(optimizer)
+    if hasattr(optimizer, "optimizers"):          # fp4compile.train.loop.OptimizerList
+        return list(optimizer.optimizers)
     return [optimizer]
 
 
@@ -582,3 +585,94 @@ def _ns_group_replicated(members, ns_fn, mesh=None):
     group = mesh.get_group() if mesh is not None else None
     dist.all_gather_into_tensor(gathered, buf, group=group)
     return [gathered[j].clone() for j in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# hooks for fp4compile.train.loop (``fp4compile train --parallel ddp|fsdp2``)
+# --------------------------------------------------------------------------------------------------------
+def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None) -> nn.Module:
+    """The training loop's backend names mapped onto :func:`wrap_model`: "none" = no compilation,
+    "fullstack_fp4" gets ``options={"policy": policy}``, anything else is a plain Dynamo backend name."""
+    if backend == "none":
+        return wrap_model(model, parallel, compile=False)
+    options = None
+    if backend == "fullstack_fp4":
+        from torch._dynamo.backends.registry import list_backends
+
+        from ..backend import fullstack_fp4
+
+        backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
+        options = {"policy": policy} if policy is not None else None
+    return wrap_model(model, parallel, backend=backend, options=options)
+
+
+TRAIN_DCP_FORMAT = "fp4compile-train-dcp-v1"
+
+
+def save_train_checkpoint(out_dir: Path, model, optimizer, schedule, cfg, step: int, extra: dict) -> Path:
+    """The training loop's checkpoint for ``--parallel ddp|fsdp2``: model + optimizer through
+    torch.distributed.checkpoint (every rank writes its shards), plus ``state.pt`` (rank 0: step, config,
+    LR schedule, RNG, ``extra``). Written to ``checkpoint.tmp`` and renamed, as the 1-process checkpoint."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    final, tmp, old = out_dir / "checkpoint", out_dir / "checkpoint.tmp", out_dir / "checkpoint.old"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    save_checkpoint(tmp, model, optimizer, step=step)
+    if is_main():
+        state = {"format": TRAIN_DCP_FORMAT, "step": step, "config": dataclasses.asdict(cfg),
+                 "schedule": schedule.state_dict(), "rng_cpu": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                 "world_size": _rank_world()[1], **extra}
+        torch.save(state, tmp / "state.pt")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> dict:
+    """Resume a :func:`save_train_checkpoint` directory on any number of ranks (including a plain
+    process), with the same structural checks as the 1-process checkpoint. A 1-process (safetensors)
+    checkpoint is delegated to ``fp4compile.train.loop.load_checkpoint`` when parameters are not sharded."""
+    from .loop import SOFT, STRUCTURAL, CheckpointError
+    from .loop import load_checkpoint as load_single
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / ".metadata").exists():
+        if (ckpt_dir / "model.safetensors").exists():
+            if getattr(cfg, "parallel", "none") == "fsdp2":
+                raise CheckpointError(f"{ckpt_dir} is a 1-process checkpoint; resume it with --parallel none or "
+                                      "ddp (FSDP2 checkpoints are written with torch.distributed.checkpoint)")
+            return load_single(ckpt_dir, model, optimizer, schedule, cfg)
+        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no .metadata / model.safetensors")
+    try:
+        state = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:                                              # noqa: BLE001 - re-raised with context
+        raise CheckpointError(f"checkpoint state {ckpt_dir / 'state.pt'} is missing or unreadable: {e}") from e
+    if not isinstance(state, dict) or state.get("format") != TRAIN_DCP_FORMAT:
+        raise CheckpointError(f"{ckpt_dir} is not an fp4compile distributed training checkpoint")
+    saved = state["config"]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs))
+    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
+    if soft:
+        warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
+                      + "; ".join(soft))
+    try:
+        load_checkpoint(ckpt_dir, model, optimizer)
+    except Exception as e:                                              # noqa: BLE001
+        raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model/optimizer: {e}") from e
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return state
