@@ -339,3 +339,37 @@ def test_localize_policy_keeps_path_rules_per_block():
     assert D.localize_policy("bf16", m.blocks[0], "blocks.0").resolve("attn.qkv", "linear.fprop") == BF16
     with pytest.raises(TypeError):
         D.localize_policy(3, m.blocks[0], "blocks.0")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `fp4compile train --parallel fsdp2` under torchrun: same curve as 1 process, DCP checkpoint resumes on 1
+# ---------------------------------------------------------------------------------------------------------
+def _train_losses(out):
+    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()
+            if ln.strip() and "loss" in json.loads(ln) and "event" not in json.loads(ln)]
+
+
+def test_cli_fsdp2_matches_one_process_and_resumes_on_one(tmp_path):
+    """2 ranks x 4 sequences (FSDP2, stopped after step 2 with a checkpoint) then 1 process x 8 sequences
+    resuming it, vs 1 process x 8 sequences uninterrupted: the same global batches (the data pipeline gives
+    rank r rows [4r, 4r+4) of each global batch), fp32, grad clipping on. Backend "none" keeps it fast."""
+    common = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--log-interval", "1",
+              "--no-progress", "--warmup-steps", "2", "--steps", "4", "--backend", "none", "--val-data", ""]
+    kw = dict(env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                            f"--master-port={_free_port()}", "--master-addr=127.0.0.1", "-m", "fp4compile", "train",
+                            "--parallel", "fsdp2", "--batch-size", "4", "--stop-after", "2", "--out-dir", str(run),
+                            *common], **kw)
+    one = subprocess.Popen([sys.executable, "-m", "fp4compile", "train", "--batch-size", "8", "--out-dir", str(ref),
+                            *common], **kw)
+    _wait(one, "1-process fp4compile train")
+    _wait(two, "torchrun fp4compile train --parallel fsdp2")
+    assert (run / "checkpoint" / ".metadata").exists()
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    resume = subprocess.Popen([sys.executable, "-m", "fp4compile", "train", "--batch-size", "8", "--resume",
+                               "--out-dir", str(run), *common], **kw)
+    _wait(resume, "1-process resume of the FSDP2 checkpoint")
+    a, b = _train_losses(run), _train_losses(ref)
+    assert len(b) == 4 and b[-1] < b[0], b
+    _close(a, b, FP32_RTOL)
