@@ -239,6 +239,23 @@ def ns_scenario(env):
         err = max((o - r).abs().max().item() for o, r in zip(outs, ref))
         n_calls = D.reduce_metrics({"n": len(calls)}, op="max")["n"]
         res["replicated_" + strategy] = {"max_err": err, "max_ns_calls_per_rank": n_calls}
+    # a stack of FSDP2-sharded momenta (torch.stack of Shard(0) DTensors = Shard(1)), QRoot-style batched fn
+    batches = []
+
+    def batched(u):
+        batches.append(int(u.shape[0]))
+        return torch.stack([simple_ns(m) for m in u]) if u.shape[0] else u
+
+    for n in (3, 1):                                # 3 over 2 ranks: 2 + 1 matrices; 1: rank 1 idle
+        full = torch.stack(fulls[:n])
+        stacked = torch.stack([distribute_tensor(m, mesh, [Shard(0)]) for m in fulls[:n]])
+        batches.clear()
+        out = D.distributed_orthogonalize(stacked, batched)
+        res[f"stack{n}"] = {"is_shard1": tuple(stacked.placements) == (Shard(1),),
+                            "same_layout": out.placements == stacked.placements and
+                            out.to_local().shape == stacked.to_local().shape,
+                            "max_err": (out.full_tensor() - torch.stack([simple_ns(m) for m in full])).abs().max().item(),
+                            "local_batch": D.reduce_metrics({"b": batches[0] if batches else -1}, op="max")["b"]}
     return res
 
 

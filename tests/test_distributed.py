@@ -262,6 +262,11 @@ def test_distributed_newton_schulz_matches_full_matrix(runs):
     # all_to_all splits the NS work (6 matrices in 4 shape groups → at most 5 on one rank; gather runs all 6)
     assert ns["sharded_all_to_all"]["max_ns_calls_per_rank"] < 6
     assert ns["sharded_gather"]["max_ns_calls_per_rank"] == 6
+    # QRoot-style stacked momenta: torch.stack of FSDP2 Shard(0) matrices is Shard(1); whole matrices per rank
+    for n, most in ((3, 2), (1, 1)):
+        r = ns[f"stack{n}"]
+        assert r["is_shard1"] and r["same_layout"], r
+        assert r["max_err"] <= 1e-12 and r["local_batch"] == most, r
 
 
 def test_distributed_newton_schulz_single_process():

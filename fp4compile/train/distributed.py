@@ -53,7 +53,7 @@ __all__ = [
     "wrap_model", "find_blocks", "localize_policy", "unwrap", "PARALLEL_MODES",
     "batch_slice", "local_batch", "reduce_metrics", "all_reduce_mean",
     "save_checkpoint", "load_checkpoint",
-    "distributed_newton_schulz",
+    "distributed_newton_schulz", "distributed_orthogonalize",
     "wrap_for_training", "save_train_checkpoint", "load_train_checkpoint",
 ]
 
@@ -528,6 +528,44 @@ def distributed_newton_schulz(mats: Sequence[torch.Tensor], ns_fn: Callable[[tor
     return out
 
 
+def distributed_orthogonalize(U: torch.Tensor, batched_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``batched_fn`` (whole-matrix orthogonalization of a ``[B, m, n]`` stack, e.g. ``QRoot.orthogonalize``)
+    applied to a stack ``U`` whose matrices are FSDP2-sharded.
+
+    ``U`` is what ``torch.stack`` of B same-shape FSDP2 momenta gives: a DTensor placed ``Shard(1)`` (each
+    matrix row-sharded) on a 1-D mesh, or ``Replicate()``; a plain tensor is passed straight to
+    ``batched_fn``. One all-to-all (``Shard(1)`` → ``Shard(0)``) hands each rank ⌈B/W⌉ whole matrices,
+    ``batched_fn`` runs once on that local stack, and a second all-to-all restores ``Shard(1)``. The result
+    is a DTensor with ``U``'s placements, equal to ``batched_fn`` of the full stack whenever ``batched_fn``
+    treats the matrices of a stack independently."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(U, DTensor):
+        return batched_fn(U)
+    if U.ndim != 3:
+        raise ValueError(f"distributed_orthogonalize expects a [B, m, n] stack, got shape {tuple(U.shape)}")
+    mesh, placements = U.device_mesh, tuple(U.placements)
+    if mesh.ndim != 1 or placements not in ((Shard(1),), (Replicate(),), (Shard(0),)):
+        warnings.warn(f"distributed_orthogonalize: placements {placements} on a {mesh.ndim}-D mesh; "
+                      "gathering the full stack on every rank", stacklevel=2)
+        return distribute_like(batched_fn(U.full_tensor()), U)
+    whole = U.redistribute(mesh, [Shard(0)])                   # all-to-all (Replicate: local chunk, no comm)
+    mine = whole.to_local()
+    done = batched_fn(mine) if mine.shape[0] else mine.clone()
+    if tuple(done.shape) != tuple(mine.shape):
+        raise ValueError(f"batched_fn returned shape {tuple(done.shape)} for input {tuple(mine.shape)}")
+    out = DTensor.from_local(done.to(U.dtype), mesh, [Shard(0)], run_check=False, shape=U.shape,
+                             stride=U.stride())
+    return out.redistribute(mesh, list(placements))
+
+
+def distribute_like(full: torch.Tensor, ref) -> Any:
+    """``full`` (the same on every rank) as a DTensor laid out like ``ref`` (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
+
+
 def _ns_plain(m: torch.Tensor, ns_fn) -> torch.Tensor:
     r = ns_fn(m)
     if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(m.shape):
@@ -536,10 +574,7 @@ def _ns_plain(m: torch.Tensor, ns_fn) -> torch.Tensor:
     return r
 
 
-def _like_dtensor(full: torch.Tensor, ref) -> Any:
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full.to(ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
+_like_dtensor = distribute_like
 
 
 def _ns_group_dtensor(members, ns_fn):
