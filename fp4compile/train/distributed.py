@@ -54,6 +54,7 @@ __all__ = [
     "batch_slice", "local_batch", "reduce_metrics", "all_reduce_mean",
     "save_checkpoint", "load_checkpoint",
     "distributed_newton_schulz", "distributed_orthogonalize",
+    "shard_local", "whole_matrix", "adapt_optimizer",
     "wrap_for_training", "save_train_checkpoint", "load_train_checkpoint",
 ]
 
@@ -452,6 +453,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None) -
     opts = _optimizers(optimizer)
     if opts and meta.get("has_optim") is False:
         raise ValueError(f"{path} holds no optimizer state, but an optimizer was given")
+    if opts:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        world = _rank_world()[1]
+        ranked = sorted({k.rsplit("of", 1)[-1] for k in keys if "@rank" in k})
+        if ranked and ranked != [str(world)]:
+            raise ValueError(f"{path} holds per-shard quantized optimizer state (shard_local) written on "
+                             f"{'/'.join(ranked)} ranks; it resumes on that many ranks only, not {world}")
     msd, osd = get_state_dict(model, opts)
     state = {"model": msd}
     if opts:
@@ -620,6 +630,160 @@ def _ns_group_replicated(members, ns_fn, mesh=None):
     group = mesh.get_group() if mesh is not None else None
     dist.all_gather_into_tensor(gathered, buf, group=group)
     return [gathered[j].clone() for j in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# quantized optimizers under FSDP2
+# --------------------------------------------------------------------------------------------------------
+_RANK_KEY = "@rank{rank}of{world}"
+
+
+def shard_local(optimizer_cls: type) -> type:
+    """A subclass of ``optimizer_cls`` (e.g. ``fp4compile.QAdamW``) whose per-parameter update runs on each
+    rank's *local shard* of FSDP2 DTensor parameters (plain tensors are untouched).
+
+    Needed for optimizers whose state is not elementwise-shaped like the parameter (QAdamW's NVFP4 state is
+    flat codes/scales/means plus per-tensor scalars) and therefore cannot live in DTensors. Semantics: the
+    state quantizes each shard on its own (own per-tensor scale, own stochastic-rounding counters), a valid
+    NVFP4 state but not bit-identical to one process holding the whole tensor.
+
+    State dict: states shaped like the local shard are exposed as DTensors laid out like the parameter
+    (reshardable by torch.distributed.checkpoint, N ranks → M); any other per-shard tensor is exposed under
+    a rank-suffixed key (``m_codes@rank0of2``), so a checkpoint with quantized state resumes on the same
+    number of ranks only; :func:`load_checkpoint` says so instead of failing obscurely.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if getattr(optimizer_cls, "_fp4_shard_local", False):
+        return optimizer_cls
+    if hasattr(optimizer_cls, "orthogonalize"):
+        raise TypeError(f"{optimizer_cls.__name__} orthogonalizes whole matrices: local shards would give a "
+                        "silently wrong Newton–Schulz; use whole_matrix() for it")
+
+    class ShardLocal(optimizer_cls):
+        _fp4_shard_local = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._install_hooks()
+
+        def _install_hooks(self):
+            if not getattr(self, "_fp4_hooks", False):
+                self.register_state_dict_post_hook(ShardLocal._expose_state)
+                self._fp4_hooks = True
+
+        @contextlib.contextmanager
+        def _local_params(self, with_grads: bool):
+            """Swap every DTensor parameter (and its state key) for its local shard, and back."""
+            swapped = []
+            for group in self.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if not isinstance(p, DTensor):
+                        continue
+                    lp = p.to_local()
+                    if with_grads:
+                        lp.grad = p.grad.to_local() if p.grad is not None else None
+                    group["params"][i] = lp
+                    if p in self.state:
+                        self.state[lp] = self.state.pop(p)
+                    swapped.append((group, i, p, lp))
+            try:
+                yield
+            finally:
+                for group, i, p, lp in swapped:
+                    group["params"][i] = p
+                    if lp in self.state:
+                        self.state[p] = self.state.pop(lp)
+                    if with_grads:
+                        lp.grad = None
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            with self._local_params(with_grads=True):
+                return super().step(closure)
+
+        def load_state_dict(self, state_dict):
+            state_dict = ShardLocal._accept_state(self, state_dict)
+            with self._local_params(with_grads=False):
+                super().load_state_dict(state_dict)
+
+        @staticmethod
+        def _expose_state(opt, sd):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            rank, world = _rank_world()
+            for idx, st in list(sd["state"].items()):
+                p = params[idx]
+                if not isinstance(p, DTensor):
+                    continue
+                local_shape = p.to_local().shape
+                new = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_shape \
+                            and v.ndim > 0:
+                        new[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride())
+                    elif isinstance(v, torch.Tensor) and k not in ("step",):
+                        new[k + _RANK_KEY.format(rank=rank, world=world)] = v
+                    else:
+                        new[k] = v
+                sd["state"][idx] = new
+            return sd
+
+        @staticmethod
+        def _accept_state(opt, sd):
+            rank, world = _rank_world()
+            suffix = _RANK_KEY.format(rank=rank, world=world)
+            sd = {**sd, "state": dict(sd["state"])}
+            for idx, st in list(sd["state"].items()):
+                new = {}
+                for k, v in st.items():
+                    if "@rank" in k:
+                        if not k.endswith(suffix):
+                            raise ValueError(f"optimizer state {k!r} belongs to another rank/world size than "
+                                             f"this process ({suffix[1:]}): per-shard quantized state resumes "
+                                             "on the same number of ranks only")
+                        k = k[: -len(suffix)]
+                    if isinstance(v, DTensor):
+                        v = v.to_local()
+                    new[k] = v
+                sd["state"][idx] = new
+            return sd
+
+    ShardLocal.__name__ = ShardLocal.__qualname__ = f"ShardLocal{optimizer_cls.__name__}"
+    ShardLocal.__doc__ = f"{optimizer_cls.__name__} on FSDP2 local shards (fp4compile.train.distributed.shard_local)."
+    return ShardLocal
+
+
+def adapt_optimizer(optimizer) -> None:
+    """Make an already built optimizer (or ``OptimizerList``) FSDP2-ready, in place: fp4compile's
+    Newton–Schulz optimizers (those with ``orthogonalize``) become :func:`whole_matrix`, its other optimizers
+    (QAdamW) :func:`shard_local`; torch.optim optimizers handle DTensors themselves and are left alone."""
+    for o in _optimizers(optimizer):
+        cls = type(o)
+        if not cls.__module__.startswith("fp4compile."):
+            continue
+        if hasattr(cls, "orthogonalize"):
+            o.__class__ = whole_matrix(cls)
+        else:
+            o.__class__ = shard_local(cls)
+            o._install_hooks()
+
+
+def whole_matrix(root_cls: type) -> type:
+    """A subclass of a QRoot-like optimizer (one with ``orthogonalize(U [B, m, n], group)``) that runs its
+    Newton–Schulz on whole matrices when the momenta are FSDP2 DTensors, via :func:`distributed_orthogonalize`.
+    Momentum, clipping and the update itself stay DTensor ops on the shards."""
+    if getattr(root_cls, "_fp4_whole_matrix", False):
+        return root_cls
+
+    class WholeMatrix(root_cls):
+        _fp4_whole_matrix = True
+
+        def orthogonalize(self, U, group):
+            return distributed_orthogonalize(U, lambda u: root_cls.orthogonalize(self, u, group))
+
+    WholeMatrix.__name__ = WholeMatrix.__qualname__ = f"WholeMatrix{root_cls.__name__}"
+    return WholeMatrix
 
 
 # --------------------------------------------------------------------------------------------------------

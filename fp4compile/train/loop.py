@@ -593,6 +593,8 @@ def train(cfg: TrainConfig) -> RunResult:
     if denv is not None:                          # FSDP2 swaps parameters for DTensors: wrap before the optimizer
         model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy)
     optimizer = build_optimizer(model, cfg, policy, device)
+    if denv is not None and cfg.parallel == "fsdp2":
+        DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
     if lora_handle is not None and hasattr(lora_handle, "attach"):
         lora_handle.attach(optimizer)                 # realignment remaps optimizer state
     schedule = LRSchedule(optimizer, cfg)
