@@ -259,6 +259,66 @@ def ns_scenario(env):
     return res
 
 
+def _train_steps(model, opt, env, steps, accum, batch, save=None, save_at=None):
+    losses = []
+    for step in steps:
+        gx, gy = D.local_batch(global_batch(step, batch), env)
+        total = 0.0
+        for i in range(accum):
+            x, y = D.local_batch((gx, gy), D.DistEnv(rank=i, world_size=accum))
+            loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            (loss / accum).backward()
+            total += loss.detach() / accum
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(D.reduce_metrics({"loss": total})["loss"])
+        if save is not None and step + 1 == save_at:
+            D.save_checkpoint(save, model, opt, step=step + 1)
+    return losses
+
+
+def qoptim_scenario(env, args, resume_only=False):
+    """fp4compile's quantized optimizers under FSDP2 (eager fp32 model, 4 steps): QAdamW through
+    shard_local, QRoot (NVFP4 Newton–Schulz, AdamW for the rest) through whole_matrix. World 1: the
+    reference with the 2 ranks' micro-batches. World 2: also saves at step 2 and resumes a fresh model on 2
+    ranks. resume_only (world 1): resume the 2-rank checkpoints on 1 process."""
+    try:
+        from fp4compile.optim import QAdamW, QRoot
+    except ImportError as e:
+        return {"skipped": f"fp4compile.optim not available: {e}"}
+    world = env.world_size
+
+    def build(name):
+        m = make_model(d=64, n_layer=2)
+        D.wrap_model(m, "fsdp2" if world > 1 else "none", compile=False)
+        if name == "qadamw":
+            cls = D.shard_local(QAdamW) if world > 1 else QAdamW
+            return m, cls(m.parameters(), lr=3e-3, min_numel=1024)
+        cls = D.whole_matrix(QRoot) if world > 1 else QRoot
+        return m, cls(QRoot.param_groups_for(m), lr=3e-3, adamw="adamw", precision="nvfp4")
+
+    res = {}
+    for name in ("qadamw", "qroot"):
+        ck = f"{args.qckpt}_{name}" if args.qckpt else None
+        r = res[name] = {}
+        if resume_only:
+            m, opt = build(name)
+            try:
+                D.load_checkpoint(ck, m, opt)
+                r["resumed"] = _train_steps(m, opt, env, range(2, 4), 2, args.batch)
+            except ValueError as e:
+                r["error"] = str(e)
+            continue
+        m, opt = build(name)
+        r["losses"] = _train_steps(m, opt, env, range(4), 2 if world == 1 else 1, args.batch,
+                                   save=ck if world > 1 else None, save_at=2)
+        if world > 1:
+            m, opt = build(name)
+            D.load_checkpoint(ck, m, opt)
+            r["resumed"] = _train_steps(m, opt, env, range(2, 4), 1, args.batch)
+    return res
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default="none",
@@ -276,6 +336,7 @@ def main(argv=None):
     p.add_argument("--save-from", default="fsdp2")
     p.add_argument("--save-at", type=int, default=3)
     p.add_argument("--load", default=None)
+    p.add_argument("--qckpt", default=None, help="checkpoint path prefix of the qoptim scenario")
     p.add_argument("--record-saved", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -284,7 +345,12 @@ def main(argv=None):
     results = {"world_size": env.world_size}
     for mode in args.runs.split(","):
         torch._dynamo.reset()
-        results[mode] = ns_scenario(env) if mode == "ns" else run(mode, args, env)
+        if mode == "ns":
+            results[mode] = ns_scenario(env)
+        elif mode in ("qoptim", "qoptim_resume"):
+            results[mode] = qoptim_scenario(env, args, resume_only=mode == "qoptim_resume")
+        else:
+            results[mode] = run(mode, args, env)
     if env.is_main:
         with open(args.out, "w") as f:
             json.dump(results, f)
