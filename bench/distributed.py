@@ -89,6 +89,8 @@ def main(argv=None):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     wrapped = D.wrap_model(model, args.parallel, backend=args.backend, options=options, mp_policy=mp)
     opt = build_optimizer(model, args.optim)
+    if args.parallel == "fsdp2":
+        D.adapt_optimizer(opt)            # QAdamW on local shards (no-op for torch.optim.AdamW)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and mp is None)
 
     g = torch.Generator().manual_seed(1234 + env.rank)

@@ -862,7 +862,10 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
              if saved.get(k) != getattr(cfg, k)]
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs))
-    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
+    # batch_size is per rank: resuming on another world size with the same *global* batch is no change
+    same_global = saved.get("batch_size", 0) * state.get("world_size", 1) == cfg.batch_size * _rank_world()[1]
+    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)
+            and not (k == "batch_size" and same_global)]
     if soft:
         warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
                       + "; ".join(soft))
