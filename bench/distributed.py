@@ -67,6 +67,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     p.add_argument("--bf16-params", action="store_true",
                    help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP gradient bucket size (default 25)")
     p.add_argument("--json", default=None, help="write the result row here (rank 0)")
     args = p.parse_args(argv)
     dflt = dict(micro_batch=4, seq=64, vocab=384, warmup=2, steps=3) if args.tiny else \
@@ -87,7 +88,8 @@ def main(argv=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = D.wrap_model(model, args.parallel, backend=args.backend, options=options, mp_policy=mp)
+    wrapped = D.wrap_model(model, args.parallel, backend=args.backend, options=options, mp_policy=mp,
+                           bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)
     opt = build_optimizer(model, args.optim)
     if args.parallel == "fsdp2":
         D.adapt_optimizer(opt)            # QAdamW on local shards (no-op for torch.optim.AdamW)
