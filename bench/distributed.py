@@ -6,6 +6,8 @@
     torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2
     # CPU smoke test (gloo): the same code path on a tiny model
     torchrun --nproc-per-node 2 bench/distributed.py --tiny --parallel fsdp2
+    # Newton–Schulz on FSDP2 shards: all_to_all (whole matrices per rank) vs gather (all on every rank)
+    torchrun --nproc-per-node 2 bench/distributed.py --model 124m --ns
 
 Prints one table row on rank 0 (and ``--json`` writes it): tokens/s over all ranks (timed steps only, after
 ``--warmup`` steps that include compilation), ms/step, first-step (compile) seconds, and peak memory per
@@ -52,6 +54,57 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB -> GiB
 
 
+def muon_ns(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Quintic Newton–Schulz in BF16 (Muon's coefficients): the bench's stand-in for QRoot's NS."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.to(torch.bfloat16)
+    x = x / (x.norm() + 1e-7)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return (x.T if tall else x).to(g.dtype)
+
+
+def ns_bench(args, env, cfg):
+    """Newton–Schulz of every block matrix of the model, FSDP2-sharded (Shard(0)) over the ranks:
+    all_to_all (whole matrices assigned to ranks) vs gather (every rank gathers and orthogonalizes all)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    d, h, L = cfg.d_model, cfg.hidden, cfg.n_layer
+    shapes = [(3 * d, d), (d, d), (2 * h, d), (d, h)] * L
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    torch.manual_seed(0)
+    mats = [distribute_tensor(torch.randn(s, device=env.device), mesh, [Shard(0)]) for s in shapes]
+    rows = []
+    for strategy in ("all_to_all", "gather"):
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize()
+                D.barrier()
+                t0 = time.perf_counter()
+            D.distributed_newton_schulz(mats, muon_ns, strategy=strategy)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        D.barrier()
+        ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        rows.append((strategy, D.reduce_metrics({"ms": ms}, op="max")["ms"]))
+    if env.is_main:
+        print(f"NS of {len(shapes)} block matrices ({sum(a * b for a, b in shapes) / 1e6:.1f}M params), "
+              f"{env.world_size} ranks, {env.device.type}")
+        for s, ms in rows:
+            print(f"  {s:10s} {ms:9.2f} ms/step")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ns_ms": dict(rows), "world_size": env.world_size, "n_matrices": len(shapes)}, f)
+    D.teardown()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parallel", choices=D.PARALLEL_MODES, default="none")
@@ -68,6 +121,7 @@ def main(argv=None):
     p.add_argument("--bf16-params", action="store_true",
                    help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP gradient bucket size (default 25)")
+    p.add_argument("--ns", action="store_true", help="benchmark distributed Newton–Schulz strategies instead")
     p.add_argument("--json", default=None, help="write the result row here (rank 0)")
     args = p.parse_args(argv)
     dflt = dict(micro_batch=4, seq=64, vocab=384, warmup=2, steps=3) if args.tiny else \
@@ -80,6 +134,10 @@ def main(argv=None):
     dev = env.device
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.ns:
+        from fp4compile.train.model import config_from_preset
+
+        return ns_bench(args, env, config_from_preset("tiny" if args.tiny else args.model))
     model, cfg = build_model(args, dev)
     n_params = sum(p.numel() for p in model.parameters())
     options = {"policy": args.policy} if args.backend == "fullstack_fp4" else None
