@@ -638,6 +638,114 @@ def _ns_group_replicated(members, ns_fn, mesh=None):
 _RANK_KEY = "@rank{rank}of{world}"
 
 
+class _LocalShards:
+    """Mixin: run the wrapped optimizer's per-parameter update on the *local shard* of the FSDP2 DTensor
+    parameters that ``_fp4_is_local`` selects, and keep their non-elementwise state checkpointable."""
+
+    _fp4_shard_local = True
+
+    def _fp4_is_local(self, p, group) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(p, DTensor)
+
+    def _install_hooks(self):
+        if not getattr(self, "_fp4_hooks", False):
+            self.register_state_dict_post_hook(_LocalShards._expose_state)
+            self._fp4_hooks = True
+
+    def _fp4_key_params(self, sd) -> dict:
+        """State-dict key -> (param, selected?) through the param_groups' id lists (ints from
+        ``state_dict()``, FQNs from torch.distributed.checkpoint's ``set_state_dict``)."""
+        out = {}
+        for sg, g in zip(sd["param_groups"], self.param_groups):
+            for key, p in zip(sg["params"], g["params"]):
+                out[key] = (p, self._fp4_is_local(p, g))
+        return out
+
+    @contextlib.contextmanager
+    def _local_params(self, with_grads: bool):
+        """Swap the selected DTensor parameters (and their state keys) for their local shards, and back."""
+        swapped = []
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if not self._fp4_is_local(p, group):
+                    continue
+                lp = p.to_local()
+                if with_grads:
+                    lp.grad = p.grad.to_local() if p.grad is not None else None
+                group["params"][i] = lp
+                if p in self.state:
+                    self.state[lp] = self.state.pop(p)
+                swapped.append((group, i, p, lp))
+        try:
+            yield
+        finally:
+            for group, i, p, lp in swapped:
+                group["params"][i] = p
+                if lp in self.state:
+                    self.state[p] = self.state.pop(lp)
+                if with_grads:
+                    lp.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with self._local_params(with_grads=True):
+            return super().step(closure)
+
+    def load_state_dict(self, state_dict):
+        state_dict = _LocalShards._accept_state(self, state_dict)
+        with self._local_params(with_grads=False):
+            super().load_state_dict(state_dict)
+
+    @staticmethod
+    def _expose_state(opt, sd):
+        from torch.distributed.tensor import DTensor
+
+        keyed = opt._fp4_key_params(sd)
+        rank, world = _rank_world()
+        for idx, st in list(sd["state"].items()):
+            p, local = keyed.get(idx, (None, False))
+            if not local:
+                continue
+            local_shape = p.to_local().shape
+            new = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.ndim > 0 \
+                        and v.shape == local_shape:
+                    new[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                shape=p.shape, stride=p.stride())
+                elif isinstance(v, torch.Tensor) and k != "step":
+                    new[k + _RANK_KEY.format(rank=rank, world=world)] = v
+                else:
+                    new[k] = v
+            sd["state"][idx] = new
+        return sd
+
+    @staticmethod
+    def _accept_state(opt, sd):
+        from torch.distributed.tensor import DTensor
+
+        rank, world = _rank_world()
+        suffix = _RANK_KEY.format(rank=rank, world=world)
+        keyed = opt._fp4_key_params(sd)
+        sd = {**sd, "state": dict(sd["state"])}
+        for idx, st in list(sd["state"].items()):
+            if not keyed.get(idx, (None, False))[1]:
+                continue
+            new = {}
+            for k, v in st.items():
+                if "@rank" in k:
+                    if not k.endswith(suffix):
+                        raise ValueError(f"optimizer state {k!r} belongs to another rank/world size than "
+                                         f"this process ({suffix[1:]}): per-shard quantized state resumes "
+                                         "on the same number of ranks only")
+                    k = k[: -len(suffix)]
+                new[k] = v.to_local() if isinstance(v, DTensor) else v
+            sd["state"][idx] = new
+        return sd
+
+
 def shard_local(optimizer_cls: type) -> type:
     """A subclass of ``optimizer_cls`` (e.g. ``fp4compile.QAdamW``) whose per-parameter update runs on each
     rank's *local shard* of FSDP2 DTensor parameters (plain tensors are untouched).
@@ -652,102 +760,16 @@ def shard_local(optimizer_cls: type) -> type:
     a rank-suffixed key (``m_codes@rank0of2``), so a checkpoint with quantized state resumes on the same
     number of ranks only; :func:`load_checkpoint` says so instead of failing obscurely.
     """
-    from torch.distributed.tensor import DTensor
-
     if getattr(optimizer_cls, "_fp4_shard_local", False):
         return optimizer_cls
     if hasattr(optimizer_cls, "orthogonalize"):
         raise TypeError(f"{optimizer_cls.__name__} orthogonalizes whole matrices: local shards would give a "
                         "silently wrong Newton–Schulz; use whole_matrix() for it")
 
-    class ShardLocal(optimizer_cls):
-        _fp4_shard_local = True
-
+    class ShardLocal(_LocalShards, optimizer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._install_hooks()
-
-        def _install_hooks(self):
-            if not getattr(self, "_fp4_hooks", False):
-                self.register_state_dict_post_hook(ShardLocal._expose_state)
-                self._fp4_hooks = True
-
-        @contextlib.contextmanager
-        def _local_params(self, with_grads: bool):
-            """Swap every DTensor parameter (and its state key) for its local shard, and back."""
-            swapped = []
-            for group in self.param_groups:
-                for i, p in enumerate(group["params"]):
-                    if not isinstance(p, DTensor):
-                        continue
-                    lp = p.to_local()
-                    if with_grads:
-                        lp.grad = p.grad.to_local() if p.grad is not None else None
-                    group["params"][i] = lp
-                    if p in self.state:
-                        self.state[lp] = self.state.pop(p)
-                    swapped.append((group, i, p, lp))
-            try:
-                yield
-            finally:
-                for group, i, p, lp in swapped:
-                    group["params"][i] = p
-                    if lp in self.state:
-                        self.state[p] = self.state.pop(lp)
-                    if with_grads:
-                        lp.grad = None
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            with self._local_params(with_grads=True):
-                return super().step(closure)
-
-        def load_state_dict(self, state_dict):
-            state_dict = ShardLocal._accept_state(self, state_dict)
-            with self._local_params(with_grads=False):
-                super().load_state_dict(state_dict)
-
-        @staticmethod
-        def _expose_state(opt, sd):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            rank, world = _rank_world()
-            for idx, st in list(sd["state"].items()):
-                p = params[idx]
-                if not isinstance(p, DTensor):
-                    continue
-                local_shape = p.to_local().shape
-                new = {}
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_shape \
-                            and v.ndim > 0:
-                        new[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                                    shape=p.shape, stride=p.stride())
-                    elif isinstance(v, torch.Tensor) and k not in ("step",):
-                        new[k + _RANK_KEY.format(rank=rank, world=world)] = v
-                    else:
-                        new[k] = v
-                sd["state"][idx] = new
-            return sd
-
-        @staticmethod
-        def _accept_state(opt, sd):
-            rank, world = _rank_world()
-            suffix = _RANK_KEY.format(rank=rank, world=world)
-            sd = {**sd, "state": dict(sd["state"])}
-            for idx, st in list(sd["state"].items()):
-                new = {}
-                for k, v in st.items():
-                    if "@rank" in k:
-                        if not k.endswith(suffix):
-                            raise ValueError(f"optimizer state {k!r} belongs to another rank/world size than "
-                                             f"this process ({suffix[1:]}): per-shard quantized state resumes "
-                                             "on the same number of ranks only")
-                        k = k[: -len(suffix)]
-                    if isinstance(v, DTensor):
-                        v = v.to_local()
-                    new[k] = v
-                sd["state"][idx] = new
-            return sd
 
     ShardLocal.__name__ = ShardLocal.__qualname__ = f"ShardLocal{optimizer_cls.__name__}"
     ShardLocal.__doc__ = f"{optimizer_cls.__name__} on FSDP2 local shards (fp4compile.train.distributed.shard_local)."
@@ -762,22 +784,28 @@ def adapt_optimizer(optimizer) -> None:
         cls = type(o)
         if not cls.__module__.startswith("fp4compile."):
             continue
-        if hasattr(cls, "orthogonalize"):
-            o.__class__ = whole_matrix(cls)
-        else:
-            o.__class__ = shard_local(cls)
-            o._install_hooks()
+        o.__class__ = whole_matrix(cls) if hasattr(cls, "orthogonalize") else shard_local(cls)
+        o._install_hooks()
 
 
 def whole_matrix(root_cls: type) -> type:
-    """A subclass of a QRoot-like optimizer (one with ``orthogonalize(U [B, m, n], group)``) that runs its
-    Newton–Schulz on whole matrices when the momenta are FSDP2 DTensors, via :func:`distributed_orthogonalize`.
-    Momentum, clipping and the update itself stay DTensor ops on the shards."""
+    """A subclass of a QRoot-like optimizer (one with ``orthogonalize(U [B, m, n], group)`` and
+    ``_is_root(p, group)``) for FSDP2: its Newton–Schulz runs on whole matrices via
+    :func:`distributed_orthogonalize`, while momentum, clipping and the update stay DTensor ops on the shards.
+    Its (Q-)AdamW part (parameters that are not Root) runs on local shards, as :func:`shard_local`."""
     if getattr(root_cls, "_fp4_whole_matrix", False):
         return root_cls
 
-    class WholeMatrix(root_cls):
+    class WholeMatrix(_LocalShards, root_cls):
         _fp4_whole_matrix = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._install_hooks()
+
+        def _fp4_is_local(self, p, group) -> bool:
+            is_root = getattr(self, "_is_root", None)
+            return _LocalShards._fp4_is_local(self, p, group) and not (is_root is not None and is_root(p, group))
 
         def orthogonalize(self, U, group):
             return distributed_orthogonalize(U, lambda u: root_cls.orthogonalize(self, u, group))
