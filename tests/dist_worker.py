@@ -295,10 +295,11 @@ def qoptim_scenario(env, args, resume_only=False):
             cls = D.shard_local(QAdamW) if world > 1 else QAdamW
             return m, cls(m.parameters(), lr=3e-3, min_numel=1024)
         cls = D.whole_matrix(QRoot) if world > 1 else QRoot
-        return m, cls(QRoot.param_groups_for(m), lr=3e-3, adamw="adamw", precision="nvfp4")
+        return m, cls(QRoot.param_groups_for(m), lr=3e-3, adamw="qadamw" if name == "qroot_q" else "adamw",
+                      precision="nvfp4", min_numel=1024)
 
     res = {}
-    for name in ("qadamw", "qroot"):
+    for name in ("qadamw", "qroot", "qroot_q"):
         ck = f"{args.qckpt}_{name}" if args.qckpt else None
         r = res[name] = {}
         if resume_only:

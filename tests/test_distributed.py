@@ -415,6 +415,16 @@ def test_qadamw_fsdp2_shard_local(runs):
     assert "resumes on that many ranks only" in res["qadamw"].get("error", ""), res["qadamw"]
 
 
+def test_qroot_with_qadamw_part_fsdp2(runs):
+    """QRoot(adamw="qadamw"), the training loop's --optimizer qroot: Root on whole matrices, its QAdamW part on
+    local shards: close to the 1-process curve, resumes exactly on 2 ranks, refused on 1."""
+    two, one, res = _qoptim(runs)
+    _close(two["qroot_q"]["losses"][:1], one["qroot_q"]["losses"][:1], 1e-6)
+    _close(two["qroot_q"]["losses"], one["qroot_q"]["losses"], NVFP4_RTOL)
+    _close(two["qroot_q"]["resumed"], two["qroot_q"]["losses"][2:], FP32_RTOL)
+    assert "resumes on that many ranks only" in res["qroot_q"].get("error", ""), res["qroot_q"]
+
+
 def test_shard_local_refuses_newton_schulz_optimizers():
     class FakeRoot(torch.optim.SGD):
         def orthogonalize(self, U, group):

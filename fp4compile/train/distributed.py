@@ -792,7 +792,8 @@ def whole_matrix(root_cls: type) -> type:
     """A subclass of a QRoot-like optimizer (one with ``orthogonalize(U [B, m, n], group)`` and
     ``_is_root(p, group)``) for FSDP2: its Newton–Schulz runs on whole matrices via
     :func:`distributed_orthogonalize`, while momentum, clipping and the update stay DTensor ops on the shards.
-    Its (Q-)AdamW part (parameters that are not Root) runs on local shards, as :func:`shard_local`."""
+    Its QAdamW part (non-Root parameters, ``adamw="qadamw"``) runs on local shards, as :func:`shard_local`;
+    with ``adamw="adamw"`` the whole state is DTensor-shaped and checkpoints reshard N → M."""
     if getattr(root_cls, "_fp4_whole_matrix", False):
         return root_cls
 
@@ -804,8 +805,11 @@ def whole_matrix(root_cls: type) -> type:
             self._install_hooks()
 
         def _fp4_is_local(self, p, group) -> bool:
+            # local shards only for the QAdamW part (NVFP4 state); Root and plain-AdamW parts work on
+            # DTensors directly, which keeps their checkpoints reshardable
             is_root = getattr(self, "_is_root", None)
-            return _LocalShards._fp4_is_local(self, p, group) and not (is_root is not None and is_root(p, group))
+            return (_LocalShards._fp4_is_local(self, p, group) and group.get("adamw", "qadamw") == "qadamw"
+                    and not (is_root is not None and is_root(p, group)))
 
         def orthogonalize(self, U, group):
             return distributed_orthogonalize(U, lambda u: root_cls.orthogonalize(self, u, group))
