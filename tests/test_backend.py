@@ -102,7 +102,7 @@ def test_nanogpt_all_linear_gemms_nvfp4_and_loss_decreases():
     compiled, rec = compile_recorded(model, RTN)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(6):
+    for step in range(4):
         x, y = batch(step)
         loss = compiled(x, y)
         loss.backward()
@@ -131,7 +131,7 @@ ENTRY_SCRIPT = textwrap.dedent("""
     compiled = torch.compile(model, backend="fullstack_fp4", options={{"debug": True}})
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for step in range(6):
+    for step in range(4):
         x, y = batch(step)
         loss = compiled(x, y); loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.item())
     print(json.dumps(dict(losses=losses, breaks=expl.graph_break_count,
