@@ -10,6 +10,11 @@ has a torch reference implementation registered for all devices; the CUDA kernel
         wgrad needs: the result is the quantization of x.T). hadamard=0 means no rotation.
         ``scales`` are the raw E4M3 bytes (``.view(torch.float8_e4m3fn)`` gives the values): the op ABI
         uses uint8 so every op passes ``torch.library.opcheck`` (CPU fp8 tensors lack the ops it compares with).
+        ``seed`` (int64 0-dim) keys the stochastic rounding of "sr"/"ms_eden" through the counter-based hash of
+        ``formats/random.py``: the same seed gives the same bytes on CPU (reference) and CUDA (Triton). With
+        ``seed=None`` a fresh one is drawn from torch's default generator on x's device at every call (so a
+        compiled graph re-randomizes every step); ``hadamard`` without ``signs`` likewise draws fresh signs.
+        The CUDA path does not check for NaN/Inf.
     fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype) -> [R, C] in dtype
     fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> [M, N]
         TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global).
@@ -28,17 +33,30 @@ Tensor = torch.Tensor
 
 def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: bool, hadamard: int,
                         signs: Optional[Tensor], seed: Optional[Tensor], transpose: bool):
+    """The torch reference behind the op on every device without a kernel (CPU in CI).
+
+    Same seed -> same bytes as the CUDA kernels (``formats/random.py``). ``seed=None`` draws a fresh int64
+    seed from torch's default generator on ``x``'s device (so every call of a compiled graph is fresh);
+    ``hadamard`` without ``signs`` draws fresh random signs the same way.
+    """
+    from .formats.random import draw_seed
     from .formats.schemes import quantize_fp32
 
+    if x.dim() != 2:
+        raise ValueError(f"fp4compile::quantize takes a 2D tensor, got shape {tuple(x.shape)}")
+    if rounding not in nvfp4.ROUNDINGS:
+        raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
     src = x.t() if transpose else x
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device="cpu").manual_seed(int(seed.item()))
-    t = quantize_fp32(src.to(torch.float32).cpu(), rounding=rounding, block=(16, 16) if block2d else 16,
-                      four_over_six=four_over_six, hadamard=hadamard or None, generator=gen,
-                      signs=None if signs is None else signs.cpu())
+    block = (16, 16) if block2d else 16
+    nvfp4.check_input(src, block, hadamard or None, check_finite=False)
     dev = x.device
-    return t.codes.to(dev), t.scales.view(torch.uint8).to(dev), t.global_scale.to(dev)
+    if rounding != "rtn" and seed is None:
+        seed = draw_seed(device=dev)
+    t = quantize_fp32(src.to(torch.float32).cpu(), rounding=rounding, block=block,
+                      four_over_six=four_over_six, hadamard=hadamard or None, generator=None,
+                      signs=None if signs is None else signs.cpu(), seed=None if seed is None else seed.cpu())
+    return (t.codes.contiguous().to(dev), t.scales.view(torch.uint8).contiguous().to(dev),
+            t.global_scale.to(dev))
 
 
 @torch.library.custom_op("fp4compile::quantize", mutates_args=())
@@ -61,6 +79,8 @@ def _(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=N
 @torch.library.custom_op("fp4compile::dequantize", mutates_args=())
 def dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
                signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    if hadamard and signs is None:
+        raise ValueError("dequantize with hadamard needs the signs used to quantize")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
     if hadamard:
         vals = inverse_rht(vals, signs)
@@ -97,7 +117,167 @@ def _register_cuda_kernels():
 
     if not has_triton():
         return
-    from .kernels import register_cuda  # noqa: F401  (kernels/__init__.py registers on import)
+    from .kernels import register_cuda  # noqa: F401  (each kernel module registers itself on import)
 
 
 _register_cuda_kernels()
+
+
+# =========================================================================================================
+# Q-Attn: fp4compile::qattn / fp4compile::qattn_bwd  (numerics: kernels/attention_ref.py; kernels: attention.py)
+#
+#   fp4compile::qattn(q [B,H,Tq,D], k [B,Hkv,Tk,D], v [B,Hkv,Tk,D], attn_mask?, is_causal, scale, fp4_roles)
+#       -> (out [B,H,Tq,D], lse fp32 [B,H,Tq],
+#           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16-tile NVFP4 copy)
+#           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
+#       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5.
+#       A tensor with no NVFP4 consumer gets codes/scales of shape [0] and global 0.
+#       attn_mask: bool (True = attend) or additive float, broadcastable to [B,H,Tq,Tk]; not differentiated.
+#   fp4compile::qattn_bwd(grad_out, q?, k?, v?, <the nine view tensors>?, out, lse, attn_mask?, is_causal,
+#                         scale, fp4_roles) -> (dq, dk, dv)
+#       consumes exactly what qattn's autograd saved: the FP4 views of Q/K (and V when attn.dov is NVFP4) and
+#       the BF16 tensors only where a BF16 role needs them (see attention_ref.saved_for_backward).
+# =========================================================================================================
+from .kernels import attention_ref as _aref  # noqa: E402
+
+
+def _qattn_views(views) -> "_aref.QuantizedQKV":
+    out = []
+    for i, t in enumerate(views):
+        if t is None:
+            t = torch.zeros((), dtype=torch.float32) if i % 3 == 2 else torch.empty((0,), dtype=torch.uint8)
+        out.append(t)
+    return _aref.QuantizedQKV(*out)
+
+
+def _qattn_check(q: Tensor, k: Tensor, v: Tensor, fp4_roles: int):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: f"qattn takes [B, H, T, D] tensors, got {q.dim()}D/{k.dim()}D/{v.dim()}D")
+    torch._check(q.shape[-1] == k.shape[-1] == v.shape[-1], lambda: "qattn: q, k, v head dims differ")
+    torch._check(q.shape[-1] % 16 == 0, lambda: f"qattn: head dim must be a multiple of 16, got {q.shape[-1]}")
+    torch._check(k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0,
+                 lambda: f"qattn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    torch._check(0 <= fp4_roles < 64, lambda: f"qattn: fp4_roles must be a 6-bit mask, got {fp4_roles}")
+
+
+@torch.library.custom_op("fp4compile::qattn", mutates_args=())
+def qattn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+          fp4_roles: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                   Tensor]:
+    """Mixed-precision attention forward (torch reference: FP32 with the kernels' BF16 roundings)."""
+    _qattn_check(q, k, v, fp4_roles)
+    views = _aref.quantize_qkv(q, k, v, fp4_roles)
+    out, lse = _aref.attention_fwd_ref(q, k, v, views, attn_mask, is_causal, scale, fp4_roles,
+                                       dtype=torch.float32, emulate_bf16=True)
+    return (out, lse, *views)
+
+
+@qattn.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, fp4_roles):
+    _qattn_check(q, k, v, fp4_roles)
+    B, H, Tq, D = q.shape
+    out = [q.new_empty(q.shape), q.new_empty((B, H, Tq), dtype=torch.float32)]
+    for x, need in zip((q, k, v), _aref.needs_fp4(fp4_roles)):
+        if need:
+            out += [x.new_empty((*x.shape[:-1], D // 2), dtype=torch.uint8),
+                    x.new_empty((*x.shape[:-1], D // 16), dtype=torch.uint8)]
+        else:
+            out += [x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8)]
+        out.append(x.new_empty((), dtype=torch.float32))
+    return tuple(out)
+
+
+@torch.library.custom_op("fp4compile::qattn_bwd", mutates_args=())
+def qattn_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
+              q_codes: Optional[Tensor], q_scales: Optional[Tensor], q_global: Optional[Tensor],
+              k_codes: Optional[Tensor], k_scales: Optional[Tensor], k_global: Optional[Tensor],
+              v_codes: Optional[Tensor], v_scales: Optional[Tensor], v_global: Optional[Tensor],
+              out: Tensor, lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
+              fp4_roles: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mixed-precision attention backward (torch reference)."""
+    views = _qattn_views((q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global))
+    return _aref.attention_bwd_ref(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles,
+                                   dtype=torch.float32, emulate_bf16=True)
+
+
+def _qattn_kv_shape(k, k_codes, v, v_codes):
+    for t, packed in ((k, False), (k_codes, True), (v, False), (v_codes, True)):
+        if t is not None and t.dim() == 4:
+            return (*t.shape[:-1], t.shape[-1] * 2) if packed else tuple(t.shape)
+    raise RuntimeError("qattn_bwd: neither K/V nor their FP4 copies were given")
+
+
+@qattn_bwd.register_fake
+def _(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global,
+      out, lse, attn_mask, is_causal, scale, fp4_roles):
+    kv = _qattn_kv_shape(k, k_codes, v, v_codes)
+    return grad_out.new_empty(grad_out.shape), grad_out.new_empty(kv), grad_out.new_empty(kv)
+
+
+def _qattn_setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, is_causal, scale, fp4_roles = inputs
+    out, lse = output[0], output[1]
+    views = list(output[2:])
+    need = _aref.saved_for_backward(fp4_roles)
+    keep = []
+    for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+        bf16, fp4 = need[name]
+        keep.append(x if bf16 else None)
+        if not fp4:
+            views[3 * i:3 * i + 3] = [None, None, None]
+    ctx.save_for_backward(*keep, *views, out, lse, attn_mask)
+    ctx.qattn_args = (is_causal, scale, fp4_roles)
+
+
+def _qattn_backward(ctx, grad_out, *unused):
+    saved = ctx.saved_tensors
+    q, k, v = saved[:3]
+    views = saved[3:12]
+    out, lse, attn_mask = saved[12:15]
+    is_causal, scale, fp4_roles = ctx.qattn_args
+    dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out.contiguous(), q, k, v, *views, out, lse, attn_mask,
+                                                is_causal, scale, fp4_roles)
+    return dq, dk, dv, None, None, None, None
+
+
+qattn.register_autograd(_qattn_backward, setup_context=_qattn_setup_context)
+
+
+def _register_qattn_cuda():
+    from .kernels import attention as _attn
+
+    if _attn.triton is None:
+        return
+
+    @qattn.register_kernel("cuda")
+    def _(q, k, v, attn_mask, is_causal, scale, fp4_roles):
+        _qattn_check(q, k, v, fp4_roles)
+        if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+        fq, fk, fv = _aref.needs_fp4(fp4_roles)
+        vals, deq = [], {}
+        for name, x, need, fwd_role in (("q", q, fq, _aref.QK), ("k", k, fk, _aref.QK), ("v", v, fv, _aref.PV)):
+            if need:  # the FP4 copy (saved) and, when the forward reads it, its bf16 code x scale (transient)
+                r = _attn.quantize_2d(x, dequantized=bool(fp4_roles & fwd_role))
+                vals += r[:3]
+                if len(r) == 4:
+                    deq[name] = r[3]
+            else:
+                vals += _aref._empty_view(x)
+        views = _aref.QuantizedQKV(*vals)
+        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq)
+        return (out, lse, *views)
+
+    @qattn_bwd.register_kernel("cuda")
+    def _(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
+          v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
+        views = [q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global]
+        dev = grad_out.device
+        views = _aref.QuantizedQKV(*[
+            t if t is not None else (torch.zeros((), dtype=torch.float32, device=dev) if i % 3 == 2
+                                     else torch.empty((0,), dtype=torch.uint8, device=dev))
+            for i, t in enumerate(views)])
+        return _attn.attention_bwd(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles)
+
+
+_register_qattn_cuda()

@@ -34,16 +34,47 @@ def random_signs(d: int, generator: Optional[torch.Generator] = None, device=Non
     return (bits * 2 - 1).to(torch.float32).to(device)
 
 
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fast Walsh-Hadamard transform along the last dim (its size d a power of two), FP32.
+
+    Computes ``x @ H_d`` (Sylvester order) as log2(d) butterfly stages; stage h (h = 1, 2, 4, ...) maps each
+    pair (a, b) = (x[j], x[j + h]) with j's bit h clear to (a + b, a - b). This exact order of FP32 additions
+    is the definition the Triton kernels reproduce bit for bit (a dense matmul would round differently).
+    """
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {d}")
+    lead = x.shape[:-1]
+    y = x.to(torch.float32)
+    h = 1
+    while h < d:
+        v = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
+        h *= 2
+    return y
+
+
+def _norm(d: int, device) -> torch.Tensor:
+    return torch.tensor(1.0 / d ** 0.5, dtype=torch.float32, device=device)
+
+
 def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """(x * s) @ H_d / sqrt(d), chunkwise along the last dim, in FP32."""
+    """(x * s) @ H_d / sqrt(d), chunkwise along the last dim, in FP32.
+
+    Order of operations (the kernels match it bit for bit): signs first, the butterfly :func:`fwht`, one
+    multiply by fp32(1/sqrt(d)), then ``+ 0.0`` so an exactly-cancelled output is +0 (a canonical zero: the
+    sign bit of an NVFP4 zero code would otherwise depend on the addition order).
+    """
     d = signs.numel()
-    h = hadamard_matrix(d, device=x.device)
+    if x.shape[-1] % d:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the Hadamard size {d}")
     xs = x.to(torch.float32).unflatten(-1, (x.shape[-1] // d, d)) * signs.to(x.device, torch.float32)
-    return (xs @ h).flatten(-2)
+    return (fwht(xs) * _norm(d, x.device) + 0.0).flatten(-2)
 
 
 def inverse_rht(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rht`: (y @ H_d / sqrt(d)) * s (H is symmetric and orthonormal)."""
     d = signs.numel()
-    h = hadamard_matrix(d, device=y.device)
-    return ((y.to(torch.float32).unflatten(-1, (y.shape[-1] // d, d)) @ h) * signs.to(y.device, torch.float32)).flatten(-2)
+    yc = y.to(torch.float32).unflatten(-1, (y.shape[-1] // d, d))
+    return (fwht(yc) * _norm(d, y.device) * signs.to(y.device, torch.float32)).flatten(-2)

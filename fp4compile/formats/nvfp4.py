@@ -219,14 +219,28 @@ def quantize_rtn_(x32: torch.Tensor, block2d: bool, four_over_six: bool):
     return pack_nibbles(q.flatten(-2)), stored, gscale
 
 
+def tree_sum(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` (a power-of-two size) as a pairwise tree of *adjacent* pairs: ((t0+t1)+(t2+t3))+...
+
+    A fixed summation order, so the Triton kernels reproduce the result bit for bit.
+    """
+    dim = dim % t.dim()
+    while t.shape[dim] > 1:
+        v = t.unflatten(dim, (t.shape[dim] // 2, 2))
+        t = v.select(dim + 1, 0) + v.select(dim + 1, 1)
+    return t.squeeze(dim)
+
+
 def _block_sse(xb, q, stored, gscale):
-    """Per-block sum of squared errors, accumulated in float64 so summation order cannot flip a choice."""
+    """Per-block sum of squared errors in float64, summed in a fixed pairwise order (:func:`tree_sum`)."""
     xh = e2m1_decode(q) * (stored.to(torch.float32) * gscale).unsqueeze(-1)
-    return ((xb.double() - xh.double()) ** 2).sum(-1)
+    d = xb.double() - xh.double()
+    return tree_sum(d * d)
 
 
 def _tile_sum(err):
-    t = err.unflatten(-2, (err.shape[-2] // 16, 16)).sum(-2, keepdim=True)
+    """Sum a per-1x16-block statistic over each 16x16 tile (fixed order) and replicate it over the tile's rows."""
+    t = tree_sum(err.unflatten(-2, (err.shape[-2] // 16, 16)), dim=-2).unsqueeze(-2)
     return t.expand(*t.shape[:-2], 16, t.shape[-1]).flatten(-3, -2)
 
 
@@ -234,13 +248,14 @@ def _tile_sum(err):
 # public API
 def quantize(x: torch.Tensor, *, rounding: str = "rtn", block: Block = 16, four_over_six: bool = False,
              hadamard: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             signs: Optional[torch.Tensor] = None, check: bool = True) -> NVFP4Tensor:
+             signs: Optional[torch.Tensor] = None, check: bool = True,
+             seed: Optional[torch.Tensor] = None) -> NVFP4Tensor:
     """Quantize ``x`` to NVFP4 along its last dimension.
 
     Args:
         x: float32/float16/bfloat16 tensor, last dim a multiple of 16 (and of ``hadamard``).
         rounding: "rtn" (round-to-nearest-even), "sr" (unbiased stochastic rounding of the elements with the
-            16/17 headroom factor) or "ms_eden" (Quartet II's MS-EDEN: RTN elements, EDEN-corrected,
+            16/17 headroom factor, also in the global scale) or "ms_eden" (Quartet II's MS-EDEN: RTN elements, EDEN-corrected,
             stochastically rounded scales).
         block: 16 (1x16 blocks along the last dim) or (16, 16) (2D tiles over the last two dims).
         four_over_six: per block, also try mapping the block max to 4 and keep the lower-MSE choice.
@@ -249,6 +264,10 @@ def quantize(x: torch.Tensor, *, rounding: str = "rtn", block: Block = 16, four_
         signs: explicit +-1 sign vector of length ``hadamard`` (overrides drawing one from ``generator``);
             two operands of one GEMM must share it.
         check: validate dtype/shape/finiteness (raises ValueError/TypeError).
+        seed: explicit int64 0-dim seed of the stochastic rounding (default: drawn from ``generator``); the
+            same seed gives the same bytes here and in the CUDA kernels (see ``formats/random.py``).
+
+    The exact arithmetic of every scheme is documented in ``fp4compile/formats/schemes.py``.
     """
     from .schemes import quantize_fp32
 
@@ -258,7 +277,7 @@ def quantize(x: torch.Tensor, *, rounding: str = "rtn", block: Block = 16, four_
     if check:
         check_input(x, block_n, hadamard)
     return quantize_fp32(x, rounding=rounding, block=block_n, four_over_six=four_over_six,
-                         hadamard=hadamard, generator=generator, signs=signs)
+                         hadamard=hadamard, generator=generator, signs=signs, seed=seed)
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,0 +1,294 @@
+"""Benchmark of ``fp4compile::gemm`` (NVFP4 x NVFP4 -> bf16) against cuBLAS BF16 (``torch.mm``), same run.
+
+Usage (on the H200)::
+
+    python bench/gemm.py                 # the table of docs/BENCHMARKS.md (## GEMM)
+    python bench/gemm.py --explore       # correctness checks + tile/dequant-path sweep (development)
+    python bench/gemm.py --quick         # fewer shapes
+
+Per shape: TFLOP/s (2*M*N*K / time) of the "half" kernel (autotuned; its time includes the bf16
+pre-dequantization of the operand with fewer rows), of the "full" kernel (both operands dequantized in
+registers, autotuned), of the "dequantize both to bf16 with one Triton pass each, then cuBLAS (fp32 out), then
+scale" baseline, of ``torch.ops.fp4compile.gemm`` as registered (default impl "auto": one of the three, by
+``choose_impl``), and of cuBLAS BF16 ``torch.mm`` on bf16 operands of the same shape; op / cuBLAS and
+best-of-three / cuBLAS. Times: ``triton.testing.do_bench``
+(median, L2 flushed between calls), short rep times.
+
+Shapes: M,N,K in {4096, 8192}; the linear-layer GEMMs of one training step at 16x1024 tokens of GPT-124M
+(d=768, MLP 4d) and a ~1B GPT (d=2048, MLP 4d, 16 layers): per layer qkv, attn-out, fc1, fc2, each as fprop
+(M=tokens, N=out, K=in), dgrad (M=tokens, N=in, K=out) and wgrad (M=out, N=in, K=tokens); duplicates
+removed. The LM head (vocab 50304) is excluded (the presets keep it in BF16); memory-bound shapes M <= 256.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from fp4compile.formats import nvfp4  # noqa: E402
+from fp4compile.kernels import gemm as G  # noqa: E402
+from fp4compile.ops import _gemm_reference  # noqa: E402
+
+TOKENS = 16 * 1024
+VARIANT_SHAPES = [("square", 8192, 8192, 8192), ("124M fc1.fprop", TOKENS, 3072, 768),
+                  ("1B fc1.dgrad", TOKENS, 2048, 8192)]
+
+
+def linear_shapes(d, tokens=TOKENS):
+    """(name, M, N, K) for fprop/dgrad/wgrad of qkv, attn-out, fc1, fc2 of a GPT block of width d."""
+    out = []
+    for layer, (fin, fout) in {"qkv": (d, 3 * d), "proj": (d, d), "fc1": (d, 4 * d), "fc2": (4 * d, d)}.items():
+        out.append((f"{layer}.fprop", tokens, fout, fin))
+        out.append((f"{layer}.dgrad", tokens, fin, fout))
+        out.append((f"{layer}.wgrad", fout, fin, tokens))
+    seen, uniq = set(), []
+    for name, m, n, k in out:
+        if (m, n, k) not in seen:
+            seen.add((m, n, k))
+            uniq.append((name, m, n, k))
+    return uniq
+
+
+def all_shapes(quick=False):
+    shapes = []
+    sq = [(4096, 4096, 4096), (8192, 8192, 8192)] if quick else \
+        [(m, n, k) for m in (4096, 8192) for n in (4096, 8192) for k in (4096, 8192)]
+    shapes += [("square", *s) for s in sq]
+    for tag, d in (("124M", 768), ("1B", 2048)):
+        sh = linear_shapes(d)
+        if quick:
+            sh = sh[:3]
+        shapes += [(f"{tag} {name}", m, n, k) for name, m, n, k in sh]
+    mem = [(16, 4096, 4096), (64, 8192, 8192), (256, 8192, 8192)] if quick else \
+        [(m, nk, nk) for m in (16, 64, 256) for nk in (4096, 8192)]
+    shapes += [("M<=256", *s) for s in mem]
+    return shapes
+
+
+def make_operands(M, N, K, device="cuda", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(M, K, device=device, generator=g)
+    b = torch.randn(N, K, device=device, generator=g)
+    qa = nvfp4.quantize(a, check=False)
+    qb = nvfp4.quantize(b, check=False)
+    return (qa.codes, qa.scales.view(torch.uint8), qa.global_scale,
+            qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
+
+
+def tflops(M, N, K, ms):
+    return 2.0 * M * N * K / (ms * 1e-3) / 1e12
+
+
+def bench_ms(fn, rep):
+    return do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median")
+
+
+def safe_tflops(M, N, K, fn, rep):
+    """TFLOP/s of fn, or NaN (with the error printed) if it fails: one bad variant must not lose the table."""
+    try:
+        return tflops(M, N, K, bench_ms(fn, rep))
+    except Exception as e:  # noqa: BLE001
+        print(f"  ERROR {M}x{N}x{K}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return float("nan")
+
+
+def reference64(args):
+    one = torch.ones((), device=args[0].device)
+    a = nvfp4.dequantize_codes(args[0], args[1].view(torch.float8_e4m3fn), one).double()
+    b = nvfp4.dequantize_codes(args[3], args[4].view(torch.float8_e4m3fn), one).double()
+    return (a @ b.t()) * (args[2].double() * args[5].double())
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_decode(dequant):
+    """Every code byte x every E4M3 scale byte (NaN excluded): the kernel's decode equals the reference."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(127, 1)[:, :256]  # [127, 256] -> K=512
+    scales = torch.arange(127, dtype=torch.uint8, device="cuda")[:, None].expand(127, 32).contiguous()
+    got = G.dequantize_bf16(codes, scales, dequant=dequant).float()
+    one = torch.ones((), device="cuda")
+    ref = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), one)
+    return int((got != ref).sum().item())
+
+
+def explore(out_dir):
+    log = open(os.path.join(out_dir, "explore.log"), "w") if out_dir else None
+
+    def p(*a):
+        s = " ".join(str(x) for x in a)
+        print(s, flush=True)
+        if log:
+            log.write(s + "\n")
+            log.flush()
+
+    t0 = time.time()
+    p("device:", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for dq in ("asm", "fp32"):
+        try:
+            p(f"decode mismatches ({dq}):", check_decode(dq))
+        except Exception as e:  # noqa: BLE001
+            p(f"decode FAILED ({dq}): {type(e).__name__}: {str(e)[:400]}")
+    cfg_small = G._cfg(128, 128, 64, 8, 3)
+    for dq in ("asm", "fp32"):
+        for (M, N, K) in [(1000, 520, 784), (129, 257, 48), (64, 64, 16), (300, 200, 4096)]:
+            args = make_operands(M, N, K)
+            ref = reference64(args)
+            try:
+                o32 = G.nvfp4_gemm(*args, out_dtype=torch.float32, config=cfg_small, dequant=dq, impl="full")
+                o16 = G.nvfp4_gemm(*args, out_dtype=torch.bfloat16, config=cfg_small, dequant=dq, impl="full")
+                p(f"{dq} {M}x{N}x{K}: fp32 rel {rel_err(o32, ref):.2e}  bf16 rel {rel_err(o16, ref):.2e}")
+            except Exception as e:  # noqa: BLE001
+                p(f"{dq} {M}x{N}x{K}: FAILED {type(e).__name__}: {str(e)[:400]}")
+    # SASS: is wgmma (HGMMA) emitted?
+    args = make_operands(512, 512, 512)
+    for dq in ("asm", "fp32"):
+        try:
+            out = torch.empty(512, 512, device="cuda", dtype=torch.bfloat16)
+            k = G._nvfp4_gemm_kernel[(16,)](*args, out, 512, 512, 512, 256, 32, 256, 32, 512,
+                                            BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True,
+                                            DEQUANT_ASM=dq == "asm", OUT_FP32=False, num_warps=8, num_stages=3)
+            sass = k.asm.get("sass", "")
+            ttgir = k.asm.get("ttgir", "")
+            p(f"{dq}: HGMMA in SASS: {sass.count('HGMMA')}, wgmma in ttgir: {ttgir.count('warp_group_dot')}, "
+              f"local_alloc: {ttgir.count('local_alloc')}, regs {k.n_regs}, spills {k.n_spills}, "
+              f"smem {k.metadata.shared}")
+            if out_dir:
+                with open(os.path.join(out_dir, f"kernel_{dq}.ttgir"), "w") as f:
+                    f.write(ttgir)
+                with open(os.path.join(out_dir, f"kernel_{dq}.sass"), "w") as f:
+                    f.write(sass)
+        except Exception as e:  # noqa: BLE001
+            p(f"{dq}: SASS check FAILED {type(e).__name__}: {str(e)[:300]}")
+    p(f"[{time.time() - t0:.0f}s] sweep")
+    configs = [G._cfg(128, 128, 64, 8, 3), G._cfg(128, 128, 128, 8, 3), G._cfg(128, 256, 64, 8, 3),
+               G._cfg(128, 256, 128, 8, 3), G._cfg(64, 256, 128, 4, 4), G._cfg(128, 128, 64, 4, 4),
+               G._cfg(256, 128, 64, 8, 3)]
+    for (M, N, K) in [(8192, 8192, 8192), (16384, 3072, 768), (16384, 2048, 8192)]:
+        args = make_operands(M, N, K)
+        a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        cub = bench_ms(lambda: torch.mm(a16, b16.t()), 50)
+        try:
+            base = tflops(M, N, K, bench_ms(lambda: G.gemm_dequant_cublas(*args), 50))
+        except Exception as e:  # noqa: BLE001
+            p(f"baseline FAILED {type(e).__name__}: {str(e)[:300]}")
+            base = float("nan")
+        p(f"{M}x{N}x{K}: cuBLAS {tflops(M, N, K, cub):.0f} TF/s; dequant+cuBLAS {base:.0f}")
+        for dq in ("asm", "fp32"):
+            for c in configs:
+                if dq == "fp32" and c not in configs[:3]:
+                    continue
+                try:
+                    ms = bench_ms(lambda: G.nvfp4_gemm(*args, config=c, dequant=dq, impl="full"), 40)
+                    p(f"   {dq} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}: "
+                      f"{tflops(M, N, K, ms):.0f} TF/s ({tflops(M, N, K, ms) / tflops(M, N, K, cub):.2f}x)")
+                except Exception as e:  # noqa: BLE001
+                    p(f"   {dq} {c}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        p(f"[{time.time() - t0:.0f}s]")
+    # autotuned path of the registered op
+    args = make_operands(4096, 4096, 4096)
+    o = G.nvfp4_gemm(*args, impl="full")
+    p("op (autotuned) rel err bf16:", f"{rel_err(o, reference64(args)):.2e}",
+      "best:", getattr(G._get_tuned_kernel("full"), "best_config", None), f"[{time.time() - t0:.0f}s]")
+
+
+# ---------------------------------------------------------------------------------------------- table
+def _cfg_str(kern):
+    c = getattr(kern, "best_config", None)
+    if c is None:
+        return "-"
+    k = c.kwargs
+    pf = " pf" if k.get("PREFETCH_S") else ""
+    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{c.num_warps} s{c.num_stages}{pf}"
+
+
+def table(quick, out_dir, rep, budget_s):
+    """One row per shape: the op (default impl, autotuned), the "full" kernel (autotuned), the
+    dequantize+cuBLAS baseline and cuBLAS BF16, all measured in this process."""
+    dev = torch.cuda.get_device_name()
+    head = (f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; op impl: {G.DEFAULT_IMPL}; "
+            f"dequant path: {G.DEFAULT_DEQUANT}; do_bench rep={rep} ms (median)")
+    print(head, flush=True)
+    hdr = ("| shape | M | N | K | half TF/s | full TF/s | dq+cuBLAS TF/s | op (auto) TF/s | cuBLAS bf16 TF/s "
+           "| op/cuBLAS | best/cuBLAS | auto picks | half tile |")
+    lines = [head, "", hdr, "|" + "|".join("---" for _ in range(13)) + "|"]
+    outf = open(os.path.join(out_dir, "gemm_table.md"), "w") if out_dir else None
+    if outf:
+        outf.write("\n".join(lines) + "\n")
+        outf.flush()
+    t0 = time.time()
+    for name, M, N, K in all_shapes(quick):
+        if time.time() - t0 > budget_s:
+            print(f"(time budget of {budget_s}s reached: remaining shapes not measured)", flush=True)
+            lines.append(f"| (budget reached before {name} {M}x{N}x{K}) |")
+            break
+        args = make_operands(M, N, K)
+        a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        half = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="half"), rep)
+        cfg = _cfg_str(G._get_tuned_kernel("half"))
+        full = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="full"), rep)
+        base = safe_tflops(M, N, K, lambda: G.gemm_dequant_cublas(*args), rep)
+        ours = safe_tflops(M, N, K, lambda: torch.ops.fp4compile.gemm(*args), rep)
+        cub = safe_tflops(M, N, K, lambda: torch.mm(a16, b16.t()), rep)
+        best = max((v for v in (half, full, base) if v == v), default=float("nan"))
+        pick = G.choose_impl(M, N, K) if G.DEFAULT_IMPL == "auto" else G.DEFAULT_IMPL
+        line = (f"| {name} | {M} | {N} | {K} | {half:.0f} | {full:.0f} | {base:.0f} | {ours:.0f} | {cub:.0f} "
+                f"| {ours / cub:.2f} | {best / cub:.2f} | {pick} | {cfg} |")
+        lines.append(line)
+        if outf:
+            outf.write(line + "\n")
+            outf.flush()
+        print(line, f"[{time.time() - t0:.0f}s]", flush=True)
+        del args, a16, b16
+    # the register-operand variant, on a few shapes, while time remains
+    var = ["", "| variant half_rega (NVFP4 operand = wgmma register operand) | M | N | K | TF/s | cuBLAS TF/s "
+           "| ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for name, M, N, K in VARIANT_SHAPES:
+        if time.time() - t0 > budget_s:
+            break
+        args = make_operands(M, N, K)
+        a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        v = safe_tflops(M, N, K, lambda: G.nvfp4_gemm(*args, impl="half_rega"), rep)
+        cub = safe_tflops(M, N, K, lambda: torch.mm(a16, b16.t()), rep)
+        var.append(f"| {name} | {M} | {N} | {K} | {v:.0f} | {cub:.0f} | {v / cub:.2f} |")
+        print(var[-1], flush=True)
+    if len(var) > 3:
+        lines += var
+        if outf:
+            outf.write("\n".join(var) + "\n")
+            outf.flush()
+    print("\n" + "\n".join(lines), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--explore", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rep", type=int, default=25, help="do_bench rep time in ms")
+    ap.add_argument("--budget", type=float, default=1e9, help="stop starting new shapes after this many s")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gemm.py needs a CUDA device")
+    if a.explore:
+        explore(a.out)
+    else:
+        table(a.quick, a.out, a.rep, a.budget)
+
+
+if __name__ == "__main__":
+    main()

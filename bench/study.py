@@ -1,0 +1,208 @@
+"""Issue 7's quality study: BF16 vs NVFP4 arms on the shared corpus, resumable across 10-minute GPU calls.
+
+Arms (each adds one recipe to the previous; same seed, data order and hyper-parameters):
+
+    bf16       BF16 (backend inductor)                                    AdamW
+    quartet2   linear layers NVFP4, Quartet II (policy quartet2)          AdamW
+    lora       + LoRA-SVD (fp4compile.prepare)                           AdamW
+    qattn      + Q-Attn (policy full_stack)                              AdamW
+    qadamw     + Q-AdamW                                                 QAdamW
+    qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
+
+On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
+
+    mkdir -p .data/corpus && cp /work/shared/data/corpus/*.xz .data/corpus/ \
+        && cp /work/shared/data/gpt2.tiktoken .data/          # here, once; .data/ is git-ignored
+    # each call (carry [".data", ".study"] is not needed for .study: it lives on the warm machine):
+    python bench/study.py --size 30m --arms bf16,quartet2 --tokens 100e6 --time-budget 540 --export $OUT
+
+A call trains the arms in order until its time budget is spent, leaving checkpoints in ``.study/<size>/<arm>``;
+the next call with the same command resumes where it stopped (the machine must still be warm: checkpoints of
+a 30M model are too large to come back through $OUT). ``--export DIR`` writes the comparison table
+(markdown), the loss-curve PNG and a tar.gz of every arm's metrics.jsonl/summary.json/config.json — 3 files.
+``--report`` only (re)writes the table and plot from what is on disk. ``--print-commands`` shows each arm's
+equivalent ``fp4compile train`` command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ARMS = {
+    "bf16": dict(backend="inductor", policy="bf16", optimizer="adamw", lora=False),
+    "quartet2": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=False),
+    "lora": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True),
+    "qattn": dict(backend="fullstack_fp4", policy="full_stack", optimizer="adamw", lora=True),
+    "qadamw": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qadamw", lora=True),
+    "qroot": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
+    # the 124M comparison: BF16 vs the full stack
+    "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
+}
+LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD", "qattn": "+ Q-Attn",
+          "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)", "full": "full stack"}
+
+
+def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
+    """Tokenize carried ``.xz`` shards into ``train.bin``/``val.bin``/``brown.bin`` (skipped if present)."""
+    from fp4compile.train import data as D
+
+    corpus = data_dir / "corpus"
+    if (data_dir / "gpt2.tiktoken").is_file():
+        os.environ.setdefault("FP4COMPILE_GPT2", str(data_dir / "gpt2.tiktoken"))
+    jobs = [("train.bin", sorted(corpus.glob("train-*.txt.xz")), max_tokens),
+            ("val.bin", [corpus / "val.txt.xz"], None), ("brown.bin", [corpus / "brown.txt.xz"], None)]
+    for name, files, cap in jobs:
+        out = data_dir / name
+        if out.is_file():
+            continue
+        files = [f for f in files if f.is_file()]
+        if not files:
+            raise SystemExit(f"{out} is missing and there are no shards in {corpus} to tokenize")
+        t0 = time.time()
+        tok = D.get_tokenizer("gpt2")
+        meta = D.write_bin(D.tokenize_files(files, tok, cap), out, tok, [str(f) for f in files])
+        print(f"[study] tokenized {name}: {meta['n_tokens']:,} tokens in {time.time() - t0:.0f}s", flush=True)
+
+
+def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float | None, extra: list,
+                warmup: int | None = None) -> list:
+    a = ARMS[arm]
+    cmd = [sys.executable, "-m", "fp4compile", "train", "--config", str(ROOT / "configs" / f"study_{size}.toml"),
+           "--out-dir", str(out / arm), "--backend", a["backend"], "--policy", a["policy"],
+           "--optimizer", a["optimizer"], "--lora" if a["lora"] else "--no-lora", "--steps", str(steps),
+           "--resume", "--no-progress"]
+    if warmup is not None:
+        cmd += ["--warmup-steps", str(warmup)]
+    if max_seconds is not None:
+        cmd += ["--max-seconds", f"{max_seconds:.0f}"]
+    return cmd + extra
+
+
+def summaries(out: Path, arms):
+    res = {}
+    for arm in arms:
+        p = out / arm / "summary.json"
+        if p.is_file():
+            res[arm] = json.loads(p.read_text())
+    return res
+
+
+def report(out: Path, arms, size: str) -> str:
+    """Markdown table: final train loss, val loss, Brown loss, relative gaps to BF16, tokens/s, memory."""
+    s = summaries(out, arms)
+    base = s.get("bf16")
+
+    def gap(arm, key):
+        if base is None or arm == "bf16" or s[arm].get(key) is None or base.get(key) is None:
+            return "—"
+        return f"{100 * (s[arm][key] - base[key]) / base[key]:+.2f} %"
+
+    lines = [f"| arm ({size}) | status | tokens | train loss | val loss | Brown loss | gap train | gap val | "
+             "gap Brown | tokens/s | peak GiB |", "|" + "---|" * 11]
+    for arm in arms:
+        if arm not in s:
+            lines.append(f"| {LABELS[arm]} | not run | | | | | | | | | |")
+            continue
+        r = s[arm]
+        f = lambda k: "—" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
+        lines.append(f"| {LABELS[arm]} | {r['status']} ({r['step']}/{r['steps']}) | {r['tokens'] / 1e6:.0f}M | "
+                     f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
+                     f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | {r['tok_per_s']:,.0f} | "
+                     f"{r['peak_mem_mib'] / 1024:.1f} |")
+    return "\n".join(lines)
+
+
+def export(out: Path, arms, size: str, dest: Path) -> None:
+    from fp4compile.train.cli import plot_runs
+
+    dest.mkdir(parents=True, exist_ok=True)
+    table = report(out, arms, size)
+    (dest / f"study_{size}.md").write_text(table + "\n")
+    have = [a for a in arms if (out / a / "metrics.jsonl").is_file()]
+    if have:
+        plot_runs([out / a for a in have], dest / f"study_{size}.png", labels=[LABELS[a] for a in have],
+                  title=f"fp4compile study, {size}: train loss and relative gap to {LABELS[have[0]]}")
+    with tarfile.open(dest / f"study_{size}_metrics.tar.gz", "w:gz") as tar:
+        for a in have:
+            for fn in ("metrics.jsonl", "summary.json", "config.json"):
+                if (out / a / fn).is_file():
+                    tar.add(out / a / fn, arcname=f"{size}/{a}/{fn}")
+    print(table)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="30m", choices=["30m", "124m"])
+    ap.add_argument("--arms", default=None, help="comma list (default: all six for 30m, bf16,full for 124m)")
+    ap.add_argument("--tokens", type=float, default=None, help="training tokens per arm (default: the config's)")
+    ap.add_argument("--out", default=".study", help="run directories go to OUT/SIZE/ARM")
+    ap.add_argument("--data-dir", default=".data")
+    ap.add_argument("--max-train-tokens", type=int, default=None, help="cap when tokenizing the train shards")
+    ap.add_argument("--time-budget", type=float, default=540, help="seconds for this call (all arms)")
+    ap.add_argument("--export", default=None, help="write table, plot and metrics tarball here (e.g. $OUT)")
+    ap.add_argument("--report", action="store_true", help="only write the table/plot from what exists")
+    ap.add_argument("--print-commands", action="store_true")
+    ap.add_argument("extra", nargs="*", help="extra flags for `fp4compile train` after --")
+    args = ap.parse_args(argv)
+
+    from fp4compile.train.cli import load_config_file
+    from fp4compile.train.loop import TrainConfig
+
+    arms = args.arms.split(",") if args.arms else (
+        ["bf16", "quartet2", "lora", "qattn", "qadamw", "qroot"] if args.size == "30m" else ["bf16", "full"])
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        raise SystemExit(f"unknown arms {bad}; arms are {list(ARMS)}")
+    base = TrainConfig.from_dict(load_config_file(ROOT / "configs" / f"study_{args.size}.toml"))
+    tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
+    steps = int(args.tokens // tokens_per_step) if args.tokens else base.steps
+    warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
+    out = Path(args.out) / args.size
+
+    if args.print_commands:
+        for arm in arms:
+            print(" ".join(arm_command(args.size, arm, out, steps, None, args.extra, warmup)))
+        return 0
+    if not args.report:
+        t_start = time.time()
+        prepare_data(Path(args.data_dir), args.max_train_tokens)
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHONUNBUFFERED="1")
+        if (Path(args.data_dir) / "gpt2.tiktoken").is_file():
+            env.setdefault("FP4COMPILE_GPT2", str(Path(args.data_dir) / "gpt2.tiktoken"))
+        for arm in arms:
+            done = summaries(out, [arm]).get(arm)
+            if done and done["status"] == "done" and done["steps"] == steps:
+                continue
+            left = args.time_budget - (time.time() - t_start)
+            if left < 120:
+                print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
+                break
+            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup)
+            print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
+            rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+            s = summaries(out, [arm]).get(arm, {})
+            if rc != 0:
+                print(f"[study] {arm} failed with exit code {rc}; continuing with the next arm", flush=True)
+            elif s.get("status") != "done":
+                print(f"[study] {arm} stopped at step {s.get('step')}/{steps} ({s.get('status')}): "
+                      "run the same command again to continue", flush=True)
+                break
+    if args.export:
+        export(out, arms, args.size, Path(args.export))
+    else:
+        print(report(out, arms, args.size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

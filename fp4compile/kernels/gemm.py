@@ -1,0 +1,603 @@
+"""NVFP4 x NVFP4 GEMM for sm_90 (Hopper has no FP4 tensor cores): dequantize to exact BF16, BF16 wgmma.
+
+``C[M, N] = alpha * sum_b (S^A[m,b] * S^B[n,b]) * sum_{k in b} qA[m,k] * qB[n,k]``, alpha = a_global * b_global
+(TN layout: A codes ``[M, K/2]``, B codes ``[N, K/2]``, both quantized along K; see
+``/work/shared/notes/nvfp4-format.md`` section 11 and ``fp4compile.ops._gemm_reference``).
+
+How the kernels compute it, exactly:
+
+* Each E2M1 x E4M3 product ``q * S`` has at most 6 significant bits and lies in [2^-10, 2688], so it is exact
+  in BF16. In-kernel dequantization forms ``q * S * 2^-8`` (the 2^-8 keeps every intermediate a normal
+  number and is a power of two, so it changes no rounding) and feeds it to ``tl.dot`` (wgmma on Hopper)
+  with FP32 accumulation; a pre-dequantized operand holds ``q * S`` exactly.
+* At the end ``acc * 2^16 * alpha`` (or ``2^8`` with one pre-dequantized operand) is the reference's
+  ``(A @ B^T) * (a_global * b_global)`` up to the FP32 accumulation order. The global scales are never
+  folded into the BF16 operands (that would round).
+* E2M1 -> float by bit placement: code ``s e1 e0 m`` becomes the float whose sign is ``s`` and whose lowest
+  exponent bits and top mantissa bit are ``e1 e0 m``; that float equals ``q * 2^-126`` for every code (the
+  code for 0.5 becomes a subnormal), and the E4M3 scale pre-multiplied by 2^118 brings the product to
+  ``q * S * 2^-8``.
+
+Implementations (``impl=``; the registered op uses :data:`DEFAULT_IMPL`, ``"auto"``; measurements and the
+SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
+
+* ``"half"`` (:func:`_bf16_nvfp4_gemm_kernel`): the operand with fewer rows is dequantized once to bf16 by
+  :func:`dequantize_bf16`; the other is dequantized tile by tile in registers and stored to shared memory;
+  both wgmma operands come from shared memory.
+* ``"half_rega"`` (:func:`_nvfp4_bf16_gemm_kernel`): same split, the NVFP4 operand is the wgmma register
+  operand (Triton pipelines the dot, but ptxas serializes the HGMMAs).
+* ``"full"`` (:func:`_nvfp4_gemm_kernel`): both operands dequantized inside the GEMM; no bf16 copies.
+* ``"dequant_cublas"`` (:func:`gemm_dequant_cublas`): both operands dequantized to bf16, cuBLAS with FP32
+  output, then the scale and the cast.
+* ``"auto"``: one of ``half`` / ``full`` / ``dequant_cublas`` per shape (:func:`choose_impl`).
+
+All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few configs; see ``*_CONFIGS``) and
+use a GROUP_M-swizzled tile order; M, N tails wrap in the loads and are masked in the store, a K tail (K a
+multiple of 16 but not of BLOCK_K) is masked.
+
+Two dequantization paths (``DEQUANT``):
+
+* ``"fp32"``: portable Triton (runs under ``TRITON_INTERPRET=1``): integer ops build FP32 bit patterns, one
+  FP32 multiply by the scale, one convert to BF16.
+* ``"asm"``: inline PTX, 4 packed bytes (8 codes) at a time: one ``prmt``, shifts/masks that build
+  ``bf16x2`` bit patterns for two codes at once, and one ``mul.rn.bf16x2`` by the scale per two codes
+  (sm_90 only).
+
+Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU tensors under the interpreter),
+:func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`. Importing this module registers
+:func:`nvfp4_gemm` as the CUDA kernel of ``fp4compile::gemm``; it imports cleanly on machines without CUDA.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a hard dependency on GPU machines only
+    triton = None
+    tl = None
+
+__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
+           "HALF_REGA_CONFIGS",
+           "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
+
+#: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
+DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
+#: implementation used by the registered CUDA op: "auto" (per shape, see :func:`choose_impl`), "half" (the
+#: operand with fewer rows pre-dequantized to bf16 by one Triton pass, the other dequantized tile by tile
+#: inside the GEMM), "half_rega", "full" (both dequantized inside the GEMM) or "dequant_cublas" (both
+#: pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
+DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
+IMPLS = ("auto", "half", "half_rega", "full", "dequant_cublas")
+
+
+def choose_impl(M: int, N: int, K: int) -> str:
+    """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM.
+
+    Read off the H200 table in docs/BENCHMARKS.md (## GEMM), choosing among the three implementations
+    measured on every shape there:
+
+    * long contractions on large outputs (K >= 4096 and M*N >= 8M): ``"dequant_cublas"`` -- dequantizing
+      both operands once is amortized and cuBLAS then runs at its full rate (0.66-0.90x of cuBLAS BF16 there);
+    * skinny or short problems (min(M, N) <= 768, K <= 1024 or M <= 256): ``"full"`` (no bf16 copy; the
+      "half" kernel's larger tiles are starved there);
+    * otherwise ``"half"``.
+    """
+    if K >= 4096 and M * N >= 8 * 2 ** 20:
+        return "dequant_cublas"
+    if min(M, N) <= 768 or K <= 1024 or M <= 256:
+        return "full"
+    return "half"
+
+# One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
+# $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
+# nibbles. After prmt, t = [b0, b2, b1, b3]: 16-bit lane 0 holds b0 (low byte) and b2, lane 1 holds b1 and b3,
+# so one shift/mask sequence decodes the same nibble of two bytes into a bf16x2 word
+# (magnitude bits -> bits 6..8, sign -> bit 15 of each lane).
+_DEQUANT_ASM = """
+{
+.reg .b32 t, u, v, w;
+prmt.b32 t, $4, $4, 0x3120;
+shl.b32 u, t, 6;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 12;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $0, w, $5;
+shr.b32 u, t, 2;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 4;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $1, w, $6;
+shl.b32 u, t, 2;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 8;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $2, w, $5;
+shr.b32 u, t, 6;
+and.b32 u, u, 0x01C001C0;
+and.b32 v, t, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $3, w, $6;
+}
+"""
+
+
+def _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
+    for name, t in (("a_codes", a_codes), ("a_scales", a_scales), ("b_codes", b_codes), ("b_scales", b_scales)):
+        if t.dim() != 2:
+            raise ValueError(f"fp4compile::gemm: {name} must be 2D, got shape {tuple(t.shape)}")
+        if t.dtype != torch.uint8:
+            raise TypeError(f"fp4compile::gemm: {name} must be uint8 (scales as raw E4M3 bytes), got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"fp4compile::gemm: {name} must be contiguous")
+    M, Kh = a_codes.shape
+    N, Kh_b = b_codes.shape
+    if Kh != Kh_b:
+        raise ValueError(f"fp4compile::gemm: K mismatch: A has K={2 * Kh}, B has K={2 * Kh_b}")
+    K = 2 * Kh
+    if K % 16 != 0:
+        raise ValueError(f"fp4compile::gemm: K must be a multiple of 16 (NVFP4 block), got K={K}")
+    if tuple(a_scales.shape) != (M, K // 16) or tuple(b_scales.shape) != (N, K // 16):
+        raise ValueError(f"fp4compile::gemm: scales must be [rows, K/16]: got A {tuple(a_scales.shape)}, "
+                         f"B {tuple(b_scales.shape)} for M={M}, N={N}, K={K}")
+    if a_global.numel() != 1 or b_global.numel() != 1:
+        raise ValueError("fp4compile::gemm: global scales must be 1-element tensors")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp4compile::gemm: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    return M, N, K
+
+
+if triton is not None:
+    # read at compile time by the jitted helper
+    _DEQUANT_ASM_CONST = tl.constexpr(_DEQUANT_ASM)
+
+    @triton.jit
+    def _dequant_tile(codes, scales, BR: tl.constexpr, BK: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+        """codes u8 [BR, BK/2], scales u8 (E4M3 bytes) [BR, BK/16] -> bf16 [BR, BK] equal to q*S*2^-8."""
+        s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 332306998946228968225951765070086144.0
+        if DEQUANT_ASM:
+            sb = s.to(tl.bfloat16)
+            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BR, BK // 16, 8)), (BR, BK // 2))
+            lo, hi = tl.inline_asm_elementwise(
+                _DEQUANT_ASM_CONST, "=r,=r,=r,=r,r,r,r", [codes, sb],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            return tl.reshape(tl.join(lo, hi), (BR, BK))
+        else:
+            c = codes.to(tl.uint32)
+            lo = ((c & 0x8) << 28) | ((c & 0x7) << 22)
+            hi = ((c & 0x80) << 24) | ((c & 0x70) << 18)
+            q = tl.reshape(tl.join(lo, hi), (BR, BK)).to(tl.float32, bitcast=True)
+            sf = tl.reshape(tl.broadcast_to(s[:, :, None], (BR, BK // 16, 16)), (BR, BK))
+            return (q * sf).to(tl.bfloat16)
+
+    @triton.jit
+    def _nvfp4_gemm_kernel(a_ptr, as_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr,
+                           M, N, K, stride_a, stride_as, stride_b, stride_bs, stride_c,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                           OUT_FP32: tl.constexpr, K_ITERS: tl.constexpr = 0):
+        # K_ITERS > 0 only under TRITON_INTERPRET=1 (CPU tests): a compile-time trip count (the interpreter's
+        # loops cannot take a runtime bound with NumPy >= 2.4) and an fp32 dot (see below).
+        # K_ITERS == 0 (CUDA): the runtime trip count cdiv(K, BLOCK_K) and a bf16 dot.
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # grouped ordering: GROUP_M row-tiles share their B column-tiles in L2
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        # rows beyond M/N wrap around (loads stay in bounds, no mask); the store is masked
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_kb[None, :]
+        as_ptrs = as_ptr + offs_m.to(tl.int64)[:, None] * stride_as + offs_ks[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_kb[None, :]
+        bs_ptrs = bs_ptr + offs_n.to(tl.int64)[:, None] * stride_bs + offs_ks[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a_c = tl.load(a_ptrs)
+                a_s = tl.load(as_ptrs)
+                b_c = tl.load(b_ptrs)
+                b_s = tl.load(bs_ptrs)
+            else:
+                kb_left = K // 2 - kk * (BLOCK_K // 2)
+                ks_left = K // 16 - kk * (BLOCK_K // 16)
+                a_c = tl.load(a_ptrs, mask=offs_kb[None, :] < kb_left, other=0)
+                a_s = tl.load(as_ptrs, mask=offs_ks[None, :] < ks_left, other=0)
+                b_c = tl.load(b_ptrs, mask=offs_kb[None, :] < kb_left, other=0)
+                b_s = tl.load(bs_ptrs, mask=offs_ks[None, :] < ks_left, other=0)
+            a = _dequant_tile(a_c, a_s, BLOCK_M, BLOCK_K, DEQUANT_ASM)
+            b = _dequant_tile(b_c, b_s, BLOCK_N, BLOCK_K, DEQUANT_ASM)
+            if K_ITERS > 0:
+                # interpreter only: its tl.dot multiplies the raw uint16 bits of bf16 operands, so feed the
+                # (exactly representable) values as fp32; same products, same fp32 accumulation
+                acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K // 2
+            b_ptrs += BLOCK_K // 2
+            as_ptrs += BLOCK_K // 16
+            bs_ptrs += BLOCK_K // 16
+
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        out = (acc * 65536.0) * alpha
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_c + rn[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if OUT_FP32:
+            tl.store(c_ptrs, out, mask=mask)
+        else:
+            tl.store(c_ptrs, out.to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _nvfp4_bf16_gemm_kernel(a_ptr, as_ptr, ag_ptr, b_ptr, bg_ptr, c_ptr,
+                                M, N, K, stride_a, stride_as, stride_b, stride_cm, stride_cn,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                                OUT_FP32: tl.constexpr, PREFETCH_S: tl.constexpr = False,
+                                K_ITERS: tl.constexpr = 0):
+        """Half-fused variant: A is NVFP4 (dequantized in registers: the wgmma register operand), B is the
+        exact bf16 ``q * S`` of the other operand (from :func:`dequantize_bf16`), streamed through shared
+        memory by the pipeliner so the wgmma can stay in flight while the next A tile is dequantized.
+        C[m, n] is written at ``c_ptr + m * stride_cm + n * stride_cn`` (transposed output when swapped).
+        PREFETCH_S: load the block scales one iteration ahead into registers (with BLOCK_K=64 a scale row is
+        4 bytes, too narrow for the pipeliner's async copies, so the plain load would stall every iteration)."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_kb[None, :]
+        as_ptrs = as_ptr + offs_m.to(tl.int64)[:, None] * stride_as + offs_ks[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_k[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PREFETCH_S:
+            a_s_next = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16, other=0)
+        for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if PREFETCH_S:
+                a_s = a_s_next
+                a_s_next = tl.load(as_ptrs + BLOCK_K // 16,
+                                   mask=offs_ks[None, :] < K // 16 - (kk + 1) * (BLOCK_K // 16), other=0)
+            if EVEN_K:
+                a_c = tl.load(a_ptrs)
+                if not PREFETCH_S:
+                    a_s = tl.load(as_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a_c = tl.load(a_ptrs, mask=offs_kb[None, :] < K // 2 - kk * (BLOCK_K // 2), other=0)
+                if not PREFETCH_S:
+                    a_s = tl.load(as_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
+                b = tl.load(b_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
+            a = _dequant_tile(a_c, a_s, BLOCK_M, BLOCK_K, DEQUANT_ASM)
+            if K_ITERS > 0:  # interpreter: fp32 dot (see _nvfp4_gemm_kernel)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K // 2
+            as_ptrs += BLOCK_K // 16
+            b_ptrs += BLOCK_K
+
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        out = (acc * 256.0) * alpha
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if OUT_FP32:
+            tl.store(c_ptrs, out, mask=mask)
+        else:
+            tl.store(c_ptrs, out.to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _bf16_nvfp4_gemm_kernel(a_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr,
+                                M, N, K, stride_a, stride_b, stride_bs, stride_c,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                                OUT_FP32: tl.constexpr, TRANS_OUT: tl.constexpr = False,
+                                PREFETCH_S: tl.constexpr = False, K_ITERS: tl.constexpr = 0):
+        """Half-fused variant with the roles swapped: A is the exact bf16 ``q * S`` operand (pipelined
+        through shared memory by async copies), B is NVFP4, dequantized in registers and stored to shared
+        memory for the wgmma. Both wgmma operands then come from shared memory (no register-operand
+        serialization); the dequantization of the next tile is not overlapped inside one CTA, but between
+        the CTAs resident on an SM. TRANS_OUT: C is stored as ``c[n, m]`` (row stride ``stride_c``), i.e. the
+        kernel computes the transpose of the op's product (the tile is transposed in registers first, so the
+        store stays coalesced). PREFETCH_S: see :func:`_nvfp4_bf16_gemm_kernel`."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_b + offs_kb[None, :]
+        bs_ptrs = bs_ptr + offs_n.to(tl.int64)[:, None] * stride_bs + offs_ks[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PREFETCH_S:
+            b_s_next = tl.load(bs_ptrs, mask=offs_ks[None, :] < K // 16, other=0)
+        for kk in range(0, K_ITERS if K_ITERS > 0 else tl.cdiv(K, BLOCK_K)):
+            if PREFETCH_S:
+                b_s = b_s_next
+                b_s_next = tl.load(bs_ptrs + BLOCK_K // 16,
+                                   mask=offs_ks[None, :] < K // 16 - (kk + 1) * (BLOCK_K // 16), other=0)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b_c = tl.load(b_ptrs)
+                if not PREFETCH_S:
+                    b_s = tl.load(bs_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K - kk * BLOCK_K, other=0.0)
+                b_c = tl.load(b_ptrs, mask=offs_kb[None, :] < K // 2 - kk * (BLOCK_K // 2), other=0)
+                if not PREFETCH_S:
+                    b_s = tl.load(bs_ptrs, mask=offs_ks[None, :] < K // 16 - kk * (BLOCK_K // 16), other=0)
+            b = _dequant_tile(b_c, b_s, BLOCK_N, BLOCK_K, DEQUANT_ASM)
+            if K_ITERS > 0:  # interpreter: fp32 dot (see _nvfp4_gemm_kernel)
+                acc = tl.dot(a.to(tl.float32), tl.trans(b).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // 2
+            bs_ptrs += BLOCK_K // 16
+
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        out = (acc * 256.0) * alpha
+        if not OUT_FP32:
+            out = out.to(tl.bfloat16)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TRANS_OUT:
+            c_ptrs = c_ptr + rn.to(tl.int64)[:, None] * stride_c + rm[None, :]
+            tl.store(c_ptrs, tl.trans(out), mask=(rn[:, None] < N) & (rm[None, :] < M))
+        else:
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_c + rn[None, :]
+            tl.store(c_ptrs, out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _dequant_kernel(c_ptr, s_ptr, o_ptr, R, KH, stride_c, stride_s, stride_o,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+        """Stand-alone dequantization to bf16 ``q * S`` (no global scale); for the cuBLAS baseline."""
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = rr[:, None] < R
+        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * stride_c + kb[None, :],
+                        mask=rmask & (kb[None, :] < KH), other=0)
+        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * stride_s + ks[None, :],
+                         mask=rmask & (ks[None, :] < KH // 8), other=0)
+        v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
+        tl.store(o_ptr + rr.to(tl.int64)[:, None] * stride_o + ko[None, :], v.to(tl.bfloat16),
+                 mask=rmask & (ko[None, :] < 2 * KH))
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, **extra)
+
+
+#: autotuning space of the ``"half"`` kernel (the default; M = rows of the bf16 operand, N = rows of the
+#: NVFP4 operand). BLOCK_K=64 tiles prefetch their 4-byte scale rows; BLOCK_K=128 ones are pipelined.
+HALF_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(128, 128, 64, 8, 4, PREFETCH_S=True),
+    _cfg(128, 256, 64, 8, 3, PREFETCH_S=True),
+    _cfg(256, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(256, 128, 64, 8, 4, PREFETCH_S=True),
+    _cfg(128, 128, 128, 8, 2),
+    _cfg(64, 128, 128, 4, 3),
+    _cfg(64, 64, 128, 4, 4),
+]
+
+#: autotuning space of the ``"full"`` kernel (both operands NVFP4; best tiles of the first H200 sweep)
+GEMM_CONFIGS = [
+    _cfg(128, 256, 128, 8, 3),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(64, 128, 128, 4, 4),
+]
+
+#: autotuning space of the ``"half_rega"`` kernel (NVFP4 operand as the wgmma register operand)
+HALF_REGA_CONFIGS = [
+    _cfg(128, 128, 64, 8, 3, PREFETCH_S=True),
+    _cfg(128, 256, 64, 8, 3, PREFETCH_S=True),
+    _cfg(128, 128, 128, 8, 3),
+    _cfg(64, 64, 128, 4, 4),
+]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep tiles that fit the problem: 64-wide tiles only for dims < 512 (or N tiles when M < 128, to get
+    more CTAs on skinny problems), 256-wide only for dims >= 256."""
+    M, N = named_args["M"], named_args["N"]
+
+    def fits(block, dim, small_ok=False):
+        return block <= max(64, triton.next_power_of_2(dim)) and (block >= 128 or dim < 512 or small_ok)
+
+    kept = [c for c in configs
+            if fits(c.kwargs["BLOCK_M"], M) and fits(c.kwargs["BLOCK_N"], N, small_ok=M < 128)]
+    return kept or configs
+
+
+_tuned = {}
+
+
+def _get_tuned_kernel(impl="full"):
+    """The autotuned launcher of the ``"full"`` or ``"half"`` kernel (built on first use)."""
+    if impl not in _tuned:
+        space, fn = {"full": (GEMM_CONFIGS, _nvfp4_gemm_kernel),
+                     "half": (HALF_CONFIGS, _bf16_nvfp4_gemm_kernel),
+                     "half_rega": (HALF_REGA_CONFIGS, _nvfp4_bf16_gemm_kernel)}[impl]
+        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
+        _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
+                                       prune_configs_by={"early_config_prune": _prune_configs},
+                                       warmup=5, rep=20)(fn)
+    return _tuned[impl]
+
+
+def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
+               impl: Optional[str] = None, config: Optional[dict] = None, dequant: Optional[str] = None):
+    """NVFP4 GEMM ``C = (A @ B^T) * a_global * b_global`` with the Triton kernels (TN layout).
+
+    Args:
+        a_codes, b_codes: uint8 ``[M, K/2]`` / ``[N, K/2]`` packed E2M1 codes (element 2i in the low nibble).
+        a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
+        a_global, b_global: FP32 1-element global decode scales.
+        out_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        impl: ``"auto"`` (per shape, :func:`choose_impl`; off CUDA: ``"half"``), ``"half"`` (the operand
+            with fewer rows pre-dequantized to exact bf16 by :func:`dequantize_bf16`, the other dequantized
+            in registers tile by tile and stored to shared memory for the wgmma), ``"half_rega"`` (same
+            split, the NVFP4 operand is the wgmma register operand), ``"full"`` (both dequantized in
+            registers; no bf16 copy at all) or ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
+        config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
+            small fixed tile under the interpreter.
+        dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
+            CUDA, ``"fp32"`` off CUDA.
+    """
+    if triton is None:
+        raise RuntimeError("fp4compile::gemm Triton kernel needs triton")
+    M, N, K = _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    on_cuda = a_codes.is_cuda
+    impl = impl or DEFAULT_IMPL
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = choose_impl(M, N, K) if on_cuda else "half"
+    if dequant is None:
+        dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
+    if dequant not in ("asm", "fp32"):
+        raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
+    if impl == "dequant_cublas":
+        return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    a_global = a_global.reshape(()).to(torch.float32)
+    b_global = b_global.reshape(()).to(torch.float32)
+    extra = {}
+    if impl == "full":
+        args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out, M, N, K,
+                a_codes.stride(0), a_scales.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
+        kernel = _nvfp4_gemm_kernel
+    elif impl == "half":
+        # the operand with fewer rows is pre-dequantized (bf16, kernel's A); the other stays NVFP4 (kernel's B)
+        if M < N:
+            y16 = dequantize_bf16(a_codes, a_scales, dequant=dequant)
+            args = (y16, a_global, b_codes, b_scales, b_global, out, M, N, K,
+                    y16.stride(0), b_codes.stride(0), b_scales.stride(0), out.stride(0))
+            extra["TRANS_OUT"] = False
+        else:
+            y16 = dequantize_bf16(b_codes, b_scales, dequant=dequant)
+            args = (y16, b_global, a_codes, a_scales, a_global, out, N, M, K,
+                    y16.stride(0), a_codes.stride(0), a_scales.stride(0), out.stride(0))
+            extra["TRANS_OUT"] = True
+            M, N = N, M
+        kernel = _bf16_nvfp4_gemm_kernel
+    else:  # half_rega: the operand with more rows is the in-register (wgmma A) operand
+        if M >= N:
+            x_c, x_s, x_g, y16, y_g, MM, NN, scm, scn = (a_codes, a_scales, a_global,
+                                                         dequantize_bf16(b_codes, b_scales, dequant=dequant),
+                                                         b_global, M, N, out.stride(0), 1)
+        else:
+            x_c, x_s, x_g, y16, y_g, MM, NN, scm, scn = (b_codes, b_scales, b_global,
+                                                         dequantize_bf16(a_codes, a_scales, dequant=dequant),
+                                                         a_global, N, M, 1, out.stride(0))
+        args = (x_c, x_s, x_g, y16, y_g, out, MM, NN, K, x_c.stride(0), x_s.stride(0), y16.stride(0), scm, scn)
+        M, N = MM, NN
+        kernel = _nvfp4_bf16_gemm_kernel
+    flags = dict(DEQUANT_ASM=dequant == "asm", OUT_FP32=out_dtype == torch.float32, **extra)
+    if config is None and not on_cuda:
+        config = _cfg(32, 32, 32, 4, 1)
+    if config is not None:
+        c = dict(config)
+        bm, bn, bk = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
+        nw, ns, gm = c.pop("num_warps", 4), c.pop("num_stages", 3), c.pop("GROUP_M", 8)
+        if impl == "full":
+            c.pop("PREFETCH_S", None)  # the full kernel has no scale prefetch
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EVEN_K=K % bk == 0,
+                     num_warps=nw, num_stages=ns, K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **c, **flags)
+        return out
+    kern = _get_tuned_kernel(impl)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    # every tuned BLOCK_K divides 128: K % 128 == 0 is EVEN for all of them; otherwise the masked variant
+    kern[grid](*args, EVEN_K=K % 128 == 0, **flags)
+    return out
+
+
+def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
+    """Dequantize packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes to bf16 ``q * S`` (exact; no
+    global scale). One Triton pass; the first half of the "dequantize then cuBLAS" baseline."""
+    if triton is None:
+        raise RuntimeError("dequantize_bf16 needs triton")
+    R, KH = codes.shape
+    if scales.shape != (R, 2 * KH // 16):
+        raise ValueError(f"scales must be [R, K/16], got {tuple(scales.shape)} for codes {tuple(codes.shape)}")
+    out = torch.empty((R, 2 * KH), device=codes.device, dtype=torch.bfloat16)
+    if dequant is None:
+        dequant = DEFAULT_DEQUANT if codes.is_cuda else "fp32"
+    br, bk = (64, 128) if codes.is_cuda else (16, 32)
+    grid = (triton.cdiv(R, br), triton.cdiv(2 * KH, bk))
+    _dequant_kernel[grid](codes, scales, out, R, KH, codes.stride(0), scales.stride(0), out.stride(0),
+                          BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
+    return out
+
+
+def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
+    """Baseline: dequantize both operands to exact bf16 (``dequantize_bf16``), then cuBLAS BF16 GEMM with
+    FP32 output (``torch.mm(..., out_dtype=torch.float32)``), then ``* a_global * b_global`` and the cast.
+    Same numerics as :func:`nvfp4_gemm`; costs two bf16 operand copies and an FP32 [M, N] round trip."""
+    _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    a = dequantize_bf16(a_codes, a_scales)
+    b = dequantize_bf16(b_codes, b_scales)
+    acc = torch.mm(a, b.t(), out_dtype=torch.float32)
+    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
+    return (acc * alpha).to(out_dtype)
+
+
+def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
+    return nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+
+
+torch.library.register_kernel("fp4compile::gemm", "cuda", _gemm_cuda)

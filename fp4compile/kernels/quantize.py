@@ -1,0 +1,535 @@
+"""Triton NVFP4 quantize / dequantize kernels, beside the torch reference they match bit for bit.
+
+Reference: ``fp4compile/formats/schemes.py`` (and ``nvfp4.py``, ``hadamard.py``, ``random.py``). Every
+floating-point step of the reference is reproduced here in the same order and precision:
+
+* divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``), FP64 divisions ``/``;
+* kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
+* sums (4/6 errors, EDEN statistics) use the same fixed pairwise tree (:func:`_tree_last`);
+* the RHT is the same butterfly (signs first, stages h = 1, 2, 4, ..., then x fp32(1/sqrt(d)), then + 0.0);
+* E4M3 rounding is done on the FP32 bit pattern (RNE, identical to ``.to(torch.float8_e4m3fn)`` on [0, 448]);
+* random bits come from the same counter-based hash of (seed, flat index).
+
+Two launches per quantize, no host synchronization: ``_amax_kernel`` reduces max|x| (of the rotated tensor
+when an RHT is fused) into a device scalar with ``atomic_max``; ``_quantize_kernel`` reads it, derives the
+global scale, and writes codes, scale bytes and (program 0) the global decode scale.
+``transpose=True`` quantizes ``x.T`` by passing swapped strides: the kernel reads the column-wise tile
+directly, no transposed copy is materialized.
+
+The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.random import draw_seed
+from ..formats.schemes import block_max_targets, global_numerator
+
+_ROUNDING_ID = {"rtn": 0, "sr": 1, "ms_eden": 2}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _lowbias32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _seed_keys(seed_ptr):
+    s = tl.load(seed_ptr)
+    lo = (s & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    k0 = _lowbias32(lo ^ 0x9E3779B9)
+    k1 = _lowbias32(hi ^ k0)
+    return k0, k1
+
+
+@triton.jit
+def _uniform(k0, k1, idx):
+    """float32 uniforms in [0, 1) for int64 flat indices (taken mod 2^32); same as formats.random.uniform."""
+    i = (idx & 0xFFFFFFFF).to(tl.uint32)
+    h = _lowbias32(_lowbias32(i ^ k0) ^ k1)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _e4m3_code(v):
+    """FP32 v in [0, 448] -> E4M3 code (int32 0..126), round to nearest even."""
+    bits = v.to(tl.uint32, bitcast=True)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    code_n = ((r >> 23).to(tl.int32) - 120) * 8 + ((r >> 20) & 7).to(tl.int32)
+    t = v * 512.0
+    code_s = ((t + 8388608.0) - 8388608.0).to(tl.int32)
+    return tl.where(v < 0.015625, code_s, code_n)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """E4M3 code (int32 0..126) -> FP32 value."""
+    e = code >> 3
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.uint32).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def _e2m1_rne(v):
+    """FP32 -> E2M1 code (int32, sign in bit 3), RNE, saturating at +-6.
+
+    Bit form of the reference's comparison chain (checked equal on 11.5M FP32 values incl. every tie):
+    |v| >= 1: round the FP32 mantissa to 1 bit (RNE) and read exponent:mantissa; |v| < 1: rne(2|v|) via the
+    2^23 magic-number add (exact: 2|v| is exact, the add rounds to nearest even).
+    """
+    a = tl.abs(v)
+    bits = a.to(tl.uint32, bitcast=True)
+    r = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    normal = tl.minimum((r >> 22).to(tl.int32) - 252, 7)
+    t = a * 2.0 + 12582912.0
+    sub = t.to(tl.int32, bitcast=True) - 0x4B400000
+    mag = tl.where(a < 1.0, sub, normal)
+    sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return mag | (sign << 3)
+
+
+@triton.jit
+def _e2m1_mag_value(c):
+    """E2M1 magnitude code 0..7 -> FP32 value."""
+    return tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+
+
+@triton.jit
+def _e2m1_value(code):
+    v = _e2m1_mag_value(code & 7)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _sr_floor(v):
+    a = tl.minimum(tl.abs(v), 6.0)
+    c = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+         + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+         + (a >= 6.0).to(tl.int32))
+    lo = _e2m1_mag_value(c)
+    step = tl.where(c < 4, 0.5, tl.where(c < 6, 1.0, 2.0))
+    return a, c, lo, step
+
+
+@triton.jit
+def _tree_last(t, A: tl.constexpr, B: tl.constexpr, N: tl.constexpr):
+    """Sum a [A, B, N] tensor over its last axis as a pairwise tree of adjacent pairs -> [A, B]."""
+    if N >= 16:
+        t0, t1 = tl.split(tl.reshape(t, (A, B, N // 2, 2)))
+        t = t0 + t1
+    if N >= 8:
+        t0, t1 = tl.split(tl.reshape(t, (A, B, 4, 2)))
+        t = t0 + t1
+    if N >= 4:
+        t0, t1 = tl.split(tl.reshape(t, (A, B, 2, 2)))
+        t = t0 + t1
+    t0, t1 = tl.split(tl.reshape(t, (A, B, 1, 2)))
+    return tl.reshape(t0 + t1, (A, B))
+
+
+@triton.jit
+def _tile_rows(t, BR: tl.constexpr, NB: tl.constexpr):
+    """[BR, NB] per-block statistic -> summed over each 16-row group (fixed tree), replicated: [BR, NB]."""
+    u = tl.permute(tl.reshape(t, (BR // 16, 16, NB)), (0, 2, 1))
+    s = _tree_last(u, BR // 16, NB, 16)
+    return tl.reshape(tl.broadcast_to(tl.reshape(s, (BR // 16, 1, NB)), (BR // 16, 16, NB)), (BR, NB))
+
+
+@triton.jit
+def _tile_max(t, BR: tl.constexpr, NB: tl.constexpr):
+    s = tl.max(tl.reshape(t, (BR // 16, 16, NB)), axis=1)
+    return tl.reshape(tl.broadcast_to(tl.reshape(s, (BR // 16, 1, NB)), (BR // 16, 16, NB)), (BR, NB))
+
+
+@triton.jit
+def _fwht_stage(y, N: tl.constexpr, D: tl.constexpr, H: tl.constexpr, IMPL: tl.constexpr):
+    """One butterfly stage: (a, b) = (y[j], y[j + H]) -> (a + b, a - b) for j with bit H clear.
+
+    IMPL 0: permute + split/join. IMPL 1: the partner via ``tl.flip`` on the size-2 axis (an exact xor
+    exchange of bit patterns) and ``v * (+-1) + partner``; both are exactly the reference's FP32 ops.
+    """
+    if IMPL == 0:
+        v = tl.permute(tl.reshape(y, (N, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    else:
+        v = tl.reshape(y, (N, D // (2 * H), 2, H))
+        p = tl.flip(v, 2)
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+        w = v * sgn[None, None, :, None] + p
+    return tl.reshape(w, (N, D))
+
+
+@triton.jit
+def _fwht(y, N: tl.constexpr, D: tl.constexpr, IMPL: tl.constexpr):
+    """Unnormalized butterfly Walsh-Hadamard transform of the rows of a [N, D] tile (formats.hadamard.fwht)."""
+    y = _fwht_stage(y, N, D, 1, IMPL)
+    y = _fwht_stage(y, N, D, 2, IMPL)
+    y = _fwht_stage(y, N, D, 4, IMPL)
+    y = _fwht_stage(y, N, D, 8, IMPL)
+    if D >= 32:
+        y = _fwht_stage(y, N, D, 16, IMPL)
+    if D >= 64:
+        y = _fwht_stage(y, N, D, 32, IMPL)
+    if D >= 128:
+        y = _fwht_stage(y, N, D, 64, IMPL)
+    return y
+
+
+@triton.jit
+def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr,
+         IMPL: tl.constexpr):
+    s = tl.load(signs_ptr + tl.arange(0, HAD))
+    xs = tl.reshape(x, (BR, BC // HAD, HAD)) * s[None, None, :]
+    y = _fwht(tl.reshape(xs, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, IMPL)
+    y = y * NORM + 0.0
+    return tl.reshape(y, (BR, BC))
+
+
+@triton.jit
+def _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR: tl.constexpr, BC: tl.constexpr, TLOAD: tl.constexpr):
+    """The [BR, BC] tile of the logical matrix (x, or x.T through swapped strides) as FP32.
+
+    TLOAD=1 (for transpose=True): load the tile in x's own orientation, [BC, BR] with x's contiguous dim last,
+    and transpose it in registers; the values are the same as TLOAD=0's strided load, only the access
+    pattern differs. Not yet measured on a GPU (off by default: ``CONFIG["t_impl"] = 0``).
+    """
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = pid_c * BC + tl.arange(0, BC)
+    if TLOAD:
+        tmask = (cols < K)[:, None] & (rows < R)[None, :]
+        tptrs = x_ptr + cols.to(tl.int64)[:, None] * scol + rows.to(tl.int64)[None, :] * srow
+        x = tl.trans(tl.load(tptrs, mask=tmask, other=0.0))
+    else:
+        mask = (rows < R)[:, None] & (cols < K)[None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * srow + cols.to(tl.int64)[None, :] * scol
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32), rows, cols
+
+
+@triton.jit
+def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
+    v = tl.minimum(tl.math.div_rn(ab, M) * s_enc, 448.0)
+    code = _e4m3_code(v)
+    sf = _e4m3_value(code)
+    enc = tl.where(sf == 0, 0.0, tl.math.div_rn(1.0, sf * gs))
+    return code, sf, enc
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
+                 HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr):
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
+    if HAD > 0:
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
+                     codes_ptr, scales_ptr, gscale_ptr,
+                     G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
+                     ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
+                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
+    NB: tl.constexpr = BC // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC, TLOAD)
+    if HAD > 0:
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
+
+    amax = tl.load(amax_ptr)
+    zero = amax == 0
+    s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
+    gs = tl.where(zero, 0.0, tl.math.div_rn(1.0, s_enc))
+
+    xb = tl.reshape(x, (BR, NB, 16))
+    ab = tl.max(tl.abs(xb), axis=2)
+    if BLOCK2D:
+        ab = _tile_max(ab, BR, NB)
+    code, sf, enc = _scale_enc(ab, M6, s_enc, gs)
+
+    if ROUNDING == 0:
+        q = _e2m1_rne(xb * enc[:, :, None])
+        if FOUR_SIX:
+            code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
+            q4 = _e2m1_rne(xb * enc4[:, :, None])
+            xd = xb.to(tl.float64)
+            d6 = xd - (_e2m1_value(q) * (sf * gs)[:, :, None]).to(tl.float64)
+            d4 = xd - (_e2m1_value(q4) * (sf4 * gs)[:, :, None]).to(tl.float64)
+            e6 = _tree_last(d6 * d6, BR, NB, 16)
+            e4 = _tree_last(d4 * d4, BR, NB, 16)
+            if BLOCK2D:
+                e6 = _tile_rows(e6, BR, NB)
+                e4 = _tile_rows(e4, BR, NB)
+            pick4 = e4 < e6
+            code = tl.where(pick4, code4, code)
+            q = tl.where(pick4[:, :, None], q4, q)
+    elif ROUNDING == 1:
+        if FOUR_SIX:
+            code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
+            a6, c6, lo6, st6 = _sr_floor(xb * enc[:, :, None])
+            a4, c4, lo4, st4 = _sr_floor(xb * enc4[:, :, None])
+            s6 = (sf * gs).to(tl.float64)
+            s4 = (sf4 * gs).to(tl.float64)
+            e6 = _tree_last((a6 - lo6).to(tl.float64) * (lo6 + st6 - a6).to(tl.float64), BR, NB, 16) * (s6 * s6)
+            e4 = _tree_last((a4 - lo4).to(tl.float64) * (lo4 + st4 - a4).to(tl.float64), BR, NB, 16) * (s4 * s4)
+            if BLOCK2D:
+                e6 = _tile_rows(e6, BR, NB)
+                e4 = _tile_rows(e4, BR, NB)
+            pick4 = e4 < e6
+            code = tl.where(pick4, code4, code)
+            enc = tl.where(pick4, enc4, enc)
+        k0, k1 = _seed_keys(seed_ptr)
+        idx = rows.to(tl.int64)[:, None] * K + cols.to(tl.int64)[None, :]
+        u = tl.reshape(_uniform(k0, k1, idx), (BR, NB, 16))
+        v = xb * enc[:, :, None]
+        a, c, lo, step = _sr_floor(v)
+        p = tl.math.div_rn(a - lo, step)
+        mag = c + (u < p).to(tl.int32)
+        q = mag | ((v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << 3)
+    else:
+        v = xb * enc[:, :, None]
+        q = _e2m1_rne(v)
+        vd = v.to(tl.float64)
+        num = _tree_last(vd * vd, BR, NB, 16)
+        den = _tree_last(vd * _e2m1_value(q).to(tl.float64), BR, NB, 16)
+        if BLOCK2D:
+            num = _tile_rows(num, BR, NB)
+            den = _tile_rows(den, BR, NB)
+        c = tl.where(den == 0, 1.0, num / tl.where(den == 0, 1.0, den))
+        s_corr = tl.minimum((sf.to(tl.float64) * c).to(tl.float32), 448.0)
+        rc = _e4m3_code(s_corr)
+        lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
+        lo = _e4m3_value(lo_code)
+        hi = tl.where(lo == s_corr, lo, _e4m3_value(lo_code + 1))
+        p = tl.where(hi > lo, tl.math.div_rn(s_corr - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+        k0, k1 = _seed_keys(seed_ptr)
+        brow = rows
+        if BLOCK2D:
+            brow = rows - rows % 16
+        bcol = pid_c * NB + tl.arange(0, NB)
+        u = _uniform(k0, k1, brow.to(tl.int64)[:, None] * (K // 16) + bcol.to(tl.int64)[None, :])
+        code = tl.where(u < p, lo_code + 1, lo_code)
+
+    q = tl.where(zero, 0, q)
+    q2 = tl.reshape(q, (BR, BC // 2, 2))
+    qlo, qhi = tl.split(q2)
+    packed = (qlo | (qhi << 4)).to(tl.uint8)
+    cols2 = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+    rmask = (rows < R)[:, None]
+    tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 2) + cols2[None, :], packed,
+             mask=rmask & (cols2 < K // 2)[None, :])
+    colsb = pid_c * NB + tl.arange(0, NB)
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + colsb[None, :], code.to(tl.uint8),
+             mask=rmask & (colsb < K // 16)[None, :])
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(gscale_ptr, gs)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
+                       HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, OUT_BF16: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
+    NB: tl.constexpr = BC // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    rmask = (rows < R)[:, None]
+    cols2 = pid_c * (BC // 2) + tl.arange(0, BC // 2)
+    packed = tl.load(codes_ptr + rows.to(tl.int64)[:, None] * (K // 2) + cols2[None, :],
+                     mask=rmask & (cols2 < K // 2)[None, :], other=0).to(tl.int32)
+    q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BR, NB, 16))
+    colsb = pid_c * NB + tl.arange(0, NB)
+    sc = tl.load(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + colsb[None, :],
+                 mask=rmask & (colsb < K // 16)[None, :], other=0).to(tl.int32)
+    s = _e4m3_value(sc) * tl.load(gscale_ptr)
+    vals = tl.reshape(_e2m1_value(q) * s[:, :, None], (BR, BC))
+    if HAD > 0:
+        sg = tl.load(signs_ptr + tl.arange(0, HAD))
+        y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, RHT_IMPL)
+        y = tl.reshape(y * NORM, (BR, BC // HAD, HAD)) * sg[None, None, :]
+        vals = tl.reshape(y, (BR, BC))
+    if OUT_BF16:  # explicit RNE to bf16 (the interpreter's cast truncates); exact afterwards on every backend
+        b = vals.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        vals = b.to(tl.float32, bitcast=True)
+    cols = pid_c * BC + tl.arange(0, BC)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=rmask & (cols < K)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+#: Tile sizes and the butterfly implementation, from the H200 sweep in bench/quantize.py (docs/BENCHMARKS.md):
+#: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
+#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``t_impl=1`` (transposed tiles loaded
+#: in x's orientation, then ``tl.trans``) is bit-exact under the interpreter but not yet measured on a GPU.
+CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 0}
+
+
+def _config(device, config: Optional[dict]) -> dict:
+    cfg = dict(CONFIG)
+    if device.type == "cpu":
+        # TRITON_INTERPRET=1: the interpreter runs tl.reduce combine functions (used by tl.flip) in Python,
+        # ~10x slower; the permute/split butterfly gives the same bits (both are checked on the H200).
+        cfg["rht_impl"] = 0
+    cfg.update(config or {})
+    return cfg
+
+
+def _norm(hadamard: int) -> float:
+    return 1.0 / hadamard ** 0.5 if hadamard else 1.0
+
+
+def _launch_opts(device):
+    if device.type == "cpu":  # TRITON_INTERPRET=1: the interpreter ignores launch options
+        return {}
+    return {"enable_fp_fusion": False}
+
+
+def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch.Tensor:
+    if not hadamard:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    if signs is None:
+        from ..formats.hadamard import random_signs
+        return random_signs(hadamard, device=device).contiguous()
+    if signs.numel() != hadamard:
+        raise ValueError(f"signs has {signs.numel()} entries, expected hadamard={hadamard}")
+    return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
+
+
+def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    bc = max(cfg["a_cols"], hadamard or 16)
+    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
+        x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
+        TLOAD=tload, BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
+    return amax
+
+
+def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None, transpose: bool = False,
+         config: Optional[dict] = None) -> torch.Tensor:
+    """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
+    passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
+    cfg = _config(x.device, config)
+    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
+    return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
+                 bool(transpose and cfg["t_impl"]))
+
+
+def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
+             hadamard: int = 0, signs: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
+             transpose: bool = False, config: Optional[dict] = None):
+    """Launch the NVFP4 quantize kernels on a 2D tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+    Same contract as ``torch.ops.fp4compile.quantize``: returns (codes uint8 [R, C/2], scale bytes uint8
+    [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
+    NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
+    """
+    cfg = _config(x.device, config)
+    if x.dim() != 2:
+        raise ValueError(f"quantize kernel takes a 2D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize kernel takes float32/float16/bfloat16, got {x.dtype}")
+    if rounding not in _ROUNDING_ID:
+        raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
+    if rounding == "ms_eden" and four_over_six:
+        raise ValueError("four_over_six is not defined for rounding='ms_eden'")
+    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
+    if K % 16:
+        raise ValueError(f"quantized dimension must be a multiple of 16, got {K}")
+    if block2d and R % 16:
+        raise ValueError(f"2D 16x16 blocks need both dimensions to be multiples of 16, got {R}x{K}")
+    if hadamard and (hadamard not in (16, 32, 64, 128) or K % hadamard):
+        raise ValueError(f"hadamard={hadamard} must be 16/32/64/128 and divide the quantized dimension {K}")
+    dev = x.device
+    sg = prepare_signs(signs, hadamard, dev)
+    if rounding != "rtn":
+        seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
+    else:
+        seed = torch.zeros((), dtype=torch.int64, device=dev)
+    codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
+    gscale = torch.empty((), dtype=torch.float32, device=dev)
+    if R == 0 or K == 0:
+        gscale.zero_()
+        return codes, scales, gscale
+    tload = bool(transpose and cfg["t_impl"])
+    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
+    opts = _launch_opts(dev)
+    norm = _norm(hadamard)
+    m6, m4 = block_max_targets(rounding)
+    br = cfg["q_rows"]
+    if block2d:
+        br = max(16, br // 16 * 16)
+    bc = max(cfg["q_cols"], hadamard or 16)
+    _quantize_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
+        x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
+        G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
+        ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
+        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=cfg["q_warps"],
+        **opts)
+    return codes, scales, gscale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, hadamard: int = 0,
+               signs: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16,
+               config: Optional[dict] = None) -> torch.Tensor:
+    """Launch the NVFP4 dequantize kernel: [R, C/2] codes + [R, C/16] scale bytes -> [R, C] in ``dtype``."""
+    cfg = _config(codes.device, config)
+    R, K = codes.shape[0], codes.shape[1] * 2
+    if hadamard and signs is None:
+        raise ValueError("dequantize with hadamard needs the signs used to quantize")
+    if codes.dim() != 2 or tuple(scales.shape) != (R, K // 16):
+        raise ValueError(f"dequantize expects codes [R, C/2] and scales [R, C/16], got {tuple(codes.shape)} "
+                         f"and {tuple(scales.shape)}")
+    dev = codes.device
+    sg = prepare_signs(signs, hadamard, dev)
+    out = torch.empty((R, K), dtype=dtype, device=dev)
+    if out.numel() == 0:
+        return out
+    bc = max(cfg["d_cols"], hadamard or 16)
+    _dequantize_kernel[(triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc))](
+        codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
+        HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
+        BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def _quantize_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
+                   transpose=False):
+    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+
+
+def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16):
+    return dequantize(codes, scales, global_scale, hadamard, signs, dtype)
+
+
+def _register():
+    from .. import ops  # noqa: F401  (defines the ops; idempotent)
+
+    torch.library.register_kernel("fp4compile::quantize", "cuda", _quantize_cuda)
+    torch.library.register_kernel("fp4compile::dequantize", "cuda", _dequantize_cuda)
+
+
+_register()

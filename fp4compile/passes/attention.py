@@ -1,0 +1,396 @@
+"""Attention swap (pre-AOT): route attention in the Dynamo graph through ``fp4compile::qattn``.
+
+Matches, in the Dynamo FX graph (torch IR, before AOT autograd):
+
+1. ``F.scaled_dot_product_attention`` (``torch._C._nn.scaled_dot_product_attention``) call_function nodes;
+2. hand-written attention, as in older nanoGPT or ``transformers``' ``eager_attention_forward``::
+
+       matmul(q, k.transpose(-2, -1))  ->  [mul/div by a constant]  ->  [masked_fill(cond, -inf) | + bias]
+       ->  softmax(dim=-1)  ->  [.to(dtype)]  ->  [dropout with p=0 or training=False]  ->  matmul(., v)
+
+   (each intermediate used once; q/k/v 4D; the attention-weights tensor not used elsewhere).
+
+Produces: the SDPA node retargeted (hand-written chains replaced by one node) to ``qattn_sdpa``, an
+SDPA-compatible entry that calls ``torch.ops.fp4compile.qattn`` with the six per-role precisions resolved by
+``policy.resolve(module_path, role)`` for the roles ``attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq``.
+AOT autograd then traces the op's registered autograd (forward returns the FP4 Q/K views its backward uses).
+
+Left alone: sites whose six roles all resolve to BF16 (``Policy.bf16()``, ``quartet2``), and unsupported cases
+(dropout_p > 0, head dim not 64/128, masks of more than 4 dims or not broadcastable, a mask that requires grad,
+non-constant scale/dropout/is_causal, mismatched head counts without ``enable_gqa``), each with a one-line
+warning naming the node. Every site found, swapped or not, is returned as an ``AttnSite`` and annotated:
+
+    node.meta["fp4"] = [dict(name=..., path=..., role="attn.qk", precision="nvfp4", spec="nvfp4(rtn)",
+                             shape=(Tq, Tk, D), reused="", note=...), ...]   # explain()'s record API, 6 roles
+    node.meta["fp4_attn"] = {
+        "module_path": "transformer.h.0.attn",      # from nn_module_stack ("" at the root)
+        "source": "sdpa" | "handwritten",
+        "swapped": True | False,
+        "reason": None | "dropout_p=0.1 is not supported",   # why SDPA was kept
+        "roles": {"attn.qk": NVFP4(...), "attn.pv": BF16, ...},   # the six resolved specs (policy order)
+        "fp4_roles": 0b110001,                         # the op's bit mask (bit i = ATTN_ROLES[i] in NVFP4)
+    }
+
+NVFP4 specs other than plain RTN (SR, MS-EDEN, 4/6, Hadamard) are implemented as RTN for attention operands
+(a one-line warning says so); Q/K/V/dO always use 16x16 tiles and P/dS 1x16 blocks along the contraction
+(see ``kernels/attention_ref.py`` for why).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import operator
+import re
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..kernels.attention_ref import ATTN_ROLES, PAPER_ROLES
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+               *, fp4_roles: int = PAPER_ROLES):
+    """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
+    with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout."""
+    if dropout_p:
+        raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
+    if attn_mask is not None and is_causal:
+        raise ValueError("qattn_sdpa: pass either attn_mask or is_causal, not both (as SDPA)")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    return torch.ops.fp4compile.qattn(query, key, value, attn_mask, bool(is_causal), float(scale), int(fp4_roles))[0]
+
+
+@dataclasses.dataclass
+class AttnSite:
+    """One attention site found by ``swap_attention``."""
+
+    node: str
+    module_path: str
+    source: str
+    swapped: bool
+    reason: Optional[str]
+    roles: dict
+    fp4_roles: int = 0
+
+    def meta(self) -> dict:
+        return {"module_path": self.module_path, "source": self.source, "swapped": self.swapped,
+                "reason": self.reason, "roles": dict(self.roles), "fp4_roles": self.fp4_roles}
+
+
+# ---------------------------------------------------------------------------------------------------------
+def module_path(node: fx.Node) -> str:
+    """Innermost module of a Dynamo node as a dotted path ("transformer.h.0.attn"; "" at the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    raw = list(stack.values())[-1]
+    raw = raw[0] if isinstance(raw, tuple) else str(raw)
+    path = re.sub(r"^L\['[^']*'\]", "", raw)
+    path = re.sub(r"^L__self__", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    path = path.replace("._modules.", ".")
+    return path.strip(".")
+
+
+def _val(n: Any):
+    """The example (fake) value of a node argument, or the constant itself."""
+    if isinstance(n, fx.Node):
+        return n.meta.get("example_value", n.meta.get("val"))
+    return n
+
+
+def _is_const(x) -> bool:
+    return x is None or isinstance(x, (bool, numbers.Number))
+
+
+def _resolve(policy, path: str) -> tuple[dict, int, list]:
+    from ..policy import NVFP4
+
+    roles, mask, notes = {}, 0, []
+    for i, role in enumerate(ATTN_ROLES):
+        spec = policy.resolve(path, role)
+        roles[role] = spec
+        if spec.name == "nvfp4":
+            mask |= 1 << i
+            if spec != NVFP4("rtn", block=spec.block) or spec.block not in (16, (16, 16)):
+                notes.append(f"{role}={spec}")
+    return roles, mask, notes
+
+
+def _check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[str]:
+    """None if qattn supports the call, else the reason."""
+    if not all(_is_const(x) for x in (dropout_p, is_causal, scale, enable_gqa)):
+        return "non-constant dropout_p/is_causal/scale/enable_gqa"
+    if dropout_p:
+        return f"dropout_p={dropout_p} is not supported"
+    if any(not isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "q/k/v have no example value"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q/k/v must be 4D [B, H, T, D], got {q.dim()}D/{k.dim()}D/{v.dim()}D"
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]) or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
+    if not q.dtype.is_floating_point:
+        return f"dtype {q.dtype} is not supported"
+    if k.shape[1] != v.shape[1] or q.shape[0] != k.shape[0] or k.shape[2] != v.shape[2]:
+        return "k/v shapes do not match"
+    if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
+        return f"{q.shape[1]} query heads vs {k.shape[1]} KV heads without enable_gqa"
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            return "attn_mask has no example value"
+        if is_causal:
+            return "attn_mask together with is_causal"
+        if mask.dim() > 4 or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            return f"attn_mask of shape {tuple(mask.shape)} / dtype {mask.dtype} is not supported"
+        try:
+            torch.broadcast_shapes(tuple(mask.shape), (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        except RuntimeError:
+            return f"attn_mask of shape {tuple(mask.shape)} does not broadcast to [B, H, Tq, Tk]"
+        if mask.requires_grad:
+            return "attn_mask requires grad (qattn does not differentiate the mask)"
+    return None
+
+
+_REUSED = {"attn.dsk": "2d fwd copy", "attn.dsq": "2d fwd copy", "attn.dov": "2d fwd copy"}
+
+
+def _gemm_records(node: fx.Node, site: AttnSite, args: Optional[dict]) -> list:
+    """explain()'s records (``inspect.py`` API): one per role, with the per-head GEMM shape (M, N, K)."""
+    shape = {}
+    q, k = (_val(args["query"]), _val(args["key"])) if args else (None, None)
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
+        tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        shape = {"attn.qk": (tq, tk, d), "attn.pv": (tq, d, tk), "attn.dov": (tq, tk, d),
+                 "attn.pdo": (tk, d, tq), "attn.dsk": (tq, d, tk), "attn.dsq": (tk, d, tq)}
+    recs = []
+    for role, spec in site.roles.items():
+        fp4 = site.swapped and spec.name == "nvfp4"
+        rec = dict(name=site.node, path=site.module_path, role=role, precision="nvfp4" if fp4 else "bf16",
+                   spec=str(spec) if fp4 else "bf16", reused=_REUSED.get(role, "") if fp4 else "")
+        if role in shape:
+            rec["shape"] = tuple(int(x) for x in shape[role])
+        if not site.swapped and spec.name == "nvfp4":
+            rec["note"] = f"kept SDPA: {site.reason}"
+        recs.append(rec)
+    return recs
+
+
+def _record(node: fx.Node, site: AttnSite, sites: list, args: Optional[dict] = None):
+    node.meta["fp4_attn"] = site.meta()
+    node.meta["fp4"] = _gemm_records(node, site, args)
+    sites.append(site)
+    if site.reason is not None:
+        warnings.warn(f"fp4compile: attention {node.name} at '{site.module_path}' keeps SDPA/eager: {site.reason}",
+                      stacklevel=3)
+
+
+def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Optional[int]:
+    """Resolve the policy and check support; returns the fp4_roles mask if the site is to be swapped."""
+    path = module_path(node)
+    roles, mask, notes = _resolve(policy, path)
+    site = AttnSite(node.name, path, source, False, None, roles, mask)
+    if mask == 0:  # all six roles BF16: leave SDPA (or the hand-written code) untouched
+        _record(node, site, sites, args)
+        return None
+    reason = _check(_val(args["query"]), _val(args["key"]), _val(args["value"]), _val(args["attn_mask"]),
+                    args["dropout_p"], args["is_causal"], args["scale"], args["enable_gqa"])
+    if reason is not None:
+        site.reason = reason
+        _record(node, site, sites, args)
+        return None
+    if notes:
+        warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
+                      "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO, 1x16 blocks for P/dS)", stacklevel=3)
+    site.swapped = True
+    _record(node, site, sites, args)
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _sdpa_args(node: fx.Node) -> dict:
+    args = dict(_SDPA_DEFAULTS)
+    args.update(zip(_SDPA_PARAMS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+
+
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+_MATMUL = {operator.matmul, torch.matmul, torch.Tensor.matmul}
+
+
+def _is_call(n, fns=(), methods=()) -> bool:
+    if not isinstance(n, fx.Node):
+        return False
+    return (n.op == "call_function" and n.target in fns) or (n.op == "call_method" and n.target in methods)
+
+
+def _single_use(n: fx.Node) -> bool:
+    return len(n.users) == 1
+
+
+def _last_two(dims, ndim) -> bool:
+    return sorted(d % ndim for d in dims) == [ndim - 2, ndim - 1]
+
+
+def _untranspose(kt: fx.Node) -> Optional[fx.Node]:
+    """k from kᵀ = k.transpose(-2, -1) / torch.transpose / permute(0, 1, 3, 2); else None."""
+    if not _single_use(kt):
+        return None
+    if _is_call(kt, (torch.transpose,), ("transpose",)) and len(kt.args) == 3:
+        k = kt.args[0]
+        ndim = _val(k).dim() if isinstance(_val(k), torch.Tensor) else 4
+        return k if _last_two(kt.args[1:], ndim) else None
+    if _is_call(kt, (torch.permute,), ("permute",)):
+        dims = kt.args[1] if len(kt.args) == 2 and isinstance(kt.args[1], (tuple, list)) else kt.args[1:]
+        return kt.args[0] if tuple(dims) == (0, 1, 3, 2) else None
+    return None
+
+
+def _match_handwritten(sm: fx.Node):
+    """From a softmax node, the whole hand-written attention chain, or None."""
+    dim = sm.kwargs.get("dim", sm.args[1] if len(sm.args) > 1 else None)
+    x = sm.args[0]
+    if dim not in (-1, 3) or not isinstance(x, fx.Node) or not _single_use(x) or not _single_use(sm):
+        return None
+    chain = [sm]
+    mask, kind = None, None
+    # optional mask
+    if _is_call(x, (torch.masked_fill, torch.Tensor.masked_fill), ("masked_fill",)):
+        fill = x.args[2] if len(x.args) > 2 else x.kwargs.get("value")
+        if not isinstance(fill, numbers.Number) or fill > -1e4:
+            return None
+        mask, kind = x.args[1], "fill"
+        chain.append(x)
+        x = x.args[0]
+    elif _is_call(x, (operator.add, torch.add), ("add",)) and len(x.args) == 2:
+        a, b = x.args
+        main = a if _is_call(a, {operator.mul, torch.mul, operator.truediv, torch.div} | _MATMUL,
+                             ("mul", "div", "matmul")) else b
+        mask, kind = (b if main is a else a), "add"
+        if not isinstance(mask, fx.Node):
+            return None
+        chain.append(x)
+        x = main
+    if not isinstance(x, fx.Node) or not _single_use(x):
+        return None
+    # optional constant scale
+    scale = 1.0
+    if _is_call(x, (operator.mul, torch.mul), ("mul",)):
+        a, b = x.args[:2]
+        node_arg, c = (a, b) if isinstance(b, numbers.Number) else (b, a)
+        if not isinstance(c, numbers.Number) or not isinstance(node_arg, fx.Node):
+            return None
+        scale = float(c)
+        chain.append(x)
+        x = node_arg
+    elif _is_call(x, (operator.truediv, torch.div), ("div",)):
+        a, c = x.args[:2]
+        if not isinstance(c, numbers.Number) or not isinstance(a, fx.Node):
+            return None
+        scale = 1.0 / float(c)
+        chain.append(x)
+        x = a
+    if not _is_call(x, _MATMUL, ("matmul",)) or not _single_use(x):
+        return None
+    q, kt = x.args[:2]
+    k = _untranspose(kt) if isinstance(kt, fx.Node) else None
+    if k is None:
+        return None
+    chain += [x, kt]
+    # forward from softmax: optional cast, optional no-op dropout, then matmul with v
+    prev = sm
+    y = next(iter(sm.users))
+    if _is_call(y, (), ("to", "type_as", "float", "bfloat16", "half")) and _single_use(y) and y.args[0] is prev:
+        chain.append(y)
+        prev, y = y, next(iter(y.users))
+    if _is_call(y, (F.dropout, torch.dropout), ("dropout",)) and y.args[0] is prev:
+        p = y.kwargs.get("p", y.args[1] if len(y.args) > 1 else 0.5)
+        training = y.kwargs.get("training", y.args[2] if len(y.args) > 2 else True)
+        if not _single_use(y) or not isinstance(p, numbers.Number) or (p and training is not False):
+            return {"reject": f"attention dropout p={p} is not supported", "at": y}
+        chain.append(y)
+        prev, y = y, next(iter(y.users))
+    if not _is_call(y, _MATMUL, ("matmul",)) or y.args[0] is not prev:
+        return None
+    v = y.args[1]
+    return {"q": q, "k": k, "v": v, "mask": mask, "kind": kind, "scale": scale, "out": y, "chain": chain + [y]}
+
+
+def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
+    """Rewrite SDPA and hand-written attention in a Dynamo graph into ``fp4compile::qattn`` (see module doc).
+
+    Mutates ``gm`` in place (and recompiles it); returns one ``AttnSite`` per attention site found.
+    """
+    sites: list[AttnSite] = []
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if _is_sdpa(node):
+            args = _sdpa_args(node)
+            mask = _plan(node, policy, "sdpa", args, sites)
+            if mask is None:
+                continue
+            kwargs = {k: args[k] for k in _SDPA_PARAMS[3:]}
+            kwargs["fp4_roles"] = mask
+            node.target = qattn_sdpa
+            node.args = (args["query"], args["key"], args["value"])
+            node.kwargs = kwargs
+            changed = True
+        elif _is_call(node, _SOFTMAX, ("softmax",)):
+            m = _match_handwritten(node)
+            if m is None:
+                continue
+            out = m.get("out", m.get("at"))
+            if "reject" in m:
+                path = module_path(out)
+                roles, fmask, _ = _resolve(policy, path)
+                if fmask:
+                    _record(out, AttnSite(out.name, path, "handwritten", False, m["reject"], roles, fmask), sites)
+                continue
+            args = dict(_SDPA_DEFAULTS, query=m["q"], key=m["k"], value=m["v"], scale=m["scale"])
+            if m["mask"] is not None:
+                args["attn_mask"] = m["mask"]
+            mask = _plan(out, policy, "handwritten", args, sites)
+            if mask is None:
+                continue
+            with graph.inserting_before(out):
+                attn_mask = m["mask"]
+                if m["kind"] == "fill":  # masked_fill(cond, -inf): attend where cond is False
+                    attn_mask = graph.call_function(torch.logical_not, (m["mask"],))
+                    try:
+                        attn_mask.meta["example_value"] = torch.logical_not(_val(m["mask"]))
+                    except Exception:  # meta only; AOT re-traces the graph anyway
+                        pass
+                new = graph.call_function(qattn_sdpa, (m["q"], m["k"], m["v"]),
+                                          {"attn_mask": attn_mask, "scale": m["scale"], "fp4_roles": mask})
+            new.meta = dict(out.meta)
+            out.replace_all_uses_with(new)
+            dead = [n for n in m["chain"]]
+            while dead:  # erase consumers before producers
+                free = [n for n in dead if not n.users]
+                if not free:
+                    break
+                for n in free:
+                    graph.erase_node(n)
+                    dead.remove(n)
+            changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return sites

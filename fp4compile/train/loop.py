@@ -1,0 +1,772 @@
+"""The training loop, top to bottom: config → data → model → (LoRA-SVD) → optimizer → compile → steps.
+
+    from fp4compile.train.loop import TrainConfig, train
+    result = train(TrainConfig(out_dir="runs/a", model="cpu", backend="fullstack_fp4", policy="full_stack"))
+
+Everything a run writes goes to ``out_dir``:
+
+    config.json        the resolved TrainConfig
+    metrics.jsonl      one JSON object per line: {"step", "tokens", "loss", "lr"} per step, plus
+                       throughput lines ({"tok_per_s", ...}) and eval lines ({"val_loss", "brown_loss"})
+    checkpoint/        model.safetensors + state.pt (optimizer, LR schedule, RNG, step, data position)
+    summary.json       final numbers (loss, val/brown loss, tokens/s, compile time, peak memory)
+
+Resume (``resume=True``) continues bit-exactly: batches are a pure function of (seed, sample index), the
+optimizer/schedule/RNG state is restored, and metric lines past the checkpoint are dropped. Ctrl-C (SIGINT)
+finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once).
+
+Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
+of the global batch, and only rank 0 logs and writes files. ``parallel="ddp"|"fsdp2"`` (under torchrun)
+wraps the model with ``fp4compile.train.distributed`` (DDP / FSDP2 in torchtitan's order), reduces the
+logged losses over ranks and writes torch.distributed.checkpoint checkpoints (resumable on any world size).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import data as D
+from .model import GPT, config_from_preset
+
+BACKENDS = ("fullstack_fp4", "inductor", "aot_eager", "eager", "none")
+OPTIMIZERS = ("adamw", "qadamw", "qroot", "qroot+adamw")
+SCHEDULES = ("cosine", "wsd", "constant")
+DTYPES = ("auto", "fp32", "bf16-autocast", "bf16")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every knob of a run. CLI flags and TOML keys use the same names (``--grad-accum`` ↔ ``grad_accum``)."""
+
+    out_dir: str = "runs/run"
+    # model
+    model: str = "cpu"                        # size preset: tiny, cpu, gpu-demo, 30m, 124m, 350m, 1b
+    tie_embeddings: bool = True
+    # data
+    tokenizer: str = "bytes"                  # bytes | gpt2 | path.tiktoken | tokenizer.json
+    train_data: str = "stdlib"                # see fp4compile.train.data
+    val_data: str = "stdlib:val"              # "" for none
+    brown_data: str = ""                      # a second held-out set (the study: corpus:brown), "" for none
+    max_train_tokens: Optional[int] = None    # cap for text sources
+    # precision
+    backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
+    policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
+    backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
+    dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
+    lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
+    lora_rank: Optional[int] = None           # None: prepare()'s default
+    lora_beta: Optional[float] = None
+    lora_realign_every: Optional[int] = None
+    # optimizer and schedule
+    optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
+    lr: float = 3e-3
+    matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0                    # 0 disables
+    schedule: str = "cosine"                  # cosine | wsd | constant (all after linear warmup)
+    warmup_steps: int = 20
+    decay_frac: float = 0.2                   # WSD: fraction of steps in the final linear decay
+    # batch
+    batch_size: int = 16                      # sequences per micro-batch per rank
+    seq_len: int = 256
+    grad_accum: int = 1
+    steps: int = 100
+    seed: int = 0
+    # bookkeeping
+    eval_interval: int = 0                    # 0: only at the end
+    eval_batches: int = 8
+    ckpt_interval: int = 0                    # 0: only at the end (and on Ctrl-C / time budget)
+    log_interval: int = 10
+    resume: bool = False
+    max_seconds: Optional[float] = None       # wall-clock budget: checkpoint and stop before it runs out
+    stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run)
+    device: str = "auto"
+    threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
+    progress: bool = True
+    parallel: str = "none"                    # none | ddp | fsdp2 (under torchrun; fp4compile.train.distributed)
+
+    def validate(self) -> None:
+        def one_of(name, allowed):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
+
+        one_of("backend", BACKENDS)
+        one_of("optimizer", OPTIMIZERS)
+        one_of("schedule", SCHEDULES)
+        one_of("dtype", DTYPES)
+        one_of("parallel", ("none", "ddp", "fsdp2"))
+        for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or not 0 <= self.decay_frac <= 1:
+            raise ValueError("warmup_steps must be >= 0 and decay_frac in [0, 1]")
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
+        """From a flat dict or one with TOML sections (``[model]``, ``[data]``, ...; section names are ignored)."""
+        flat: Dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                flat.update({kk.replace("-", "_"): vv for kk, vv in v.items()})
+            else:
+                flat[k.replace("-", "_")] = v
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(flat) - fields)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; valid keys are {sorted(fields)}")
+        return cls(**flat)
+
+
+@dataclasses.dataclass
+class RunResult:
+    status: str                   # "done" | "interrupted" | "time_budget" | "stopped"
+    step: int
+    summary: Dict[str, Any]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pieces of a run
+
+
+def dist_info():
+    """(rank, world_size) from the torchrun environment (1 process without it)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, device: torch.device) -> str:
+    if spec == "auto":
+        return "bf16-autocast" if device.type == "cuda" else "fp32"
+    return spec
+
+
+def load_policy(spec: str):
+    """A ``fp4compile.Policy`` from a preset name, a ``.toml`` file or ``module:attr``.
+
+    Policy TOML::
+
+        preset = "full_stack"            # optional starting point (default: an empty policy = all BF16)
+        name = "my_policy"
+        [[rules]]                        # appended in order; the last matching rule wins
+        pattern = "blocks.0.*"
+        role = "linear.fprop"            # optional; omitted = every role
+        spec = "bf16"                    # "bf16", "nvfp4", or a table of NVFP4 fields
+        [[rules]]
+        pattern = "*mlp*"
+        spec = { rounding = "sr", hadamard = 16 }
+    """
+    from ..policy import NVFP4, Policy
+
+    if isinstance(spec, Policy):
+        return spec
+    if spec.endswith(".toml"):
+        import tomllib
+
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"policy file not found: {path}")
+        d = tomllib.loads(path.read_text())
+        policy = Policy.preset(d["preset"]) if "preset" in d else Policy((), d.get("name", path.stem))
+        for i, r in enumerate(d.get("rules", [])):
+            if "pattern" not in r or "spec" not in r:
+                raise ValueError(f"{path}: rule {i} needs 'pattern' and 'spec'")
+            s = NVFP4(**r["spec"]) if isinstance(r["spec"], dict) else r["spec"]
+            policy = policy.override(r["pattern"], s, role=r.get("role"))
+        return dataclasses.replace(policy, name=d.get("name", policy.name))
+    if ":" in spec:
+        import importlib
+
+        mod, attr = spec.split(":", 1)
+        obj = getattr(importlib.import_module(mod), attr)
+        obj = obj() if callable(obj) and not isinstance(obj, Policy) else obj
+        if not isinstance(obj, Policy):
+            raise TypeError(f"{spec} is a {type(obj).__name__}, not a fp4compile.Policy")
+        return obj
+    return Policy.preset(spec)
+
+
+class FeatureUnavailable(RuntimeError):
+    """A part of fp4compile this run needs (backend, LoRA-SVD, quantized optimizers) is not in this checkout."""
+
+
+def _feature(attr: str, issue: str):
+    """``fp4compile.<attr>`` or a clear error naming the issue that provides it."""
+    import fp4compile
+
+    try:
+        return getattr(fp4compile, attr)
+    except (ImportError, AttributeError) as e:
+        raise FeatureUnavailable(f"fp4compile.{attr} is not available in this checkout ({type(e).__name__}: {e}); "
+                           f"it is built by {issue}. Run without it (e.g. --optimizer adamw, no --lora).") from e
+
+
+def _call_supported(fn, *args, **kwargs):
+    """Call ``fn`` with the keyword arguments its signature accepts (None values are dropped)."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        dropped = sorted(set(kwargs) - set(params))
+        if dropped:
+            warnings.warn(f"{getattr(fn, '__qualname__', fn)} does not take {dropped}; ignoring them")
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
+    """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
+    prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
+    return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
+                           realign_every=cfg.lora_realign_every, seed=cfg.seed)
+
+
+def lora_state(handle) -> dict:
+    """What a LoRA-SVD handle needs to realign on schedule after a resume (step count, RNG of the SVDs)."""
+    if hasattr(handle, "state_dict"):
+        return handle.state_dict()
+    return {"steps": handle.steps, "realignments": handle.realignments,
+            "generators": {str(d): g.get_state() for d, g in handle._generators.items()}}
+
+
+def load_lora_state(handle, state: dict) -> None:
+    if hasattr(handle, "load_state_dict"):
+        handle.load_state_dict(state)
+        return
+    handle.steps, handle.realignments = state["steps"], state["realignments"]
+    for dev, st in state["generators"].items():
+        g = torch.Generator(device=dev)
+        g.set_state(st)
+        handle._generators[torch.device(dev)] = g
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, device=torch.device("cpu")):
+    """AdamW / QAdamW with weight decay on matrices only, or QRoot: Root (Newton–Schulz in the policy's
+    ``optim.ns`` precision) for the blocks' 2-D matrices, (Q-)AdamW for embeddings, head and 1-D params."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in params if p.dim() >= 2]
+    vectors = [p for n, p in params if p.dim() < 2]
+    adam_kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    if cfg.optimizer in ("adamw", "qadamw"):
+        groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw":
+            extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+            return torch.optim.AdamW(groups, **adam_kw, **extra)
+        return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw)
+    QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
+    hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
+    ids = {id(p) for p in hidden}
+    groups = [{"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay,
+               "lr": cfg.matrix_lr or cfg.lr},
+              {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
+               "weight_decay": cfg.weight_decay},
+              {"params": vectors, "use_root": False, "weight_decay": 0.0}]
+    return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
+                           adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw", **adam_kw)
+
+
+class LRSchedule:
+    """Linear warmup, then cosine decay to ``min_lr_ratio``, WSD (stable, then linear decay over the last
+    ``decay_frac`` of steps) or constant. Sets ``group["lr"] = base_lr · factor(step)`` for every group."""
+
+    def __init__(self, optimizer, cfg: TrainConfig):
+        self.optimizer, self.cfg = optimizer, cfg
+        self.base_lrs = [g["lr"] if not torch.is_tensor(g["lr"]) else float(g["lr"]) for g in optimizer.param_groups]
+
+    def factor(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.schedule == "constant":
+            return 1.0
+        if c.schedule == "cosine":
+            t = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+            return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+        decay_start = c.steps - int(round(c.decay_frac * c.steps))          # WSD
+        if step < decay_start:
+            return 1.0
+        t = (step - decay_start) / max(1, c.steps - decay_start)
+        return 1.0 - (1 - c.min_lr_ratio) * min(t, 1.0)
+
+    def set(self, step: int) -> float:
+        f = self.factor(step)
+        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
+            if torch.is_tensor(g["lr"]):
+                g["lr"].fill_(base * f)
+            else:
+                g["lr"] = base * f
+        return self.base_lrs[0] * f
+
+    def state_dict(self):
+        return {"base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, sd):
+        self.base_lrs = list(sd["base_lrs"])
+
+
+def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
+    """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
+
+    ``dynamic=False``: a run has one batch shape (evaluation reuses it), and static shapes keep Dynamo from
+    handing symbolic sizes to the backend when several runs share a process (tests, ``demo --in-process``)."""
+    if cfg.backend == "none":
+        return model
+    if cfg.backend == "fullstack_fp4":
+        try:
+            from ..backend import fullstack_fp4
+        except ImportError as e:
+            raise FeatureUnavailable("the fullstack_fp4 backend is not available in this checkout "
+                               f"({e}); it is built by the backend issue. Use --backend inductor for BF16.") from e
+        from torch._dynamo.backends.registry import list_backends
+
+        backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
+        options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {})}
+        return torch.compile(model, backend=backend, options=options, dynamic=False)
+    return torch.compile(model, backend=cfg.backend, dynamic=False)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """CUDA: ``max_memory_allocated``; CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints
+
+#: TrainConfig fields that must match to resume (the state would not fit otherwise)
+STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora_rank", "dtype")
+#: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
+SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
+        "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or written by an incompatible run."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(out_dir: Path, model, optimizer, schedule, cfg: TrainConfig, step: int, extra: dict) -> Path:
+    """Write ``out_dir/checkpoint/{model.safetensors,state.pt}`` atomically (tmp dir + rename)."""
+    from safetensors.torch import save_model
+
+    final, tmp = out_dir / "checkpoint", out_dir / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    state = {
+        "format": "fp4compile-train-v1",
+        "step": step,
+        "config": dataclasses.asdict(cfg),
+        "model_sha256": _sha256(tmp / "model.safetensors"),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        **extra,
+    }
+    torch.save(state, tmp / "state.pt")
+    old = out_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig) -> dict:
+    """Restore model/optimizer/schedule/RNG from ``ckpt_dir``; return the state dict (step, metadata).
+
+    Raises ``CheckpointError`` for missing files, a hash mismatch (corrupt model file), an unreadable
+    state file, or a run whose structural settings (``STRUCTURAL``) differ; warns on ``SOFT`` differences.
+    """
+    from safetensors.torch import load_model
+
+    mpath, spath = ckpt_dir / "model.safetensors", ckpt_dir / "state.pt"
+    for p in (mpath, spath):
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: {p.name} is missing")
+    try:
+        state = torch.load(spath, map_location="cpu", weights_only=True)
+    except Exception as e:                                              # noqa: BLE001 - re-raised with context
+        raise CheckpointError(f"checkpoint state {spath} is corrupt or unreadable: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or state.get("format") != "fp4compile-train-v1":
+        raise CheckpointError(f"{spath} is not an fp4compile training checkpoint")
+    if _sha256(mpath) != state["model_sha256"]:
+        raise CheckpointError(f"checkpoint model file {mpath} is corrupt: its sha256 does not match the one "
+                              "recorded in state.pt")
+    saved = state["config"]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs)
+                              + "\nuse the same settings, or a new --out-dir to start over")
+    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
+    if soft:
+        warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
+                      + "; ".join(soft))
+    try:
+        missing, unexpected = load_model(model, str(mpath), strict=False)
+    except Exception as e:                                              # noqa: BLE001
+        raise CheckpointError(f"checkpoint model file {mpath} does not fit the model: {e}") from e
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint model file {mpath} does not fit the model: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as e:                                              # noqa: BLE001
+        raise CheckpointError(f"optimizer state in {spath} does not fit the optimizer: {e}") from e
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# logging
+
+
+class MetricsLog:
+    """Append-only JSONL log (rank 0 only). On resume, lines past the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int]):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        if resume_step is None:
+            path.write_text("")
+        elif path.exists():
+            kept = [ln for ln in path.read_text().splitlines() if ln.strip()
+                    and json.loads(ln).get("step", 0) <= resume_step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+
+    def write(self, **rec):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def read_metrics(run_dir: os.PathLike) -> List[dict]:
+    """All records of a run's ``metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (is {run_dir} a training run directory?)")
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@contextlib.contextmanager
+def _sigint_flag():
+    """While active, the first Ctrl-C sets ``flag["stop"]``; a second one raises KeyboardInterrupt."""
+    flag = {"stop": False}
+    if threading_main():
+        def handler(signum, frame):
+            if flag["stop"]:
+                raise KeyboardInterrupt
+            flag["stop"] = True
+            print("\n[fp4compile] Ctrl-C: finishing this step and saving a checkpoint "
+                  "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
+
+        old = signal.signal(signal.SIGINT, handler)
+        try:
+            yield flag
+        finally:
+            signal.signal(signal.SIGINT, old)
+    else:
+        yield flag
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int, rank: int, world: int,
+             device, autocast) -> float:
+    """Mean loss over the first ``n_batches`` global batches of a held-out set (in order, no shuffling).
+
+    The compiled training graph is reused (the forward runs with autograd on; nothing is backpropagated),
+    so evaluation costs no second compilation; the model has no dropout, so train mode is eval mode.
+    """
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    n = min(n_batches, max(1, batches.n_windows // (batch_size * world)))
+    for i in range(n):
+        x, y = batches.batch(i * batch_size * world, batch_size, rank, world, device=device)
+        with autocast():
+            loss = model_fn(x, y)
+        total += loss.detach().double()
+    return float(total / n)
+
+
+def train(cfg: TrainConfig) -> RunResult:
+    """Run (or resume) one training run as configured; see the module docstring for what it writes."""
+    cfg.validate()
+    denv = None
+    if cfg.parallel != "none":                    # torchrun: init the process group (gloo on CPU, nccl on CUDA)
+        from . import distributed as DP
+        denv = DP.setup(None if cfg.device == "auto" else cfg.device)
+    rank, world = dist_info()
+    is_main = rank == 0
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out_dir / "checkpoint"
+    if (ckpt_dir.exists() or (out_dir / "checkpoint.old").exists()) and not cfg.resume:
+        raise CheckpointError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
+                              "or choose another --out-dir")
+    device = denv.device if denv is not None else resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+
+    # 1. data: tokenizer, the token streams, deterministic batches
+    tok = D.tokenizer_for_sources(cfg.tokenizer, [cfg.train_data, cfg.val_data, cfg.brown_data])
+    train_tokens = D.load_tokens(cfg.train_data, tok, cfg.tokenizer, cfg.max_train_tokens)
+    train_batches = D.TokenBatches(train_tokens, cfg.seq_len, seed=cfg.seed, name=cfg.train_data)
+    evals = {}
+    for name, spec in (("val", cfg.val_data), ("brown", cfg.brown_data)):
+        if spec:
+            evals[name] = D.TokenBatches(D.load_tokens(spec, tok, cfg.tokenizer), cfg.seq_len, shuffle=False,
+                                         name=spec)
+
+    # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD
+    mcfg = config_from_preset(cfg.model, vocab_size=D.padded_vocab(tok.vocab_size), max_seq_len=cfg.seq_len,
+                              tie_embeddings=cfg.tie_embeddings)
+    model = GPT(mcfg).to(device)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    lora_handle = apply_lora(model, cfg) if cfg.lora else None
+
+    # 3. policy, optimizer, LR schedule
+    policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
+    if policy is not None and lora_handle is not None:
+        from ..nn import LORA_BF16_GLOB
+
+        policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
+    model_fn = None
+    if denv is not None:                          # FSDP2 swaps parameters for DTensors: wrap before the optimizer
+        model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy)
+    optimizer = build_optimizer(model, cfg, policy, device)
+    if denv is not None and cfg.parallel == "fsdp2":
+        DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
+    if lora_handle is not None:
+        lora_handle.attach(optimizer)                 # realign every realign_every steps, remap optimizer state
+    schedule = LRSchedule(optimizer, cfg)
+
+    # 4. resume
+    start_step, tokens_per_step = 0, cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    resume_step = None
+    if cfg.resume:
+        if ckpt_dir.exists() or (out_dir / "checkpoint.old").exists():
+            if not ckpt_dir.exists():                 # crashed between the two renames of save_checkpoint
+                (out_dir / "checkpoint.old").rename(ckpt_dir)
+            if denv is not None or (ckpt_dir / ".metadata").exists():
+                from . import distributed as DP
+                state = DP.load_train_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
+            else:
+                state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
+            start_step = resume_step = state["step"]
+            if lora_handle is not None:
+                load_lora_state(lora_handle, state["lora"])
+            if is_main:
+                print(f"[fp4compile] resumed {ckpt_dir} at step {start_step}", file=sys.stderr)
+        elif is_main:
+            print(f"[fp4compile] no checkpoint in {out_dir}: starting from step 0", file=sys.stderr)
+    if is_main:
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    log = MetricsLog(out_dir / "metrics.jsonl", is_main, resume_step)
+    if resume_step is None:
+        log.write(step=0, event="start", params=model.num_params(), params_non_embedding=model.num_params(True),
+                  tokens_per_step=tokens_per_step, device=str(device), dtype=dtype, backend=cfg.backend,
+                  policy=cfg.policy if policy is not None else None, train_tokens=len(train_tokens),
+                  train_fingerprint=D.fingerprint(train_tokens))
+
+    # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
+    if model_fn is None:
+        model_fn = compile_model(model, cfg, policy)
+    if dtype == "bf16-autocast":
+        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)   # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # 6. the steps
+    bar = None
+    if is_main and cfg.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=Path(cfg.out_dir).name, unit="step",
+                   dynamic_ncols=True)
+    t_start = time.perf_counter()
+    step_times: List[float] = []
+    pending: List[tuple] = []                     # (step, loss tensor, lr): synced every log_interval
+    recent_losses: List[float] = []
+    first_step_s = None
+    eval_results: Dict[str, float] = {}
+    status = "done"
+
+    def flush_pending():
+        if not pending:
+            return
+        vals = torch.stack([p[1] for p in pending])
+        vals = (DP.all_reduce_mean(vals) if denv is not None else vals).tolist()   # mean over ranks
+        for (s, _, lr), v in zip(pending, vals):
+            log.write(step=s, tokens=s * tokens_per_step, loss=v, lr=lr)
+            recent_losses.append(v)
+        del recent_losses[:-20]
+        pending.clear()
+
+    def run_evals(step):
+        for name, batches in evals.items():
+            t0 = time.perf_counter()
+            v = evaluate(model_fn, batches, cfg.eval_batches, cfg.batch_size, rank, world, device, autocast)
+            if denv is not None:
+                v = float(DP.all_reduce_mean(v))
+            eval_results[name] = v
+            log.write(step=step, tokens=step * tokens_per_step, **{f"{name}_loss": v},
+                      eval_s=round(time.perf_counter() - t0, 3))
+
+    def checkpoint(step):
+        extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
+        if lora_handle is not None:
+            extra["lora"] = lora_state(lora_handle)
+        if denv is not None:                      # collective: every rank writes its shards
+            DP.save_train_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
+        elif is_main:
+            save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
+
+    step = start_step
+    with _sigint_flag() as flag:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            lr = schedule.set(step)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                x, y = train_batches.batch((step * cfg.grad_accum + micro) * cfg.batch_size * world,
+                                           cfg.batch_size, rank, world, device=device)
+                with autocast():
+                    loss = model_fn(x, y)
+                (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().float()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            pending.append((step, loss_sum / cfg.grad_accum, lr))
+            if step % cfg.log_interval == 0 or step == cfg.steps:
+                flush_pending()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if first_step_s is None:
+                first_step_s = dt
+            step_times.append(dt)
+            if bar is not None:
+                steady = step_times[2:] or step_times
+                post = {"tok/s": f"{tokens_per_step * len(steady) / sum(steady):,.0f}"}
+                if recent_losses:
+                    post["loss"] = f"{recent_losses[-1]:.4f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+            if step % cfg.log_interval == 0:
+                steady = step_times[2:] or step_times
+                log.write(step=step, tok_per_s=tokens_per_step * len(steady) / sum(steady),
+                          elapsed_s=round(time.perf_counter() - t_start, 3),
+                          peak_mem_mib=round(peak_memory_mib(device), 1))
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.steps:
+                run_evals(step)
+            if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < cfg.steps:
+                checkpoint(step)
+            if flag["stop"]:
+                status = "interrupted"
+                break
+            if cfg.stop_after is not None and step >= cfg.stop_after and step < cfg.steps:
+                status = "stopped"
+                break
+            if cfg.max_seconds is not None and step < cfg.steps:
+                elapsed = time.perf_counter() - t_start
+                steady = step_times[2:] or step_times    # host times; on CUDA the log-step syncs amortize
+                typical = sum(steady) / len(steady)
+                if elapsed + 3 * typical + 30 > cfg.max_seconds:   # room for one more step + checkpoint
+                    status = "time_budget"
+                    break
+        flush_pending()
+        if bar is not None:
+            bar.close()
+        if status == "done":
+            run_evals(step)
+        checkpoint(step)
+
+    steady = step_times[2:] or step_times
+    summary = {
+        "status": status,
+        "step": step,
+        "steps": cfg.steps,
+        "tokens": step * tokens_per_step,
+        "loss": sum(recent_losses[-10:]) / max(1, len(recent_losses[-10:])) if recent_losses else None,
+        **{f"{k}_loss": v for k, v in eval_results.items()},
+        "tok_per_s": tokens_per_step * len(steady) / sum(steady) if steady else None,
+        "first_step_s": first_step_s,
+        "wall_s": time.perf_counter() - t_start,
+        "peak_mem_mib": peak_memory_mib(device),
+        "params": model.num_params(),
+        "backend": cfg.backend,
+        "backend_debug": cfg.backend_debug,
+        "policy": cfg.policy if policy is not None else None,
+        "optimizer": cfg.optimizer,
+        "lora": cfg.lora,
+        "device": str(device),
+        "dtype": dtype,
+        "parallel": cfg.parallel,
+        "world_size": world,
+    }
+    if is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        log.write(step=step, event=status, **{k: v for k, v in summary.items() if k in ("loss", "wall_s")})
+    if denv is not None:
+        DP.teardown()
+    return RunResult(status, step, summary)

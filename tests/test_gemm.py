@@ -1,0 +1,297 @@
+"""fp4compile::gemm: the Triton kernels (interpreter on CPU, real on CUDA) against a float64 reference.
+
+The float64 reference decodes E2M1 codes and E4M3 scales with ml_dtypes (independent of fp4compile's own
+decoder), multiplies in float64 and applies a_global * b_global. Our kernels accumulate in FP32, so fp32
+output must agree to FP32-accumulation level (relative Frobenius error <= 1e-5) and bf16 output to bf16
+rounding (elementwise |err| <= 2^-8 |ref| + a tiny FP32-accumulation slack).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import fp4compile.ops  # noqa: F401  (registers the ops)
+from fp4compile.formats import nvfp4
+from fp4compile.ops import _gemm_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def operands(M, N, K, seed=0, device="cpu", scale_a=1.0, scale_b=1.0):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(M, K, generator=g) * scale_a).to(device)
+    b = (torch.randn(N, K, generator=g) * scale_b).to(device)
+    qa, qb = nvfp4.quantize(a), nvfp4.quantize(b)
+    return (qa.codes, qa.scales.view(torch.uint8), qa.global_scale,
+            qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
+
+
+def decode64(codes, scales):
+    """Independent float64 decode: ml_dtypes float4_e2m1fn / float8_e4m3fn tables."""
+    c = codes.cpu().numpy()
+    nib = np.stack([c & 0xF, c >> 4], axis=-1).reshape(c.shape[0], -1)
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    s = scales.cpu().numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return e2m1[nib] * np.repeat(s, 16, axis=1)
+
+
+def reference64(args):
+    a = decode64(args[0], args[1])
+    b = decode64(args[3], args[4])
+    return (a @ b.T) * (float(args[2]) * float(args[5]))
+
+
+def check_close(out, ref, out_dtype, bf16_ulps=0.5):
+    out = out.double().cpu().numpy()
+    if out_dtype == torch.float32:
+        rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300)
+        assert rel <= 1e-5, rel
+    else:
+        # one bf16 rounding of the FP32 result: RNE is within half an ulp, ulp <= 2^-7 |v| (8 significant
+        # bits), plus FP32-accumulation slack
+        tol = bf16_ulps * 2.0 ** -7 * np.abs(ref) + 1e-5 * np.abs(ref).max()
+        assert np.all(np.abs(out - ref) <= tol), np.max(np.abs(out - ref) - tol)
+
+
+def test_decode_reference_is_independent():
+    """The ml_dtypes decode agrees with fp4compile's reference decoder (sanity for the oracle itself)."""
+    args = operands(8, 4, 64)
+    one = torch.ones(())
+    mine = nvfp4.dequantize_codes(args[0], args[1].view(torch.float8_e4m3fn), one).double().numpy()
+    np.testing.assert_array_equal(decode64(args[0], args[1]), mine)
+
+
+def test_cpu_reference_op_matches_float64():
+    args = operands(37, 29, 96, seed=1)
+    for dt in (torch.float32, torch.bfloat16):
+        check_close(torch.ops.fp4compile.gemm(*args, out_dtype=dt), reference64(args), dt)
+
+
+def test_opcheck_cpu():
+    args = operands(16, 8, 32, seed=2)
+    torch.library.opcheck(torch.ops.fp4compile.gemm.default, args, {"out_dtype": torch.float32})
+
+
+# ------------------------------------------------------------------------------------ interpreter (CPU)
+_INTERP_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    cfg_kw = dict(PREFETCH_S=True)
+    from fp4compile.kernels import gemm as G
+    from fp4compile.formats import nvfp4
+    res = []
+    for (M, N, K, impl, od, seed, cfg) in {cases!r}:
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randn(M, K, generator=g) * 3
+        b = torch.randn(N, K, generator=g) * 0.01
+        qa, qb = nvfp4.quantize(a), nvfp4.quantize(b)
+        args = (qa.codes, qa.scales.view(torch.uint8), qa.global_scale,
+                qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
+        dt = torch.float32 if od == "fp32" else torch.bfloat16
+        out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl, config=None if cfg is None else G._cfg(*cfg, **cfg_kw))
+        torch.save({{"args": args, "out": out}}, {tmp!r} + f"/case{{len(res)}}.pt")
+        res.append(len(res))
+    d = G.dequantize_bf16(qa.codes, qa.scales.view(torch.uint8))
+    torch.save(d, {tmp!r} + "/deq.pt")
+    torch.save((qa.codes, qa.scales.view(torch.uint8)), {tmp!r} + "/deq_in.pt")
+    print(json.dumps(res))
+""")
+
+# edge shapes: M, N not multiples of the interpreter tile (32x32, or 16x16 with the scale prefetch), K = 16
+# and 48 (K not a multiple of BLOCK_K), M >= N (the "half" kernel computes C^T and stores it transposed) and
+# M < N (the "half_rega" kernel swaps operands)
+INTERP_CASES = [
+    (33, 17, 16, "full", "fp32", 0, None),
+    (33, 17, 48, "half", "fp32", 1, None),
+    (17, 40, 48, "half", "bf16", 2, (16, 16, 32, 4, 1)),
+    (17, 40, 80, "half_rega", "fp32", 3, (16, 16, 32, 4, 1)),
+    (40, 24, 80, "full", "bf16", 4, None),
+]
+
+
+def test_triton_kernels_under_interpreter(tmp_path):
+    """The real Triton kernels (portable fp32 dequant path) run eagerly on CPU under TRITON_INTERPRET=1."""
+    script = _INTERP_SCRIPT.format(root=ROOT, cases=INTERP_CASES, tmp=str(tmp_path))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    idx = json.loads(r.stdout.strip().splitlines()[-1])
+    assert idx == list(range(len(INTERP_CASES)))
+    for i, (M, N, K, impl, od, _, _) in enumerate(INTERP_CASES):
+        d = torch.load(tmp_path / f"case{i}.pt")
+        assert d["out"].shape == (M, N)
+        dt = torch.float32 if od == "fp32" else torch.bfloat16
+        assert d["out"].dtype == dt
+        # the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest): allow one ulp there
+        check_close(d["out"], reference64(d["args"]), dt, bf16_ulps=1.0)
+    codes, scales = torch.load(tmp_path / "deq_in.pt")
+    np.testing.assert_array_equal(torch.load(tmp_path / "deq.pt").double().numpy(), decode64(codes, scales))
+
+
+# ------------------------------------------------------------------------------------ input validation
+def test_bad_inputs_raise_clear_errors():
+    pytest.importorskip("triton")
+    from fp4compile.kernels import gemm as G
+
+    args = list(operands(16, 16, 32))
+    c = lambda t: t.contiguous()  # noqa: E731
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G._check_inputs(c(args[0][:, :4]), c(args[1][:, :0]), args[2], c(args[3][:, :4]), c(args[4][:, :0]),
+                        args[5], torch.bfloat16)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G._check_inputs(args[0], args[1], args[2], c(args[3][:, :8]), c(args[4][:, :1]), args[5], torch.bfloat16)
+    with pytest.raises(ValueError, match="scales must be"):
+        G._check_inputs(args[0], c(args[1][:, :1]), *args[2:], torch.bfloat16)
+    with pytest.raises(TypeError, match="uint8"):
+        G._check_inputs(args[0], args[1].view(torch.float8_e4m3fn), *args[2:], torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        G._check_inputs(args[0].t().contiguous().t(), *args[1:], torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        G._check_inputs(*args, torch.float16)
+
+
+def test_module_imports_and_registers_without_cuda():
+    """kernels.gemm imports on a CPU-only machine and the op still runs its CPU reference there."""
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); "
+                        "import fp4compile.kernels.gemm as G; import torch; print(G.DEFAULT_IMPL)" % ROOT],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ GPU
+GPU_SHAPES = [(1000, 520, 784), (129, 257, 48), (64, 64, 16), (300, 200, 4096), (16, 4096, 256), (4096, 8, 512)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("impl", ["half", "half_rega", "full", "dequant_cublas"])
+@pytest.mark.parametrize("dequant", ["asm", "fp32"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_kernels_match_float64(impl, dequant, shape):
+    from fp4compile.kernels import gemm as G
+
+    if impl == "dequant_cublas" and dequant == "fp32":
+        pytest.skip("dequant_cublas uses the default dequant path; covered by the asm case")
+    M, N, K = shape
+    args = operands(M, N, K, seed=M + N + K, device="cuda", scale_a=100.0, scale_b=1e-3)
+    ref = reference64(args)
+    for dt in (torch.float32, torch.bfloat16):
+        if impl == "dequant_cublas":
+            out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl)
+        else:
+            out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl, dequant=dequant,
+                               config=G._cfg(64, 64, 64, 4, 3, PREFETCH_S=impl != "full"))
+        check_close(out, ref, dt)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_op_autotuned_and_opcheck():
+    args = operands(512, 384, 1024, seed=5, device="cuda")
+    ref = reference64(args)
+    for dt in (torch.float32, torch.bfloat16):
+        check_close(torch.ops.fp4compile.gemm(*args, out_dtype=dt), ref, dt)
+    torch.library.opcheck(torch.ops.fp4compile.gemm.default, operands(64, 32, 64, device="cuda"),
+                          {"out_dtype": torch.bfloat16})
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_decode_exhaustive():
+    """Every code byte with every finite E4M3 scale byte decodes exactly (incl. the 0.5 code -> subnormal)."""
+    from fp4compile.kernels import gemm as G
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(127, 1).cuda()
+    scales = torch.arange(127, dtype=torch.uint8)[:, None].expand(127, 32).contiguous().cuda()
+    want = decode64(codes, scales)
+    for dq in ("asm", "fp32"):
+        got = G.dequantize_bf16(codes, scales, dequant=dq).double().cpu().numpy()
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_hgmma_in_sass():
+    """The kernels use wgmma on sm_90: HGMMA in the SASS of both kernels."""
+    from fp4compile.kernels import gemm as G
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    args = operands(256, 256, 256, device="cuda")
+    out = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)
+    k = G._nvfp4_gemm_kernel[(4,)](*args, out, 256, 256, 256, 128, 16, 128, 16, 256, BLOCK_M=128, BLOCK_N=128,
+                                   BLOCK_K=64, GROUP_M=8, EVEN_K=True, DEQUANT_ASM=True, OUT_FP32=False,
+                                   num_warps=8, num_stages=3)
+    assert "HGMMA" in k.asm["sass"]
+    y16 = G.dequantize_bf16(args[3], args[4])
+    k2 = G._nvfp4_bf16_gemm_kernel[(4,)](args[0], args[1], args[2], y16, args[5], out, 256, 256, 256, 128, 16,
+                                         256, 256, 1, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                                         EVEN_K=True, DEQUANT_ASM=True, OUT_FP32=False, num_warps=8, num_stages=3)
+    assert "HGMMA" in k2.asm["sass"]
+    check_close(out, reference64(args), torch.bfloat16)
+    k3 = G._bf16_nvfp4_gemm_kernel[(4,)](y16, args[5], args[0], args[1], args[2], out, 256, 256, 256, 256, 128,
+                                         16, 256, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True,
+                                         DEQUANT_ASM=True, OUT_FP32=False, TRANS_OUT=True, PREFETCH_S=True,
+                                         num_warps=8, num_stages=3)
+    assert "HGMMA" in k3.asm["sass"]
+    check_close(out, reference64(args), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------ impl="auto"
+# (M, N, K, half, full, dequant_cublas TFLOP/s) measured on the H200, docs/BENCHMARKS.md ## GEMM
+H200_TABLE = [
+    (4096, 4096, 4096, 408, 340, 490),
+    (4096, 4096, 8192, 416, 344, 601),
+    (4096, 8192, 4096, 381, 346, 523),
+    (4096, 8192, 8192, 393, 343, 621),
+    (8192, 4096, 4096, 354, 354, 524),
+    (8192, 4096, 8192, 364, 350, 627),
+    (8192, 8192, 4096, 425, 350, 536),
+    (8192, 8192, 8192, 433, 344, 637),
+    (16384, 2304, 768, 159, 296, 134),
+    (16384, 768, 2304, 160, 289, 141),
+    (2304, 768, 16384, 159, 184, 142),
+    (16384, 768, 768, 57, 94, 46),
+    (768, 768, 16384, 52, 57, 46),
+    (16384, 3072, 768, 206, 313, 180),
+    (16384, 768, 3072, 210, 326, 192),
+    (3072, 768, 16384, 216, 183, 198),
+    (768, 3072, 16384, 140, 185, 205),
+    (16384, 6144, 2048, 411, 348, 420),
+    (16384, 2048, 6144, 431, 340, 565),
+    (6144, 2048, 16384, 433, 338, 640),
+    (16384, 2048, 2048, 399, 328, 321),
+    (2048, 2048, 16384, 393, 332, 342),
+    (16384, 8192, 2048, 411, 351, 419),
+    (16384, 2048, 8192, 437, 348, 599),
+    (8192, 2048, 16384, 435, 339, 647),
+    (2048, 8192, 16384, 227, 337, 643),
+    (16, 4096, 4096, 2, 4, 2),
+    (16, 8192, 8192, 6, 11, 8),
+    (64, 4096, 4096, 8, 15, 7),
+    (64, 8192, 8192, 40, 81, 41),
+    (256, 4096, 4096, 24, 45, 20),
+    (256, 8192, 8192, 105, 234, 115),
+]
+
+
+def test_choose_impl_is_near_best_on_the_measured_table():
+    """The "auto" rule picks, on every measured shape, an implementation within 20% of the best of the three
+    (so a rule edit that contradicts the recorded measurements fails here)."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels.gemm import choose_impl
+
+    col = {"half": 3, "full": 4, "dequant_cublas": 5}
+    for row in H200_TABLE:
+        M, N, K = row[:3]
+        got = row[col[choose_impl(M, N, K)]]
+        assert got >= 0.8 * max(row[3:]), (row, choose_impl(M, N, K))

@@ -1,0 +1,292 @@
+"""fp4compile.train model + loop: shapes and names, schedules, bit-exact resume, checkpoint errors, Ctrl-C."""
+import dataclasses
+import math
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from fp4compile.train import loop as L
+from fp4compile.train.model import GPT, PRESETS, config_from_preset
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models are fastest that way, and a busy shared CPU does not oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(tmp_path, name="run", **kw):
+    base = dict(out_dir=str(tmp_path / name), model="tiny", backend="none", steps=8, batch_size=4, seq_len=32,
+                log_interval=2, eval_batches=2, progress=False, warmup_steps=2, lr=3e-3)
+    base.update(kw)
+    return L.TrainConfig(**base)
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in L.read_metrics(run_dir) if "loss" in r and "event" not in r]
+
+
+# -------------------------------------------------------------------------------------------------- model
+
+
+def test_model_names_are_policy_friendly_and_tied():
+    m = GPT(config_from_preset("tiny", vocab_size=256, max_seq_len=32))
+    names = {n for n, _ in m.named_modules()}
+    for n in ("embed", "lm_head", "blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"):
+        assert n in names
+    assert m.lm_head.weight is m.embed.weight
+    assert m.num_params() == m.cfg.num_params()
+    untied = GPT(config_from_preset("tiny", vocab_size=256, tie_embeddings=False))
+    assert untied.num_params() == untied.cfg.num_params() == m.num_params() + 256 * 128
+
+
+def test_preset_sizes():
+    # non-embedding parameter counts from the shapes alone (no allocation)
+    assert abs(config_from_preset("30m", vocab_size=50304).num_params(True) / 1e6 - 30.5) < 0.5
+    assert abs(config_from_preset("124m", vocab_size=50304).num_params() / 1e6 - 123.6) < 1
+    assert abs(config_from_preset("350m", vocab_size=50304).num_params() / 1e6 - 360) < 5
+    assert abs(config_from_preset("1b", vocab_size=50304).num_params() / 1e9 - 1.03) < 0.02
+    for name in PRESETS:
+        c = config_from_preset(name)
+        assert c.d_model % 128 == 0 and c.hidden % 128 == 0, name        # Hadamard-128 friendly
+    with pytest.raises(ValueError, match="unknown model preset"):
+        config_from_preset("7b")
+
+
+def test_model_is_causal_and_loss_matches_logits():
+    torch.manual_seed(0)
+    m = GPT(config_from_preset("tiny", vocab_size=256, max_seq_len=16))
+    x = torch.randint(0, 256, (2, 16))
+    x2 = x.clone()
+    x2[:, 10:] = torch.randint(0, 256, (2, 6))
+    a, b = m(x), m(x2)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6) and not torch.allclose(a[:, 10:], b[:, 10:])
+    y = torch.roll(x, -1, 1)
+    ref = torch.nn.functional.cross_entropy(a.reshape(-1, 256), y.reshape(-1))
+    assert torch.allclose(m(x, y), ref, atol=1e-6)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 17, dtype=torch.long))
+
+
+# -------------------------------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedules():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    def sched(**kw):
+        cfg = L.TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, **kw)
+        return L.LRSchedule(torch.optim.SGD(p, lr=1.0), cfg)
+    c = sched(schedule="cosine")
+    assert c.factor(0) == pytest.approx(0.1) and c.factor(9) == pytest.approx(1.0)
+    assert c.factor(10) == pytest.approx(1.0) and c.factor(55) == pytest.approx(0.55)
+    assert c.factor(100) == pytest.approx(0.1)
+    w = sched(schedule="wsd", decay_frac=0.2)
+    assert w.factor(50) == 1.0 and w.factor(79) == 1.0 and w.factor(80) == 1.0
+    assert w.factor(90) == pytest.approx(0.55) and w.factor(100) == pytest.approx(0.1)
+    assert sched(schedule="constant").factor(99) == 1.0
+    opt = torch.optim.SGD(p, lr=2.0)
+    s = L.LRSchedule(opt, L.TrainConfig(steps=10, warmup_steps=4))
+    assert s.set(1) == pytest.approx(1.0) and opt.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
+def test_config_validation_and_sections():
+    with pytest.raises(ValueError, match="backend"):
+        L.TrainConfig(backend="tensorrt").validate()
+    with pytest.raises(ValueError, match="parallel"):
+        L.TrainConfig(parallel="ddp").validate()
+    with pytest.raises(ValueError, match="unknown config keys"):
+        L.TrainConfig.from_dict({"model": "tiny", "lerning_rate": 1})
+    cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})
+    assert (cfg.model, cfg.lr, cfg.grad_accum) == ("tiny", 0.5, 2)
+
+
+def test_policy_loading(tmp_path):
+    from fp4compile.policy import BF16, NVFP4, Policy
+
+    assert L.load_policy("quartet2") == Policy.quartet2()
+    f = tmp_path / "p.toml"
+    f.write_text('preset = "full_stack"\nname = "mine"\n'
+                 '[[rules]]\npattern = "blocks.0.*"\nspec = "bf16"\n'
+                 '[[rules]]\npattern = "*mlp.fc"\nrole = "linear.wgrad"\nspec = { rounding = "sr", hadamard = 16 }\n')
+    p = L.load_policy(str(f))
+    assert p.name == "mine"
+    assert p.resolve("blocks.0.attn.qkv", "linear.fprop") == BF16
+    assert p.resolve("blocks.1.mlp.fc", "linear.wgrad") == NVFP4("sr", hadamard=16)
+    assert p.resolve("blocks.1.mlp.fc", "linear.fprop") == Policy.full_stack().resolve("x", "linear.fprop")
+    with pytest.raises(ValueError, match="unknown policy preset"):
+        L.load_policy("fp2")
+
+
+# -------------------------------------------------------------------------------------------------- runs
+
+
+def test_bit_exact_resume(tmp_path):
+    """8 steps straight == 4 steps + resume + 4 steps: the same per-step losses bit for bit, same weights."""
+    straight = L.train(tiny_cfg(tmp_path, "straight", grad_accum=2))
+    half = L.train(tiny_cfg(tmp_path, "split", grad_accum=2, stop_after=4))
+    assert half.status == "stopped" and half.step == 4
+    resumed = L.train(tiny_cfg(tmp_path, "split", grad_accum=2, resume=True))
+    assert resumed.step == 8
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert [s for s, _ in a] == list(range(1, 9))
+    assert a == b                                                       # exact float equality
+    from safetensors.torch import load_file
+
+    wa = load_file(tmp_path / "straight" / "checkpoint" / "model.safetensors")
+    wb = load_file(tmp_path / "split" / "checkpoint" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert straight.summary["val_loss"] == resumed.summary["val_loss"]
+    # the loss went down: it trained
+    assert a[-1][1] < a[0][1] - 0.5
+
+
+@pytest.mark.slow
+def test_bit_exact_resume_compiled(tmp_path):
+    """Same with torch.compile (aot_eager): recompiling after resume reproduces the run."""
+    L.train(tiny_cfg(tmp_path, "straight", backend="aot_eager", steps=6))
+    L.train(tiny_cfg(tmp_path, "split", backend="aot_eager", steps=6, stop_after=3))
+    L.train(tiny_cfg(tmp_path, "split", backend="aot_eager", steps=6, resume=True))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")
+
+
+def test_checkpoint_errors(tmp_path):
+    cfg = tiny_cfg(tmp_path, steps=2, val_data="")
+    L.train(cfg)
+    with pytest.raises(L.CheckpointError, match="already holds a checkpoint"):
+        L.train(cfg)
+    # mismatched model
+    with pytest.raises(L.CheckpointError, match=r"incompatible run:\n  model: checkpoint 'tiny' != run 'cpu'"):
+        L.train(dataclasses.replace(cfg, model="cpu", resume=True))
+    # corrupt model file: one flipped byte in the tensor data
+    mpath = tmp_path / "run" / "checkpoint" / "model.safetensors"
+    raw = bytearray(mpath.read_bytes())
+    raw[-5] ^= 0xFF
+    mpath.write_bytes(bytes(raw))
+    with pytest.raises(L.CheckpointError, match="corrupt: its sha256"):
+        L.train(dataclasses.replace(cfg, resume=True, steps=4))
+    # truncated state file
+    spath = tmp_path / "run" / "checkpoint" / "state.pt"
+    spath.write_bytes(spath.read_bytes()[:100])
+    with pytest.raises(L.CheckpointError, match="state .* is corrupt or unreadable"):
+        L.train(dataclasses.replace(cfg, resume=True, steps=4))
+    spath.unlink()
+    with pytest.raises(L.CheckpointError, match="state.pt is missing"):
+        L.train(dataclasses.replace(cfg, resume=True, steps=4))
+
+
+def test_resume_without_checkpoint_starts_fresh_and_warns_on_soft_changes(tmp_path):
+    cfg = tiny_cfg(tmp_path, steps=2, val_data="", resume=True)
+    assert L.train(cfg).step == 2
+    with pytest.warns(UserWarning, match="lr: 0.003 -> 0.001"):
+        r = L.train(dataclasses.replace(cfg, steps=3, lr=1e-3))
+    assert r.step == 3
+
+
+def test_time_budget_checkpoints_and_resumes(tmp_path):
+    cfg = tiny_cfg(tmp_path, steps=50, val_data="", max_seconds=1e-3)
+    r = L.train(cfg)
+    assert r.status == "time_budget" and 1 <= r.step < 50
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
+    r2 = L.train(dataclasses.replace(cfg, steps=r.step + 2, max_seconds=None, resume=True))
+    assert r2.status == "done" and r2.step == r.step + 2
+    assert [s for s, _ in losses(tmp_path / "run")] == list(range(1, r.step + 3))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
+    cfg = tiny_cfg(tmp_path, "intr", steps=400, val_data="", log_interval=1, schedule="constant")
+    metrics = tmp_path / "intr" / "metrics.jsonl"
+
+    def interrupt_after_a_few_steps():
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if metrics.exists() and sum(1 for ln in metrics.read_text().splitlines() if '"loss"' in ln) >= 3:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=interrupt_after_a_few_steps, daemon=True)
+    t.start()
+    r = L.train(cfg)
+    t.join()
+    assert r.status == "interrupted" and 3 <= r.step < 400
+    state = torch.load(tmp_path / "intr" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == r.step
+    # the interrupted run + resume gives the same losses as a straight run of the same length
+    L.train(dataclasses.replace(cfg, steps=r.step + 2, resume=True))
+    L.train(tiny_cfg(tmp_path, "straight", steps=r.step + 2, val_data="", log_interval=1, schedule="constant"))
+    assert losses(tmp_path / "intr") == losses(tmp_path / "straight")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler restored
+
+
+def test_missing_features_give_clear_errors(tmp_path, monkeypatch):
+    import fp4compile
+
+    def unavailable(name):
+        raise ImportError(f"cannot import name {name!r}")
+
+    for attr in ("QAdamW", "QRoot", "prepare"):
+        monkeypatch.delitem(fp4compile.__dict__, attr, raising=False)
+    monkeypatch.setattr(fp4compile, "__getattr__", unavailable)
+    with pytest.raises(L.FeatureUnavailable, match="QAdamW is not available.*optimizer issue"):
+        L.train(tiny_cfg(tmp_path, "a", optimizer="qadamw"))
+    with pytest.raises(L.FeatureUnavailable, match="prepare is not available.*LoRA-SVD"):
+        L.train(tiny_cfg(tmp_path, "b", lora=True))
+
+
+def test_metrics_log_contents(tmp_path):
+    r = L.train(tiny_cfg(tmp_path, steps=4, eval_interval=2))
+    recs = L.read_metrics(tmp_path / "run")
+    assert recs[0]["event"] == "start" and recs[0]["params"] > 0
+    assert [x["step"] for x in recs if "val_loss" in x] == [2, 4]
+    assert any("tok_per_s" in x and x["tok_per_s"] > 0 for x in recs)
+    assert recs[-1]["event"] == "done"
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s == r.summary and s["peak_mem_mib"] > 10 and s["tokens"] == 4 * 4 * 32
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["model"] == "tiny"
+
+
+def test_bit_exact_resume_with_lora_realignment(tmp_path):
+    """LoRA-SVD realigns every 3 steps; its step count and SVD RNG live in the checkpoint, so a run split at
+    step 4 realigns at step 6 exactly like the straight run."""
+    pytest.importorskip("fp4compile.nn.lora_svd")
+    kw = dict(lora=True, lora_rank=8, lora_realign_every=3, val_data="")
+    L.train(tiny_cfg(tmp_path, "straight", **kw))
+    L.train(tiny_cfg(tmp_path, "split", stop_after=4, **kw))
+    L.train(tiny_cfg(tmp_path, "split", resume=True, **kw))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")
+    # realignment changes the run (so the equality above is not vacuous)
+    L.train(tiny_cfg(tmp_path, "norealign", **{**kw, "lora_realign_every": 0}))
+    assert losses(tmp_path / "norealign")[-1] != losses(tmp_path / "straight")[-1]
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    import fp4compile
+
+    spec = importlib.util.find_spec(f"fp4compile.{name}")
+    return spec is not None and Path(spec.origin).parent == Path(fp4compile.__file__).parent
+
+
+@pytest.mark.skipif(not _has_module("backend"), reason="fp4compile.backend is not in this checkout")
+def test_fullstack_fp4_under_bf16_autocast(tmp_path):
+    """The GPU default (fp32 master weights + bf16 autocast) through the FP4 backend (its eager debug variant
+    here): it trains, and the numbers differ from the same run without FP4."""
+    kw = dict(steps=4, val_data="", dtype="bf16-autocast", policy="full_stack")
+    fp4 = L.train(tiny_cfg(tmp_path, "fp4", backend="fullstack_fp4", backend_debug=True, **kw))
+    ref = L.train(tiny_cfg(tmp_path, "ref", backend="none", **kw))
+    a, b = losses(tmp_path / "fp4"), losses(tmp_path / "ref")
+    assert all(math.isfinite(v) for _, v in a) and a[-1][1] < a[0][1]
+    assert a[0][1] == pytest.approx(b[0][1], rel=0.02)              # same init and data: close at step 1
+    assert a != b                                                   # ... but not equal: FP4 GEMMs ran
+    assert fp4.summary["backend"] == "fullstack_fp4" and fp4.summary["dtype"] == "bf16-autocast"

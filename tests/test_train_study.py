@@ -1,0 +1,59 @@
+"""bench/study.py: arm commands, resumable driver and the report table (CPU, tiny stand-in runs)."""
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("study", ROOT / "bench" / "study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arm_commands_differ_only_in_the_recipe(study, capsys):
+    assert study.main(["--print-commands", "--tokens", "6553600"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 6
+    assert all("--steps 100 " in ln and "--resume" in ln and "--warmup-steps 5" in ln for ln in lines)
+    assert "--backend inductor --policy bf16 --optimizer adamw --no-lora" in lines[0]
+    assert "--backend fullstack_fp4 --policy quartet2 --optimizer adamw --no-lora" in lines[1]
+    assert "--policy quartet2 --optimizer adamw --lora" in lines[2]
+    assert "--policy full_stack --optimizer adamw --lora" in lines[3]
+    assert "--optimizer qadamw --lora" in lines[4] and "--optimizer qroot --lora" in lines[5]
+    # the configs parse and validate
+    from fp4compile.train.cli import load_config_file
+    from fp4compile.train.loop import TrainConfig
+
+    for size in ("30m", "124m"):
+        cfg = TrainConfig.from_dict(load_config_file(ROOT / "configs" / f"study_{size}.toml"))
+        cfg.validate()
+        assert cfg.model == size and cfg.tokenizer == "gpt2"
+
+
+def test_report_and_export(study, tmp_path):
+    out = tmp_path / "30m"
+    rows = {"bf16": 3.00, "quartet2": 3.06}
+    for arm, loss in rows.items():
+        d = out / arm
+        d.mkdir(parents=True)
+        summary = dict(status="done", step=10, steps=10, tokens=655360, loss=loss, val_loss=loss + 0.1,
+                       brown_loss=loss + 1, tok_per_s=1e6, peak_mem_mib=2048)
+        (d / "summary.json").write_text(json.dumps(summary))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, tokens=s * 65536, loss=loss + 1 / s)) + "\n"
+                                                 for s in range(1, 11)))
+    table = study.report(out, ["bf16", "quartet2", "lora"], "30m")
+    assert "| BF16 | done (10/10) | 1M | 3.0000 | 3.1000 | 4.0000 | — |" in table
+    assert "+2.00 %" in table                                      # (3.06 - 3.00) / 3.00
+    assert "| + LoRA-SVD | not run |" in table
+    study.export(out, ["bf16", "quartet2", "lora"], "30m", tmp_path / "export")
+    files = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert files == ["study_30m.md", "study_30m.png", "study_30m_metrics.tar.gz"]
+    with tarfile.open(tmp_path / "export" / "study_30m_metrics.tar.gz") as tar:
+        assert "30m/quartet2/metrics.jsonl" in tar.getnames()
