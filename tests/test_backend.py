@@ -29,7 +29,13 @@ sys.path.insert(0, HERE)
 from fp4ref import use_reference_linears  # noqa: E402
 from nanogpt import GPT, batch  # noqa: E402
 
-RTN = Policy((), "rtn-only").override("*", NVFP4("rtn"))
+def rtn_policy():
+    """Every linear GEMM RTN NVFP4 (attention untouched: the eager references use plain SDPA)."""
+    return functools.reduce(lambda p, r: p.override("*", NVFP4("rtn"), role=r),
+                            ("linear.fprop", "linear.dgrad", "linear.wgrad"), Policy((), "rtn-only"))
+
+
+RTN = rtn_policy()
 
 
 def rel(a, b):
@@ -234,7 +240,7 @@ def test_policy_change_recompiles_same_policy_same_key():
     assert torch.allclose(yb, model(x))                        # bf16 policy: the plain model
     table = {"linear": SiteInfo("a", (("linear.fprop", NVFP4()),), 1)}
     k1 = FP4JointPass(RTN, table).uuid()
-    assert k1 == FP4JointPass(Policy((), "rtn-only").override("*", NVFP4("rtn")), dict(table)).uuid()
+    assert k1 == FP4JointPass(rtn_policy(), dict(table)).uuid()
     assert k1 != FP4JointPass(RTN.override("a", "bf16"), table).uuid()
     assert k1 != FP4JointPass(RTN, {"linear": SiteInfo("b", (("linear.fprop", NVFP4()),), 1)}).uuid()
 
