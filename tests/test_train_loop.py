@@ -57,6 +57,7 @@ def test_preset_sizes():
     for name in PRESETS:
         c = config_from_preset(name)
         assert c.d_model % 128 == 0 and c.hidden % 128 == 0, name        # Hadamard-128 friendly
+        assert c.head_dim in (64, 128), name                               # Q-Attn kernel head sizes
     with pytest.raises(ValueError, match="unknown model preset"):
         config_from_preset("7b")
 
