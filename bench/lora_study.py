@@ -222,10 +222,11 @@ class _FQLinear(torch.autograd.Function):
         r = ctx.bwd_rounding
         h = _had(gy.shape[1])
         s = random_signs(h, ctx.gen, device=gy.device) if h else None
-        dx = _fq(gy, r, hadamard=h, signs=s) @ _fq(w.T.contiguous().float(), r, hadamard=h, signs=s).T
+        dx = _fq(gy, rounding=r, hadamard=h, signs=s) @ _fq(w.T.contiguous().float(), rounding=r, hadamard=h, signs=s).T
         h2 = _had(gy.shape[0])
         s2 = random_signs(h2, ctx.gen, device=gy.device) if h2 else None
-        dw = _fq(gy.T.contiguous(), r, hadamard=h2, signs=s2) @ _fq(x.T.contiguous().float(), r, hadamard=h2, signs=s2).T
+        dw = _fq(gy.T.contiguous(), rounding=r, hadamard=h2, signs=s2) @ _fq(x.T.contiguous().float(), rounding=r, hadamard=h2,
+                                                                   signs=s2).T
         return dx.to(x.dtype), dw.to(w.dtype), None, None
 
 
@@ -280,6 +281,53 @@ def weight_quant_error(model: nn.Module) -> float:
     return num / max(den, 1e-30)
 
 
+@torch.no_grad()
+def quant_error_probe(d: int, rank: int, tokens: int, seed: int, bwd_rounding: str):
+    """Relative error of the fprop output and the dgrad input gradient of one d x 4d linear, NVFP4 linear-only
+    vs NVFP4 residual + exact low-rank branch, for a Gaussian weight (init-like, flat spectrum) and for the same
+    weight plus a rank-8 spike (sigma_1..8 = 5x the bulk edge, like trained weights' leading directions).
+    Activations X ~ N(0, 1) with a few outlier channels; dY ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)                       # MS-EDEN / SR draw from the default generator
+    out_f = 4 * d
+    x = torch.randn(tokens, d, generator=g)
+    x[:, :4] *= 8.0
+    dy = torch.randn(tokens, out_f, generator=g)
+    base = torch.randn(out_f, d, generator=g) * 0.02
+    edge = 0.02 * (math.sqrt(out_f) + math.sqrt(d))
+    u, _ = torch.linalg.qr(torch.randn(out_f, 8, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(d, 8, generator=g))
+    spiked = base + 5 * edge * (u @ v.T)
+    h = _had(out_f)
+    rows = []
+    for name, w in (("gaussian", base), ("spiked", spiked)):
+        lin = nn.Linear(d, out_f, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        m = LoRASVDLinear.from_linear(lin, rank, init="exact")
+        y, dx = x @ w.T, dy @ w
+        res = {}
+        for label, wq, low_y, low_dx in (("nvfp4", w, 0, 0),
+                                         ("nvfp4+lora", m.weight.detach(),
+                                          (x @ m.lora_a.weight.T) @ m.lora_b.weight.T * m.beta,
+                                          (dy @ m.lora_b.weight) @ m.lora_a.weight * m.beta)):
+            yq = _fq(x, four_over_six=True) @ _fq(wq, four_over_six=True).T + low_y
+            s = fp4compile.formats.hadamard.random_signs(h, g) if h else None
+            dxq = _fq(dy, rounding=bwd_rounding, hadamard=h, signs=s) @ \
+                _fq(wq.T.contiguous(), rounding=bwd_rounding, hadamard=h, signs=s).T + low_dx
+            res[label] = (float((yq - y).norm() / y.norm()), float((dxq - dx).norm() / dx.norm()))
+        rows.append((name, res))
+    print(f"\nquantization error of one {d}x{out_f} linear, {tokens} tokens, LoRA-SVD rank {rank} (fprop RTN+4/6, "
+          f"dgrad RHT-{h}+{bwd_rounding}):")
+    print("| weight | fprop rel err nvfp4 | + LoRA-SVD | change | dgrad rel err nvfp4 | + LoRA-SVD | change |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows:
+        (y0, d0), (y1, d1) = r["nvfp4"], r["nvfp4+lora"]
+        print(f"| {name} | {y0:.4f} | {y1:.4f} | {100 * (y1 / y0 - 1):+.1f} % | {d0:.4f} | {d1:.4f} | "
+              f"{100 * (d1 / d0 - 1):+.1f} % |")
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # one run
 def lr_at(step, steps, lr, warmup):
@@ -307,8 +355,12 @@ def build(variant: str, args, cfg: GPTConfig, device, quant: str, bwd_rounding: 
         gen.manual_seed(args.seed + 1)
         emulate_nvfp4(model, bwd_rounding, gen)
     if nvfp4 and quant == "backend":
-        pol = fp4compile.Policy.quartet2().override("*lm_head*", "bf16").override(LORA_BF16_GLOB, "bf16")
-        fwd = torch.compile(model, backend="fullstack_fp4", options={"policy": pol})
+        pol = fp4compile.Policy.quartet2().override("*lm_head*", "bf16")
+        if handle is not None:
+            pol = pol.override(LORA_BF16_GLOB, "bf16")
+        # on CPU the backend's debug variant (same passes, partitioned graphs run eagerly): Inductor's C++
+        # compile takes minutes on a small CPU box
+        fwd = torch.compile(model, backend="fullstack_fp4", options={"policy": pol, "debug": device.type == "cpu"})
     elif args.compile:
         fwd = torch.compile(model)
     return model, fwd, opt, handle
@@ -426,13 +478,20 @@ def main(argv=None):
     ap.add_argument("--compile-fq", choices=("auto", "on", "off"), default="auto",
                     help="emulate mode: compile the fake quantizer (auto: on CUDA only)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--qerr", action="store_true",
+                    help="only the single-layer quantization-error probe (CPU, seconds) and exit")
     args = ap.parse_args(argv)
+
+    if args.qerr:
+        import fp4compile.formats.hadamard  # noqa: F401
+        quant_error_probe(args.d, args.rank, 2048, args.seed, pick_bwd_rounding(args.bwd_rounding))
+        return
 
     if args.prepare_data:
         prepare_data(args.prepare_data, args.train_tokens, args.val_tokens, DATA)
         return
     if args.tiny:
-        args.d, args.layers, args.heads, args.seq, args.batch = 64, 2, 2, 64, 4
+        args.d, args.layers, args.heads, args.seq, args.batch = 128, 2, 2, 64, 4   # dims % 128 for RHT-128
         args.rank = min(args.rank, 8)
         args.train_tokens, args.val_tokens = min(args.train_tokens, 120_000), min(args.val_tokens, 16_384)
         args.eval_batches = min(args.eval_batches, 4)
@@ -466,7 +525,7 @@ def main(argv=None):
     if not steps:
         if not args.budget_seconds:
             raise SystemExit("give --steps or --budget-seconds")
-        args.realign_every = args.realign_every or 1000
+        user_realign, args.realign_every = args.realign_every, 10 ** 9     # no realignment inside the probes
         t_probe, probe, fixed = time.time(), {}, 0.0
         n_probe = args.timing_warmup + 5
         for v in variants:
@@ -477,6 +536,7 @@ def main(argv=None):
         left = args.budget_seconds - (time.time() - t_probe) - fixed          # the real runs pay `fixed` again
         left -= 9 * args.eval_batches / 3 * per_step                           # ~9 evals, forward ~ 1/3 step
         steps = max(20, int(0.9 * left / per_step))
+        args.realign_every = user_realign
         if left <= 0:
             print(f"[budget] {args.budget_seconds}s does not cover probing/compilation; running the minimum 20 steps")
         print(f"probe step times {json.dumps({k: round(v, 4) for k, v in probe.items()})} -> {steps} steps/variant")

@@ -26,10 +26,8 @@ default ``full_stack``), ``dump_dir`` (write graphs, Inductor code and Triton ke
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
-import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -104,7 +104,8 @@ def _snapshot(graph: torch.fx.Graph):
     g = nx.DiGraph()
     for n in graph.nodes:
         rec = n.meta.get("fp4") if isinstance(n.meta.get("fp4"), dict) else None
-        target = getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else str(n.target)
+        target = n.target if isinstance(n.target, str) else (
+            str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target)))
         g.add_node(n.name, op=n.op, target=target, side="bwd" if n in bwd else "fwd",
                    role=(rec or {}).get("role", ""), precision=(rec or {}).get("precision", ""),
                    path=(rec or {}).get("path", ""))

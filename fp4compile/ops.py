@@ -10,6 +10,11 @@ has a torch reference implementation registered for all devices; the CUDA kernel
         wgrad needs: the result is the quantization of x.T). hadamard=0 means no rotation.
         ``scales`` are the raw E4M3 bytes (``.view(torch.float8_e4m3fn)`` gives the values): the op ABI
         uses uint8 so every op passes ``torch.library.opcheck`` (CPU fp8 tensors lack the ops it compares with).
+        ``seed`` (int64 0-dim) keys the stochastic rounding of "sr"/"ms_eden" through the counter-based hash of
+        ``formats/random.py``: the same seed gives the same bytes on CPU (reference) and CUDA (Triton). With
+        ``seed=None`` a fresh one is drawn from torch's default generator on x's device at every call (so a
+        compiled graph re-randomizes every step); ``hadamard`` without ``signs`` likewise draws fresh signs.
+        The CUDA path does not check for NaN/Inf.
     fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype) -> [R, C] in dtype
     fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> [M, N]
         TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global).
@@ -74,6 +79,8 @@ def _(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=N
 @torch.library.custom_op("fp4compile::dequantize", mutates_args=())
 def dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
                signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    if hadamard and signs is None:
+        raise ValueError("dequantize with hadamard needs the signs used to quantize")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
     if hadamard:
         vals = inverse_rht(vals, signs)

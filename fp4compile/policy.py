@@ -179,15 +179,17 @@ class Policy:
 
     @classmethod
     def quartet2(cls) -> "Policy":
-        """Quartet II linear scheme: fprop RTN + 4/6; dgrad/wgrad RHT-128 + MS-EDEN; attention BF16."""
+        """Quartet II linear scheme: fprop RTN + 4/6; dgrad/wgrad RHT-128 + MS-EDEN; attention BF16; the LM
+        head, embeddings and LoRA-SVD factors BF16."""
         bwd = NVFP4("ms_eden", hadamard=128)
-        return cls(_linear_rules(NVFP4("rtn", four_over_six=True), bwd, bwd), "quartet2")
+        return cls(_linear_rules(NVFP4("rtn", four_over_six=True), bwd, bwd) + _bf16_edges(), "quartet2")
 
     @classmethod
     def full_stack(cls) -> "Policy":
         """The Full-Stack FP4 paper: Quartet II linears, Q-Attn split, Newton-Schulz in NVFP4."""
-        p = cls.quartet2()
-        rules = p.rules + tuple(Rule("*", r, NVFP4("rtn"), user=False) for r in ("attn.qk", "attn.dsk", "attn.dsq", "optim.ns"))
+        bwd = NVFP4("ms_eden", hadamard=128)
+        rules = _linear_rules(NVFP4("rtn", four_over_six=True), bwd, bwd)
+        rules += tuple(Rule("*", r, NVFP4("rtn"), user=False) for r in ("attn.qk", "attn.dsk", "attn.dsq", "optim.ns"))
         return cls(rules + _bf16_edges(), "full_stack")
 
     @classmethod
@@ -221,9 +223,10 @@ def _linear_rules(fprop, dgrad, wgrad):
 
 
 def _bf16_edges():
-    """Embeddings, norms and the LM head stay BF16 (embeddings/norms are not GEMM sites anyway)."""
+    """Embeddings, norms, the LM head and the LoRA-SVD low-rank factors (``fp4compile.nn.LORA_BF16_GLOB``)
+    stay BF16 (embeddings/norms are not GEMM sites anyway)."""
     return (Rule("*lm_head*", None, BF16, user=False), Rule("*embed*", None, BF16, user=False),
-            Rule("*wte*", None, BF16, user=False))
+            Rule("*wte*", None, BF16, user=False), Rule("*.lora_[ab]", None, BF16, user=False))
 
 
 def _spec_from_str(s: str) -> Precision:

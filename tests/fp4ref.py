@@ -39,8 +39,11 @@ class RefFP4Linear(torch.autograd.Function):
 
 
 def use_reference_linears(model):
-    """Make every nn.Linear of ``model`` run :class:`RefFP4Linear` (eager)."""
+    """Make every nn.Linear (and transformers' Conv1D, weight [in, out]) of ``model`` run
+    :class:`RefFP4Linear` (eager)."""
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             m.forward = types.MethodType(lambda self, x: RefFP4Linear.apply(x, self.weight, self.bias), m)
+        elif type(m).__name__ == "Conv1D":
+            m.forward = types.MethodType(lambda self, x: RefFP4Linear.apply(x, self.weight.t(), self.bias), m)
     return model

@@ -127,6 +127,7 @@ ENTRY_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = GPT()
     expl = torch._dynamo.explain(model)(*batch(0))
+    torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="fullstack_fp4", options={{"debug": True}})
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -207,7 +208,10 @@ def test_weight_quantizes_are_must_recompute():
     prim = [n for n in bwd.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp4compile.quantize.default
             and n.args[0].op == "placeholder" and n.args[0].meta["val"].shape in ((128, 64), (96, 128), (32, 96))]
     assert len(prim) == 3, bwd.code
-    assert all(n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE or True for n in prim)
+    fwd = [gm for kind, gm in rec.partitions if kind == "fwd"][0]
+    tagged = [n for n in fwd.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+              and n.target is torch.ops.fp4compile.quantize.default]
+    assert len(tagged) == 3 and all(n.args[0].op == "placeholder" for n in tagged)     # the 3 fwd W copies
 
 
 def test_policy_change_recompiles_same_policy_same_key():
@@ -297,8 +301,36 @@ def test_rht_signs_are_drawn_fresh_every_step():
     assert all(rel(g, exact.a.weight.grad) < 0.3 for g in grads)
     g = rec.graphs[0]
     signs = [n for n, a in g.nodes(data=True) if a["target"] == "fp4compile.rht_signs.default"]
-    assert len(signs) == 5                                   # one per backward GEMM (layer a has no dgrad)
+    assert len(signs) == 6                                   # one per backward GEMM (3 dgrad + 3 wgrad)
     assert all(a["side"] == "bwd" for n, a in g.nodes(data=True) if n in signs)
+
+
+@pytest.mark.skipif(not has_rounding("ms_eden"), reason="needs MS-EDEN in fp4compile.formats (quant helper)")
+def test_quartet2_backward_is_unbiased_statistically():
+    """dgrad/wgrad with RHT-128 + MS-EDEN (fresh signs and seeds every step) average to the exact gradient:
+    the error of the mean of 16 steps is well below a single step's error (it would not be if the graph
+    reused one baked draw)."""
+    torch.manual_seed(0)
+    model = nn.Linear(128, 128, bias=False)
+    bwd = Policy.quartet2().resolve("x", "linear.dgrad")
+    policy = Policy((), "bwd-only").override("*", bwd, role="linear.dgrad").override("*", bwd, role="linear.wgrad")
+    compiled, rec = compile_recorded(model, policy)
+    x = torch.randn(128, 128, requires_grad=True)
+    dy = torch.randn(128, 128)
+    exact_w = dy.t() @ x.detach()
+    exact_x = dy @ model.weight.detach()
+    gw, gx = [], []
+    for _ in range(16):
+        x.grad = None
+        model.zero_grad()
+        (compiled(x) * dy).sum().backward()
+        gw.append(model.weight.grad.clone())
+        gx.append(x.grad.clone())
+    assert all(s.precision == "nvfp4" for s in rec.report().sites if s.role != "linear.fprop")
+    for g, exact in ((gw, exact_w), (gx, exact_x)):
+        single = sum(rel(a, exact) for a in g) / len(g)
+        mean = rel(torch.stack(g).mean(0), exact)
+        assert 0.02 < single < 0.3 and mean < 0.45 * single, (single, mean)
 
 
 def test_bad_options_give_clear_errors():
@@ -349,12 +381,14 @@ def test_matmul_with_parameter_and_conv1d_style_addmm_sites():
     exact = copy.deepcopy(model)
     compiled, rec = compile_recorded(model, RTN)
     x = torch.randn(48, 64, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
     compiled(x).sum().backward()
-    exact(x).sum().backward()
+    exact(xe).sum().backward()
     sites = rec.report().sites
     assert len(sites) == 6 and all(s.precision == "nvfp4" for s in sites), [str(s) for s in sites]
-    assert rel(model.w.grad, exact.w.grad) < 0.3 and rel(x.grad, None or exact(x).new_zeros(0).new_tensor(
-        torch.autograd.grad(exact(x).sum(), x)[0])) < 0.3
+    assert {s.path for s in sites} == {""}                        # issued by the root module
+    for p, pe in ((model.w, exact.w), (model.v, exact.v), (x, xe)):
+        assert 0 < rel(p.grad, pe.grad) < 0.3
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -363,6 +397,7 @@ def test_transformers_models_train_with_all_linears_nvfp4(arch):
     torch.manual_seed(0)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       attn_implementation="sdpa")
         model = transformers.GPT2LMHeadModel(cfg)
         kinds = (nn.Linear, transformers.pytorch_utils.Conv1D)
@@ -373,21 +408,25 @@ def test_transformers_models_train_with_all_linears_nvfp4(arch):
         model = transformers.LlamaForCausalLM(cfg)
         kinds = (nn.Linear,)
     exact = copy.deepcopy(model)
+    ref = use_reference_linears(copy.deepcopy(model))
     compiled, rec = compile_recorded(model, RTN)
     x, _ = batch(0, B=2, T=32)
     loss = compiled(input_ids=x, labels=x).loss
     loss.backward()
     exact(input_ids=x, labels=x).loss.backward()
+    loss_ref = ref(input_ids=x, labels=x).loss
+    loss_ref.backward()
     paths = {n for n, m in model.named_modules() if isinstance(m, kinds)}
     sites = rec.report().sites
     by = {(s.path, s.role): s.precision for s in sites}
     for p in paths:
         for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
             assert by.get((p, role)) == "nvfp4", (p, role, sorted(by))
-    assert torch.isfinite(loss)
-    for (n, p), pe in zip(model.named_parameters(), exact.parameters()):
+    assert torch.isfinite(loss) and abs(loss.item() - loss_ref.item()) < 1e-4
+    # same criterion as the nanoGPT test: far closer to the same-op reference than FP4 is to fp32
+    for (n, p), pr, pe in zip(model.named_parameters(), ref.parameters(), exact.parameters()):
         if pe.grad is not None and pe.grad.norm() > 0:
-            assert rel(p.grad, pe.grad) < 0.5, n
+            assert rel(p.grad, pr.grad) < 0.2 * rel(pr.grad, pe.grad), (n, rel(p.grad, pr.grad), rel(pr.grad, pe.grad))
 
 
 # ------------------------------------------------------------------------------------------------

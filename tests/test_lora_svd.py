@@ -368,8 +368,8 @@ def test_attach_realigns_on_schedule_and_uses_optimizer_protocol():
 
 
 def test_loss_curve_has_no_spike_at_realignment():
-    """Tiny LM-like regression with AdamW; realign every 25 steps. The loss right after each realignment
-    must not jump above its pre-realignment value by more than the run's typical step-to-step noise."""
+    """Tiny classification task, full batch, AdamW; realign every 25 steps. No jump and no slow-down of the
+    (here strictly monotone) loss at the realignments."""
     torch.manual_seed(12)
     d, vocab = 32, 48
     teacher = MLP(d, 64, vocab)
@@ -392,9 +392,13 @@ def test_loss_curve_has_no_spike_at_realignment():
             changes.append(max(h.last_realign.values()))
     assert h.realignments == 4 and max(changes) < 1e-5
     diffs = [losses[i + 1] - losses[i] for i in range(len(losses) - 1)]
-    noise = max(abs(d_) for d_ in diffs[50:])
-    for t in (24, 49, 74):                                   # loss[t] is the last loss before realignment t+1
-        assert losses[t + 1] - losses[t] <= max(noise, 1e-3), (t, losses[t - 2:t + 4])
+    # full-batch AdamW: the loss decreases at every step, realignments included ...
+    assert max(diffs) < 0, [(i, d_) for i, d_ in enumerate(diffs) if d_ >= 0]
+    # ... and a realignment does not even slow the decrease down: losses[t] is the last loss before the
+    # realignment after optimizer step t + 1, diffs[t] the change across it, diffs[t + 1] the change made by
+    # the first update with the remapped optimizer state
+    for t in (24, 49, 74):
+        assert max(diffs[t], diffs[t + 1]) <= 0.5 * diffs[t - 1], (t, diffs[t - 2:t + 3])
     assert losses[-1] < 0.7 * losses[0]
 
 
@@ -406,3 +410,92 @@ def test_bf16_model_forward_backward():
     m(x).float().square().mean().backward()
     for n, p in m.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all(), n
+
+
+# ------------------------------------------------------------------------------------------------------
+# through the fullstack_fp4 backend (CPU debug variant: same passes and partitioner, graphs run eagerly)
+def test_fullstack_backend_residual_nvfp4_lowrank_bf16():
+    from fp4compile.policy import BF16, NVFP4, Policy
+
+    torch._dynamo.reset()      # no automatic-dynamic shapes carried over from other tests' compiles
+    torch.manual_seed(14)
+    policy = Policy((), "rtn+lora").override("*", NVFP4("rtn")).override("*lm_head*", BF16) \
+        .override(LORA_BF16_GLOB, BF16)
+    model = MLP(d=32, h=64)
+    prepare(model, rank=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)      # so that fc1 has a dgrad too
+
+    report = fp4compile.explain(model, x, policy=policy)
+    prec = {}
+    for s in report.sites:
+        prec.setdefault((s.path, s.role), set()).add(s.precision)
+    for path in ("fc1", "fc2"):
+        for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
+            assert prec.get((path, role)) == {"nvfp4"}, (path, role, prec)
+    lora_paths = {p for p, _ in prec if p.endswith((".lora_a", ".lora_b"))}
+    assert lora_paths == {"fc1.lora_a", "fc1.lora_b", "fc2.lora_a", "fc2.lora_b"}, prec
+    assert all(prec[k] == {"bf16"} for k in prec if k[0] in lora_paths)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "debug": True},
+                             fullgraph=True)
+    loss = compiled(x).square().mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    # the constrained backward still applies to the NVFP4 wgrad of the residual
+    m = model.fc1
+    u, v = cholesky_qr(m.lora_b.weight.detach()), cholesky_qr(m.lora_a.weight.detach().T)
+    assert (u.T @ m.weight.grad @ v).abs().max() < 1e-5 * m.weight.grad.abs().max()
+    # and the compiled (NVFP4) loss differs from the exact one: the residual really is quantized
+    assert (loss - model(x).square().mean()).abs() > 0
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_zero_initialised_layer_gets_factors_at_realignment():
+    """A zero weight gives zero factors (they cannot move); the residual trains, and realignment then
+    captures its top-r subspace even though the warm start (the null factors' row space) is empty."""
+    torch.manual_seed(15)
+    lin = nn.Linear(48, 40)
+    with torch.no_grad():
+        lin.weight.zero_()
+    m = LoRASVDLinear.from_linear(lin, 4)
+    assert m.lora_a.weight.abs().max() == 0 and m.lora_b.weight.abs().max() == 0
+    x = torch.randn(8, 48)
+    m(x).square().sum().backward()                       # no NaN from the zero bases
+    assert torch.isfinite(m.weight.grad).all() and m.lora_a.weight.grad.abs().max() == 0
+    u, _ = torch.linalg.qr(torch.randn(40, 6))
+    v, _ = torch.linalg.qr(torch.randn(48, 6))
+    with torch.no_grad():
+        m.weight.copy_((u * torch.tensor([9.0, 7, 5, 3, 0.1, 0.05])) @ v.T)
+    m.realign_(oversample=2, niter=1, generator=torch.Generator().manual_seed(0))
+    q = torch.linalg.qr(m.lora_b.weight.detach()).Q
+    assert torch.linalg.svdvals(q.T @ u[:, :4]).min() > 0.99
+
+
+def test_two_attached_optimizers_count_one_clock():
+    torch.manual_seed(16)
+    model = MLP()
+    h = prepare(model, rank=2, realign_every=2)
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    o1, o2 = torch.optim.SGD(mats, lr=1e-2, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)
+    h.attach(o1).attach(o2)
+    for _ in range(4):
+        model(torch.randn(4, 32)).square().mean().backward()
+        o1.step()
+        o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    assert h.steps == 4 and h.realignments == 2
+    assert h.state_dict() == {"steps": 4, "realignments": 2}
+
+
+def test_optimizer_built_before_prepare_warns():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    h = prepare(model, rank=2).attach(opt)
+    model(torch.randn(4, 32)).sum().backward()
+    with pytest.warns(UserWarning, match="do not hold"):
+        opt.step()

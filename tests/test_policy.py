@@ -74,3 +74,17 @@ def test_warns_only_for_user_globs_that_match_nothing():
         p.warn_unmatched(["h.0.mlp.c_fc", "h.1.mlp.c_fc"])
     msgs = [str(x.message) for x in w]
     assert len(msgs) == 1 and "'h.7.*'" in msgs[0] and "matches no GEMM site" in msgs[0]
+
+
+@pytest.mark.parametrize("preset", ["quartet2", "full_stack", "nvidia"])
+def test_presets_keep_head_embeddings_and_lora_factors_bf16(preset):
+    from fp4compile.nn import LORA_BF16_GLOB
+
+    p = Policy.preset(preset)
+    for role in ("linear.fprop", "linear.dgrad", "linear.wgrad"):
+        assert p.resolve("lm_head", role) is BF16
+        assert p.resolve("transformer.wte", role) is BF16
+        assert p.resolve("h.0.mlp.c_fc.lora_a", role) is BF16
+        assert p.resolve("h.0.mlp.c_fc.lora_b", role) is BF16
+        assert p.resolve("h.0.mlp.c_fc", role).name == "nvfp4"
+    assert LORA_BF16_GLOB == "*.lora_[ab]"

@@ -20,7 +20,6 @@ The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``for
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -85,11 +84,19 @@ def _e4m3_value(code):
 
 @triton.jit
 def _e2m1_rne(v):
-    """FP32 -> E2M1 code (int32, sign in bit 3), RNE, saturating at +-6 (same comparisons as the reference)."""
+    """FP32 -> E2M1 code (int32, sign in bit 3), RNE, saturating at +-6.
+
+    Bit form of the reference's comparison chain (checked equal on 11.5M FP32 values incl. every tie):
+    |v| >= 1: round the FP32 mantissa to 1 bit (RNE) and read exponent:mantissa; |v| < 1: rne(2|v|) via the
+    2^23 magic-number add (exact: 2|v| is exact, the add rounds to nearest even).
+    """
     a = tl.abs(v)
-    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-           + (a > 5.0).to(tl.int32))
+    bits = a.to(tl.uint32, bitcast=True)
+    r = bits + 0x1FFFFF + ((bits >> 22) & 1)
+    normal = tl.minimum((r >> 22).to(tl.int32) - 252, 7)
+    t = a * 2.0 + 12582912.0
+    sub = t.to(tl.int32, bitcast=True) - 0x4B400000
+    mag = tl.where(a < 1.0, sub, normal)
     sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     return mag | (sign << 3)
 
@@ -148,45 +155,69 @@ def _tile_max(t, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _fwht_stage(y, N: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
-    v = tl.permute(tl.reshape(y, (N, D // (2 * H), 2, H)), (0, 1, 3, 2))
-    a, b = tl.split(v)
-    w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+def _fwht_stage(y, N: tl.constexpr, D: tl.constexpr, H: tl.constexpr, IMPL: tl.constexpr):
+    """One butterfly stage: (a, b) = (y[j], y[j + H]) -> (a + b, a - b) for j with bit H clear.
+
+    IMPL 0: permute + split/join. IMPL 1: the partner via ``tl.flip`` on the size-2 axis (an exact xor
+    exchange of bit patterns) and ``v * (+-1) + partner``; both are exactly the reference's FP32 ops.
+    """
+    if IMPL == 0:
+        v = tl.permute(tl.reshape(y, (N, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        w = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    else:
+        v = tl.reshape(y, (N, D // (2 * H), 2, H))
+        p = tl.flip(v, 2)
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+        w = v * sgn[None, None, :, None] + p
     return tl.reshape(w, (N, D))
 
 
 @triton.jit
-def _fwht(y, N: tl.constexpr, D: tl.constexpr):
+def _fwht(y, N: tl.constexpr, D: tl.constexpr, IMPL: tl.constexpr):
     """Unnormalized butterfly Walsh-Hadamard transform of the rows of a [N, D] tile (formats.hadamard.fwht)."""
-    y = _fwht_stage(y, N, D, 1)
-    y = _fwht_stage(y, N, D, 2)
-    y = _fwht_stage(y, N, D, 4)
-    y = _fwht_stage(y, N, D, 8)
+    y = _fwht_stage(y, N, D, 1, IMPL)
+    y = _fwht_stage(y, N, D, 2, IMPL)
+    y = _fwht_stage(y, N, D, 4, IMPL)
+    y = _fwht_stage(y, N, D, 8, IMPL)
     if D >= 32:
-        y = _fwht_stage(y, N, D, 16)
+        y = _fwht_stage(y, N, D, 16, IMPL)
     if D >= 64:
-        y = _fwht_stage(y, N, D, 32)
+        y = _fwht_stage(y, N, D, 32, IMPL)
     if D >= 128:
-        y = _fwht_stage(y, N, D, 64)
+        y = _fwht_stage(y, N, D, 64, IMPL)
     return y
 
 
 @triton.jit
-def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr):
+def _rht(x, signs_ptr, BR: tl.constexpr, BC: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr,
+         IMPL: tl.constexpr):
     s = tl.load(signs_ptr + tl.arange(0, HAD))
     xs = tl.reshape(x, (BR, BC // HAD, HAD)) * s[None, None, :]
-    y = _fwht(tl.reshape(xs, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD)
+    y = _fwht(tl.reshape(xs, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, IMPL)
     y = y * NORM + 0.0
     return tl.reshape(y, (BR, BC))
 
 
 @triton.jit
-def _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR: tl.constexpr, BC: tl.constexpr):
+def _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR: tl.constexpr, BC: tl.constexpr, TLOAD: tl.constexpr):
+    """The [BR, BC] tile of the logical matrix (x, or x.T through swapped strides) as FP32.
+
+    TLOAD=1 (for transpose=True): load the tile in x's own orientation, [BC, BR] with x's contiguous dim last,
+    and transpose it in registers; the values are the same as TLOAD=0's strided load, only the access
+    pattern differs. Not yet measured on a GPU (off by default: ``CONFIG["t_impl"] = 0``).
+    """
     rows = pid_r * BR + tl.arange(0, BR)
     cols = pid_c * BC + tl.arange(0, BC)
-    mask = (rows < R)[:, None] & (cols < K)[None, :]
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * srow + cols.to(tl.int64)[None, :] * scol
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), rows, cols
+    if TLOAD:
+        tmask = (cols < K)[:, None] & (rows < R)[None, :]
+        tptrs = x_ptr + cols.to(tl.int64)[:, None] * scol + rows.to(tl.int64)[None, :] * srow
+        x = tl.trans(tl.load(tptrs, mask=tmask, other=0.0))
+    else:
+        mask = (rows < R)[:, None] & (cols < K)[None, :]
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * srow + cols.to(tl.int64)[None, :] * scol
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32), rows, cols
 
 
 @triton.jit
@@ -201,10 +232,11 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
-                 HAD: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC)
+                 HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                 BR: tl.constexpr, BC: tl.constexpr):
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
     if HAD > 0:
-        x = _rht(x, signs_ptr, BR, BC, HAD, NORM)
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
@@ -213,13 +245,14 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      codes_ptr, scales_ptr, gscale_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
-                     HAD: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC)
+    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC, TLOAD)
     if HAD > 0:
-        x = _rht(x, signs_ptr, BR, BC, HAD, NORM)
+        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
 
     amax = tl.load(amax_ptr)
     zero = amax == 0
@@ -312,8 +345,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
-                       HAD: tl.constexpr, NORM: tl.constexpr, OUT_BF16: tl.constexpr, BR: tl.constexpr,
-                       BC: tl.constexpr):
+                       HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, OUT_BF16: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -330,7 +363,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
     vals = tl.reshape(_e2m1_value(q) * s[:, :, None], (BR, BC))
     if HAD > 0:
         sg = tl.load(signs_ptr + tl.arange(0, HAD))
-        y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD)
+        y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, RHT_IMPL)
         y = tl.reshape(y * NORM, (BR, BC // HAD, HAD)) * sg[None, None, :]
         vals = tl.reshape(y, (BR, BC))
     if OUT_BF16:  # explicit RNE to bf16 (the interpreter's cast truncates); exact afterwards on every backend
@@ -343,9 +376,22 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-#: (rows, cols) per program: quantize kernel, amax kernel, dequantize kernel. Tuned on the H200 (bench/quantize.py).
-CONFIG = {"q_rows": 16, "q_cols": 128, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4}
+#: Tile sizes and the butterfly implementation, from the H200 sweep in bench/quantize.py (docs/BENCHMARKS.md):
+#: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
+#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``t_impl=1`` (transposed tiles loaded
+#: in x's orientation, then ``tl.trans``) is bit-exact under the interpreter but not yet measured on a GPU.
+CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 0}
+
+
+def _config(device, config: Optional[dict]) -> dict:
+    cfg = dict(CONFIG)
+    if device.type == "cpu":
+        # TRITON_INTERPRET=1: the interpreter runs tl.reduce combine functions (used by tl.flip) in Python,
+        # ~10x slower; the permute/split butterfly gives the same bits (both are checked on the H200).
+        cfg["rht_impl"] = 0
+    cfg.update(config or {})
+    return cfg
 
 
 def _norm(hadamard: int) -> float:
@@ -369,6 +415,26 @@ def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch
     return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
 
 
+def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    bc = max(cfg["a_cols"], hadamard or 16)
+    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
+        x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
+        TLOAD=tload, BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
+    return amax
+
+
+def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None, transpose: bool = False,
+         config: Optional[dict] = None) -> torch.Tensor:
+    """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
+    passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
+    cfg = _config(x.device, config)
+    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
+    return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
+                 bool(transpose and cfg["t_impl"]))
+
+
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
              hadamard: int = 0, signs: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
              transpose: bool = False, config: Optional[dict] = None):
@@ -378,7 +444,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
     NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
     """
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(x.device, config)
     if x.dim() != 2:
         raise ValueError(f"quantize kernel takes a 2D tensor, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -407,13 +473,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if R == 0 or K == 0:
         gscale.zero_()
         return codes, scales, gscale
-    amax = torch.zeros((), dtype=torch.float32, device=dev)
+    tload = bool(transpose and cfg["t_impl"])
+    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
-    bc = max(cfg["a_cols"], hadamard or 16)
-    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
-        x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=norm, BR=cfg["a_rows"], BC=bc,
-        num_warps=cfg["a_warps"], **opts)
     m6, m4 = block_max_targets(rounding)
     br = cfg["q_rows"]
     if block2d:
@@ -423,7 +486,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
         G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
         ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
-        HAD=hadamard, NORM=norm, BR=br, BC=bc, num_warps=cfg["q_warps"], **opts)
+        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=cfg["q_warps"],
+        **opts)
     return codes, scales, gscale
 
 
@@ -431,10 +495,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
                signs: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16,
                config: Optional[dict] = None) -> torch.Tensor:
     """Launch the NVFP4 dequantize kernel: [R, C/2] codes + [R, C/16] scale bytes -> [R, C] in ``dtype``."""
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = _config(codes.device, config)
     R, K = codes.shape[0], codes.shape[1] * 2
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
+    if codes.dim() != 2 or tuple(scales.shape) != (R, K // 16):
+        raise ValueError(f"dequantize expects codes [R, C/2] and scales [R, C/16], got {tuple(codes.shape)} "
+                         f"and {tuple(scales.shape)}")
     dev = codes.device
     sg = prepare_signs(signs, hadamard, dev)
     out = torch.empty((R, K), dtype=dtype, device=dev)
@@ -443,8 +510,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     bc = max(cfg["d_cols"], hadamard or 16)
     _dequantize_kernel[(triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc))](
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
-        HAD=hadamard, NORM=_norm(hadamard), OUT_BF16=dtype == torch.bfloat16, BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"],
-        **_launch_opts(dev))
+        HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
+        BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))
     return out
 
 

@@ -102,7 +102,7 @@ import fnmatch
 import math
 import warnings
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -184,8 +184,9 @@ def randomized_svd(w: torch.Tensor, rank: int, *, oversample: int = 8, niter: in
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-``rank`` SVD ``w ~ U diag(S) Vh`` by randomized subspace iteration (Halko et al. 2011, Alg. 4.4).
 
-    ``init`` (n x k0, k0 <= rank + oversample) warm-starts the row-space test matrix (e.g. the current
-    factors' row space); the remaining columns are Gaussian from ``generator``. Computes in float32 or
+    ``init`` (n x k0) warm-starts the first k0 columns of the row-space test matrix (e.g. the current factors'
+    row space); init columns shorter than half the longest (e.g. the zero columns of a null factor) and the
+    remaining columns are Gaussian from ``generator``. Computes in float32 or
     float64 (whichever ``w`` is, bf16/fp16 are promoted to float32). Returns (U m x r, S r, Vh r x n).
     """
     if w.dim() != 2:
@@ -197,9 +198,12 @@ def randomized_svd(w: torch.Tensor, rank: int, *, oversample: int = 8, niter: in
     w = w.to(dt)
     k = min(rank + max(oversample, 0), min(m, n))
     omega = torch.randn(n, k, generator=generator, device=w.device, dtype=dt)
-    if init is not None:
+    if init is not None:                      # warm start; (near-)zero init columns stay Gaussian
         k0 = min(init.shape[1], k)
-        omega[:, :k0] = init[:, :k0].to(dt)
+        cols = init[:, :k0].to(dt)
+        norms = torch.linalg.vector_norm(cols, dim=0)
+        keep = norms > 0.5 * norms.max()
+        omega[:, :k0] = torch.where(keep, cols, omega[:, :k0])
     q = _orth(w @ omega)
     for _ in range(niter):
         q = _orth(w @ _orth(w.mT @ q))
@@ -475,7 +479,8 @@ class LoRASVDHandle:
     """What :func:`prepare` returns: the converted layers, realignment scheduling, undo/merge.
 
     ``attach(optimizer)`` registers a step post-hook that counts optimizer steps and calls
-    :meth:`realign` every ``realign_every`` steps, remapping that optimizer's state.
+    :meth:`realign` every ``realign_every`` steps, remapping the state of every attached optimizer (the first
+    attached optimizer is the clock). ``state_dict()``/``load_state_dict()`` carry the counters for resumes.
     """
 
     def __init__(self, model: nn.Module, modules: Dict[str, LoRASVDLinear], *, realign_every: Optional[int],
@@ -506,23 +511,30 @@ class LoRASVDHandle:
         if not hasattr(optimizer, "register_step_post_hook"):
             raise TypeError(f"{type(optimizer).__name__} has no register_step_post_hook; call "
                             f"handle.step(optimizer) after each optimizer step instead")
-        owned = {id(p) for m in self.modules.values() for p in (m.weight, m.lora_a.weight, m.lora_b.weight)}
-        seen = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        missing = owned - seen
-        if missing:
-            _warn_once(f"LoRA-SVD: {type(optimizer).__name__} does not hold {len(missing)} LoRA-SVD parameters "
-                       f"(was it built before prepare()? build the optimizer after prepare)")
         handle_ref = weakref.ref(self)
 
         @torch.compiler.disable
         def _post_hook(opt, args, kwargs):
             h = handle_ref()
-            if h is not None:
-                h.step(opt)
+            if h is not None and h._is_clock(opt):
+                h.step()
 
         hook = optimizer.register_step_post_hook(_post_hook)
         self._optimizers.append((weakref.ref(optimizer), hook))
         return self
+
+    def _check_coverage(self) -> None:
+        owned = {id(p) for m in self.modules.values() for p in (m.weight, m.lora_a.weight, m.lora_b.weight)}
+        seen = {id(p) for r, _ in self._optimizers if r() is not None
+                for g in r().param_groups for p in g["params"]}
+        if owned - seen:
+            _warn_once(f"LoRA-SVD: the attached optimizers do not hold {len(owned - seen)} LoRA-SVD parameters "
+                       f"(built before prepare()? build the optimizer after prepare)")
+
+    def _is_clock(self, optimizer) -> bool:
+        """Only the first attached optimizer counts steps (e.g. QRoot for matrices + AdamW for the rest both
+        attached: one step of the pair is one step); every attached optimizer gets its state remapped."""
+        return bool(self._optimizers) and self._optimizers[0][0]() is optimizer
 
     def detach(self) -> None:
         """Remove the optimizer hooks."""
@@ -530,8 +542,18 @@ class LoRASVDHandle:
             hook.remove()
         self._optimizers = []
 
+    def state_dict(self) -> Dict[str, int]:
+        """Step/realignment counters (the factors themselves live in the model's state dict)."""
+        return {"steps": self.steps, "realignments": self.realignments}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.steps, self.realignments = int(state["steps"]), int(state["realignments"])
+
     def step(self, optimizer=None) -> bool:
-        """Count one optimizer step; realign (and remap ``optimizer``'s state) when due. True if realigned."""
+        """Count one optimizer step; realign when due, remapping the state of ``optimizer`` (or, if None, of
+        every attached optimizer). True if realigned."""
+        if self.steps == 0 and self._optimizers:
+            self._check_coverage()
         self.steps += 1
         if self.realign_every and self.steps % self.realign_every == 0 and self.modules:
             self.realign(optimizer)

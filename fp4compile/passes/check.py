@@ -15,8 +15,8 @@ import torch
 from torch.fx import Graph
 
 from ..policy import NVFP4
-from .assign import SITE_KEY
 from .common import GEMMS
+from .linear import site_of
 
 GEMM = torch.ops.fp4compile.gemm.default
 
@@ -44,7 +44,7 @@ def check(graph: Graph, table: Dict, records: List[dict]) -> None:
                                 f"but node {r['node']} is not")
     for n in graph.nodes:
         if n.op == "call_function" and n.target in GEMMS:
-            site = (n.meta.get("custom") or {}).get(SITE_KEY)
+            site = site_of(n, table)
             if site in table and n.name not in accounted:
                 roles = [role for role, spec in table[site].specs if isinstance(spec, NVFP4)]
                 if roles:

@@ -1,7 +1,8 @@
 """Pass 4 (joint ATen graph): every mm/addmm of a linear site -> quantize + quantize + ``fp4compile::gemm``.
 
 A linear site (``Y = X·Wᵀ``, found by :mod:`.sites`) appears in the joint graph as mm/addmm nodes carrying
-``meta["custom"]["fp4_site"]`` (or, failing that, the forward node's ``seq_nr``), notes §6/§10:
+``meta["custom"]["fp4_site"]`` (or, failing that, ``source_fn_stack`` / the forward node's ``seq_nr``),
+notes §6/§10:
 
 =================  ================================================  =====================================
 role               ATen form (F.linear; Conv1D/matmul are alike)     FP4 operands (both along the sum dim)
@@ -33,7 +34,7 @@ from torch.fx import Graph, Node
 from ..policy import NVFP4, Precision
 from .assign import SITE_KEY
 from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
-from .reuse import QCopy, QSpec, QuantCache
+from .reuse import QSpec, QuantCache
 
 GEMM = torch.ops.fp4compile.gemm.default
 
@@ -85,6 +86,20 @@ def _operand(n: Node, along: int) -> Tuple[Node, bool]:
     return n, along == 0
 
 
+def site_of(n: Node, table) -> Optional[str]:
+    """The Dynamo site a joint-graph node was traced from: ``meta["custom"]["fp4_site"]`` (set by
+    :mod:`.assign`), else the Dynamo node name in ``(fwd_)source_fn_stack`` (torch versions that do not
+    copy ``custom``)."""
+    site = (n.meta.get("custom") or {}).get(SITE_KEY)
+    if site in table:
+        return site
+    for key in ("source_fn_stack", "fwd_source_fn_stack"):
+        stack = n.meta.get(key) or ()
+        if stack and stack[-1][0] in table:
+            return stack[-1][0]
+    return None
+
+
 def find_gemms(graph: Graph, table: Dict[str, SiteInfo]) -> Tuple[List[Gemm], List[Tuple[Node, str, str]]]:
     """The site GEMMs with their roles, and the ones that could not be classified (node, site, reason)."""
     tangents = tangent_closure(graph)
@@ -94,7 +109,7 @@ def find_gemms(graph: Graph, table: Dict[str, SiteInfo]) -> Tuple[List[Gemm], Li
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in GEMMS:
             continue
-        site = (n.meta.get("custom") or {}).get(SITE_KEY)
+        site = site_of(n, table)
         if site in table:
             groups.setdefault(site, []).append(n)
             if n.meta.get("seq_nr") is not None:
@@ -160,7 +175,8 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
         return f"contraction dim {k} is not a multiple of 16"
     if spec.hadamard and k % spec.hadamard:
         return f"contraction dim {k} is not a multiple of the Hadamard size {spec.hadamard}"
-    if spec.block == (16, 16) and g.role != "linear.wgrad" and (a.shape[0] % 16 or b.shape[1] % 16):
+    if spec.block == (16, 16) and g.role != "linear.wgrad" and not all(
+            isinstance(d, int) and d % 16 == 0 for d in (a.shape[0], b.shape[1])):
         return f"2D 16x16 weight blocks need both output dims to be multiples of 16, got {a.shape[0]}x{b.shape[1]}"
     return None
 
@@ -171,9 +187,8 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
     spec = info.spec(role)
     a, b = n.args[-2:]
     (a_src, a_tr), (b_src, b_tr) = _operand(a, 1), _operand(b, 0)
-    k = val(a).shape[1]
     rec = dict(name=g.site, path=info.path, role=role, precision="nvfp4", spec=str(spec),
-               shape=(int(val(a).shape[0]), int(val(b).shape[1]), int(k)),
+               shape=_shape(n),
                graph="bwd" if n in tangents else "fwd", node=n.name, reused="")
     main, other = _qspecs(spec, role)
     if role == "linear.fprop":
@@ -244,5 +259,6 @@ def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache)
 
 
 def _shape(n: Node):
+    """(M, N, K) of a GEMM node; -1 for a symbolic size (never specializes a dynamic shape)."""
     a, b = (val(x) for x in n.args[-2:])
-    return (int(a.shape[0]), int(b.shape[1]), int(a.shape[1]))
+    return tuple(d if isinstance(d, int) else -1 for d in (a.shape[0], b.shape[1], a.shape[1]))

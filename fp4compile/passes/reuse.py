@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Dict, Optional, Set, Tuple
 
 import torch
@@ -129,7 +128,8 @@ class QuantCache:
             # forward's 2D copy, transposed (NVIDIA's W_fprop == W_bprop)
             copy = dataclasses.replace(self.quantize(src, transpose, qspec, signs), origin="2d fwd copy")
         else:
-            copy = dataclasses.replace(self.quantize(self.dequantize(fwd), transpose, qspec, signs),
+            # dequantize(fwd) holds src, or src^T when the forward copy was the transposed one
+            copy = dataclasses.replace(self.quantize(self.dequantize(fwd), transpose != fwd.transpose, qspec, signs),
                                        origin="requant of fwd copy")
         self._recompute.update(n for n in (copy.node, copy.codes, copy.scales, copy.glob) if n is not None)
         if fwd is not None and fwd.node in self.dequants:

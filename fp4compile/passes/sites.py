@@ -45,8 +45,8 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def normalize_path(path: str) -> str:
-    """``L['self'].h[0]._modules['fc']`` / ``L['m'].h.0.fc`` -> ``h.0.fc``."""
-    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", str(path))
+    """``L['self'].h[0]._modules['fc']`` / ``L['m'].h.0.fc`` / ``L['args'][0].h.0.fc`` -> ``h.0.fc``."""
+    path = re.sub(r"^L(\[[^\]]*\])+\.?", "", str(path))
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)

@@ -69,10 +69,11 @@ def cmd_train(args) -> int:
     cfg = config_from_args(args)
     result = train(cfg)
     s = result.summary
-    print(f"[fp4compile] {result.status} at step {result.step}/{cfg.steps}: "
-          + ", ".join(f"{k}={_fmt(s.get(k))}" for k in ("loss", "val_loss", "brown_loss", "tok_per_s",
-                                                       "peak_mem_mib") if s.get(k) is not None)
-          + f"  ({cfg.out_dir})")
+    if int(os.environ.get("RANK", "0")) == 0:             # under torchrun: rank 0 reports
+        print(f"[fp4compile] {result.status} at step {result.step}/{cfg.steps}: "
+              + ", ".join(f"{k}={_fmt(s.get(k))}" for k in ("loss", "val_loss", "brown_loss", "tok_per_s",
+                                                           "peak_mem_mib") if s.get(k) is not None)
+              + f"  ({cfg.out_dir})")
     return 130 if result.status == "interrupted" else 0
 
 

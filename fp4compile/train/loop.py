@@ -16,8 +16,9 @@ optimizer/schedule/RNG state is restored, and metric lines past the checkpoint a
 finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once).
 
 Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
-of the global batch, and only rank 0 logs and writes files. DDP/FSDP2 wrapping itself is not built yet
-(``parallel`` must be "none").
+of the global batch, and only rank 0 logs and writes files. ``parallel="ddp"|"fsdp2"`` (under torchrun)
+wraps the model with ``fp4compile.train.distributed`` (DDP / FSDP2 in torchtitan's order), reduces the
+logged losses over ranks and writes torch.distributed.checkpoint checkpoints (resumable on any world size).
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class TrainConfig:
     device: str = "auto"
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
     progress: bool = True
-    parallel: str = "none"                    # ddp | fsdp2: not built yet (issue 8)
+    parallel: str = "none"                    # none | ddp | fsdp2 (under torchrun; fp4compile.train.distributed)
 
     def validate(self) -> None:
         def one_of(name, allowed):
@@ -112,7 +113,7 @@ class TrainConfig:
         one_of("optimizer", OPTIMIZERS)
         one_of("schedule", SCHEDULES)
         one_of("dtype", DTYPES)
-        one_of("parallel", ("none",))
+        one_of("parallel", ("none", "ddp", "fsdp2"))
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -540,6 +541,10 @@ def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int,
 def train(cfg: TrainConfig) -> RunResult:
     """Run (or resume) one training run as configured; see the module docstring for what it writes."""
     cfg.validate()
+    denv = None
+    if cfg.parallel != "none":                    # torchrun: init the process group (gloo on CPU, nccl on CUDA)
+        from . import distributed as DP
+        denv = DP.setup(None if cfg.device == "auto" else cfg.device)
     rank, world = dist_info()
     is_main = rank == 0
     out_dir = Path(cfg.out_dir)
@@ -548,7 +553,7 @@ def train(cfg: TrainConfig) -> RunResult:
     if (ckpt_dir.exists() or (out_dir / "checkpoint.old").exists()) and not cfg.resume:
         raise CheckpointError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
                               "or choose another --out-dir")
-    device = resolve_device(cfg.device)
+    device = denv.device if denv is not None else resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -581,7 +586,12 @@ def train(cfg: TrainConfig) -> RunResult:
         from ..nn import LORA_BF16_GLOB
 
         policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
+    model_fn = None
+    if denv is not None:                          # FSDP2 swaps parameters for DTensors: wrap before the optimizer
+        model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy)
     optimizer = build_optimizer(model, cfg, policy, device)
+    if denv is not None and cfg.parallel == "fsdp2":
+        DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
     if lora_handle is not None:
         lora_handle.attach(optimizer)                 # realign every realign_every steps, remap optimizer state
     schedule = LRSchedule(optimizer, cfg)
@@ -593,7 +603,11 @@ def train(cfg: TrainConfig) -> RunResult:
         if ckpt_dir.exists() or (out_dir / "checkpoint.old").exists():
             if not ckpt_dir.exists():                 # crashed between the two renames of save_checkpoint
                 (out_dir / "checkpoint.old").rename(ckpt_dir)
-            state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
+            if denv is not None or (ckpt_dir / ".metadata").exists():
+                from . import distributed as DP
+                state = DP.load_train_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
+            else:
+                state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
             start_step = resume_step = state["step"]
             if lora_handle is not None:
                 load_lora_state(lora_handle, state["lora"])
@@ -611,7 +625,8 @@ def train(cfg: TrainConfig) -> RunResult:
                   train_fingerprint=D.fingerprint(train_tokens))
 
     # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
-    model_fn = compile_model(model, cfg, policy)
+    if model_fn is None:
+        model_fn = compile_model(model, cfg, policy)
     if dtype == "bf16-autocast":
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)   # noqa: E731
     else:
@@ -636,7 +651,8 @@ def train(cfg: TrainConfig) -> RunResult:
     def flush_pending():
         if not pending:
             return
-        vals = torch.stack([p[1] for p in pending]).tolist()
+        vals = torch.stack([p[1] for p in pending])
+        vals = (DP.all_reduce_mean(vals) if denv is not None else vals).tolist()   # mean over ranks
         for (s, _, lr), v in zip(pending, vals):
             log.write(step=s, tokens=s * tokens_per_step, loss=v, lr=lr)
             recent_losses.append(v)
@@ -647,15 +663,19 @@ def train(cfg: TrainConfig) -> RunResult:
         for name, batches in evals.items():
             t0 = time.perf_counter()
             v = evaluate(model_fn, batches, cfg.eval_batches, cfg.batch_size, rank, world, device, autocast)
+            if denv is not None:
+                v = float(DP.all_reduce_mean(v))
             eval_results[name] = v
             log.write(step=step, tokens=step * tokens_per_step, **{f"{name}_loss": v},
                       eval_s=round(time.perf_counter() - t0, 3))
 
     def checkpoint(step):
-        if is_main:
-            extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
-            if lora_handle is not None:
-                extra["lora"] = lora_state(lora_handle)
+        extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
+        if lora_handle is not None:
+            extra["lora"] = lora_state(lora_handle)
+        if denv is not None:                      # collective: every rank writes its shards
+            DP.save_train_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
+        elif is_main:
             save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
 
     step = start_step
@@ -741,8 +761,12 @@ def train(cfg: TrainConfig) -> RunResult:
         "lora": cfg.lora,
         "device": str(device),
         "dtype": dtype,
+        "parallel": cfg.parallel,
+        "world_size": world,
     }
     if is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         log.write(step=step, event=status, **{k: v for k, v in summary.items() if k in ("loss", "wall_s")})
+    if denv is not None:
+        DP.teardown()
     return RunResult(status, step, summary)

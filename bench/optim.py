@@ -1,0 +1,227 @@
+"""Optimizer benchmarks: Q-AdamW vs torch AdamW(fused), Q-Root (NVFP4 NS) vs Root with BF16 NS.
+
+    python bench/optim.py                 # H200: 124M and 1B parameter sets, GPT-124M peak memory, Q-Root
+    python bench/optim.py --tiny          # CPU smoke run at toy sizes (seconds)
+    python bench/optim.py --out results.json
+
+Prints one table at the end; every section is guarded (a failure prints its error and the rest still runs)
+and time-boxed so the whole run stays under ~150 s on an H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from fp4compile.optim import QAdamW, QRoot  # noqa: E402
+
+
+def gpt_shapes(d, layers, vocab=50304, ctx=1024):
+    """Parameter shapes of a GPT-2-style model (tied head)."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+SETS = {"124M": dict(d=768, layers=12), "1B": dict(d=2048, layers=18)}
+TINY = {"tiny": dict(d=64, layers=2, vocab=512, ctx=64)}
+
+
+def make_params(shapes, device, dtype=torch.float32):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ps = []
+    for s in shapes:
+        p = torch.nn.Parameter(torch.randn(*s, generator=g).mul_(0.02).to(device, dtype))
+        p.grad = torch.randn(*s, generator=g).mul_(1e-3).to(device, dtype)
+        ps.append(p)
+    return ps
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(opt, device, iters, warmup):
+    for _ in range(warmup):
+        opt.step()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        opt.step()
+    return (time.perf_counter() - t) * 1e3 / iters
+
+
+def state_bytes(opt):
+    n = 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                n += v.numel() * v.element_size()
+    return n
+
+
+def bench_adamw(name, cfg, device, iters, warmup, rows):
+    shapes = gpt_shapes(**cfg)
+    nparam = sum(math.prod(s) for s in shapes)
+    res = {}
+    for label, make in (("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda")),
+                        ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4))):
+        ps = make_params(shapes, device)
+        opt = make(ps)
+        t0 = time.perf_counter()
+        ms = time_steps(opt, device, iters, warmup)
+        res[label] = (ms, state_bytes(opt), time.perf_counter() - t0)
+        del opt, ps
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    (t_ref, b_ref, _), (t_q, b_q, wall_q) = res["torch AdamW fused"], res["QAdamW"]
+    rows.append(dict(section="QAdamW step", set=name, params=nparam, adamw_ms=t_ref, qadamw_ms=t_q,
+                     time_ratio=t_q / t_ref, adamw_state_MB=b_ref / 2**20, qadamw_state_MB=b_q / 2**20,
+                     state_ratio=b_q / b_ref, qadamw_wall_incl_compile_s=wall_q))
+
+
+def bench_peak_memory(device, tiny, rows):
+    from fp4compile.optim.study import TinyGPT
+
+    cfg = dict(d=64, layers=2, heads=4, ctx=64, vocab=256) if tiny else dict(d=768, layers=12, heads=12, ctx=1024,
+                                                                           vocab=50304)
+    batch = 2 if tiny else 8
+    out = {}
+    for label in ("torch AdamW fused", "QAdamW"):
+        torch.manual_seed(0)
+        model = TinyGPT(**cfg).to(device)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if label.startswith("torch")
+               else QAdamW(model.parameters(), lr=1e-4))
+        x = torch.randint(0, cfg["vocab"], (batch, cfg["ctx"]), device=device)
+        for i in range(3):
+            if device.type == "cuda" and i == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+        out[label] = peak
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    a, q = out["torch AdamW fused"], out["QAdamW"]
+    rows.append(dict(section="GPT-124M train step peak" if not tiny else "tiny GPT train step peak",
+                     adamw_peak_MB=a, qadamw_peak_MB=q, peak_change=(q - a) / a if a == a else float("nan")))
+
+
+def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
+    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]  # hidden matrices (Root's part)
+    res = {}
+    for prec in ("bf16", "nvfp4"):
+        ps = make_params(shapes, device, torch.bfloat16)
+        opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=prec)
+        t0 = time.perf_counter()
+        opt.step()  # warm-up (fits coefficients for unseen shapes, builds kernels)
+        sync(device)
+        first = time.perf_counter() - t0
+        n = iters if first * iters < budget_s else 1
+        ms = time_steps(opt, device, n, 0)
+        # NS share: time orthogonalize() alone on the same stacks
+        stacks = {}
+        for p in ps:
+            stacks.setdefault(tuple(p.shape), []).append(p.grad.float())
+        g = opt.param_groups[0]
+        sync(device)
+        t1 = time.perf_counter()
+        for st in stacks.values():
+            opt.orthogonalize(torch.stack(st), g)
+        sync(device)
+        ns_ms = (time.perf_counter() - t1) * 1e3
+        res[prec] = (ms, ns_ms)
+        del opt, ps
+    (tb, nb), (tq, nq) = res["bf16"], res["nvfp4"]
+    rows.append(dict(section="QRoot step", set=name, bf16_ns_ms=tb, nvfp4_ns_ms=tq, speedup=tb / tq,
+                     ns_share_bf16=min(1.0, nb / tb), ns_share_nvfp4=min(1.0, nq / tq)))
+
+
+def check_compiled(device, rows):
+    """Correctness on this device: codec RTN vs the format reference (bitwise), compiled vs eager Q-AdamW."""
+    from fp4compile.formats import nvfp4
+    from fp4compile.optim import codec
+
+    x = torch.randn(1 << 16, device=device) * torch.rand(1 << 16, device=device) ** 3
+    c, sc, g = codec.encode(x, rounding="rtn", four_over_six=True)
+    c2, s2, g2 = nvfp4.quantize_rtn_(x, False, True)
+    codec_ok = torch.equal(c, c2) and torch.equal(sc, s2.view(torch.uint8)) and torch.equal(g, g2)
+    out = []
+    for comp in (False, True):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(512, 256, device=device))
+        opt = QAdamW([p], lr=1e-3, compile=comp)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        for _ in range(5):
+            p.grad = torch.randn(512, 256, generator=gen).to(device)
+            opt.step()
+        out.append((p.detach().clone(), opt.state[p]["m_codes"].clone()))
+    (pe, me), (pc, mc) = out
+    rows.append(dict(section="check", codec_rtn_bitwise=codec_ok,
+                     compiled_vs_eager_param_maxdiff_over_lr=float((pe - pc).abs().max()) / 1e-3,
+                     compiled_vs_eager_m_codes_mismatch=float((me != mc).float().mean())))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,peak,root")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    sets = TINY if args.tiny else SETS
+    iters, warmup = (3, 1) if args.tiny else (20, 3)
+    skip = set(filter(None, args.skip.split(",")))
+    rows, t_start = [], time.perf_counter()
+    jobs = []
+    if "check" not in skip:
+        jobs.append(("check", lambda: check_compiled(device, rows)))
+    if "adamw" not in skip:
+        jobs += [("adamw " + k, lambda k=k, c=c: bench_adamw(k, c, device, iters, warmup, rows)) for k, c in sets.items()]
+    if "peak" not in skip:
+        jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
+    if "root" not in skip:
+        k = "tiny" if args.tiny else "124M"
+        jobs.append(("root " + k, lambda: bench_root(k, (TINY if args.tiny else SETS)[k], device, 5 if not args.tiny
+                                                     else 2, 1, rows, budget_s=20.0)))
+    for name, job in jobs:
+        t = time.perf_counter()
+        try:
+            job()
+        except Exception as e:  # keep going: one failing section must not lose the others
+            traceback.print_exc()
+            rows.append(dict(section=name, error=f"{type(e).__name__}: {e}"))
+        print(f"[bench/optim] {name}: {time.perf_counter() - t:.1f}s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n## Optimizers ({device}, torch {torch.__version__}, total {time.perf_counter() - t_start:.0f}s)")
+    for r in rows:
+        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device session on an H200 machine (2 GPUs for phase 2). Every step is time-boxed and logged to $OUT;
+# a failing step does not stop the others. Usage: bash bench/run_h200.sh phase1|phase2
+set -u
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/pip.log" 2>&1 || echo "pip -e failed (see pip.log)"
+step() { local name=$1 t=$2; shift 2; local t0=$SECONDS
+  timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "[$name] rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"; }
+case "${1:-phase1}" in
+phase1)
+  nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  ( export CUDA_VISIBLE_DEVICES=0
+    step train_step 230 python bench/train_step.py --policy quartet2 --steps 10 --json "$OUT/train_step.jsonl"
+    step optim 170 python bench/optim.py --out "$OUT/optim.json" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step gpu_tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/test_quantize_kernels.py \
+        tests/test_backend.py tests/test_attention.py tests/test_optim_qadamw.py tests/test_optim_root.py
+    step attention 90 python bench/attention.py --quick --skip-check --out "$OUT"
+    step dist_1gpu 160 python bench/distributed.py --model 124m --parallel none --json "$OUT/dist_none.json" ) &
+  wait ;;
+phase2)
+  step dist_ddp 160 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --json "$OUT/dist_ddp.json"
+  step dist_fsdp2 160 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 --json "$OUT/dist_fsdp2.json" ;;
+esac
+for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; tail -n 25 "$f"; done 2>/dev/null | tail -c 11000

@@ -1,0 +1,468 @@
+"""Q-Root: the ROOT optimizer (arXiv 2511.20626) for 2-D weights, with Newton–Schulz products in NVFP4.
+
+    groups = QRoot.param_groups_for(model)          # Root for hidden matrices, (Q-)AdamW for the rest
+    opt = fp4compile.QRoot(groups, lr=1e-3)         # policy: Policy.full_stack() -> optim.ns is NVFP4
+
+Root update of a matrix parameter W (m x n), per step (ROOT's official example, defaults configurable):
+
+    M   = mu * M + G                                  momentum buffer (FP32)
+    U   = G + mu * M   (Nesterov; U = M without)
+    eps = quantile(|U|, clip_quantile) + 1e-9         Full-Stack FP4: p99 (default); ROOT's code: 0.90
+    B   = clamp(U, -eps, eps)                         outlier soft-threshold: B = U - T_eps(U)
+    O   = NS(B)                                       quintic Newton–Schulz, 5 steps, shape-aware (a, b, c)
+    W  <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(m, n)) * O
+
+NS runs on the short side (X is transposed when m > n), X0 = B / (||B||_F + 1e-7) in BF16, and per step
+A = X Xᵀ, B = b A + c A², X <- a X + B X. Under an NVFP4 ``optim.ns`` spec each of the three products is
+``torch.ops.fp4compile.quantize`` (both operands along that product's contraction dim) +
+``torch.ops.fp4compile.gemm``: X row-wise for X Xᵀ, A row-wise for A·A (A symmetric, so one copy serves
+both operands), B row-wise and X column-wise (``transpose=True``) for B·X. Same-shaped matrices are
+stacked and orthogonalized together (one bmm per product in BF16; the quantize op is 2-D, so the NVFP4 path
+loops over the stack for the GEMMs).
+
+Other parameters (1-D, embeddings, heads; ``use_root=False`` groups) get (Q-)AdamW with the group's
+``betas``/``eps``/``weight_decay`` and the Q-AdamW storage settings (``adamw="qadamw"`` default, or
+``"adamw"`` for FP32 states).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Iterable, Optional, Sequence, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp4compile.*)
+from . import qadamw as _qa
+
+Coeffs = Tuple[float, float, float]
+
+#: Keller Jordan's Muon coefficients (ROOT's fallback for shapes outside its table)
+JORDAN: Coeffs = (3.4445, -4.7750, 2.0315)
+
+#: ROOT's shape-specific coefficients, key (min(m, n), max(m, n)) (huawei-noah/noah-research ROOT example)
+ROOT_TABLE = {
+    (2048, 2048): (3.4916, -4.8224, 2.1095),
+    (2048, 3072): (3.4509, -4.5790, 1.9325),
+    (2048, 8192): (2.9794, -3.6674, 1.6207),
+    (2048, 16384): (3.1943, -3.8221, 1.5322),
+}
+
+#: Polar Express degree-5 schedule for l = 1e-3, u = 1 (Amsel et al., arXiv 2505.16932)
+POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+SCHEDULES = ("root", "root_table", "jordan", "polar_express")
+
+
+# ----------------------------------------------------------------------------------------------
+# coefficients
+def _mp_singular_values(m: int, n: int, proxy: int = 256, seed: int = 0) -> torch.Tensor:
+    """Singular values of a Frobenius-normalized Gaussian m x n matrix (m <= n), float64.
+
+    Computed on a proxy of the same aspect ratio (short side ``proxy``) and rescaled to m values
+    (sum sigma^2 = 1, so sigma scales as 1/sqrt(m)); the spectrum's shape depends only on m/n
+    (Marchenko–Pastur). Exact when m <= proxy.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    k = min(m, proxy)
+    kn = max(k, round(n * k / m))
+    g = torch.randn(k, kn, generator=gen, dtype=torch.float64)
+    s = torch.linalg.svdvals(g / g.norm())
+    return s * math.sqrt(k / m)
+
+
+@functools.lru_cache(maxsize=256)
+def fit_ns_coefficients(m: int, n: int, steps: int = 5) -> Coeffs:
+    """Fit one (a, b, c) for shape (m, n): minimize the mean squared deviation from 1 of the 5-fold composed
+    quintic p(s) = a s + b s^3 + c s^5 over the singular values of Frobenius-normalized Gaussian matrices of
+    that shape (plus a penalty keeping p's iterates in [0, 1.5] so the iteration stays stable).
+
+    This is our reading of ROOT's "fit per shape" principle (their fitting code is not public); see
+    docs/OPTIM.md for how the fit compares with the four shapes ROOT published.
+    """
+    m, n = min(m, n), max(m, n)
+    s = _mp_singular_values(m, n)
+    # weight the smallest singular values as much as the bulk: fit on log-spaced quantiles of the spectrum
+    grid = torch.cat([s, torch.logspace(math.log10(float(s.min())), 0, 64, dtype=torch.float64)])
+    theta = torch.tensor(JORDAN, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([theta], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+    def loss_fn():
+        opt.zero_grad()
+        a, b, c = theta
+        x = grid
+        pen = 0.0
+        for _ in range(steps):
+            x = a * x + b * x ** 3 + c * x ** 5
+            pen = pen + torch.relu(x - 1.5).pow(2).mean() + torch.relu(-x).pow(2).mean()
+        loss = (x - 1).pow(2).mean() + 10 * pen
+        loss.backward()
+        return loss
+
+    opt.step(loss_fn)
+    a, b, c = (float(v) for v in theta.detach())
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        return JORDAN
+    return (round(a, 4), round(b, 4), round(c, 4))
+
+
+def ns_coefficients(shape: Sequence[int], steps: int = 5, schedule: str = "root") -> Tuple[Coeffs, ...]:
+    """The (a, b, c) of each NS step for a matrix of ``shape`` under ``schedule``:
+
+    - ``"root"``: ROOT's table for its shapes, :func:`fit_ns_coefficients` for every other shape;
+    - ``"root_table"``: ROOT's table, Jordan's fallback elsewhere (exactly ROOT's official code);
+    - ``"jordan"``: Jordan's (3.4445, -4.7750, 2.0315) every step;
+    - ``"polar_express"``: Polar Express, safety factor 1.01 on all but the last step.
+    """
+    m, n = int(shape[-2]), int(shape[-1])
+    key = (min(m, n), max(m, n))
+    if schedule == "jordan":
+        return (JORDAN,) * steps
+    if schedule == "root_table":
+        return (ROOT_TABLE.get(key, JORDAN),) * steps
+    if schedule == "root":
+        return (ROOT_TABLE.get(key) or fit_ns_coefficients(*key, steps=steps),) * steps
+    if schedule == "polar_express":
+        seq = [POLAR_EXPRESS[min(i, len(POLAR_EXPRESS) - 1)] for i in range(steps)]
+        return tuple((a / 1.01, b / 1.01 ** 3, c / 1.01 ** 5) if i < steps - 1 else (a, b, c)
+                     for i, (a, b, c) in enumerate(seq))
+    raise ValueError(f"unknown NS schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Newton–Schulz
+def _nvfp4_ok(m: int, n: int) -> bool:
+    return m % 16 == 0 and n % 16 == 0
+
+
+def _q(x: torch.Tensor, spec, signs, transpose=False, seed=None):
+    return torch.ops.fp4compile.quantize(x, rounding=spec.rounding, four_over_six=spec.four_over_six,
+                                         block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0,
+                                         signs=signs, seed=seed, transpose=transpose)
+
+
+def _qgemm(qa, qb) -> torch.Tensor:
+    return torch.ops.fp4compile.gemm(qa[0], qa[1], qa[2], qb[0], qb[1], qb[2], out_dtype=torch.bfloat16)
+
+
+def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> torch.Tensor:
+    """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below)."""
+    si = 0
+
+    def seed():
+        nonlocal si
+        if seeds is None:
+            return None
+        si += 1
+        return seeds + si
+
+    for a, b, c in coeffs:
+        qx = _q(x, spec, signs, seed=seed())                 # along n: X Xᵀ contracts over the long dim
+        A = _qgemm(qx, qx)                                   # [m, m]
+        if guard is not None:
+            # NVFP4 products carry ~10 % error; an iterate whose top singular value leaves the quintic's basin
+            # (~1.3 for Jordan's p) explodes. Estimate sigma_max^2 = lambda_max(A) by power iteration (O(m^2)
+            # per matvec, no host sync) and rescale X, A so that sigma_max <= guard.
+            A32 = A.float()
+            v = torch.ones(A32.shape[0], device=A32.device) / math.sqrt(A32.shape[0])
+            for _ in range(6):
+                v = A32 @ v
+                v = v / (v.norm() + 1e-30)
+            lam = v @ (A32 @ v)
+            s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
+            A = (A32 * s).to(A.dtype)
+            x = (x.float() * s.sqrt()).to(x.dtype)
+        qA = _q(A, spec, signs, seed=seed())                 # along m; A symmetric: A·A = A·Aᵀ
+        B = b * A + c * _qgemm(qA, qA)
+        qB = _q(B, spec, signs, seed=seed())                 # rows of B along m
+        qxt = _q(x, spec, signs, transpose=True, seed=seed())  # Xᵀ rows along m
+        x = a * x + _qgemm(qB, qxt)                          # B·X = qB · qxtᵀ  [m, n]
+    return x
+
+
+def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
+                  eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0) -> torch.Tensor:
+    """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
+
+    ``spec``: None/BF16 for BF16 matmuls, or a ``policy.NVFP4`` spec for NVFP4 products (matrices whose
+    dims are not multiples of 16 fall back to BF16 with a warning). ``signs``: the RHT sign vector when the
+    spec has a Hadamard size. ``seed``: int64 0-dim tensor for stochastic rounding specs. ``guard``
+    (NVFP4 only; None disables): before each step rescale the iterate so its power-iteration estimate of
+    sigma_max is <= guard. Without it NVFP4 NS with Jordan's or ROOT's coefficients diverges (docs/OPTIM.md).
+    """
+    squeeze = G.dim() == 2
+    X = G.unsqueeze(0) if squeeze else G
+    if X.dim() != 3:
+        raise ValueError(f"newton_schulz takes [m, n] or [B, m, n], got shape {tuple(G.shape)}")
+    X = X.to(torch.bfloat16)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps)
+    use_fp4 = spec is not None and spec.name == "nvfp4"
+    if use_fp4 and not _nvfp4_ok(X.shape[-2], X.shape[-1]):
+        warnings.warn(f"Q-Root: NS of a {tuple(G.shape[-2:])} matrix runs in BF16 (NVFP4 needs dims that are "
+                      f"multiples of 16)", stacklevel=2)
+        use_fp4 = False
+    if use_fp4:
+        X = X.contiguous()
+        X = torch.stack([_ns_nvfp4_one(X[i], coeffs, spec, signs, seed, guard) for i in range(X.shape[0])])
+    else:
+        for a, b, c in coeffs:
+            A = X @ X.mT
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.squeeze(0) if squeeze else X
+
+
+def abs_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row q-quantile of |x| for x [B, N], linear interpolation (torch.quantile's default), any size."""
+    s = x.abs().float().sort(dim=-1).values
+    pos = q * (x.shape[-1] - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, x.shape[-1] - 1)
+    w = pos - lo
+    return s[:, lo] * (1 - w) + s[:, hi] * w
+
+
+# ----------------------------------------------------------------------------------------------
+# the optimizer
+ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
+                     ns_schedule="root", ns_guard=1.0, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
+
+
+class QRoot(Optimizer):
+    """ROOT for matrices (NS in the precision of the policy's ``optim.ns`` role) + (Q-)AdamW for the rest.
+
+    Args:
+        params: parameters or groups. Group key ``use_root``: True (Root), False ((Q-)AdamW) or None (auto:
+            Root for 2-D tensors). :meth:`param_groups_for` builds ROOT's split (embeddings, heads, 1-D ->
+            AdamW) from a module.
+        lr, weight_decay: shared by both parts (Root's update is RMS-matched to AdamW by ``update_scale``
+            * sqrt(max(m, n)), Moonlight-style, so one lr serves both).
+        momentum, nesterov, clip_quantile (0.99; ROOT's own code uses 0.90), ns_steps (5),
+        ns_schedule ("root" | "root_table" | "jordan" | "polar_express", see :func:`ns_coefficients`),
+        update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables).
+        betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
+            the AdamW part.
+        policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
+            ``policy.resolve(module_path, "optim.ns")``. ``precision``: a spec ("bf16", "nvfp4", ``BF16``,
+            ``NVFP4(...)``) that overrides the policy. ``module_path``: the path the policy is asked about.
+        compile: torch.compile the AdamW part's per-parameter steps (None: on CUDA).
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, *, policy=None, precision=None,
+                 module_path: str = "optim", compile: Optional[bool] = None, **kw):
+        from ..policy import BF16, NVFP4, Policy
+
+        known = set(ROOT_DEFAULTS) | set(_qa.QADAMW_DEFAULTS)
+        unknown = set(kw) - known
+        if unknown:
+            raise TypeError(f"QRoot got unexpected keyword arguments {sorted(unknown)}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, maximize=False, amsgrad=False, differentiable=False,
+                        **{**_qa.QADAMW_DEFAULTS, **ROOT_DEFAULTS, **kw})
+        super().__init__(params, defaults)
+        if precision is not None:
+            if isinstance(precision, str):
+                precision = {"bf16": BF16, "nvfp4": NVFP4()}.get(precision)
+                if precision is None:
+                    raise ValueError("precision must be 'bf16', 'nvfp4', BF16 or an NVFP4(...) spec")
+            spec = precision
+        else:
+            if policy is None:
+                policy = Policy.full_stack()
+            elif isinstance(policy, str):
+                policy = Policy.preset(policy)
+            spec = policy.resolve(module_path, "optim.ns")
+        if spec.name not in ("bf16", "nvfp4"):
+            raise ValueError(f"unsupported NS precision {spec!r}")
+        self.ns_spec = spec
+        self._ns_signs = None
+        if spec.name == "nvfp4" and spec.hadamard:
+            gen = torch.Generator().manual_seed(0x5EED)
+            self._ns_signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float()
+        for g in self.param_groups:
+            self._check_group(g)
+        self._compile_flag = compile
+        self._lr_bufs = _qa._LrBuffers()
+        self._index = {}
+
+    # -- groups ---------------------------------------------------------------------------------
+    @staticmethod
+    def param_groups_for(model: torch.nn.Module, head_names: Iterable[str] = ("lm_head", "head", "wte", "wpe",
+                                                                              "embed")) -> list:
+        """ROOT's split: 2-D weights of non-embedding modules -> Root; embeddings, heads, 1-D -> AdamW."""
+        emb = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        root, other, seen = [], [], set()
+        for name, p in model.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            is_head = any(h in name.split(".") or name.startswith(h) for h in head_names)
+            (root if p.dim() == 2 and id(p) not in emb and not is_head else other).append(p)
+        groups = []
+        if root:
+            groups.append({"params": root, "use_root": True})
+        if other:
+            groups.append({"params": other, "use_root": False})
+        return groups
+
+    def _check_group(self, g):
+        if not 0.0 <= g["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum: {g['momentum']}")
+        if not 0.0 < g["clip_quantile"] <= 1.0:
+            raise ValueError(f"clip_quantile must be in (0, 1], got {g['clip_quantile']}")
+        if g["ns_schedule"] not in SCHEDULES:
+            raise ValueError(f"unknown ns_schedule {g['ns_schedule']!r}; choose one of {SCHEDULES}")
+        if not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1:
+            raise ValueError(f"ns_steps must be a positive int, got {g['ns_steps']!r}")
+        if g["adamw"] not in ("qadamw", "adamw"):
+            raise ValueError(f"adamw must be 'qadamw' or 'adamw', got {g['adamw']!r}")
+        _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
+        if g["use_root"]:
+            bad = [tuple(p.shape) for p in g["params"] if p.dim() != 2]
+            if bad:
+                raise ValueError(f"use_root=True needs 2-D parameters, got shapes {bad}")
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, "ns_spec"):
+            self._check_group(self.param_groups[-1])
+
+    @staticmethod
+    def _is_root(p, group) -> bool:
+        u = group["use_root"]
+        return p.dim() == 2 if u is None else bool(u)
+
+    def _param_index(self, p) -> int:
+        if not self._index:
+            i = 0
+            for g in self.param_groups:
+                for q in g["params"]:
+                    self._index[id(q)] = i
+                    i += 1
+        return self._index.get(id(p), len(self._index))
+
+    def _adamw_group(self, g):
+        return {**g, "quantize": g["quantize"] and g["adamw"] == "qadamw", "amsgrad": False}
+
+    # -- step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            root_ps = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("QRoot does not support sparse gradients")
+                if self._is_root(p, group):
+                    root_ps.append(p)
+                else:
+                    ag = self._adamw_group(group)
+                    state = self.state[p]
+                    if not state:
+                        _qa.init_state(p, ag, state, self._param_index(p))
+                    use_compile = _qa.resolve_compile(self._compile_flag, [p])
+                    _qa.run_adamw_update(p, state, ag, gi, self._lr_bufs, use_compile)
+            if root_ps:
+                self._root_update(root_ps, group)
+        return loss
+
+    def orthogonalize(self, U: torch.Tensor, group: dict) -> torch.Tensor:
+        """Clip + NS of a stack U [B, m, n] of Nesterov momenta (the Root direction before scaling)."""
+        flat = U.reshape(U.shape[0], -1)
+        eps = abs_quantile(flat, group["clip_quantile"]) + 1e-9
+        Bc = torch.maximum(torch.minimum(U, eps.view(-1, 1, 1)), -eps.view(-1, 1, 1))
+        coeffs = ns_coefficients(U.shape, group["ns_steps"], group["ns_schedule"])
+        norm_scale = 1.01 if group["ns_schedule"] == "polar_express" else 1.0
+        seed = None
+        if self.ns_spec.name == "nvfp4" and self.ns_spec.rounding != "rtn":
+            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
+        return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=self._ns_signs, seed=seed,
+                             norm_scale=norm_scale, guard=group["ns_guard"])
+
+    def _root_update(self, params, group):
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        by_shape = {}
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            st["step"] = st["step"].to(p.device)
+            st["step"].add_(1)
+            g = p.grad.to(torch.float32)
+            buf = st["momentum_buffer"]
+            buf.mul_(mu).add_(g)
+            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            by_shape.setdefault((tuple(p.shape), p.device, p.dtype), []).append((p, u))
+        for (shape, _, _), items in by_shape.items():
+            O = self.orthogonalize(torch.stack([u for _, u in items]), group)
+            scale = group["update_scale"] * math.sqrt(max(shape))
+            for (p, _), o in zip(items, O):
+                p.mul_(1 - lr * wd)
+                p.add_(o.to(p.dtype), alpha=-lr * scale) if not isinstance(lr, torch.Tensor) else \
+                    p.sub_(o.to(p.dtype) * (lr * scale))
+
+    # -- state dict -----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict):
+        """Validate every entry first (a bad checkpoint raises and changes nothing), then load."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved):
+            raise ValueError(f"loaded state dict has {len(saved)} parameter groups, the optimizer has {len(groups)}")
+        for gi, (g, sg) in enumerate(zip(groups, saved)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"parameter group {gi}: loaded state dict has {len(sg['params'])} parameters, "
+                                 f"the optimizer has {len(g['params'])}")
+            merged = {**g, **{k: v for k, v in sg.items() if k != "params"}}
+            try:
+                self._check_group(merged)
+            except (ValueError, NotImplementedError) as e:
+                raise ValueError(f"parameter group {gi} of the loaded state dict: {e}") from None
+            for p, pid in zip(g["params"], sg["params"]):
+                st = state_dict["state"].get(pid)
+                if st is None:
+                    continue
+                where = f"param {pid} (group {gi}, shape {tuple(p.shape)})"
+                if self._is_root(p, merged):
+                    _check_root_state(p, st, where)
+                else:
+                    _qa.validate_state(p, self._adamw_group(merged), st, where)
+        super().load_state_dict(state_dict)
+        _qa.post_load(self, state_dict)
+
+
+def _check_root_state(p, st, where):
+    if set(st) != {"step", "momentum_buffer"}:
+        raise ValueError(f"{where}: Root state must have exactly 'step' and 'momentum_buffer', got {sorted(st)}")
+    buf = st["momentum_buffer"]
+    if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: momentum_buffer has shape {tuple(getattr(buf, 'shape', ()))}, expected "
+                         f"{tuple(p.shape)}")
+    if buf.dtype != torch.float32:
+        raise ValueError(f"{where}: momentum_buffer has dtype {buf.dtype}, expected torch.float32")
+    if not bool(torch.isfinite(buf).all()):
+        raise ValueError(f"{where}: momentum_buffer contains NaN/Inf")
+    s = float(st["step"])
+    if not math.isfinite(s) or s < 0 or s != math.floor(s):
+        raise ValueError(f"{where}: corrupt step counter {s}")

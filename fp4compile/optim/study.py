@@ -1,0 +1,182 @@
+"""Numerics studies behind docs/OPTIM.md (used by tests/test_optim_numerics.py and bench/optim.py).
+
+* :func:`tiny_gpt_states` trains a byte-level tiny GPT on real text (the shared corpus's ``val.txt.xz``, or
+  any text) with torch's AdamW and returns the real second moments ``exp_avg_sq`` of its matrices;
+* :func:`v_error_table` compares the relative MSE of v through the Q-AdamW transform vs direct NVFP4;
+* :func:`ns_error` measures an NS variant's distance to the float64 SVD polar factor.
+"""
+from __future__ import annotations
+
+import lzma
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import codec
+
+CORPUS = "/work/shared/data/corpus/val.txt.xz"
+
+
+def load_bytes(path: Optional[str] = None, limit: int = 2_000_000) -> torch.Tensor:
+    """Byte tokens of ``path`` (.xz is decompressed); falls back to this package's source text."""
+    path = path or os.environ.get("FP4COMPILE_CORPUS", CORPUS)
+    if os.path.exists(path):
+        opener = lzma.open if path.endswith(".xz") else open
+        with opener(path, "rb") as f:
+            data = f.read(limit)
+    else:  # any real English-ish text works; the package's own docstrings are always there
+        here = os.path.dirname(os.path.dirname(__file__))
+        data = b""
+        for root, _, files in os.walk(here):
+            for fn in sorted(files):
+                if fn.endswith(".py"):
+                    with open(os.path.join(root, fn), "rb") as f:
+                        data += f.read()
+        data = data[:limit]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class TinyGPT(nn.Module):
+    """A minimal pre-LN GPT (byte vocabulary) for optimizer-state studies and parity tests."""
+
+    def __init__(self, d=64, layers=2, heads=4, ctx=64, vocab=256):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict(dict(
+                ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), proj=nn.Linear(d, d),
+                ln2=nn.LayerNorm(d), fc=nn.Linear(d, 4 * d), fc2=nn.Linear(4 * d, d))))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["ln1"](x)).split(x.shape[-1], dim=-1)
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+            x = x + b["proj"](y)
+            x = x + b["fc2"](F.gelu(b["fc"](b["ln2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batches(data: torch.Tensor, batch: int, ctx: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        ix = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
+        x = torch.stack([data[i:i + ctx] for i in ix])
+        y = torch.stack([data[i + 1:i + ctx + 1] for i in ix])
+        yield x, y
+
+
+def train(model, opt, steps, data, batch=8, ctx=64, seed=0):
+    """Train for ``steps``; returns the list of losses."""
+    losses = []
+    it = batches(data, batch, ctx, seed)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def tiny_gpt_states(steps=60, d=64, layers=2, seed=0, data=None, tile=128):
+    """Real AdamW second moments {name: exp_avg_sq} of a tiny GPT after ``steps`` steps on text."""
+    torch.manual_seed(seed)
+    model = TinyGPT(d=d, layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    data = load_bytes() if data is None else data
+    train(model, opt, steps, data, seed=seed)
+    out = {}
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if st and p.dim() == 2 and p.numel() % tile == 0 and p.numel() >= 4096:
+            out[name] = st["exp_avg_sq"].detach().clone()
+    return out
+
+
+def rel_mse(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float(((a - b) ** 2).sum() / (b ** 2).sum())
+
+
+def v_error_table(states: dict, rounding="rtn", tile=128, hadamard=16, seed=0):
+    """{name: (relMSE direct NVFP4, relMSE Q-AdamW transform, reduction)} for real v tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    signs = (torch.randint(0, 2, (hadamard,), generator=gen) * 2 - 1).float() if hadamard else None
+    rows = {}
+    for name, v in states.items():
+        s = torch.tensor(seed, dtype=torch.int64)
+        direct = codec.direct_v_roundtrip(v, rounding=rounding, seed=s)
+        enc = codec.encode_v(v, signs, tile=tile, rounding=rounding, seed=s)
+        ours = codec.decode_v(*enc, signs, tile=tile)
+        e0, e1 = rel_mse(direct, v.reshape(-1)), rel_mse(ours, v.reshape(-1))
+        rows[name] = (e0, e1, 1 - e1 / e0)
+    return rows
+
+
+def polar_factor(G: torch.Tensor) -> torch.Tensor:
+    """float64 U Vᵀ of the SVD."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+def ns_error(G: torch.Tensor, O: torch.Tensor) -> float:
+    """||O - polar(G)||_F / ||polar(G)||_F."""
+    P = polar_factor(G)
+    return float((O.double() - P).norm() / P.norm())
+
+
+def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Tensor:
+    """A test matrix with a momentum-like spectrum: Gaussian times a decaying column profile, plus a few
+    large outlier entries (what ROOT's clipping targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    G = torch.randn(m, n, generator=gen) * torch.linspace(0.1, 3.0, n) ** decay
+    idx = torch.randint(0, m * n, (max(1, m * n // 2000),), generator=gen)
+    G.view(-1)[idx] *= 30.0
+    return G
+
+
+def ns_error_table(shapes, steps=5, seed=0, spec=None, clip_quantile=0.99):
+    """Rows (shape, variant, error vs polar) for the NS variants the report compares."""
+    from ..policy import NVFP4
+    from .root import abs_quantile, newton_schulz, ns_coefficients
+
+    spec = spec or NVFP4()
+    rows = []
+    for (m, n) in shapes:
+        G = momentum_like(m, n, seed)
+        eps = abs_quantile(G.reshape(1, -1), clip_quantile) + 1e-9
+        Gc = G.clamp(-float(eps), float(eps))
+        variants = [
+            ("bf16 jordan", G, None, "jordan", 1.0, None),
+            ("nvfp4 jordan (plain, no guard)", G, spec, "jordan", 1.0, None),
+            ("nvfp4 jordan + guard", G, spec, "jordan", 1.0, 1.0),
+            ("nvfp4 shape-aware + clip + guard", Gc, spec, "root", 1.0, 1.0),
+            ("nvfp4 polar-express + clip + guard", Gc, spec, "polar_express", 1.01, 1.0),
+            ("bf16 shape-aware + clip", Gc, None, "root", 1.0, None),
+        ]
+        ref_bf16 = None
+        for name, inp, sp, sched, ns_scale, guard in variants:
+            coeffs = ns_coefficients((m, n), steps, sched)
+            O = newton_schulz(inp, coeffs, spec=sp, norm_scale=ns_scale, guard=guard).float()
+            err = ns_error(inp, O) if math.isfinite(float(O.abs().max())) else float("inf")
+            if name == "bf16 jordan":
+                ref_bf16 = O
+            dev = float((O - ref_bf16).norm() / ref_bf16.norm()) if inp is G and ref_bf16 is not None else None
+            rows.append(((m, n), name, err, dev))
+    return rows

@@ -1,0 +1,158 @@
+"""Triton quantize/dequantize kernels vs the torch reference, byte for byte.
+
+On CPU the kernels run eagerly under the Triton interpreter (TRITON_INTERPRET=1, small sizes); on a GPU the
+``gpu``-marked tests run them compiled on large inputs (``python -m pytest -m gpu tests/test_quantize_kernels.py``).
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+
+from fp4compile import ops  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+SIGNS = (torch.randint(0, 2, (128,), generator=torch.Generator().manual_seed(1)) * 2 - 1).float()
+SEED = torch.tensor(-0x0FED_CBA9_8765_4321, dtype=torch.int64)
+
+
+def data(kind, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "heavy":
+        x = x * torch.exp(1.5 * torch.randn(shape, generator=g))
+    elif kind == "wide":
+        x = x * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
+    elif kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "special":  # zero blocks, -0.0, an underflowing block, exact E2M1 midpoints
+        x[0, :16] = 0.0
+        x[1, :16] = -0.0
+        x[2, 16:32] = 1e-30
+        x[3, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    return x
+
+
+def run_both(x, rounding, f46, b2, h, tr):
+    from fp4compile.kernels import quantize as K
+
+    sg = SIGNS[:h] if h else None
+    got = K.quantize(x.to(DEV), rounding, f46, b2, h, None if sg is None else sg.to(DEV), SEED.to(DEV), tr)
+    ref = ops._quantize_reference(x.cpu(), rounding, f46, b2, h, sg, SEED, tr)
+    return [g.cpu() for g in got], ref
+
+
+def assert_same(got, ref, what):
+    for name, a, b in zip(("codes", "scales", "global"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape)
+        n = int((a != b).sum())
+        assert n == 0, f"{what}: {name} differ in {n} of {a.numel()}"
+
+
+# ---------------------------------------------------------------------------------------------- CPU interpreter
+INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
+    ("gauss", (32, 128), "rtn", False, False, 0, False),
+    ("special", (32, 128), "rtn", False, False, 0, False),
+    ("wide", (32, 128), "rtn", True, False, 0, False),
+    ("heavy", (32, 128), "rtn", True, True, 0, False),
+    ("bf16", (48, 256), "rtn", False, False, 16, True),
+    ("zeros", (16, 64), "sr", False, False, 0, False),
+    ("gauss", (32, 128), "sr", False, False, 0, False),
+    ("heavy", (32, 128), "sr", True, True, 0, False),
+    ("heavy", (16, 256), "ms_eden", False, False, 128, False),
+    ("special", (32, 128), "ms_eden", False, True, 32, False),
+    ("gauss", (128, 48), "ms_eden", False, False, 128, True),
+    # the optional 8th entry overrides kernels.quantize.CONFIG: the coalesced transposed load, other tiles
+    ("heavy", (64, 256), "rtn", True, True, 16, True, {"t_impl": 1}),
+    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "q_rows": 32, "q_cols": 128}),
+    ("heavy", (32, 256), "sr", False, False, 32, False, {"q_rows": 8}),
+    # the flip butterfly (the CUDA default; slow under the interpreter, so one small case)
+    ("heavy", (16, 128), "ms_eden", False, False, 16, False, {"rht_impl": 1}),
+]
+
+
+def case_id(c):
+    cfg = "".join(f"-{k}{v}" for k, v in c[7].items()) if len(c) > 7 else ""
+    return "-".join(map(str, c[2:7])) + f"-{c[0]}{cfg}"
+
+
+@pytest.fixture(scope="module")
+def interp_report():
+    """Run every interpreter case in one fresh process with TRITON_INTERPRET=1 set before Triton's import."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(root, "tests", "_interp_worker.py")], env=env,
+                       capture_output=True, text=True, timeout=900)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT")]
+    assert p.returncode == 0 and line, f"interpreter worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return json.loads(line[0][len("REPORT"):])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines; the gpu tests cover CUDA")
+@pytest.mark.parametrize("case", INTERP_CASES, ids=case_id)
+def test_interpreter_bit_exact(case, interp_report):
+    assert interp_report[case_id(case)] == {"codes": 0, "scales": 0, "global": 0}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("key", ["dequantize-0-torch.bfloat16", "dequantize-16-torch.float32",
+                                 "dequantize-128-torch.bfloat16"])
+def test_interpreter_dequantize(key, interp_report):
+    assert interp_report[key] == 0
+
+
+def test_launcher_errors():
+    from fp4compile.kernels import quantize as K  # argument checks run before any launch
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        K.quantize(torch.ones(16, 24))
+    with pytest.raises(ValueError, match="2D"):
+        K.quantize(torch.ones(24, 32), block2d=True)
+    with pytest.raises(ValueError, match="hadamard"):
+        K.quantize(torch.ones(16, 48), hadamard=32)
+    with pytest.raises(TypeError):
+        K.quantize(torch.ones(16, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="signs"):
+        K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
+                     torch.ones(()), hadamard=16)
+    with pytest.raises(ValueError, match="scales"):
+        K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.uint8), torch.ones(()))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [c for c in itertools.product(["rtn", "sr", "ms_eden"], [False, True], [False, True], [0, 16, 128],
+                                          [False, True]) if not (c[0] == "ms_eden" and c[1])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_bit_exact_large(case):
+    r, f46, b2, h, tr = case
+    x = data("heavy", (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
+    got, ref = run_both(x, r, f46, b2, h, tr)
+    assert_same(got, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("h,dtype", [(0, torch.bfloat16), (16, torch.float32), (128, torch.bfloat16)])
+def test_gpu_dequantize_and_ops(h, dtype):
+    x = data("wide", (512, 1024))
+    sg = SIGNS[:h] if h else None
+    c, s, g = ops._quantize_reference(x, "rtn", False, False, h, sg, None, False)
+    got = torch.ops.fp4compile.dequantize(c.cuda(), s.cuda(), g.cuda(), h, None if sg is None else sg.cuda(), dtype)
+    assert torch.equal(got.cpu(), torch.ops.fp4compile.dequantize(c, s, g, h, sg, dtype))
+    torch.library.opcheck(torch.ops.fp4compile.quantize.default, (x.cuda(),),
+                          dict(rounding="ms_eden", hadamard=h, signs=None if sg is None else sg.cuda(),
+                               seed=SEED.cuda()))
+    torch.library.opcheck(torch.ops.fp4compile.dequantize.default, (c.cuda(), s.cuda(), g.cuda()),
+                          dict(hadamard=h, signs=None if sg is None else sg.cuda(), dtype=dtype))
