@@ -102,7 +102,7 @@ def test_config_validation_and_sections():
     with pytest.raises(ValueError, match="backend"):
         L.TrainConfig(backend="tensorrt").validate()
     with pytest.raises(ValueError, match="parallel"):
-        L.TrainConfig(parallel="ddp").validate()
+        L.TrainConfig(parallel="tensor").validate()
     with pytest.raises(ValueError, match="unknown config keys"):
         L.TrainConfig.from_dict({"model": "tiny", "lerning_rate": 1})
     cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})
