@@ -8,8 +8,8 @@ Both models are built from the same seed in one process and timed the same way: 
 AOT + Inductor compile of forward and backward, plus one step) = "first compile"; then ``--steps`` timed
 steps after ``--warmup`` untimed ones (forward, backward, fused AdamW step outside the compiled region).
 Linear-only: ``--policy quartet2`` (Quartet II: fprop RTN+4/6, dgrad/wgrad RHT-128 + MS-EDEN; attention
-BF16) or ``--policy rtn`` (every linear GEMM RTN NVFP4); the LM head follows the policy (quartet2: NVFP4,
-like every linear). Prints one table row per backend and the ratios; ``--json`` appends a JSON line.
+BF16) or ``--policy rtn`` (every block linear GEMM RTN NVFP4, no RHT); in both the LM head stays BF16
+(the presets' edge rules). Prints one table row per backend and the ratios; ``--json`` appends a JSON line.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def policy_for(name):
         return Policy.quartet2()
     if name == "rtn":
         return Policy((), "rtn-linear").override("*", NVFP4("rtn"), role="linear.fprop") \
-            .override("*", NVFP4("rtn"), role="linear.dgrad").override("*", NVFP4("rtn"), role="linear.wgrad")
+            .override("*", NVFP4("rtn"), role="linear.dgrad").override("*", NVFP4("rtn"), role="linear.wgrad") \
+            .override("*lm_head*", "bf16")
     raise SystemExit(f"unknown --policy {name!r} (quartet2 | rtn)")
 
 

@@ -151,7 +151,18 @@ def _weight_pos(gm, site) -> int:
 def _swap_attention(gm, policy) -> None:
     try:
         from .passes.attention import swap_attention
-    except ImportError:
+    except ImportError:                        # no attention pass in this build: say so if it mattered
+        import warnings
+
+        from .passes.sites import module_path
+        from .policy import NVFP4
+
+        attn_roles = ("attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.dsq")
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention and any(
+                    isinstance(policy.resolve(module_path(n), r), NVFP4) for r in attn_roles):
+                warnings.warn(f"fp4compile: {n.name} ({module_path(n) or '<root>'}, attention) stays BF16: "
+                              f"fp4compile.passes.attention is not available", stacklevel=2)
         return
     swap_attention(gm, policy)
 

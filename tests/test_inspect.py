@@ -14,7 +14,9 @@ from fp4compile.policy import NVFP4, Policy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanogpt import GPT, batch  # noqa: E402
 
-RTN = Policy((), "rtn-only").override("*", NVFP4("rtn")).override("lm_head", "bf16")
+RTN = Policy((), "rtn-only").override("*", NVFP4("rtn"), role="linear.fprop") \
+    .override("*", NVFP4("rtn"), role="linear.dgrad").override("*", NVFP4("rtn"), role="linear.wgrad") \
+    .override("lm_head", "bf16")
 ATTN_ROLES = ("attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.dsq")
 
 
@@ -46,7 +48,9 @@ def test_report_table_is_readable(report):
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["module", "path", "role"]
     assert any(l.startswith("h.0.mlp.c_fc") and "linear.wgrad" in l and "nvfp4" in l for l in lines)
-    assert lines[-1] == "12/15 GEMMs in NVFP4"
+    # 4 linears x 3 roles NVFP4, LM head x 3 BF16, one attention call x 6 roles BF16 (linear-only policy)
+    assert lines[-1] == "12/21 GEMMs in NVFP4"
+    assert sum(l.startswith("h.0.attn ") and "bf16" in l for l in lines) == 6
 
 
 def test_networkx_and_dot(report):
@@ -75,7 +79,7 @@ def test_attention_pass_records_appear_in_report(monkeypatch):
     fake.swap_attention = swap_attention
     monkeypatch.setitem(sys.modules, "fp4compile.passes.attention", fake)
     torch.manual_seed(0)
-    rep = fp4compile.explain(GPT(n_layer=1), *batch(0), policy=RTN.override("*", "bf16", role="attn.pv"))
+    rep = fp4compile.explain(GPT(n_layer=1), *batch(0), policy=RTN.override("*", NVFP4("rtn"), role="attn.qk"))
     attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
     assert set(attn) == set(ATTN_ROLES)
     assert attn["attn.qk"].precision == "nvfp4" and attn["attn.pv"].precision == "bf16"

@@ -170,7 +170,7 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
         return f"dtype {a.dtype}/{b.dtype}"
     k = a.shape[1]
     if not isinstance(k, int):
-        return "symbolic contraction dim"
+        return "symbolic (dynamic-shape) contraction dim: its multiple-of-16 cannot be checked"
     if k % 16:
         return f"contraction dim {k} is not a multiple of 16"
     if spec.hadamard and k % spec.hadamard:

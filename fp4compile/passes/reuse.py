@@ -81,7 +81,8 @@ class QuantCache:
 
     # -- building blocks -------------------------------------------------------------------------
     def quantize(self, src: Node, transpose: bool, qspec: QSpec, signs: Optional[Node]) -> QCopy:
-        key = (_view_root(src), tuple(val(src).shape), transpose, qspec, signs)
+        shape = tuple(d if isinstance(d, int) else str(d) for d in val(src).shape)    # SymInts are unhashable
+        key = (_view_root(src), shape, transpose, qspec, signs)
         hit = self.copies.get(key)
         if hit is not None:
             return dataclasses.replace(hit, origin=hit.origin or "shared")
