@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="30m", choices=["30m", "124m"])
     ap.add_argument("--arms", default=None, help="comma list (default: all six for 30m, bf16,full for 124m)")
     ap.add_argument("--tokens", type=float, default=None, help="training tokens per arm (default: the config's)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per arm (overrides --tokens)")
     ap.add_argument("--out", default=".study", help="run directories go to OUT/SIZE/ARM")
     ap.add_argument("--data-dir", default=".data")
     ap.add_argument("--max-train-tokens", type=int, default=None, help="cap when tokenizing the train shards")
@@ -151,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--export", default=None, help="write table, plot and metrics tarball here (e.g. $OUT)")
     ap.add_argument("--report", action="store_true", help="only write the table/plot from what exists")
     ap.add_argument("--print-commands", action="store_true")
+    ap.add_argument("--skip-data", action="store_true", help="do not tokenize .data/ (data given in extra flags)")
     ap.add_argument("extra", nargs="*", help="extra flags for `fp4compile train` after --")
     args = ap.parse_args(argv)
 
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown arms {bad}; arms are {list(ARMS)}")
     base = TrainConfig.from_dict(load_config_file(ROOT / "configs" / f"study_{args.size}.toml"))
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
-    steps = int(args.tokens // tokens_per_step) if args.tokens else base.steps
+    steps = args.steps or (int(args.tokens // tokens_per_step) if args.tokens else base.steps)
     warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
     out = Path(args.out) / args.size
 
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
         return 0
     if not args.report:
         t_start = time.time()
-        prepare_data(Path(args.data_dir), args.max_train_tokens)
+        if not args.skip_data:
+            prepare_data(Path(args.data_dir), args.max_train_tokens)
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1")
         if (Path(args.data_dir) / "gpt2.tiktoken").is_file():

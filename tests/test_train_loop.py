@@ -57,6 +57,7 @@ def test_preset_sizes():
     for name in PRESETS:
         c = config_from_preset(name)
         assert c.d_model % 128 == 0 and c.hidden % 128 == 0, name        # Hadamard-128 friendly
+        assert c.head_dim in (64, 128), name                               # Q-Attn kernel head sizes
     with pytest.raises(ValueError, match="unknown model preset"):
         config_from_preset("7b")
 
@@ -290,3 +291,15 @@ def test_fullstack_fp4_under_bf16_autocast(tmp_path):
     assert a[0][1] == pytest.approx(b[0][1], rel=0.02)              # same init and data: close at step 1
     assert a != b                                                   # ... but not equal: FP4 GEMMs ran
     assert fp4.summary["backend"] == "fullstack_fp4" and fp4.summary["dtype"] == "bf16-autocast"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_module("backend"), reason="fp4compile.backend is not in this checkout")
+def test_bit_exact_resume_through_fullstack_fp4(tmp_path):
+    """Full-stack NVFP4 (MS-EDEN/RHT backward, Q-Attn): 4 steps straight == 2 + resume (fresh Dynamo) + 2."""
+    kw = dict(backend="fullstack_fp4", backend_debug=True, policy="full_stack", val_data="", steps=4)
+    L.train(tiny_cfg(tmp_path, "straight", **kw))
+    L.train(tiny_cfg(tmp_path, "split", stop_after=2, **kw))
+    torch._dynamo.reset()
+    L.train(tiny_cfg(tmp_path, "split", resume=True, **kw))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")

@@ -247,19 +247,23 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
 
 
 def lora_state(handle) -> dict:
-    """What a LoRA-SVD handle needs to realign on schedule after a resume (step count, RNG of the SVDs)."""
-    if hasattr(handle, "state_dict"):
-        return handle.state_dict()
-    return {"steps": handle.steps, "realignments": handle.realignments,
-            "generators": {str(d): g.get_state() for d, g in handle._generators.items()}}
+    """What a LoRA-SVD handle needs to realign on schedule after a resume: its counters
+    (``handle.state_dict()``) and the state of the randomized SVD's generators (not in that state dict; without
+    them the first realignment after a resume draws different test matrices than an uninterrupted run)."""
+    state = dict(handle.state_dict()) if hasattr(handle, "state_dict") else {
+        "steps": handle.steps, "realignments": handle.realignments}
+    state["generators"] = {str(d): g.get_state() for d, g in getattr(handle, "_generators", {}).items()}
+    return state
 
 
 def load_lora_state(handle, state: dict) -> None:
+    state = dict(state)
+    generators = state.pop("generators", {})
     if hasattr(handle, "load_state_dict"):
         handle.load_state_dict(state)
-        return
-    handle.steps, handle.realignments = state["steps"], state["realignments"]
-    for dev, st in state["generators"].items():
+    else:
+        handle.steps, handle.realignments = state["steps"], state["realignments"]
+    for dev, st in generators.items():
         g = torch.Generator(device=dev)
         g.set_state(st)
         handle._generators[torch.device(dev)] = g

@@ -62,11 +62,12 @@ class GPTConfig:
         return n if non_embedding else n + emb
 
 
-#: Size presets (every d_model, hidden a multiple of 128). Names give the total parameter count with the GPT-2 vocabulary (50304 padded, tied head),
+#: Size presets: every d_model and hidden a multiple of 128 (Hadamard-128), head_dim 64 or 128 (the Q-Attn
+#: kernel sizes). Names give the total parameter count with the GPT-2 vocabulary (50304 padded, tied head),
 #: except the CPU presets which are meant for byte-level tokens. ``"30m"`` has ~30M non-embedding params.
 PRESETS = {
     "tiny": dict(n_layer=2, n_head=2, d_model=128, hidden=128),         # unit tests (dims multiples of 128)
-    "cpu": dict(n_layer=4, n_head=4, d_model=128, hidden=384),          # `fp4compile demo` on a CPU (~0.8M)
+    "cpu": dict(n_layer=4, n_head=2, d_model=128, hidden=384),          # `fp4compile demo` on a CPU (~0.9M)
     "gpu-demo": dict(n_layer=6, n_head=6, d_model=384, hidden=1024),    # `fp4compile demo` on CUDA (~10M)
     "30m": dict(n_layer=6, n_head=10, d_model=640, hidden=1792),        # 30.5M non-embedding
     "124m": dict(n_layer=12, n_head=12, d_model=768, hidden=2048),      # 85M non-emb. + 38.6M embedding
