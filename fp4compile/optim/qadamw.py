@@ -115,6 +115,8 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
 
 
 _COMPILED = {}
+#: compiled per-parameter steps allowed per step function (one per distinct parameter shape and dtype)
+_RECOMPILE_LIMIT = 256
 
 
 def _compiled(fn):
@@ -127,12 +129,16 @@ def _compiled(fn):
             if _COMPILED.get((fn, "failed")):
                 return fn(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                # one compiled graph per distinct parameter shape (Dynamo specializes on sizes): a model has
+                # more distinct shapes than Dynamo's default recompile limit (8), so raise it for this call
+                with torch._dynamo.config.patch(recompile_limit=max(_RECOMPILE_LIMIT,
+                                                                    torch._dynamo.config.recompile_limit)):
+                    return compiled(*args, **kwargs)
             except Exception as e:  # compile-time failure: the step has not run yet
-                from torch._dynamo.exc import TorchDynamoException
+                from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
                 from torch._inductor.exc import InductorError
 
-                if not isinstance(e, (TorchDynamoException, InductorError)):
+                if not isinstance(e, (TorchDynamoException, InductorError, FailOnRecompileLimitHit)):
                     raise
                 _COMPILED[(fn, "failed")] = True
                 _warn_once(f"fp4compile.optim: torch.compile of {fn.__name__} failed ({type(e).__name__}: "
