@@ -282,10 +282,7 @@ def qoptim_scenario(env, args, resume_only=False):
     shard_local, QRoot (NVFP4 Newton–Schulz, AdamW for the rest) through whole_matrix. World 1: the
     reference with the 2 ranks' micro-batches. World 2: also saves at step 2 and resumes a fresh model on 2
     ranks. resume_only (world 1): resume the 2-rank checkpoints on 1 process."""
-    try:
-        from fp4compile.optim import QAdamW, QRoot
-    except ImportError as e:
-        return {"skipped": f"fp4compile.optim not available: {e}"}
+    from fp4compile.optim import QAdamW, QRoot
     world = env.world_size
 
     def build(name):

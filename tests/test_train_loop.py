@@ -269,17 +269,8 @@ def test_bit_exact_resume_with_lora_realignment(tmp_path):
     assert losses(tmp_path / "norealign")[-1] != losses(tmp_path / "straight")[-1]
 
 
-def _has_module(name: str) -> bool:
-    import importlib.util
-    from pathlib import Path
-
-    import fp4compile
-
-    spec = importlib.util.find_spec(f"fp4compile.{name}")
-    return spec is not None and Path(spec.origin).parent == Path(fp4compile.__file__).parent
 
 
-@pytest.mark.skipif(not _has_module("backend"), reason="fp4compile.backend is not in this checkout")
 def test_fullstack_fp4_under_bf16_autocast(tmp_path):
     """The GPU default (fp32 master weights + bf16 autocast) through the FP4 backend (its eager debug variant
     here): it trains, and the numbers differ from the same run without FP4."""
@@ -294,7 +285,6 @@ def test_fullstack_fp4_under_bf16_autocast(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_module("backend"), reason="fp4compile.backend is not in this checkout")
 def test_bit_exact_resume_through_fullstack_fp4(tmp_path):
     """Full-stack NVFP4 (MS-EDEN/RHT backward, Q-Attn): 4 steps straight == 2 + resume (fresh Dynamo) + 2."""
     kw = dict(backend="fullstack_fp4", backend_debug=True, policy="full_stack", val_data="", steps=4)
