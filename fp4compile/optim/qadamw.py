@@ -420,7 +420,15 @@ class QAdamW(Optimizer):
         post_load(self, state_dict)
 
 
-def validate_loadable(opt: Optimizer, state_dict, extra_keys=()):
+def validate_loadable(opt: Optimizer, state_dict, extra_keys=(), *, check_group_fn=None, validate_entry=None):
+    """Raise ``ValueError`` (naming the group/parameter) unless ``state_dict`` fits ``opt``; changes nothing.
+
+    ``check_group_fn(merged_group)`` validates a group's hyperparameters (default: Q-AdamW's) and
+    ``validate_entry(p, merged_group, state, where)`` one parameter's state (default: Q-AdamW's)."""
+    check_group_fn = check_group_fn or check_group
+    if validate_entry is None:
+        def validate_entry(p, merged, st, where):
+            validate_state(p, merged, st, where, extra_keys)
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
     groups, saved = opt.param_groups, state_dict["param_groups"]
@@ -433,14 +441,14 @@ def validate_loadable(opt: Optimizer, state_dict, extra_keys=()):
     for gi, (g, sg) in enumerate(zip(groups, saved)):
         merged = {**g, **{k: v for k, v in sg.items() if k != "params"}}
         try:
-            check_group(merged)
+            check_group_fn(merged)
         except (ValueError, NotImplementedError) as e:
             raise ValueError(f"parameter group {gi} of the loaded state dict: {e}") from None
         for p, pid in zip(g["params"], sg["params"]):
             st = state_dict["state"].get(pid)
             if st is None:
                 continue
-            validate_state(p, merged, st, f"param {pid} (group {gi}, shape {tuple(p.shape)})", extra_keys)
+            validate_entry(p, merged, st, f"param {pid} (group {gi}, shape {tuple(p.shape)})")
 
 
 def post_load(opt: Optimizer, state_dict):

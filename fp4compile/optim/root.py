@@ -425,29 +425,13 @@ class QRoot(Optimizer):
     # -- state dict -----------------------------------------------------------------------------
     def load_state_dict(self, state_dict):
         """Validate every entry first (a bad checkpoint raises and changes nothing), then load."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
-        groups, saved = self.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved):
-            raise ValueError(f"loaded state dict has {len(saved)} parameter groups, the optimizer has {len(groups)}")
-        for gi, (g, sg) in enumerate(zip(groups, saved)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"parameter group {gi}: loaded state dict has {len(sg['params'])} parameters, "
-                                 f"the optimizer has {len(g['params'])}")
-            merged = {**g, **{k: v for k, v in sg.items() if k != "params"}}
-            try:
-                self._check_group(merged)
-            except (ValueError, NotImplementedError) as e:
-                raise ValueError(f"parameter group {gi} of the loaded state dict: {e}") from None
-            for p, pid in zip(g["params"], sg["params"]):
-                st = state_dict["state"].get(pid)
-                if st is None:
-                    continue
-                where = f"param {pid} (group {gi}, shape {tuple(p.shape)})"
-                if self._is_root(p, merged):
-                    _check_root_state(p, st, where)
-                else:
-                    _qa.validate_state(p, self._adamw_group(merged), st, where)
+        def validate_entry(p, merged, st, where):
+            if self._is_root(p, merged):
+                _check_root_state(p, st, where)
+            else:
+                _qa.validate_state(p, self._adamw_group(merged), st, where)
+
+        _qa.validate_loadable(self, state_dict, check_group_fn=self._check_group, validate_entry=validate_entry)
         super().load_state_dict(state_dict)
         _qa.post_load(self, state_dict)
 
