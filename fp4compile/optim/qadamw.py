@@ -385,13 +385,7 @@ class QAdamW(Optimizer):
         check_group(self.param_groups[-1])
 
     def _param_index(self, p) -> int:
-        if not self._index:
-            i = 0
-            for g in self.param_groups:
-                for q in g["params"]:
-                    self._index[id(q)] = i
-                    i += 1
-        return self._index.get(id(p), len(self._index))
+        return param_index(self, p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -418,6 +412,17 @@ class QAdamW(Optimizer):
         validate_loadable(self, state_dict)
         super().load_state_dict(state_dict)
         post_load(self, state_dict)
+
+
+def param_index(opt: Optimizer, p) -> int:
+    """Position of ``p`` among ``opt``'s parameters (keys its random streams); cached in ``opt._index``."""
+    if not opt._index:
+        i = 0
+        for g in opt.param_groups:
+            for q in g["params"]:
+                opt._index[id(q)] = i
+                i += 1
+    return opt._index.get(id(p), len(opt._index))
 
 
 def validate_loadable(opt: Optimizer, state_dict, extra_keys=(), *, check_group_fn=None, validate_entry=None):

@@ -348,13 +348,7 @@ class QRoot(Optimizer):
         return p.dim() == 2 if u is None else bool(u)
 
     def _param_index(self, p) -> int:
-        if not self._index:
-            i = 0
-            for g in self.param_groups:
-                for q in g["params"]:
-                    self._index[id(q)] = i
-                    i += 1
-        return self._index.get(id(p), len(self._index))
+        return _qa.param_index(self, p)
 
     def _adamw_group(self, g):
         return {**g, "quantize": g["quantize"] and g["adamw"] == "qadamw", "amsgrad": False}

@@ -905,8 +905,7 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
         load_checkpoint(ckpt_dir, model, optimizer)
     except Exception as e:                                              # noqa: BLE001
         raise CheckpointError(f"checkpoint {ckpt_dir} does not fit the model/optimizer: {e}") from e
-    schedule.load_state_dict(state["schedule"])
-    torch.set_rng_state(state["rng_cpu"])
-    if state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    from .loop import restore_schedule_and_rng
+
+    restore_schedule_and_rng(schedule, state)
     return state

@@ -455,11 +455,16 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:                                              # noqa: BLE001
         raise CheckpointError(f"optimizer state in {spath} does not fit the optimizer: {e}") from e
+    restore_schedule_and_rng(schedule, state)
+    return state
+
+
+def restore_schedule_and_rng(schedule, state: dict) -> None:
+    """Load the LR schedule and the CPU/CUDA RNG states of a checkpoint's ``state`` (both checkpoint formats)."""
     schedule.load_state_dict(state["schedule"])
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------------
