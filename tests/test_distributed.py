@@ -421,3 +421,40 @@ def test_shard_local_refuses_newton_schulz_optimizers():
 
     with pytest.raises(TypeError, match="whole_matrix"):
         D.shard_local(FakeRoot)
+
+
+def test_fsdp2_compiles_the_gpt_head_as_its_own_region():
+    """FSDP2 compiles per block; the GPT's ``head`` (final norm, LM head, fp32 cross-entropy) is compiled as a
+    region too (``fsdp_compile_regions``), so its fp32 logits are not materialized eagerly. One process, a
+    world of 1 (gloo): the backend sees the block graph and the head graph, and the loss equals eager."""
+    import torch.distributed as dist
+
+    from fp4compile.train.model import GPT, GPTConfig
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, max_seq_len=16)
+        torch.manual_seed(0)
+        ref = GPT(cfg)
+        model = GPT(cfg)
+        model.load_state_dict(ref.state_dict())
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+            return gm.forward
+
+        D.wrap_model(model, "fsdp2", backend=backend)
+        idx = torch.randint(0, 64, (2, 16))
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        expect = ref(idx[:, :-1], idx[:, 1:])
+        torch.testing.assert_close(loss, expect)
+        assert len(graphs) == 2, graphs                    # identical blocks share one graph; plus the head
+        assert sum(any("cross_entropy" in t or "log_softmax" in t for t in g) for g in graphs) == 1, graphs
+        with pytest.raises(ValueError, match="no method"):
+            D.wrap_model(GPT(cfg), "fsdp2", backend=backend, regions=("nope",))
+    finally:
+        dist.destroy_process_group()

@@ -186,6 +186,15 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
+        return self.head(x, targets)
+
+    #: Methods that :func:`fp4compile.train.distributed.wrap_model` compiles as regions of their own under
+    #: FSDP2 (which compiles per block): without this the LM head and the fp32 cross-entropy over the
+    #: vocabulary would run eagerly and materialize several fp32 copies of the logits.
+    fsdp_compile_regions = ("head",)
+
+    def head(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final norm and LM head; with ``targets``, the mean cross-entropy in fp32 instead of the logits."""
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
