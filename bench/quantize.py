@@ -124,11 +124,11 @@ def check(out_rows, quick=False, configs=(None,)):
     return bad
 
 
-def bench_ms(fn):
+def bench_ms(fn, rep=50):
     import triton.testing
 
     with torch.cuda.stream(torch.cuda.Stream()):
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 BENCH_CASES = [
@@ -197,10 +197,10 @@ def sweep(x, copy_bw, rows, only=None, save=lambda: None):
         res = []
         for cfg in grid:
             try:
-                ms = bench_ms(run_case(x, case, cfg))
+                ms = bench_ms(run_case(x, case, cfg), rep=25)
                 h = case.get("hadamard", 0)
                 sg = torch.ones(h, device=DEV) if h else None
-                ms_a = bench_ms(lambda: K.amax(x, h, sg, case.get("transpose", False), config=cfg))
+                ms_a = bench_ms(lambda: K.amax(x, h, sg, case.get("transpose", False), config=cfg), rep=15)
             except Exception as e:  # noqa: BLE001 (a config that does not compile is just skipped)
                 log(f"sweep {name} {cfg}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue

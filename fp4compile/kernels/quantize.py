@@ -3,9 +3,9 @@
 Reference: ``fp4compile/formats/schemes.py`` (and ``nvfp4.py``, ``hadamard.py``, ``random.py``). Every
 floating-point step of the reference is reproduced here in the same order and precision:
 
-* divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``), FP64 divisions ``/``;
+* divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``);
 * kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
-* sums (4/6 errors, EDEN statistics) use the same fixed pairwise tree (:func:`_tree_last`);
+* sums (4/6 errors, EDEN statistics) are FP32 in the same fixed pairwise tree (:func:`_tree_last`);
 * the RHT is the same butterfly (signs first, stages h = 1, 2, 4, ..., then x fp32(1/sqrt(d)), then + 0.0);
 * E4M3 rounding is done on the FP32 bit pattern (RNE, identical to ``.to(torch.float8_e4m3fn)`` on [0, 448]);
 * random bits come from the same counter-based hash of (seed, flat index).
@@ -343,9 +343,9 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         if FOUR_SIX:
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
             q4 = _e2m1_rne(xb * enc4[:, :, None])
-            xd = xb.to(tl.float64)
-            d6 = xd - (_e2m1_value(q) * (sf * gs)[:, :, None]).to(tl.float64)
-            d4 = xd - (_e2m1_value(q4) * (sf4 * gs)[:, :, None]).to(tl.float64)
+            xs = xb * s_enc
+            d6 = xs - _e2m1_value(q) * sf[:, :, None]
+            d4 = xs - _e2m1_value(q4) * sf4[:, :, None]
             e6 = _tree_last(d6 * d6, BR, NB, 16)
             e4 = _tree_last(d4 * d4, BR, NB, 16)
             if BLOCK2D:
@@ -359,10 +359,8 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
             a6, c6, lo6, st6 = _sr_floor(xb * enc[:, :, None])
             a4, c4, lo4, st4 = _sr_floor(xb * enc4[:, :, None])
-            s6 = (sf * gs).to(tl.float64)
-            s4 = (sf4 * gs).to(tl.float64)
-            e6 = _tree_last((a6 - lo6).to(tl.float64) * (lo6 + st6 - a6).to(tl.float64), BR, NB, 16) * (s6 * s6)
-            e4 = _tree_last((a4 - lo4).to(tl.float64) * (lo4 + st4 - a4).to(tl.float64), BR, NB, 16) * (s4 * s4)
+            e6 = _tree_last((a6 - lo6) * (lo6 + st6 - a6), BR, NB, 16) * (sf * sf)
+            e4 = _tree_last((a4 - lo4) * (lo4 + st4 - a4), BR, NB, 16) * (sf4 * sf4)
             if BLOCK2D:
                 e6 = _tile_rows(e6, BR, NB)
                 e4 = _tile_rows(e4, BR, NB)
@@ -380,14 +378,13 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     else:
         v = xb * enc[:, :, None]
         q = _e2m1_rne(v)
-        vd = v.to(tl.float64)
-        num = _tree_last(vd * vd, BR, NB, 16)
-        den = _tree_last(vd * _e2m1_value(q).to(tl.float64), BR, NB, 16)
+        num = _tree_last(v * v, BR, NB, 16)
+        den = _tree_last(v * _e2m1_value(q), BR, NB, 16)
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
-        c = tl.where(den == 0, 1.0, num / tl.where(den == 0, 1.0, den))
-        s_corr = tl.minimum((sf.to(tl.float64) * c).to(tl.float32), 448.0)
+        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
+        s_corr = tl.minimum(sf * c, 448.0)
         rc = _e4m3_code(s_corr)
         lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
         lo = _e4m3_value(lo_code)
@@ -502,23 +499,27 @@ def _tree2(lo, hi, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _sse46(xh, q, q4, sf, sf4, gs, BR: tl.constexpr, NB: tl.constexpr):
-    """Per-block squared errors of the 6- and 4-candidates (float64, fixed tree), for one half."""
-    d6 = xh.to(tl.float64) - (_e2m1_value_fast(q) * (sf * gs)[:, :, None]).to(tl.float64)
-    d4 = xh.to(tl.float64) - (_e2m1_value_fast(q4) * (sf4 * gs)[:, :, None]).to(tl.float64)
+def _sse46(xs, q, q4, sf, sf4, BR: tl.constexpr, NB: tl.constexpr):
+    """Per-block squared errors of the 6- and 4-candidates for one half (FP32, fixed tree, in units of the
+    global decode scale: ``xs`` = x * s_enc; formats.nvfp4._block_sse)."""
+    d6 = xs - _e2m1_value_fast(q) * sf[:, :, None]
+    d4 = xs - _e2m1_value_fast(q4) * sf4[:, :, None]
     return _tree_last(d6 * d6, BR, NB, 8), _tree_last(d4 * d4, BR, NB, 8)
 
 
 @triton.jit
 def _sr_var(v, BR: tl.constexpr, NB: tl.constexpr):
+    """Tree sum over a half of the SR variance terms (|v| - lo)(hi - |v|), FP32."""
     a, c, lo, st = _sr_floor(v)
-    return _tree_last((a - lo).to(tl.float64) * (lo + st - a).to(tl.float64), BR, NB, 8)
+    return _tree_last((a - lo) * (lo + st - a), BR, NB, 8)
 
 
 @triton.jit
 def _sr_half(v, u):
+    """SR codes of one half: the reference's (|v| - lo) / step is exact (Sterbenz difference, power-of-two
+    step), so it is computed as a multiply by 1/step (2, 1 or 0.5) instead of a correctly rounded division."""
     a, c, lo, step = _sr_floor(v)
-    p = tl.math.div_rn(a - lo, step)
+    p = (a - lo) * tl.where(c < 4, 2.0, tl.where(c < 6, 1.0, 0.5))
     mag = c + (u < p).to(tl.int32)
     return mag | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
@@ -559,8 +560,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             qhi = _e2m1_fast(hi * e3)
             q4lo = _e2m1_fast(lo * enc4[:, :, None])
             q4hi = _e2m1_fast(hi * enc4[:, :, None])
-            e6a, e4a = _sse46(lo, qlo, q4lo, sf, sf4, gs, BR, NB)
-            e6b, e4b = _sse46(hi, qhi, q4hi, sf, sf4, gs, BR, NB)
+            e6a, e4a = _sse46(lo * s_enc, qlo, q4lo, sf, sf4, BR, NB)
+            e6b, e4b = _sse46(hi * s_enc, qhi, q4hi, sf, sf4, BR, NB)
             e6 = e6a + e6b
             e4 = e4a + e4b
             if BLOCK2D:
@@ -577,10 +578,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         if FOUR_SIX:
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
             e4_3 = enc4[:, :, None]
-            s6 = (sf * gs).to(tl.float64)
-            s4 = (sf4 * gs).to(tl.float64)
-            e6 = (_sr_var(lo * e3, BR, NB) + _sr_var(hi * e3, BR, NB)) * (s6 * s6)
-            e4 = (_sr_var(lo * e4_3, BR, NB) + _sr_var(hi * e4_3, BR, NB)) * (s4 * s4)
+            e6 = (_sr_var(lo * e3, BR, NB) + _sr_var(hi * e3, BR, NB)) * (sf * sf)
+            e4 = (_sr_var(lo * e4_3, BR, NB) + _sr_var(hi * e4_3, BR, NB)) * (sf4 * sf4)
             if BLOCK2D:
                 e6 = _tile_rows(e6, BR, NB)
                 e4 = _tile_rows(e4, BR, NB)
@@ -598,15 +597,13 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         vhi = hi * e3
         qlo = _e2m1_fast(vlo)
         qhi = _e2m1_fast(vhi)
-        dlo = vlo.to(tl.float64)
-        dhi = vhi.to(tl.float64)
-        num = _tree2(dlo * dlo, dhi * dhi, BR, NB)
-        den = _tree2(dlo * _e2m1_value_fast(qlo).to(tl.float64), dhi * _e2m1_value_fast(qhi).to(tl.float64), BR, NB)
+        num = _tree2(vlo * vlo, vhi * vhi, BR, NB)
+        den = _tree2(vlo * _e2m1_value_fast(qlo), vhi * _e2m1_value_fast(qhi), BR, NB)
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
-        c = tl.where(den == 0, 1.0, num / tl.where(den == 0, 1.0, den))
-        s_corr = tl.minimum((sf.to(tl.float64) * c).to(tl.float32), 448.0)
+        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
+        s_corr = tl.minimum(sf * c, 448.0)
         rc = _e4m3_code(s_corr)
         lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
         slo = _e4m3_value(lo_code)
