@@ -57,7 +57,7 @@ QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, False, 0, False), 
                ("sr", False, False, 0, True), ("ms_eden", False, False, 128, False),
                ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True)]
 #: configs checked beside the default on the quick list (each only where it changes the code path)
-QUICK_CONFIGS = [None, {"t_impl": 1}, {"rht_impl": 0}]
+QUICK_CONFIGS = [None, {"t_impl": 0}, {"t_impl": 1}, {"rht_impl": 0}]
 
 
 def check(out_rows, quick=False, configs=(None,)):
@@ -168,7 +168,8 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                                    [(8, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (16, 512, 8),
                                     (64, 128, 8), (8, 512, 4), (16, 128, 4), (32, 512, 8)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
-                   [{}, dict(q_impl=0)] + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w, q_impl=qi, a_rows=ar)
+                   [{}, dict(t_impl=0), dict(t_impl=0, q_impl=0)]
+                   + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w, q_impl=qi, a_rows=ar)
                                           for r, c, w, qi, ar in
                                           [(16, 256, 4, 1, 32), (32, 128, 4, 1, 32), (64, 128, 8, 1, 64),
                                            (32, 256, 8, 1, 32), (64, 128, 4, 1, 64), (64, 256, 8, 1, 64),
@@ -179,7 +180,7 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                   [(8, 256, 4, 16, 256), (32, 256, 8, 32, 256), (16, 128, 4, 16, 128), (16, 512, 8, 32, 512),
                    (16, 256, 8, 16, 256)]]),
     "rtn_transposed": (dict(rounding="rtn", transpose=True),
-                       [{}] + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w) for r, c, w in
+                       [{}, dict(t_impl=0)] + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w) for r, c, w in
                                [(32, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 8)]]),
     "sr": (dict(rounding="sr"), [{}, dict(q_impl=0)]),
     "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0)]),

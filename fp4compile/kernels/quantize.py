@@ -669,11 +669,11 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
 #: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
 #: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``q_impl``: 1 = the block-per-thread
 #: quantize kernel (:func:`_quantize_kernel`), 0 = the first version (:func:`_quantize_kernel_v0`). ``t_impl``
-#: (transpose=True only): 1 = load the tile in x's own orientation (coalesced) and ``tl.trans`` it in registers,
-#: 0 = strided loads through the swapped strides. Separate tiles for the transposed path: ``t_rows``/``t_cols``/
-#: ``t_warps``. ``a_impl`` (RHT only): 1 = the amax pass rotates blocks held as halves, like the quantize kernel.
+#: (transpose=True only): 2 = materialize x.T with one transposing copy (torch) and run the row-wise kernels on
+#: it; 1 = load the tile in x's own orientation (coalesced) and ``tl.trans`` it in registers; 0 = strided loads
+#: through the swapped strides. Tiles of the in-kernel transposed paths (0, 1): ``t_rows``/``t_cols``/``t_warps``. ``a_impl`` (RHT only): 1 = the amax pass rotates blocks held as halves, like the quantize kernel.
 CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 0, "q_impl": 1,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 2, "q_impl": 1,
           "t_rows": 16, "t_cols": 256, "t_warps": 4, "a_impl": 1}
 
 
@@ -726,6 +726,8 @@ def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = Non
     """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
     passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
     cfg = _config(x.device, config)
+    if transpose and cfg["t_impl"] == 2:
+        x, transpose = x.t().contiguous(), False
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
@@ -756,6 +758,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
     if rounding == "ms_eden" and four_over_six:
         raise ValueError("four_over_six is not defined for rounding='ms_eden'")
+    if transpose and cfg["t_impl"] == 2:  # materialize x.T (one transposing copy), then the row-wise kernels
+        x, transpose = x.t().contiguous(), False
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     if K % 16:
