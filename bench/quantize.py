@@ -87,7 +87,15 @@ def check(out_rows, quick=False, configs=(None,)):
             continue
         x = make_input(shape, kind)
         sg = signs[:h] if h else None
-        got = K.quantize(x.to(DEV), r, f, b2, h, None if sg is None else sg.to(DEV), seed.to(DEV), tr, config=cfg)
+        try:
+            got = K.quantize(x.to(DEV), r, f, b2, h, None if sg is None else sg.to(DEV), seed.to(DEV), tr,
+                             config=cfg)
+        except Exception as e:  # noqa: BLE001 (reported as a failure; the other cases still run)
+            bad += 1
+            log(f"ERROR quantize {r} 4/6={f} 2d={b2} had={h} T={tr} config={cfg}: {type(e).__name__}: {str(e)[:500]}")
+            out_rows.append({"op": "quantize", "rounding": r, "four_over_six": f, "block2d": b2, "hadamard": h,
+                             "transpose": tr, "config": cfg, "bit_exact": False, "error": str(e)[:500]})
+            continue
         ref = ops._quantize_reference(x, r, f, b2, h, sg, seed, tr)
         nmis = [int((a.cpu() != b).sum()) for a, b in zip(got, ref)]
         ok = all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
@@ -166,22 +174,19 @@ def case_bytes(ne, case):
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
     "rtn": (dict(rounding="rtn"), [{}, dict(q_impl=0)] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
                                    [(8, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (16, 512, 8),
-                                    (64, 128, 8), (8, 512, 4), (16, 128, 4), (32, 512, 8)]]),
+                                    (8, 512, 4)]]),
+    "had128": (dict(rounding="ms_eden", hadamard=128),
+               [{}, dict(q_impl=0, a_impl=0), dict(rht_impl=0), dict(a_impl=0)]
+               + [dict(q_rows=r, q_cols=c, q_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
+                  [(8, 256, 4, 16, 256), (32, 256, 8, 32, 256), (16, 128, 4, 16, 128), (16, 256, 8, 16, 256)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0), dict(t_impl=0, q_impl=0)]
                    + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w, q_impl=qi, a_rows=ar)
                                           for r, c, w, qi, ar in
-                                          [(16, 256, 4, 1, 32), (32, 128, 4, 1, 32), (64, 128, 8, 1, 64),
-                                           (32, 256, 8, 1, 32), (64, 128, 4, 1, 64), (64, 256, 8, 1, 64),
-                                           (32, 128, 4, 0, 32), (64, 128, 8, 0, 64)]]),
-    "had128": (dict(rounding="ms_eden", hadamard=128),
-               [{}, dict(q_impl=0, a_impl=0), dict(rht_impl=0), dict(a_impl=0)]
-               + [dict(q_rows=r, q_cols=c, q_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
-                  [(8, 256, 4, 16, 256), (32, 256, 8, 32, 256), (16, 128, 4, 16, 128), (16, 512, 8, 32, 512),
-                   (16, 256, 8, 16, 256)]]),
+                                          [(32, 128, 4, 1, 32), (64, 128, 8, 1, 64), (64, 128, 4, 0, 64)]]),
     "rtn_transposed": (dict(rounding="rtn", transpose=True),
                        [{}, dict(t_impl=0)] + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w) for r, c, w in
-                               [(32, 128, 4), (64, 128, 8), (64, 256, 8), (128, 64, 8)]]),
+                               [(64, 128, 8), (128, 64, 8)]]),
     "sr": (dict(rounding="sr"), [{}, dict(q_impl=0)]),
     "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
@@ -233,7 +238,11 @@ def bench(rows, copy_bw, eager=True):
         x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
         ne = x.numel()
         for name, case in BENCH_CASES:
-            ms = bench_ms(run_case(x, case))
+            try:
+                ms = bench_ms(run_case(x, case))
+            except Exception as e:  # noqa: BLE001 (a failing case is logged; the table goes on)
+                log(f"{shape} {name}: failed {type(e).__name__}: {str(e)[:300]}")
+                continue
             logical, actual = case_bytes(ne, case)
             row = {"shape": list(shape), "case": name, "us": ms * 1e3,
                    "frac_copy_logical": logical / ms / 1e6 / copy_bw,

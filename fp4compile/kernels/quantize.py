@@ -13,8 +13,13 @@ floating-point step of the reference is reproduced here in the same order and pr
 Two launches per quantize, no host synchronization: ``_amax_kernel`` reduces max|x| (of the rotated tensor
 when an RHT is fused) into a device scalar with ``atomic_max``; ``_quantize_kernel`` reads it, derives the
 global scale, and writes codes, scale bytes and (program 0) the global decode scale.
-``transpose=True`` quantizes ``x.T`` by passing swapped strides: the kernel reads the column-wise tile
-directly, no transposed copy is materialized.
+``transpose=True`` quantizes ``x.T``: by default (``CONFIG["t_impl"] = 2``) through one transposing copy of x
+and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel through swapped strides
+(strided, or coalesced + ``tl.trans``), no copy, but slower layouts (see :data:`CONFIG`).
+
+Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
+maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
+``amax=`` (optional) skips the amax pass: a single pass with a given global amax (delayed scaling).
 
 The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
 """
@@ -161,11 +166,25 @@ def _pack_rtn(v, MAGIC_PACK: tl.constexpr):
     """[A, B, 8] FP32 scaled values -> [A, B] packed RTN words, without materializing each code: the words of
     MAGIC + code are shifted into place and summed (uint32 wrap-around), then sum_i MAGIC << 4i is subtracted
     once; the sign bits are masked in from each value's bit 31."""
+    return _pack_magic(_e2m1_mag_magic(tl.abs(v)), v, MAGIC_PACK)
+
+
+@triton.jit
+def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
+    """:func:`_pack_rtn` from precomputed ``m`` = :func:`_e2m1_mag_magic` of |v|."""
     sh = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :]
-    m = _e2m1_mag_magic(tl.abs(v)).to(tl.uint32, bitcast=True)
+    mb = m.to(tl.uint32, bitcast=True)
     sgn = (v.to(tl.uint32, bitcast=True) >> (28 - sh)) & (8 << sh)
-    w = tl.sum((m << sh) | sgn, axis=2)
+    w = tl.sum((mb << sh) | sgn, axis=2)
     return (w - MAGIC_PACK).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mag_value_magic(m):
+    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`): code = m - MAGIC (exact),
+    value = max(c/2, c - 2, 2c - 8), all exact in FP32."""
+    c = m - 12582912.0
+    return tl.maximum(tl.maximum(c * 0.5, c - 2.0), tl.fma(c, 2.0, -8.0))
 
 
 @triton.jit
@@ -595,10 +614,13 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     else:
         vlo = lo * e3
         vhi = hi * e3
-        qlo = _e2m1_fast(vlo)
-        qhi = _e2m1_fast(vhi)
+        alo = tl.abs(vlo)
+        ahi = tl.abs(vhi)
+        mlo = _e2m1_mag_magic(alo)
+        mhi = _e2m1_mag_magic(ahi)
         num = _tree2(vlo * vlo, vhi * vhi, BR, NB)
-        den = _tree2(vlo * _e2m1_value_fast(qlo), vhi * _e2m1_value_fast(qhi), BR, NB)
+        # v * decode(q) = |v| * |decode(q)| bit for bit (q carries v's sign; IEEE products are sign-symmetric)
+        den = _tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), BR, NB)
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
@@ -616,8 +638,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         bcol = (pid_c * NB + tl.arange(0, NB)).to(tl.uint32)
         u = _uniform32(k0, k1, brow.to(tl.uint32)[:, None] * (K // 16).to(tl.uint32) + bcol[None, :])
         code = tl.where(u < p, lo_code + 1, lo_code)
-        wlo = _pack8(qlo)
-        whi = _pack8(qhi)
+        wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
+        whi = _pack_magic(mhi, vhi, MAGIC_PACK)
 
     w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
     w = tl.where(zero, 0, w)
