@@ -174,7 +174,7 @@ def case_bytes(ne, case):
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
     "rtn": (dict(rounding="rtn"), [{}, dict(q_impl=0)] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
                                    [(8, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (16, 512, 8),
-                                    (8, 512, 4)]]),
+                                    (8, 512, 4), (8, 256, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
                [{}, dict(q_impl=0, a_impl=0), dict(rht_impl=0), dict(a_impl=0)]
                + [dict(q_rows=r, q_cols=c, q_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
