@@ -57,7 +57,7 @@ QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, False, 0, False), 
                ("sr", False, False, 0, True), ("ms_eden", False, False, 128, False),
                ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True)]
 #: configs checked beside the default on the quick list (each only where it changes the code path)
-QUICK_CONFIGS = [None, {"t_impl": 0}, {"t_impl": 1}, {"rht_impl": 0}]
+QUICK_CONFIGS = [None, {"t_impl": 2}, {"t_impl": 1}, {"q_cols": 256}]
 
 
 def check(out_rows, quick=False, configs=(None,)):
@@ -83,7 +83,8 @@ def check(out_rows, quick=False, configs=(None,)):
     for (shape, kind), (r, f, b2, h, tr), cfg in itertools.product(shapes, cases, configs):
         if (shape, kind) != shapes[0] and (tr or h == 16):
             continue
-        if cfg and (("t_impl" in cfg and not tr) or ("rht_impl" in cfg and not h)):
+        if cfg and (("t_impl" in cfg and not tr) or ("rht_impl" in cfg and not h)
+                    or ("q_cols" in cfg and (h or tr))):
             continue
         x = make_input(shape, kind)
         sg = signs[:h] if h else None
@@ -172,21 +173,23 @@ def case_bytes(ne, case):
 
 
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
-    "rtn": (dict(rounding="rtn"), [{}, dict(q_impl=0)] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
-                                   [(8, 256, 4), (32, 256, 4), (32, 256, 8), (16, 512, 4), (16, 512, 8),
-                                    (8, 512, 4), (8, 256, 2)]]),
+    "rtn": (dict(rounding="rtn"), [{}] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
+                                   [(16, 256, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (16, 1024, 8),
+                                    (8, 1024, 4), (32, 512, 8), (64, 256, 8)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
-               [{}, dict(q_impl=0, a_impl=0), dict(rht_impl=0), dict(a_impl=0)]
-               + [dict(q_rows=r, q_cols=c, q_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
-                  [(8, 256, 4, 16, 256), (32, 256, 8, 32, 256), (16, 128, 4, 16, 128), (16, 256, 8, 16, 256)]]),
+               [{}, dict(q_impl=0, a_impl=0)]
+               + [dict(r_rows=r, r_cols=c, r_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
+                  [(16, 512, 4, 32, 512), (32, 256, 4, 32, 256), (16, 512, 8, 16, 512), (32, 512, 8, 64, 256),
+                   (16, 256, 4, 64, 256), (16, 256, 4, 16, 512)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
-                   [{}, dict(t_impl=0), dict(t_impl=0, q_impl=0)]
-                   + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w, q_impl=qi, a_rows=ar)
-                                          for r, c, w, qi, ar in
-                                          [(32, 128, 4, 1, 32), (64, 128, 8, 1, 64), (64, 128, 4, 0, 64)]]),
+                   [{}, dict(t_impl=0, t_rows=32, t_cols=256), dict(t_impl=0, t_rows=8, t_cols=256),
+                    dict(t_impl=0, t_rows=16, t_cols=128)]
+                   + [dict(t_impl=2, p_rows=r, p_cols=c, p_warps=w) for r, c, w in
+                      [(64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8), (32, 32, 4)]]),
     "rtn_transposed": (dict(rounding="rtn", transpose=True),
-                       [{}, dict(t_impl=0)] + [dict(t_impl=1, t_rows=r, t_cols=c, t_warps=w) for r, c, w in
-                               [(64, 128, 8), (128, 64, 8)]]),
+                       [{}, dict(t_impl=0, t_rows=32, t_cols=256), dict(t_impl=0, t_rows=16, t_cols=512)]
+                       + [dict(t_impl=2, p_rows=r, p_cols=c, p_warps=w) for r, c, w in
+                          [(64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8)]]),
     "sr": (dict(rounding="sr"), [{}, dict(q_impl=0)]),
     "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),

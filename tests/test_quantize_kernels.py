@@ -80,9 +80,11 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     # tiles with partial edges; the transposed-path tiles
     ("wide", (40, 80), "rtn", False, False, 0, False, {"q_rows": 32, "q_cols": 128}),
     ("heavy", (80, 48), "sr", False, False, 16, True, {"t_rows": 64, "t_cols": 32, "t_impl": 1}),
-    # the strided in-kernel transposed load (t_impl=0; the default t_impl=2 materializes x.T first)
+    # transposed: the strided in-kernel load (t_impl=0, the default) and the Triton transposing copy (2)
     ("heavy", (128, 32), "ms_eden", False, True, 128, True, {"t_impl": 0}),
     ("wide", (64, 48), "rtn", True, False, 0, True, {"t_impl": 0}),
+    ("wide", (96, 80), "rtn", True, False, 0, True, {"t_impl": 2, "p_rows": 32, "p_cols": 64}),
+    ("heavy", (128, 48), "ms_eden", False, False, 128, True, {"t_impl": 2, "p_rows": 64, "p_cols": 32}),
 ]
 
 

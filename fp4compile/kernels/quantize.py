@@ -686,17 +686,35 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
              mask=rmask & (cols < K)[None, :])
 
 
+@triton.jit
+def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    """xt[n, m] = x[m, n] for one [BM, BN] tile (xt contiguous [N, M]); with AMAX also max|x| into amax_ptr
+    (max|x.T| = max|x|, so the transposed quantize needs no separate amax pass without RHT)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    t = tl.load(x_ptr + m.to(tl.int64)[:, None] * sxm + n.to(tl.int64)[None, :] * sxn, mask=mask, other=0.0)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(t.to(tl.float32)), axis=1), axis=0))
+    tl.store(xt_ptr + n.to(tl.int64)[None, :] * M + m.to(tl.int64)[:, None], t, mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------- launchers
-#: Tile sizes and kernel variants, from the H200 sweeps in bench/quantize.py (docs/BENCHMARKS.md):
-#: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
-#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``q_impl``: 1 = the block-per-thread
-#: quantize kernel (:func:`_quantize_kernel`), 0 = the first version (:func:`_quantize_kernel_v0`). ``t_impl``
-#: (transpose=True only): 2 = materialize x.T with one transposing copy (torch) and run the row-wise kernels on
-#: it; 1 = load the tile in x's own orientation (coalesced) and ``tl.trans`` it in registers; 0 = strided loads
-#: through the swapped strides. Tiles of the in-kernel transposed paths (0, 1): ``t_rows``/``t_cols``/``t_warps``. ``a_impl`` (RHT only): 1 = the amax pass rotates blocks held as halves, like the quantize kernel.
-CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 2, "q_impl": 1,
-          "t_rows": 16, "t_cols": 256, "t_warps": 4, "a_impl": 1}
+#: Tile sizes and kernel variants, from the H200 sweeps in bench/quantize.py (docs/BENCHMARKS.md, 16384x8192):
+#: ``q_*`` quantize tiles without RHT (16x512, 4 warps: 171 us total vs 175 us for 16x256), ``r_*`` with RHT
+#: (16x256, 4 warps), ``a_*`` amax pass. ``rht_impl`` 1: the butterfly exchanges partners with ``tl.flip``
+#: (MS-EDEN+RHT128 346 us vs 774 us for 0, permute/split). ``q_impl``: 1 = the block-per-thread quantize kernel
+#: (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version (:func:`_quantize_kernel_v0`).
+#: ``a_impl`` (RHT only): 1 = the amax pass rotates blocks held as halves like the quantize kernel (103 vs 115 us).
+#: ``t_impl`` (transpose=True only): 0 = strided loads through the swapped strides (MS-EDEN+RHT128 717 us,
+#: vs 5884 us for the first kernel); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us);
+#: 2 = one Triton transposing copy (tiles ``p_*``; fused with the amax pass without RHT), then the row-wise
+#: kernels. Tiles of the in-kernel transposed paths (0, 1): ``t_*``.
+CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "r_rows": 16, "r_cols": 256, "r_warps": 4,
+          "a_rows": 32, "a_cols": 256, "a_warps": 4, "d_rows": 16, "d_cols": 128, "d_warps": 4,
+          "rht_impl": 1, "t_impl": 0, "q_impl": 1, "t_rows": 16, "t_cols": 256, "t_warps": 4, "a_impl": 1,
+          "p_rows": 64, "p_cols": 64, "p_warps": 4}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -743,13 +761,24 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
     return amax
 
 
+def _transpose(x, cfg, want_amax: bool):
+    """(x.T contiguous, max|x| as an FP32 device scalar or None) from one Triton pass over x."""
+    M, N = x.shape
+    xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
+    am = torch.zeros((), dtype=torch.float32, device=x.device)
+    _transpose_kernel[(triton.cdiv(M, cfg["p_rows"]), triton.cdiv(N, cfg["p_cols"]))](
+        x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
+        num_warps=cfg["p_warps"])
+    return xt, (am if want_amax else None)
+
+
 def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None, transpose: bool = False,
          config: Optional[dict] = None) -> torch.Tensor:
     """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
     passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
     cfg = _config(x.device, config)
-    if transpose and cfg["t_impl"] == 2:
-        x, transpose = x.t().contiguous(), False
+    if transpose and hadamard and cfg["t_impl"] == 2:
+        x, transpose = _transpose(x, cfg, False)[0], False
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
@@ -780,8 +809,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
     if rounding == "ms_eden" and four_over_six:
         raise ValueError("four_over_six is not defined for rounding='ms_eden'")
-    if transpose and cfg["t_impl"] == 2:  # materialize x.T (one transposing copy), then the row-wise kernels
-        x, transpose = x.t().contiguous(), False
+    if transpose and cfg["t_impl"] == 2 and x.numel():  # one transposing copy, then the row-wise kernels
+        x, a = _transpose(x, cfg, amax is None and not hadamard)
+        transpose = False
+        amax = a if a is not None else amax
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     if K % 16:
@@ -812,7 +843,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
-    pre = "t" if transpose else "q"
+    pre = "t" if transpose else ("r" if hadamard else "q")
     br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
     if block2d:
         br = max(16, br // 16 * 16)
