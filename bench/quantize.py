@@ -175,7 +175,9 @@ def case_bytes(ne, case):
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
     "rtn": (dict(rounding="rtn"), [{}] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
                                    [(16, 256, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (16, 1024, 8),
-                                    (8, 1024, 4), (32, 512, 8), (64, 256, 8)]]),
+                                    (8, 1024, 4), (32, 512, 8), (64, 256, 8)]]
+            + [dict(a_rows=r, a_cols=c, a_warps=w, a_impl=i) for r, c, w, i in
+               [(64, 256, 8, 1), (128, 256, 8, 1), (32, 512, 8, 1), (32, 256, 4, 2), (64, 512, 8, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
                [{}, dict(q_impl=0, a_impl=0)]
                + [dict(r_rows=r, r_cols=c, r_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in

@@ -79,6 +79,7 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("heavy", (128, 32), "ms_eden", False, False, 128, True, {"q_impl": 0, "t_impl": 1}),
     # tiles with partial edges; the transposed-path tiles
     ("wide", (40, 80), "rtn", False, False, 0, False, {"q_rows": 32, "q_cols": 128}),
+    ("wide", (48, 256), "sr", False, False, 0, False, {"a_impl": 2, "a_rows": 32}),  # amax pass on halves
     ("heavy", (80, 48), "sr", False, False, 16, True, {"t_rows": 64, "t_cols": 32, "t_impl": 1}),
     # transposed: the strided in-kernel load (t_impl=0, the default) and the Triton transposing copy (2)
     ("heavy", (128, 32), "ms_eden", False, True, 128, True, {"t_impl": 0}),

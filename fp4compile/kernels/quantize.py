@@ -706,7 +706,8 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: (16x256, 4 warps), ``a_*`` amax pass. ``rht_impl`` 1: the butterfly exchanges partners with ``tl.flip``
 #: (MS-EDEN+RHT128 346 us vs 774 us for 0, permute/split). ``q_impl``: 1 = the block-per-thread quantize kernel
 #: (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version (:func:`_quantize_kernel_v0`).
-#: ``a_impl`` (RHT only): 1 = the amax pass rotates blocks held as halves like the quantize kernel (103 vs 115 us).
+#: ``a_impl``: 1 = under RHT the amax pass loads and rotates blocks as halves like the quantize kernel (103 vs
+#: 115 us); 2 = halves also without RHT; 0 = never.
 #: ``t_impl`` (transpose=True only): 0 = strided loads through the swapped strides (MS-EDEN+RHT128 717 us,
 #: vs 5884 us for the first kernel); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us);
 #: 2 = one Triton transposing copy (tiles ``p_*``; fused with the amax pass without RHT), then the row-wise
@@ -756,7 +757,8 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
     bc = max(cfg["a_cols"], hadamard or 16)
     _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
-        TLOAD=tload, BR=cfg["a_rows"], BC=bc, HALVES=bool(hadamard and cfg["a_impl"]), num_warps=cfg["a_warps"],
+        TLOAD=tload, BR=cfg["a_rows"], BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
+        num_warps=cfg["a_warps"],
         **_launch_opts(x.device))
     return amax
 
