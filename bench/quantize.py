@@ -57,7 +57,7 @@ QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, False, 0, False), 
                ("sr", False, False, 0, True), ("ms_eden", False, False, 128, False),
                ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True)]
 #: configs checked beside the default on the quick list (each only where it changes the code path)
-QUICK_CONFIGS = [None, {"t_impl": 2}, {"t_impl": 1}, {"q_cols": 256}]
+QUICK_CONFIGS = [None, {"t_impl": 0}, {"t_impl": 1}, {"q_cols": 256, "s_cols": 512}]
 
 
 def check(out_rows, quick=False, configs=(None,)):
@@ -174,26 +174,24 @@ def case_bytes(ne, case):
 
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
     "rtn": (dict(rounding="rtn"), [{}] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
-                                   [(16, 256, 4), (32, 256, 4), (32, 512, 4), (16, 1024, 4), (16, 1024, 8),
-                                    (8, 1024, 4), (32, 512, 8), (64, 256, 8)]]
+                                          [(16, 256, 4), (32, 256, 4), (8, 1024, 4)]]
             + [dict(a_rows=r, a_cols=c, a_warps=w, a_impl=i) for r, c, w, i in
-               [(64, 256, 8, 1), (128, 256, 8, 1), (32, 512, 8, 1), (32, 256, 4, 2), (64, 512, 8, 2)]]),
+               [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
+                (128, 512, 16, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
                [{}, dict(q_impl=0, a_impl=0)]
-               + [dict(r_rows=r, r_cols=c, r_warps=w, a_rows=ar, a_cols=ac) for r, c, w, ar, ac in
-                  [(16, 512, 4, 32, 512), (32, 256, 4, 32, 256), (16, 512, 8, 16, 512), (32, 512, 8, 64, 256),
-                   (16, 256, 4, 64, 256), (16, 256, 4, 16, 512)]]),
+               + [dict(r_rows=r, r_cols=c, r_warps=w, ah_rows=ar, ah_cols=ac, ah_warps=aw)
+                  for r, c, w, ar, ac, aw in [(16, 256, 4, 16, 512, 4), (16, 256, 4, 32, 512, 8),
+                                              (16, 256, 4, 64, 256, 8), (8, 256, 2, 32, 256, 4)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
-                   [{}, dict(t_impl=0, t_rows=32, t_cols=256), dict(t_impl=0, t_rows=8, t_cols=256),
-                    dict(t_impl=0, t_rows=16, t_cols=128)]
-                   + [dict(t_impl=2, p_rows=r, p_cols=c, p_warps=w) for r, c, w in
-                      [(64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8), (32, 32, 4)]]),
+                   [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
+                   + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
     "rtn_transposed": (dict(rounding="rtn", transpose=True),
-                       [{}, dict(t_impl=0, t_rows=32, t_cols=256), dict(t_impl=0, t_rows=16, t_cols=512)]
-                       + [dict(t_impl=2, p_rows=r, p_cols=c, p_warps=w) for r, c, w in
-                          [(64, 64, 4), (32, 128, 4), (128, 64, 8), (64, 128, 8)]]),
-    "sr": (dict(rounding="sr"), [{}, dict(q_impl=0)]),
-    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0)]),
+                       [{}, dict(t_impl=0)] + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in
+                                               [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
+    "sr": (dict(rounding="sr"), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256), dict(s_rows=32, s_cols=128)]),
+    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256),
+                                                         dict(s_rows=16, s_cols=128)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
 }
 

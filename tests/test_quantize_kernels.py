@@ -68,8 +68,9 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("gauss", (128, 48), "ms_eden", False, False, 128, True),
     # the optional 8th entry overrides kernels.quantize.CONFIG: the coalesced transposed load, other tiles
     ("heavy", (64, 256), "rtn", True, True, 16, True, {"t_impl": 1}),
-    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "q_rows": 32, "q_cols": 128}),
-    ("heavy", (32, 256), "sr", False, False, 32, False, {"q_rows": 8}),
+    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "t_rows": 32, "t_cols": 128}),
+    ("heavy", (32, 256), "sr", False, False, 32, False, {"r_rows": 8, "ah_rows": 16}),
+    ("heavy", (32, 256), "sr", True, False, 0, False, {"s_rows": 8, "s_cols": 128, "a_rows": 16}),
     # the flip butterfly (the CUDA default; slow under the interpreter, so small cases)
     ("heavy", (16, 128), "ms_eden", False, False, 16, False, {"rht_impl": 1}),
     ("heavy", (16, 256), "rtn", False, False, 128, False, {"rht_impl": 1}),

@@ -701,21 +701,23 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-#: Tile sizes and kernel variants, from the H200 sweeps in bench/quantize.py (docs/BENCHMARKS.md, 16384x8192):
-#: ``q_*`` quantize tiles without RHT (16x512, 4 warps: 171 us total vs 175 us for 16x256), ``r_*`` with RHT
-#: (16x256, 4 warps), ``a_*`` amax pass. ``rht_impl`` 1: the butterfly exchanges partners with ``tl.flip``
-#: (MS-EDEN+RHT128 346 us vs 774 us for 0, permute/split). ``q_impl``: 1 = the block-per-thread quantize kernel
-#: (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version (:func:`_quantize_kernel_v0`).
-#: ``a_impl``: 1 = under RHT the amax pass loads and rotates blocks as halves like the quantize kernel (103 vs
-#: 115 us); 2 = halves also without RHT; 0 = never.
-#: ``t_impl`` (transpose=True only): 0 = strided loads through the swapped strides (MS-EDEN+RHT128 717 us,
-#: vs 5884 us for the first kernel); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us);
-#: 2 = one Triton transposing copy (tiles ``p_*``; fused with the amax pass without RHT), then the row-wise
-#: kernels. Tiles of the in-kernel transposed paths (0, 1): ``t_*``.
-CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "r_rows": 16, "r_cols": 256, "r_warps": 4,
-          "a_rows": 32, "a_cols": 256, "a_warps": 4, "d_rows": 16, "d_cols": 128, "d_warps": 4,
-          "rht_impl": 1, "t_impl": 0, "q_impl": 1, "t_rows": 16, "t_cols": 256, "t_warps": 4, "a_impl": 1,
-          "p_rows": 64, "p_cols": 64, "p_warps": 4}
+#: Tile sizes and kernel variants, from the H200 sweeps in bench/quantize.py (docs/BENCHMARKS.md, 16384x8192).
+#: Quantize tiles: ``q_*`` plain RTN, 1D or 2D (16x512, 4 warps: 171 us total vs 176 us for 16x256), ``s_*`` SR
+#: and 4/6 (16x256: SR 461 us vs 550 us with 16x512), ``r_*`` with RHT (16x256, 4 warps), ``t_*`` the
+#: in-kernel transposed paths. Amax pass: ``a_*`` without RHT (128x256, 8 warps: 65 us vs 73 us for 32x256),
+#: ``ah_*`` with RHT (32x256, 4 warps: 103 us vs 121 us for 64x256). ``rht_impl`` 1: the butterfly exchanges
+#: partners with ``tl.flip`` (MS-EDEN+RHT128 346 us vs 774 us for 0, permute/split). ``q_impl``: 1 = the
+#: block-per-thread quantize kernel (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version
+#: (:func:`_quantize_kernel_v0`). ``a_impl``: 1 = under RHT the amax pass loads and rotates blocks as halves like
+#: the quantize kernel (103 vs 115 us); 2 = halves also without RHT; 0 = never. ``t_impl`` (transpose=True):
+#: 2 = one Triton transposing copy (tiles ``p_*``, 64x128, 8 warps; fused with the amax pass without RHT), then
+#: the row-wise kernels (MS-EDEN+RHT128 478 us, RTN 234 us); 0 = strided loads through the swapped strides (717
+#: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
+CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
+          "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
+          "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 64, "p_cols": 128, "p_warps": 8,
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -754,11 +756,12 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
     if not hadamard and srow == 1 and scol != 1:
         # max|x.T| = max|x|: reduce x in its own (contiguous) orientation
         R, K, srow, scol, tload = K, R, scol, srow, False
-    bc = max(cfg["a_cols"], hadamard or 16)
-    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
+    pre = "ah" if hadamard else "a"
+    br, bc = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16)
+    _amax_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
-        TLOAD=tload, BR=cfg["a_rows"], BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
-        num_warps=cfg["a_warps"],
+        TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
+        num_warps=cfg[pre + "_warps"],
         **_launch_opts(x.device))
     return amax
 
@@ -845,7 +848,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
-    pre = "t" if transpose else ("r" if hadamard else "q")
+    pre = "t" if transpose else "r" if hadamard else "q" if rounding == "rtn" and not four_over_six else "s"
     br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
     if block2d:
         br = max(16, br // 16 * 16)
