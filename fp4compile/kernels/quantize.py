@@ -710,13 +710,13 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: block-per-thread quantize kernel (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version
 #: (:func:`_quantize_kernel_v0`). ``a_impl``: 1 = under RHT the amax pass loads and rotates blocks as halves like
 #: the quantize kernel (103 vs 115 us); 2 = halves also without RHT; 0 = never. ``t_impl`` (transpose=True):
-#: 2 = one Triton transposing copy (tiles ``p_*``, 64x128, 8 warps; fused with the amax pass without RHT), then
-#: the row-wise kernels (MS-EDEN+RHT128 478 us, RTN 234 us); 0 = strided loads through the swapped strides (717
+#: 2 = one Triton transposing copy (tiles ``p_*``, 128x128, 8 warps; fused with the amax pass without RHT), then
+#: the row-wise kernels (MS-EDEN+RHT128 477 us, RTN 231 us); 0 = strided loads through the swapped strides (717
 #: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 64, "p_cols": 128, "p_warps": 8,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
@@ -740,9 +740,29 @@ def _launch_opts(device):
     return {"enable_fp_fusion": False}
 
 
+_DUMMIES: dict = {}
+
+
+def _dummy(kind: str, device) -> torch.Tensor:
+    """A per-device placeholder argument that the kernels never read (the signs without RHT, the seed of
+    RTN): cached so a quantize call does not allocate and fill one each time (a fill is a kernel launch).
+    Not cached while a CUDA graph is being captured (the tensor would live in the graph's private pool)."""
+    device = torch.device(device)
+    key = (kind, device)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = torch.zeros((1,) if kind == "signs" else (), dtype=torch.float32 if kind == "signs" else torch.int64,
+                        device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _DUMMIES[key] = t
+    return t
+
+
 def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch.Tensor:
+    """The +-1 sign vector as a contiguous FP32 device tensor (random if ``signs`` is None; a cached
+    placeholder when ``hadamard`` is 0)."""
     if not hadamard:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+        return _dummy("signs", device)
     if signs is None:
         from ..formats.hadamard import random_signs
         return random_signs(hadamard, device=device).contiguous()
@@ -831,7 +851,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if rounding != "rtn":
         seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
     else:
-        seed = torch.zeros((), dtype=torch.int64, device=dev)
+        seed = _dummy("seed", dev)
     codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
     gscale = torch.empty((), dtype=torch.float32, device=dev)
