@@ -32,6 +32,13 @@ from fp4compile.formats import nvfp4  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
 
 
+#: device and sizes (a CPU dry run under TRITON_INTERPRET=1 overrides them: tests/test_quantize_kernels.py)
+DEV = "cuda"
+BENCH_SHAPES = [(4096, 4096), (16384, 8192)]
+SWEEP_SHAPE = (16384, 8192)
+CHECK_SHAPE = (512, 1024)
+
+
 def log(*a):
     print(*a, flush=True)
 
@@ -44,15 +51,20 @@ def make_input(shape, kind, seed=0):
     return x.to(torch.bfloat16)
 
 
-QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, True, 0, False), ("rtn", False, False, 16, False),
-               ("rtn", False, False, 128, True), ("sr", False, False, 0, False), ("sr", True, True, 16, False),
-               ("ms_eden", False, False, 128, False), ("ms_eden", False, True, 128, True)]
+QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, False, 0, False), ("rtn", True, True, 0, False),
+               ("rtn", False, True, 0, False), ("rtn", False, False, 16, False), ("rtn", False, False, 128, True),
+               ("rtn", False, False, 0, True), ("sr", False, False, 0, False), ("sr", True, True, 16, False),
+               ("sr", False, False, 0, True), ("ms_eden", False, False, 128, False),
+               ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True)]
+#: configs checked beside the default on the quick list (each only where it changes the code path)
+QUICK_CONFIGS = [None, {"t_impl": 0}, {"t_impl": 1}, {"q_cols": 256, "s_cols": 512}]
 
 
-def check(out_rows, quick=False, impls=(None,)):
+def check(out_rows, quick=False, configs=(None,)):
     """Bit-exact comparison of the CUDA kernels with the CPU reference; returns the number of mismatches.
 
-    quick: a subset covering every code path (both butterfly implementations when ``impls`` lists them)."""
+    quick: a subset covering every code path, at 512x1024, under each config of ``configs`` (a config that
+    cannot change a case's code path is skipped for it)."""
     bad = 0
     signs = (torch.randint(0, 2, (128,), generator=torch.Generator().manual_seed(1)) * 2 - 1).float()
     seed = torch.tensor(0x1234_5678_9ABC, dtype=torch.int64)
@@ -66,50 +78,66 @@ def check(out_rows, quick=False, impls=(None,)):
         cases.append((r, False, b2, h, True))
     if quick:
         cases = QUICK_CASES
-        shapes = shapes[:1]
+        shapes = [(CHECK_SHAPE, "heavy")]
     t0 = time.time()
-    for (shape, kind), (r, f, b2, h, tr), impl in itertools.product(shapes, cases, impls):
+    for (shape, kind), (r, f, b2, h, tr), cfg in itertools.product(shapes, cases, configs):
         if (shape, kind) != shapes[0] and (tr or h == 16):
             continue
-        if impl == 1 and not h:
+        if cfg and (("t_impl" in cfg and not tr) or ("rht_impl" in cfg and not h)
+                    or ("q_cols" in cfg and (h or tr))):
             continue
         x = make_input(shape, kind)
         sg = signs[:h] if h else None
-        got = K.quantize(x.cuda(), r, f, b2, h, None if sg is None else sg.cuda(), seed.cuda(), tr,
-                         config=None if impl is None else {"rht_impl": impl})
+        try:
+            got = K.quantize(x.to(DEV), r, f, b2, h, None if sg is None else sg.to(DEV), seed.to(DEV), tr,
+                             config=cfg)
+        except Exception as e:  # noqa: BLE001 (reported as a failure; the other cases still run)
+            bad += 1
+            log(f"ERROR quantize {r} 4/6={f} 2d={b2} had={h} T={tr} config={cfg}: {type(e).__name__}: {str(e)[:500]}")
+            out_rows.append({"op": "quantize", "rounding": r, "four_over_six": f, "block2d": b2, "hadamard": h,
+                             "transpose": tr, "config": cfg, "bit_exact": False, "error": str(e)[:500]})
+            continue
         ref = ops._quantize_reference(x, r, f, b2, h, sg, seed, tr)
-        eq = [torch.equal(a.cpu(), b) for a, b in zip(got, ref)]
         nmis = [int((a.cpu() != b).sum()) for a, b in zip(got, ref)]
-        ok = all(eq)
+        ok = all(torch.equal(a.cpu(), b) for a, b in zip(got, ref))
         bad += not ok
         out_rows.append({"op": "quantize", "shape": list(shape), "data": kind, "rounding": r, "four_over_six": f,
-                         "block2d": b2, "hadamard": h, "transpose": tr, "rht_impl": impl, "bit_exact": ok,
+                         "block2d": b2, "hadamard": h, "transpose": tr, "config": cfg, "bit_exact": ok,
                          "mismatches": nmis})
         if not ok:
-            log(f"MISMATCH quantize {shape} {kind} {r} 4/6={f} 2d={b2} had={h} T={tr} impl={impl}: {nmis}")
-    for h, dt, impl in itertools.product([0, 16, 128], [torch.bfloat16, torch.float32], impls):
-        if (quick and dt == torch.float32 and h != 16) or (impl == 1 and not h):
+            log(f"MISMATCH quantize {shape} {kind} {r} 4/6={f} 2d={b2} had={h} T={tr} config={cfg}: {nmis}")
+    for r, h in [("rtn", 0), ("ms_eden", 128)]:  # the single-pass mode with the true amax = the default
+        x = make_input(CHECK_SHAPE, "heavy").to(DEV)
+        sg = signs[:h].to(DEV) if h else None
+        got = K.quantize(x, r, hadamard=h, signs=sg, seed=seed.to(DEV), amax=K.amax(x, h, sg))
+        ref = K.quantize(x, r, hadamard=h, signs=sg, seed=seed.to(DEV))
+        ok = all(torch.equal(a, b) for a, b in zip(got, ref))
+        bad += not ok
+        out_rows.append({"op": "quantize given amax", "rounding": r, "hadamard": h, "bit_exact": ok})
+        if not ok:
+            log(f"MISMATCH quantize with given amax {r} had={h}")
+    for h, dt in itertools.product([0, 16, 128], [torch.bfloat16, torch.float32]):
+        if quick and dt == torch.float32 and h != 16:
             continue
-        x = make_input((1024, 2048), "heavy")
+        x = make_input(CHECK_SHAPE, "heavy")
         sg = signs[:h] if h else None
         c, s, g = ops._quantize_reference(x, "rtn", False, False, h, sg, None, False)
-        got = K.dequantize(c.cuda(), s.cuda(), g.cuda(), h, None if sg is None else sg.cuda(), dt,
-                           config=None if impl is None else {"rht_impl": impl})
+        got = K.dequantize(c.to(DEV), s.to(DEV), g.to(DEV), h, None if sg is None else sg.to(DEV), dt)
         ref = torch.ops.fp4compile.dequantize(c, s, g, h, sg, dt)
         ok = torch.equal(got.cpu(), ref)
         bad += not ok
-        out_rows.append({"op": "dequantize", "hadamard": h, "dtype": str(dt), "rht_impl": impl, "bit_exact": ok})
+        out_rows.append({"op": "dequantize", "hadamard": h, "dtype": str(dt), "bit_exact": ok})
         if not ok:
             log(f"MISMATCH dequantize had={h} {dt}")
     log(f"check: {len(out_rows)} configurations, {bad} mismatching, {time.time() - t0:.1f}s")
     return bad
 
 
-def bench_ms(fn):
+def bench_ms(fn, rep=50):
     import triton.testing
 
     with torch.cuda.stream(torch.cuda.Stream()):
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 BENCH_CASES = [
@@ -117,88 +145,138 @@ BENCH_CASES = [
     ("RTN 4/6", dict(rounding="rtn", four_over_six=True)),
     ("RTN + RHT16", dict(rounding="rtn", hadamard=16)),
     ("SR", dict(rounding="sr")),
+    ("SR 4/6", dict(rounding="sr", four_over_six=True)),
     ("MS-EDEN + RHT128", dict(rounding="ms_eden", hadamard=128)),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
+    ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
+    # single pass with a given global amax (delayed scaling): not the default op's number, a separate row
+    ("RTN, given amax (1 pass)", dict(rounding="rtn", given_amax=True)),
+    ("MS-EDEN + RHT128, given amax (1 pass)", dict(rounding="ms_eden", hadamard=128, given_amax=True)),
 ]
 
 
 def run_case(x, case, config=None):
     kw = dict(case)
     h = kw.get("hadamard", 0)
-    signs = torch.ones(h, device="cuda") if h else None
-    seed = torch.tensor(7, dtype=torch.int64, device="cuda")
+    signs = (torch.randint(0, 2, (h,), device=DEV) * 2 - 1).float() if h else None
+    seed = torch.tensor(7, dtype=torch.int64, device=DEV)
+    tr = kw.get("transpose", False)
+    amax = K.amax(x, h, signs, tr, config=config) if kw.get("given_amax") else None
     return lambda: K.quantize(x, kw.get("rounding", "rtn"), kw.get("four_over_six", False),
-                              kw.get("block2d", False), h, signs, seed, kw.get("transpose", False), config=config)
+                              kw.get("block2d", False), h, signs, seed, tr, config=config, amax=amax)
 
 
-def sweep(x):
+def case_bytes(ne, case):
+    logical = ne * 2 + ne // 2 + ne // 16
+    return logical, logical + (0 if case.get("given_amax") else ne * 2)
+
+
+SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
+    "rtn": (dict(rounding="rtn"), [{}] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
+                                          [(16, 256, 4), (32, 256, 4), (8, 1024, 4)]]
+            + [dict(a_rows=r, a_cols=c, a_warps=w, a_impl=i) for r, c, w, i in
+               [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
+                (128, 512, 16, 2)]]),
+    "had128": (dict(rounding="ms_eden", hadamard=128),
+               [{}, dict(q_impl=0, a_impl=0)]
+               + [dict(r_rows=r, r_cols=c, r_warps=w, ah_rows=ar, ah_cols=ac, ah_warps=aw)
+                  for r, c, w, ar, ac, aw in [(16, 256, 4, 16, 512, 4), (16, 256, 4, 32, 512, 8),
+                                              (16, 256, 4, 64, 256, 8), (8, 256, 2, 32, 256, 4)]]),
+    "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
+                   [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
+                   + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
+    "rtn_transposed": (dict(rounding="rtn", transpose=True),
+                       [{}, dict(t_impl=0)] + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in
+                                               [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
+    "sr": (dict(rounding="sr"), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256), dict(s_rows=32, s_cols=128)]),
+    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256),
+                                                         dict(s_rows=16, s_cols=128)]),
+    "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
+}
+
+
+def sweep(x, copy_bw, rows, only=None, save=lambda: None):
+    """Time every candidate config (16384x8192 total time, amax pass separately); returns the fastest per sweep."""
     best = {}
-    grids = {
-        "rtn": (dict(rounding="rtn"), [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
-                                       [(16, 256, 4), (32, 256, 8), (16, 512, 8), (8, 512, 4)]]),
-        "had128": (dict(rounding="ms_eden", hadamard=128),
-                   [dict(q_rows=r, q_cols=c, q_warps=w, rht_impl=i, a_rows=ar) for r, c, w, i, ar in
-                    [(16, 128, 4, 0, 32), (16, 128, 4, 1, 32), (16, 256, 4, 1, 32), (8, 128, 4, 1, 16),
-                     (16, 256, 8, 1, 16)]]),
-        "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
-                       [dict(t_impl=t, q_rows=r, a_rows=r) for t, r in [(0, 16), (1, 16), (1, 64)]]),
-    }
-    for name, (case, grid) in grids.items():
+    ne = x.numel()
+    for name, (case, grid) in SWEEPS.items():
+        if only and name not in only:
+            continue
         res = []
         for cfg in grid:
             try:
-                ms = bench_ms(run_case(x, case, cfg))
-                ms_a = bench_ms(lambda: K.amax(x, case.get("hadamard", 0),
-                                               torch.ones(case.get("hadamard", 1), device="cuda")
-                                               if case.get("hadamard") else None, case.get("transpose", False),
-                                               config=cfg))
+                ms = bench_ms(run_case(x, case, cfg), rep=25)
+                h = case.get("hadamard", 0)
+                sg = torch.ones(h, device=DEV) if h else None
+                ms_a = bench_ms(lambda: K.amax(x, h, sg, case.get("transpose", False), config=cfg), rep=15)
             except Exception as e:  # noqa: BLE001 (a config that does not compile is just skipped)
                 log(f"sweep {name} {cfg}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue
+            logical, actual = case_bytes(ne, case)
             res.append((ms, cfg))
-            log(f"sweep {name} {cfg}: total {ms * 1e3:.1f} us (amax pass {ms_a * 1e3:.1f} us)")
+            rows.append({"sweep": name, "config": cfg, "us": ms * 1e3, "amax_us": ms_a * 1e3,
+                         "frac_copy_actual": actual / ms / 1e6 / copy_bw,
+                         "quantize_pass_frac": (ne * 2 + ne // 2 + ne // 16) / max(ms - ms_a, 1e-9) / 1e6 / copy_bw})
+            log(f"sweep {name:14s} {str(cfg):70s} total {ms * 1e3:7.1f} us (amax pass {ms_a * 1e3:6.1f} us)  "
+                f"actual {rows[-1]['frac_copy_actual']:.2f} of copy BW, quantize pass alone "
+                f"{rows[-1]['quantize_pass_frac']:.2f}")
         best[name] = min(res, key=lambda t: t[0])[1] if res else None
+        save()
     return best
 
 
-def bench(rows, config_rtn=None, config_had=None, config_t=None):
-    n = 16384 * 8192
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+def copy_bandwidth():
+    n = SWEEP_SHAPE[0] * SWEEP_SHAPE[1]
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_ms = bench_ms(lambda: dst.copy_(src))
     copy_bw = 2 * n * 2 / copy_ms / 1e6  # GB/s
     log(f"copy bandwidth: {copy_bw:.0f} GB/s ({n * 2 / 2**20:.0f} MiB buffer)")
-    for shape in [(4096, 4096), (16384, 8192)]:
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    return copy_bw
+
+
+def bench(rows, copy_bw, eager=True):
+    for shape in BENCH_SHAPES:
+        x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
         ne = x.numel()
-        logical = ne * 2 + ne // 2 + ne // 16
-        actual = logical + ne * 2
         for name, case in BENCH_CASES:
-            cfg = config_had if case.get("hadamard") else config_rtn
-            if case.get("transpose") and config_t is not None:
-                cfg = config_t
-            ms = bench_ms(run_case(x, case, cfg))
+            try:
+                ms = bench_ms(run_case(x, case))
+            except Exception as e:  # noqa: BLE001 (a failing case is logged; the table goes on)
+                log(f"{shape} {name}: failed {type(e).__name__}: {str(e)[:300]}")
+                continue
+            logical, actual = case_bytes(ne, case)
             row = {"shape": list(shape), "case": name, "us": ms * 1e3,
                    "frac_copy_logical": logical / ms / 1e6 / copy_bw,
                    "frac_copy_actual": actual / ms / 1e6 / copy_bw, "copy_GBps": copy_bw}
             rows.append(row)
-            log(f"{shape} {name:32s} {ms * 1e3:8.1f} us  logical {row['frac_copy_logical']:.2f}  "
+            log(f"{shape} {name:40s} {ms * 1e3:8.1f} us  logical {row['frac_copy_logical']:.2f}  "
                 f"actual {row['frac_copy_actual']:.2f} of copy BW")
+        if not eager:
+            continue
         import triton.testing
+        logical = ne * 2 + ne // 2 + ne // 16
         for name, case in [("torch-eager reference RTN", dict(rounding="rtn")),
                            ("torch-eager reference MS-EDEN+RHT128", dict(rounding="ms_eden", hadamard=128))]:
             kw = dict(case)
             h = kw.get("hadamard")
-            signs = torch.ones(h, device="cuda") if h else None
-            seed = torch.tensor(7, dtype=torch.int64, device="cuda")
+            signs = torch.ones(h, device=DEV) if h else None
+            seed = torch.tensor(7, dtype=torch.int64, device=DEV)
             fn = lambda: nvfp4.quantize(x, rounding=kw["rounding"], hadamard=h, signs=signs, seed=seed,  # noqa
                                         check=False)
             ms = triton.testing.do_bench(fn, rep=50, return_mode="median")
             rows.append({"shape": list(shape), "case": name, "us": ms * 1e3,
                          "frac_copy_logical": logical / ms / 1e6 / copy_bw})
-            log(f"{shape} {name:32s} {ms * 1e3:8.1f} us  logical {logical / ms / 1e6 / copy_bw:.3f} of copy BW")
-    return copy_bw
+            log(f"{shape} {name:40s} {ms * 1e3:8.1f} us  logical {logical / ms / 1e6 / copy_bw:.3f} of copy BW")
+
+
+def table(rows):
+    log("\n| shape | case | us | fraction of copy BW (logical bytes) | (actual bytes incl. amax pass) |")
+    log("|---|---|---|---|---|")
+    for r in rows:
+        act = f"{r['frac_copy_actual']:.2f}" if "frac_copy_actual" in r else "-"
+        log(f"| {r['shape'][0]}x{r['shape'][1]} | {r['case']} | {r['us']:.1f} | {r['frac_copy_logical']:.3f} | {act} |")
 
 
 def main():
@@ -206,38 +284,44 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="check a subset of configurations (both RHT impls)")
+    ap.add_argument("--sweeps", default="", help="comma-separated subset of the sweeps (default: all)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the torch-eager reference rows")
+    ap.add_argument("--quick", action="store_true", help="check a subset of cases, under each QUICK_CONFIGS entry")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA device"
+    assert DEV != "cuda" or torch.cuda.is_available(), "needs a CUDA device"
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": " ".join(sys.argv)}
+              "device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
+              "command": " ".join(sys.argv), "config": dict(K.CONFIG)}
     import triton
     result["triton"] = triton.__version__
+    path = os.path.join(args.out, "quantize_bench.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
     bad = 0
-    if args.bench:
-        cfg_rtn = cfg_had = cfg_t = None
-        if args.sweep:
-            x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
-            best = sweep(x)
-            cfg_rtn, cfg_had, cfg_t = best["rtn"], best["had128"], best["transposed"]
-            result["sweep_best"] = best
-            log(f"best configs: {best}")
-            with open(os.path.join(args.out, "quantize_bench.json"), "w") as f:
-                json.dump(result, f, indent=1)
-        result["bench"] = []
-        bench(result["bench"], cfg_rtn, cfg_had, cfg_t)
-        log("\n| shape | case | us | fraction of copy BW (logical bytes) | (actual bytes incl. amax pass) |")
-        log("|---|---|---|---|---|")
-        for r in result["bench"]:
-            act = f"{r['frac_copy_actual']:.2f}" if "frac_copy_actual" in r else "-"
-            log(f"| {r['shape'][0]}x{r['shape'][1]} | {r['case']} | {r['us']:.1f} | {r['frac_copy_logical']:.3f} | {act} |")
-    if args.check:
+    if args.check:  # first: a timeout later still leaves the correctness result
         result["check"] = []
-        bad = check(result["check"], quick=args.quick, impls=(0, 1) if args.quick else (None,))
-    with open(os.path.join(args.out, "quantize_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        bad = check(result["check"], quick=args.quick, configs=QUICK_CONFIGS if args.quick else (None,))
+        save()
+    if args.bench or args.sweep:
+        copy_bw = copy_bandwidth()
+        result["copy_GBps"] = copy_bw
+    if args.bench:
+        result["bench"] = []
+        bench(result["bench"], copy_bw, eager=not args.no_eager)
+        save()
+        table(result["bench"])
+    if args.sweep:
+        result["sweep"] = []
+        x = torch.randn(SWEEP_SHAPE, device=DEV, dtype=torch.bfloat16)
+        best = result["sweep_best"] = {}
+        best.update(sweep(x, copy_bw, result["sweep"], only=[w for w in args.sweeps.split(",") if w], save=save))
+        log(f"best configs: {best}")
+        save()
+    save()
     if bad:
         log(f"FAILED: {bad} configurations not bit-exact")
         sys.exit(1)

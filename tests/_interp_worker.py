@@ -10,6 +10,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from fp4compile import ops  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
@@ -22,6 +24,30 @@ def compare(got, ref):
         a = a.cpu()
         out[name] = "shape/dtype" if (a.shape != b.shape or a.dtype != b.dtype) else int((a != b).sum())
     return out
+
+
+@triton.jit
+def _e2m1_probe(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    tl.store(out_ptr + offs, K._e2m1_fast(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
+
+def e2m1_mismatches():
+    """Every FP32 in [2^-3, 2^4) with the low 12 mantissa bits sampled at 0, 1, 2^11-1, 2^11, 2^11+1, 2^12-1
+    (so every E2M1 tie and its neighbours), both signs, plus zeros, subnormals and huge values."""
+    from fp4compile.formats.nvfp4 import e2m1_rne_codes
+
+    lo, hi = torch.tensor([0.125, 16.0]).view(torch.int32).tolist()
+    base = torch.arange(lo, hi, 4096, dtype=torch.int32)
+    low = torch.tensor([0, 1, 2047, 2048, 2049, 4095], dtype=torch.int32)
+    v = (base[:, None] + low[None, :]).reshape(-1).view(torch.float32)
+    extra = torch.tensor([0.0, 1e-45, 1e-30, 0.0625, 7.0, 8.0, 1e10, 3e38])
+    v = torch.cat([v, extra])
+    v = torch.cat([v, -v])
+    out = torch.empty(v.numel(), dtype=torch.int32)
+    _e2m1_probe[(triton.cdiv(v.numel(), 4096),)](v, out, v.numel(), BLOCK=4096)
+    return int((out != e2m1_rne_codes(v).to(torch.int32)).sum())
 
 
 def main():
@@ -49,6 +75,10 @@ def main():
             report[f"dequantize-{h}-{dt}"] = int((got != torch.ops.fp4compile.dequantize(c, s, g, h, sg, dt)).sum())
         except Exception as e:  # noqa: BLE001
             report[f"dequantize-{h}-{dt}"] = f"{type(e).__name__}: {e}"
+    report["e2m1"] = e2m1_mismatches()
+    x = data("heavy", (32, 256))
+    got = K.quantize(x, "ms_eden", hadamard=32, signs=SIGNS[:32], seed=SEED, amax=K.amax(x, 32, SIGNS[:32]))
+    report["given-amax"] = compare(got, ops._quantize_reference(x, "ms_eden", False, False, 32, SIGNS[:32], SEED, False))
     print("REPORT" + json.dumps(report))
 
 

@@ -52,16 +52,21 @@ def oracle_rtn(x: np.ndarray, block2d=False, four_over_six=False):
         v = np.clip(xb * e[..., None], -6, 6).astype(np.float32)
         v = np.where(np.signbit(xb * e[..., None]), -np.abs(v), np.abs(v))  # keep -0
         q = v.astype(F4)
-        xh = q.astype(np.float32) * (sf * g)[..., None]
-        err = ((xb.astype(np.float64) - xh.astype(np.float64)) ** 2).sum(-1)
-        return s.view(np.uint8), q.view(np.uint8) & 0xF, err
+        # 4/6 error as defined by the reference: FP32, in units of the global decode scale, adjacent-pair tree
+        d = (xb * s_enc).astype(np.float32) - (q.astype(np.float32) * sf[..., None]).astype(np.float32)
+        err = (d * d).astype(np.float32)
+        while err.shape[-1] > 1:
+            err = (err[..., 0::2] + err[..., 1::2]).astype(np.float32)
+        return s.view(np.uint8), q.view(np.uint8) & 0xF, err[..., 0]
 
     s6, q6, e6 = enc(6.0)
     if four_over_six:
         s4, q4, e4 = enc(4.0)
         if block2d:
             def tile(e):
-                t = e.reshape(*lead[:-1], lead[-1] // 16, 16, K // 16).sum(-2, keepdims=True)
+                t = e.reshape(*lead[:-1], lead[-1] // 16, 16, K // 16)
+                while t.shape[-2] > 1:
+                    t = (t[..., 0::2, :] + t[..., 1::2, :]).astype(np.float32)
                 return np.broadcast_to(t, (*lead[:-1], lead[-1] // 16, 16, K // 16)).reshape(e.shape)
             e6, e4 = tile(e6), tile(e4)
         pick = e4 < e6

@@ -68,10 +68,25 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("gauss", (128, 48), "ms_eden", False, False, 128, True),
     # the optional 8th entry overrides kernels.quantize.CONFIG: the coalesced transposed load, other tiles
     ("heavy", (64, 256), "rtn", True, True, 16, True, {"t_impl": 1}),
-    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "q_rows": 32, "q_cols": 128}),
-    ("heavy", (32, 256), "sr", False, False, 32, False, {"q_rows": 8}),
-    # the flip butterfly (the CUDA default; slow under the interpreter, so one small case)
+    ("gauss", (128, 64), "ms_eden", False, False, 128, True, {"t_impl": 1, "t_rows": 32, "t_cols": 128}),
+    ("heavy", (32, 256), "sr", False, False, 32, False, {"r_rows": 8, "ah_rows": 16}),
+    ("heavy", (32, 256), "sr", True, False, 0, False, {"s_rows": 8, "s_cols": 128, "a_rows": 16}),
+    # the flip butterfly (the CUDA default; slow under the interpreter, so small cases)
     ("heavy", (16, 128), "ms_eden", False, False, 16, False, {"rht_impl": 1}),
+    ("heavy", (16, 256), "rtn", False, False, 128, False, {"rht_impl": 1}),
+    # the first kernel version (q_impl=0), kept for comparison
+    ("heavy", (32, 256), "rtn", True, True, 16, False, {"q_impl": 0}),
+    ("gauss", (32, 256), "sr", True, False, 0, False, {"q_impl": 0}),
+    ("heavy", (128, 32), "ms_eden", False, False, 128, True, {"q_impl": 0, "t_impl": 1}),
+    # tiles with partial edges; the transposed-path tiles
+    ("wide", (40, 80), "rtn", False, False, 0, False, {"q_rows": 32, "q_cols": 128}),
+    ("wide", (48, 256), "sr", False, False, 0, False, {"a_impl": 2, "a_rows": 32}),  # amax pass on halves
+    ("heavy", (80, 48), "sr", False, False, 16, True, {"t_rows": 64, "t_cols": 32, "t_impl": 1}),
+    # transposed: the strided in-kernel load (t_impl=0, the default) and the Triton transposing copy (2)
+    ("heavy", (128, 32), "ms_eden", False, True, 128, True, {"t_impl": 0}),
+    ("wide", (64, 48), "rtn", True, False, 0, True, {"t_impl": 0}),
+    ("wide", (96, 80), "rtn", True, False, 0, True, {"t_impl": 2, "p_rows": 32, "p_cols": 64}),
+    ("heavy", (128, 48), "ms_eden", False, False, 128, True, {"t_impl": 2, "p_rows": 64, "p_cols": 32}),
 ]
 
 
@@ -100,6 +115,13 @@ def interp_report():
 @pytest.mark.parametrize("case", INTERP_CASES, ids=case_id)
 def test_interpreter_bit_exact(case, interp_report):
     assert interp_report[case_id(case)] == {"codes": 0, "scales": 0, "global": 0}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
+def test_interpreter_e2m1_and_amax(interp_report):
+    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; given-amax mode."""
+    assert interp_report["e2m1"] == 0
+    assert interp_report["given-amax"] == {"codes": 0, "scales": 0, "global": 0}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")

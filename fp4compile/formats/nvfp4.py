@@ -207,8 +207,9 @@ def quantize_rtn_(x32: torch.Tensor, block2d: bool, four_over_six: bool):
     stored, q = encode(6.0)
     if four_over_six:
         stored4, q4 = encode(4.0)
-        err6 = _block_sse(xb, q, stored, gscale)
-        err4 = _block_sse(xb, q4, stored4, gscale)
+        xs = xb * s_enc
+        err6 = _block_sse(xs, q, stored)
+        err4 = _block_sse(xs, q4, stored4)
         if block2d:
             err6 = _tile_sum(err6)
             err4 = _tile_sum(err4)
@@ -231,10 +232,14 @@ def tree_sum(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return t.squeeze(dim)
 
 
-def _block_sse(xb, q, stored, gscale):
-    """Per-block sum of squared errors in float64, summed in a fixed pairwise order (:func:`tree_sum`)."""
-    xh = e2m1_decode(q) * (stored.to(torch.float32) * gscale).unsqueeze(-1)
-    d = xb.double() - xh.double()
+def _block_sse(xs, q, stored):
+    """Per-block sum of squared errors, FP32, in units of the global decode scale, summed in a fixed pairwise
+    order (:func:`tree_sum`): ``d = x * s_enc - q * S_b`` (``xs`` = x * s_enc, shared by both candidates).
+
+    The unit keeps every term in FP32 range for any amax (|x * s_enc| <= G, S_b <= 448, |q| <= 6); comparing
+    two candidates' errors in that common unit is the same comparison as in x's own unit up to FP32 rounding.
+    """
+    d = xs - e2m1_decode(q) * stored.to(torch.float32).unsqueeze(-1)
     return tree_sum(d * d)
 
 

@@ -1,7 +1,7 @@
 """Rounding schemes of the NVFP4 reference: RTN (+4/6), SR (+4/6), MS-EDEN. FP32 math, any device.
 
 Every scheme is the two-level scaling of ``nvfp4.py`` with its own constants; all arithmetic is FP32 in the
-order written here (statistics that are *sums* use float64 and the fixed pairwise order of
+order written here (statistics that are *sums* use FP32 and the fixed pairwise order of
 :func:`~fp4compile.formats.nvfp4.tree_sum`), and all randomness comes from the counter-based hash of
 :mod:`fp4compile.formats.random`, so the Triton kernels reproduce every byte.
 
@@ -14,18 +14,21 @@ Notation: ``amax`` = max|x| over the tensor (after the rotation, if any), ``amax
     v        = x * enc_b
 
 ``rtn``      G = 6*448 (4/6: 6*256), M = 6 (4/6 candidate: 4); codes = e2m1_rne_sat(v).
+             4/6 picks per block the candidate with the lower sum of (x*s_enc - q*S_b)^2 (FP32, fixed tree:
+             the squared error in units of the global decode scale; the 4-candidate only if strictly lower).
 ``sr``       G = 6*448*16/17 (4/6: 6*256*16/17), M = 6*16/17 (4/6 candidate: 4*16/17).
              The 16/17 headroom: RNE of the scale can shrink it by up to 16/17, so |v| <= 6 always and SR never
              saturates (notes §8). The global numerator carries the same factor so the top block's scale
              lands on 448 instead of 476 and is not clamped (a clamped scale would let |v| exceed 6 again).
              codes = SR(v): between grid neighbours lo <= |v| <= hi, round up iff u < (|v| - lo)/(hi - lo),
              u = uniform(seed, flat element index). E[decode] = x exactly (up to the 2^-24 grid of u).
-             4/6 picks per block the candidate with the lower *expected* SR error sum (|v|-lo)(hi-|v|)*scale^2,
-             a deterministic function of x, so the choice does not bias the result.
+             4/6 picks per block the candidate with the lower *expected* SR error sum (|v|-lo)(hi-|v|)*S_b^2
+             (FP32, fixed tree; in units of global^2, the factor both candidates share), a deterministic
+             function of x, so the choice does not bias the result.
 ``ms_eden``  Quartet II's MS-EDEN (notes §10), per 1x16 block (16x16 tile for 2D blocks):
              val_max = 6/((17/16)*0.93), G = 256*val_max, M = val_max; RTN elements q = e2m1_rne_sat(v);
-             EDEN correction c = sum(v^2) / sum(v*q)  (c = 1 if the denominator is 0);
-             S' = min(S_b * c, 448) stochastically rounded to one of its neighbouring E4M3 codes
+             EDEN correction c = sum(v^2) / sum(v*q)  (FP32 sums, fixed tree; c = 1 if the denominator is 0);
+             S' = min(S_b * c, 448) (FP32) stochastically rounded to one of its neighbouring E4M3 codes
              (u = uniform(seed, flat block index); for 2D tiles the index of the tile's top-row block), so
              E[S_stored] = S'. Unbiased over the random rotation (pass ``hadamard``); the caller's ``hadamard``
              argument applies the RHT (signs first). 4/6 is not defined for MS-EDEN (raises).
@@ -111,12 +114,12 @@ def sr_codes(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return mag | (torch.signbit(v).to(torch.uint8) << 3)
 
 
-def _sr_expected_sse(v: torch.Tensor, sf: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-    """Expected SR squared error per block: sum (|v|-lo)(hi-|v|) * (S_b*global)^2, float64, fixed order."""
+def _sr_expected_sse(v: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """Expected SR squared error per block in units of global^2: sum (|v|-lo)(hi-|v|) * S_b^2, FP32, fixed
+    order (the common factor global^2 of both 4/6 candidates is left out: no FP32 overflow/underflow)."""
     a, _, lo, step = _sr_floor(v)
-    var = (a - lo).double() * (lo + step - a).double()
-    s = (sf * gscale).double()
-    return tree_sum(var) * (s * s)
+    var = (a - lo) * (lo + step - a)
+    return tree_sum(var) * (sf * sf)
 
 
 def _quantize_sr(x2: torch.Tensor, block2d: bool, four_over_six: bool, seed: torch.Tensor):
@@ -129,8 +132,8 @@ def _quantize_sr(x2: torch.Tensor, block2d: bool, four_over_six: bool, seed: tor
     stored, enc = _scale_and_enc(amax_b, m6, s_enc, gscale)
     if four_over_six:
         stored4, enc4 = _scale_and_enc(amax_b, m4, s_enc, gscale)
-        e6 = _sr_expected_sse(xb * enc.unsqueeze(-1), stored.to(torch.float32), gscale)
-        e4 = _sr_expected_sse(xb * enc4.unsqueeze(-1), stored4.to(torch.float32), gscale)
+        e6 = _sr_expected_sse(xb * enc.unsqueeze(-1), stored.to(torch.float32))
+        e4 = _sr_expected_sse(xb * enc4.unsqueeze(-1), stored4.to(torch.float32))
         if block2d:
             e6, e4 = _tile_sum(e6), _tile_sum(e4)
         pick4 = e4 < e6
@@ -167,13 +170,12 @@ def _quantize_eden(x2: torch.Tensor, block2d: bool, seed: torch.Tensor):
     stored, enc = _scale_and_enc(amax_b, EDEN_VAL_MAX, s_enc, gscale)
     v = xb * enc.unsqueeze(-1)
     q = e2m1_rne_codes(v)
-    vd = v.double()
-    num = tree_sum(vd * vd)
-    den = tree_sum(vd * e2m1_decode(q).double())
+    num = tree_sum(v * v)  # FP32, fixed order: |v| <= ~6.4, so no range issue
+    den = tree_sum(v * e2m1_decode(q))
     if block2d:
         num, den = _tile_sum(num), _tile_sum(den)
     c = torch.where(den == 0, torch.ones_like(num), num / torch.where(den == 0, torch.ones_like(den), den))
-    s_corr = torch.clamp((stored.to(torch.float64) * c).to(torch.float32), max=E4M3_MAX)
+    s_corr = torch.clamp(stored.to(torch.float32) * c, max=E4M3_MAX)
     lo, hi = e4m3_neighbours(s_corr)
     p = torch.where(hi > lo, (s_corr - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(lo))
     rows = torch.arange(R, device=x2.device, dtype=torch.int64)

@@ -3,9 +3,9 @@
 Reference: ``fp4compile/formats/schemes.py`` (and ``nvfp4.py``, ``hadamard.py``, ``random.py``). Every
 floating-point step of the reference is reproduced here in the same order and precision:
 
-* divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``), FP64 divisions ``/``;
+* divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``);
 * kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
-* sums (4/6 errors, EDEN statistics) use the same fixed pairwise tree (:func:`_tree_last`);
+* sums (4/6 errors, EDEN statistics) are FP32 in the same fixed pairwise tree (:func:`_tree_last`);
 * the RHT is the same butterfly (signs first, stages h = 1, 2, 4, ..., then x fp32(1/sqrt(d)), then + 0.0);
 * E4M3 rounding is done on the FP32 bit pattern (RNE, identical to ``.to(torch.float8_e4m3fn)`` on [0, 448]);
 * random bits come from the same counter-based hash of (seed, flat index).
@@ -13,8 +13,13 @@ floating-point step of the reference is reproduced here in the same order and pr
 Two launches per quantize, no host synchronization: ``_amax_kernel`` reduces max|x| (of the rotated tensor
 when an RHT is fused) into a device scalar with ``atomic_max``; ``_quantize_kernel`` reads it, derives the
 global scale, and writes codes, scale bytes and (program 0) the global decode scale.
-``transpose=True`` quantizes ``x.T`` by passing swapped strides: the kernel reads the column-wise tile
-directly, no transposed copy is materialized.
+``transpose=True`` quantizes ``x.T``: by default (``CONFIG["t_impl"] = 2``) through one transposing copy of x
+and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel through swapped strides
+(strided, or coalesced + ``tl.trans``), no copy, but slower layouts (see :data:`CONFIG`).
+
+Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
+maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
+``amax=`` (optional) skips the amax pass: a single pass with a given global amax (delayed scaling).
 
 The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
 """
@@ -62,6 +67,13 @@ def _uniform(k0, k1, idx):
 
 
 @triton.jit
+def _uniform32(k0, k1, i):
+    """:func:`_uniform` for uint32 indices (the flat index mod 2^32, computed with uint32 wrap-around)."""
+    h = _lowbias32(_lowbias32(i ^ k0) ^ k1)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
 def _e4m3_code(v):
     """FP32 v in [0, 448] -> E4M3 code (int32 0..126), round to nearest even."""
     bits = v.to(tl.uint32, bitcast=True)
@@ -99,6 +111,80 @@ def _e2m1_rne(v):
     mag = tl.where(a < 1.0, sub, normal)
     sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     return mag | (sign << 3)
+
+
+#: 1.5 * 2^23: adding it to a float in [0, 2^22] rounds to an integer (RNE) and leaves that integer in the low
+#: mantissa bits; the packed-word constant below is sum_i (bits(MAGIC) << 4i) mod 2^32 (see _pack_rtn).
+_MAGIC = 12582912.0
+_MAGIC_BITS = 0x4B400000
+_MAGIC_PACK = sum((_MAGIC_BITS << (4 * i)) for i in range(8)) & 0xFFFFFFFF
+
+
+@triton.jit
+def _e2m1_mag_magic(a):
+    """|v| (FP32, >= 0) -> MAGIC + E2M1 magnitude code (0..7) as an FP32 in [2^23, 2^24), RNE + saturation.
+
+    The code is a concave piecewise-linear function of the value: 2|v| on [0, 2], |v| + 2 on [2, 4], |v|/2 + 4
+    above, saturating at 7. Rounding commutes with adding integers and with the min of monotone pieces, so
+    code = min(rne(2a), rne(a) + 2, rne(a/2) + 4, 7); each rne is one FP32 add of MAGIC (the products by 2 and
+    0.5 are exact, so an FMA and a multiply-then-add give the same bits). Equal to the reference's comparison
+    chain on every FP32 value (checked exhaustively, tests/test_quantize_kernels.py::test_e2m1_magic_exhaustive).
+    FP-pipe work only (3 adds/FMAs + 3 min), vs ~10 integer ops for the bit form :func:`_e2m1_rne`.
+    """
+    t1 = tl.fma(a, 2.0, 12582912.0)
+    t2 = a + 12582914.0
+    t3 = tl.fma(a, 0.5, 12582916.0)
+    return tl.minimum(tl.minimum(t1, t2), tl.minimum(t3, 12582919.0))
+
+
+@triton.jit
+def _e2m1_fast(v):
+    """FP32 -> E2M1 code (int32, sign in bit 3); same codes as :func:`_e2m1_rne`."""
+    m = _e2m1_mag_magic(tl.abs(v)).to(tl.int32, bitcast=True) - 0x4B400000
+    return m | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _e2m1_value_fast(q):
+    """E2M1 code (int32, sign in bit 3) -> FP32 value; the magnitude is the convex inverse of the code map,
+    max(c/2, c - 2, 2c - 8) (exact small integers and halves), same values as :func:`_e2m1_value`."""
+    c = (q & 7).to(tl.float32)
+    v = tl.maximum(tl.maximum(c * 0.5, c - 2.0), c * 2.0 - 8.0)
+    return tl.where((q & 8) != 0, -v, v)
+
+
+@triton.jit
+def _pack8(q):
+    """[A, B, 8] int32 codes (0..15) -> [A, B] int32 words, element i in bits 4i..4i+3 (little-endian bytes:
+    element 2j low nibble of byte j, as ``pack_nibbles``)."""
+    sh = tl.arange(0, 8) * 4
+    return tl.sum(q << sh[None, None, :], axis=2)
+
+
+@triton.jit
+def _pack_rtn(v, MAGIC_PACK: tl.constexpr):
+    """[A, B, 8] FP32 scaled values -> [A, B] packed RTN words, without materializing each code: the words of
+    MAGIC + code are shifted into place and summed (uint32 wrap-around), then sum_i MAGIC << 4i is subtracted
+    once; the sign bits are masked in from each value's bit 31."""
+    return _pack_magic(_e2m1_mag_magic(tl.abs(v)), v, MAGIC_PACK)
+
+
+@triton.jit
+def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
+    """:func:`_pack_rtn` from precomputed ``m`` = :func:`_e2m1_mag_magic` of |v|."""
+    sh = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :]
+    mb = m.to(tl.uint32, bitcast=True)
+    sgn = (v.to(tl.uint32, bitcast=True) >> (28 - sh)) & (8 << sh)
+    w = tl.sum((mb << sh) | sgn, axis=2)
+    return (w - MAGIC_PACK).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mag_value_magic(m):
+    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`): code = m - MAGIC (exact),
+    value = max(c/2, c - 2, 2c - 8), all exact in FP32."""
+    c = m - 12582912.0
+    return tl.maximum(tl.maximum(c * 0.5, c - 2.0), tl.fma(c, 2.0, -8.0))
 
 
 @triton.jit
@@ -233,15 +319,21 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 @triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
                  HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr):
-    x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
-    if HAD > 0:
-        x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+                 BR: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
+    if HALVES:  # the quantize kernel's block-per-thread load and RHT (_load_halves)
+        lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), signs_ptr, HAD,
+                                    NORM, RHT_IMPL, TLOAD, BR, BC)
+        m = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=2), axis=1), tl.max(tl.max(tl.abs(hi), axis=2), axis=1))
+        tl.atomic_max(amax_ptr, tl.max(m, axis=0))
+    else:
+        x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
+        if HAD > 0:
+            x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
+def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      codes_ptr, scales_ptr, gscale_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
@@ -270,9 +362,9 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         if FOUR_SIX:
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
             q4 = _e2m1_rne(xb * enc4[:, :, None])
-            xd = xb.to(tl.float64)
-            d6 = xd - (_e2m1_value(q) * (sf * gs)[:, :, None]).to(tl.float64)
-            d4 = xd - (_e2m1_value(q4) * (sf4 * gs)[:, :, None]).to(tl.float64)
+            xs = xb * s_enc
+            d6 = xs - _e2m1_value(q) * sf[:, :, None]
+            d4 = xs - _e2m1_value(q4) * sf4[:, :, None]
             e6 = _tree_last(d6 * d6, BR, NB, 16)
             e4 = _tree_last(d4 * d4, BR, NB, 16)
             if BLOCK2D:
@@ -286,10 +378,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
             a6, c6, lo6, st6 = _sr_floor(xb * enc[:, :, None])
             a4, c4, lo4, st4 = _sr_floor(xb * enc4[:, :, None])
-            s6 = (sf * gs).to(tl.float64)
-            s4 = (sf4 * gs).to(tl.float64)
-            e6 = _tree_last((a6 - lo6).to(tl.float64) * (lo6 + st6 - a6).to(tl.float64), BR, NB, 16) * (s6 * s6)
-            e4 = _tree_last((a4 - lo4).to(tl.float64) * (lo4 + st4 - a4).to(tl.float64), BR, NB, 16) * (s4 * s4)
+            e6 = _tree_last((a6 - lo6) * (lo6 + st6 - a6), BR, NB, 16) * (sf * sf)
+            e4 = _tree_last((a4 - lo4) * (lo4 + st4 - a4), BR, NB, 16) * (sf4 * sf4)
             if BLOCK2D:
                 e6 = _tile_rows(e6, BR, NB)
                 e4 = _tile_rows(e4, BR, NB)
@@ -307,14 +397,13 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     else:
         v = xb * enc[:, :, None]
         q = _e2m1_rne(v)
-        vd = v.to(tl.float64)
-        num = _tree_last(vd * vd, BR, NB, 16)
-        den = _tree_last(vd * _e2m1_value(q).to(tl.float64), BR, NB, 16)
+        num = _tree_last(v * v, BR, NB, 16)
+        den = _tree_last(v * _e2m1_value(q), BR, NB, 16)
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
-        c = tl.where(den == 0, 1.0, num / tl.where(den == 0, 1.0, den))
-        s_corr = tl.minimum((sf.to(tl.float64) * c).to(tl.float32), 448.0)
+        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
+        s_corr = tl.minimum(sf * c, 448.0)
         rc = _e4m3_code(s_corr)
         lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
         lo = _e4m3_value(lo_code)
@@ -339,6 +428,228 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     colsb = pid_c * NB + tl.arange(0, NB)
     tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + colsb[None, :], code.to(tl.uint8),
              mask=rmask & (colsb < K // 16)[None, :])
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(gscale_ptr, gs)
+
+
+@triton.jit
+def _stage8(y, A: tl.constexpr, B: tl.constexpr, H: tl.constexpr):
+    """Butterfly stage h = H (1, 2, 4) inside [A, B, 8] halves (the 8 are one thread's registers)."""
+    v = tl.permute(tl.reshape(y, (A, B, 8 // (2 * H), 2, H)), (0, 1, 2, 4, 3))
+    a, b = tl.split(v)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 2, 4, 3)), (A, B, 8))
+
+
+@triton.jit
+def _stage_blocks(y, A: tl.constexpr, NB: tl.constexpr, H: tl.constexpr, IMPL: tl.constexpr):
+    """Butterfly stage h = 16 H across blocks: block b pairs with block b ^ H (same element of the half)."""
+    if IMPL == 0:
+        v = tl.permute(tl.reshape(y, (A, NB // (2 * H), 2, H, 8)), (0, 1, 3, 4, 2))
+        a, b = tl.split(v)
+        w = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
+    else:
+        v = tl.reshape(y, (A, NB // (2 * H), 2, H, 8))
+        p = tl.flip(v, 2)
+        sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+        w = tl.fma(v, sgn[None, None, :, None, None], p)  # exact product by +-1: = a + b / a - b, one rounding
+    return tl.reshape(w, (A, NB, 8))
+
+
+@triton.jit
+def _rht_halves(lo, hi, signs_ptr, BR: tl.constexpr, NB: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr,
+                IMPL: tl.constexpr):
+    """formats.hadamard.rht on 16-blocks held as halves: signs, stages h = 1, 2, 4 inside each half, h = 8
+    between the halves (both in registers), h = 16, 32, 64 across blocks (lanes), x fp32(1/sqrt(d)), + 0.0.
+    Every output is the reference's FP32 op on the same operands, in the same stage order."""
+    HB: tl.constexpr = HAD // 16
+    sidx = ((tl.arange(0, NB) % HB) * 16)[:, None] + tl.arange(0, 8)[None, :]
+    lo = lo * tl.load(signs_ptr + sidx)[None, :, :]
+    hi = hi * tl.load(signs_ptr + sidx + 8)[None, :, :]
+    lo = _stage8(_stage8(_stage8(lo, BR, NB, 1), BR, NB, 2), BR, NB, 4)
+    hi = _stage8(_stage8(_stage8(hi, BR, NB, 1), BR, NB, 2), BR, NB, 4)
+    lo, hi = lo + hi, lo - hi
+    if HB >= 2:
+        lo = _stage_blocks(lo, BR, NB, 1, IMPL)
+        hi = _stage_blocks(hi, BR, NB, 1, IMPL)
+    if HB >= 4:
+        lo = _stage_blocks(lo, BR, NB, 2, IMPL)
+        hi = _stage_blocks(hi, BR, NB, 2, IMPL)
+    if HB >= 8:
+        lo = _stage_blocks(lo, BR, NB, 4, IMPL)
+        hi = _stage_blocks(hi, BR, NB, 4, IMPL)
+    # fma(y, NORM, +0.0) rounds y * NORM once and turns -0 into +0: the reference's (y * NORM) + 0.0
+    return tl.fma(lo, NORM, 0.0), tl.fma(hi, NORM, 0.0)
+
+
+@triton.jit
+def _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD: tl.constexpr, NORM: tl.constexpr,
+                 RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """The [BR, BC] tile as two FP32 halves [BR, BC/16, 8]: elements 0..7 and 8..15 of every 16-block.
+
+    Without RHT or transposition the halves are two loads of 16 contiguous bytes (bf16) per block, so one
+    thread holds a whole block: the block max and the per-block scale math need no shuffles and are not
+    replicated across threads (a single [BR, BC] load gives each thread 8 elements, i.e. half a block).
+    The transposed path (TLOAD or strided) loads the [BR, BC] tile as before and splits it in registers.
+    Under RHT the rotation is applied to the halves (:func:`_rht_halves`).
+    """
+    NB: tl.constexpr = BC // 16
+    rows = pid_r * BR + tl.arange(0, BR)
+    if TLOAD == 0:
+        # flat (row, block) index first, so consecutive threads take consecutive blocks of a row (coalesced)
+        f = tl.arange(0, BR * NB)
+        r = pid_r * BR + f // NB
+        c0 = (pid_c * NB + f % NB)[:, None] * 16 + tl.arange(0, 8)[None, :]
+        ptr = x_ptr + r.to(tl.int64)[:, None] * srow + c0 * scol
+        mask = (r < R)[:, None] & (c0 < K)
+        lo = tl.reshape(tl.load(ptr, mask=mask, other=0.0).to(tl.float32), (BR, NB, 8))
+        hi = tl.reshape(tl.load(ptr + 8 * scol, mask=mask, other=0.0).to(tl.float32), (BR, NB, 8))
+    else:
+        x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC, TLOAD)
+        lo, hi = tl.split(tl.permute(tl.reshape(x, (BR, NB, 2, 8)), (0, 1, 3, 2)))
+    if HAD > 0:
+        lo, hi = _rht_halves(lo, hi, signs_ptr, BR, NB, HAD, NORM, RHT_IMPL)
+    return lo, hi, rows
+
+
+@triton.jit
+def _tree2(lo, hi, BR: tl.constexpr, NB: tl.constexpr):
+    """The fixed pairwise tree sum over a 16-block held as two [BR, NB, 8] halves (= _tree_last over 16)."""
+    return _tree_last(lo, BR, NB, 8) + _tree_last(hi, BR, NB, 8)
+
+
+@triton.jit
+def _sse46(xs, q, q4, sf, sf4, BR: tl.constexpr, NB: tl.constexpr):
+    """Per-block squared errors of the 6- and 4-candidates for one half (FP32, fixed tree, in units of the
+    global decode scale: ``xs`` = x * s_enc; formats.nvfp4._block_sse)."""
+    d6 = xs - _e2m1_value_fast(q) * sf[:, :, None]
+    d4 = xs - _e2m1_value_fast(q4) * sf4[:, :, None]
+    return _tree_last(d6 * d6, BR, NB, 8), _tree_last(d4 * d4, BR, NB, 8)
+
+
+@triton.jit
+def _sr_var(v, BR: tl.constexpr, NB: tl.constexpr):
+    """Tree sum over a half of the SR variance terms (|v| - lo)(hi - |v|), FP32."""
+    a, c, lo, st = _sr_floor(v)
+    return _tree_last((a - lo) * (lo + st - a), BR, NB, 8)
+
+
+@triton.jit
+def _sr_half(v, u):
+    """SR codes of one half: the reference's (|v| - lo) / step is exact (Sterbenz difference, power-of-two
+    step), so it is computed as a multiply by 1/step (2, 1 or 0.5) instead of a correctly rounded division."""
+    a, c, lo, step = _sr_floor(v)
+    p = (a - lo) * tl.where(c < 4, 2.0, tl.where(c < 6, 1.0, 0.5))
+    mag = c + (u < p).to(tl.int32)
+    return mag | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
+                     codes_ptr, scales_ptr, gscale_ptr,
+                     G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
+                     ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
+                     HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """One [BR, BC] tile -> packed codes (int32 words, 8 codes each) and scale bytes; see the module docstring.
+
+    Same arithmetic as :func:`_quantize_kernel_v0` (the first version, kept for comparison), reorganized so a
+    thread owns whole 16-blocks (:func:`_load_halves`), codes come from the FP-pipe :func:`_e2m1_mag_magic`,
+    8 codes are packed into one 32-bit word in registers, and the SR / EDEN hash indices are 32-bit.
+    """
+    NB: tl.constexpr = BC // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
+                                BR, BC)
+    amax = tl.load(amax_ptr)
+    zero = amax == 0
+    s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
+    gs = tl.where(zero, 0.0, tl.math.div_rn(1.0, s_enc))
+
+    ab = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    if BLOCK2D:
+        ab = _tile_max(ab, BR, NB)
+    code, sf, enc = _scale_enc(ab, M6, s_enc, gs)
+    e3 = enc[:, :, None]
+
+    if ROUNDING == 0:
+        if FOUR_SIX:
+            code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
+            qlo = _e2m1_fast(lo * e3)
+            qhi = _e2m1_fast(hi * e3)
+            q4lo = _e2m1_fast(lo * enc4[:, :, None])
+            q4hi = _e2m1_fast(hi * enc4[:, :, None])
+            e6a, e4a = _sse46(lo * s_enc, qlo, q4lo, sf, sf4, BR, NB)
+            e6b, e4b = _sse46(hi * s_enc, qhi, q4hi, sf, sf4, BR, NB)
+            e6 = e6a + e6b
+            e4 = e4a + e4b
+            if BLOCK2D:
+                e6 = _tile_rows(e6, BR, NB)
+                e4 = _tile_rows(e4, BR, NB)
+            pick4 = e4 < e6
+            code = tl.where(pick4, code4, code)
+            wlo = _pack8(tl.where(pick4[:, :, None], q4lo, qlo))
+            whi = _pack8(tl.where(pick4[:, :, None], q4hi, qhi))
+        else:
+            wlo = _pack_rtn(lo * e3, MAGIC_PACK)
+            whi = _pack_rtn(hi * e3, MAGIC_PACK)
+    elif ROUNDING == 1:
+        if FOUR_SIX:
+            code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
+            e4_3 = enc4[:, :, None]
+            e6 = (_sr_var(lo * e3, BR, NB) + _sr_var(hi * e3, BR, NB)) * (sf * sf)
+            e4 = (_sr_var(lo * e4_3, BR, NB) + _sr_var(hi * e4_3, BR, NB)) * (sf4 * sf4)
+            if BLOCK2D:
+                e6 = _tile_rows(e6, BR, NB)
+                e4 = _tile_rows(e4, BR, NB)
+            pick4 = e4 < e6
+            code = tl.where(pick4, code4, code)
+            e3 = tl.where(pick4, enc4, enc)[:, :, None]
+        k0, k1 = _seed_keys(seed_ptr)
+        # the hash takes the flat index mod 2^32: uint32 wrap-around arithmetic gives exactly that
+        c0 = ((pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]).to(tl.uint32)
+        i0 = rows.to(tl.uint32)[:, None, None] * K.to(tl.uint32) + c0
+        wlo = _pack8(_sr_half(lo * e3, _uniform32(k0, k1, i0)))
+        whi = _pack8(_sr_half(hi * e3, _uniform32(k0, k1, i0 + 8)))
+    else:
+        vlo = lo * e3
+        vhi = hi * e3
+        alo = tl.abs(vlo)
+        ahi = tl.abs(vhi)
+        mlo = _e2m1_mag_magic(alo)
+        mhi = _e2m1_mag_magic(ahi)
+        num = _tree2(vlo * vlo, vhi * vhi, BR, NB)
+        # v * decode(q) = |v| * |decode(q)| bit for bit (q carries v's sign; IEEE products are sign-symmetric)
+        den = _tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), BR, NB)
+        if BLOCK2D:
+            num = _tile_rows(num, BR, NB)
+            den = _tile_rows(den, BR, NB)
+        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
+        s_corr = tl.minimum(sf * c, 448.0)
+        rc = _e4m3_code(s_corr)
+        lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
+        slo = _e4m3_value(lo_code)
+        shi = tl.where(slo == s_corr, slo, _e4m3_value(lo_code + 1))
+        p = tl.where(shi > slo, tl.math.div_rn(s_corr - slo, tl.where(shi > slo, shi - slo, 1.0)), 0.0)
+        k0, k1 = _seed_keys(seed_ptr)
+        brow = rows
+        if BLOCK2D:
+            brow = rows - rows % 16
+        bcol = (pid_c * NB + tl.arange(0, NB)).to(tl.uint32)
+        u = _uniform32(k0, k1, brow.to(tl.uint32)[:, None] * (K // 16).to(tl.uint32) + bcol[None, :])
+        code = tl.where(u < p, lo_code + 1, lo_code)
+        wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
+        whi = _pack_magic(mhi, vhi, MAGIC_PACK)
+
+    w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
+    w = tl.where(zero, 0, w)
+    rmask = (rows < R)[:, None]
+    blk = pid_c * NB + tl.arange(0, NB)
+    wcol = pid_c * (2 * NB) + tl.arange(0, 2 * NB)
+    tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 8) + wcol[None, :], w,
+             mask=rmask & (wcol < K // 8)[None, :])
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blk[None, :], code.to(tl.uint8),
+             mask=rmask & (blk < K // 16)[None, :])
     if (pid_r == 0) & (pid_c == 0):
         tl.store(gscale_ptr, gs)
 
@@ -375,13 +686,38 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
              mask=rmask & (cols < K)[None, :])
 
 
+@triton.jit
+def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    """xt[n, m] = x[m, n] for one [BM, BN] tile (xt contiguous [N, M]); with AMAX also max|x| into amax_ptr
+    (max|x.T| = max|x|, so the transposed quantize needs no separate amax pass without RHT)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    t = tl.load(x_ptr + m.to(tl.int64)[:, None] * sxm + n.to(tl.int64)[None, :] * sxn, mask=mask, other=0.0)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(t.to(tl.float32)), axis=1), axis=0))
+    tl.store(xt_ptr + n.to(tl.int64)[None, :] * M + m.to(tl.int64)[:, None], t, mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------- launchers
-#: Tile sizes and the butterfly implementation, from the H200 sweep in bench/quantize.py (docs/BENCHMARKS.md):
-#: quantize 16x256 tiles (4 warps), amax 32x256, RHT via the flip butterfly (rht_impl=1: 115 us vs 220 us for
-#: the permute/split one on the amax pass of a 16384x8192 RHT-128 tensor). ``t_impl=1`` (transposed tiles loaded
-#: in x's orientation, then ``tl.trans``) is bit-exact under the interpreter but not yet measured on a GPU.
-CONFIG = {"q_rows": 16, "q_cols": 256, "q_warps": 4, "a_rows": 32, "a_cols": 256, "a_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "rht_impl": 1, "t_impl": 0}
+#: Tile sizes and kernel variants, from the H200 sweeps in bench/quantize.py (docs/BENCHMARKS.md, 16384x8192).
+#: Quantize tiles: ``q_*`` plain RTN, 1D or 2D (16x512, 4 warps: 171 us total vs 176 us for 16x256), ``s_*`` SR
+#: and 4/6 (16x256: SR 461 us vs 550 us with 16x512), ``r_*`` with RHT (16x256, 4 warps), ``t_*`` the
+#: in-kernel transposed paths. Amax pass: ``a_*`` without RHT (128x256, 8 warps: 65 us vs 73 us for 32x256),
+#: ``ah_*`` with RHT (32x256, 4 warps: 103 us vs 121 us for 64x256). ``rht_impl`` 1: the butterfly exchanges
+#: partners with ``tl.flip`` (MS-EDEN+RHT128 346 us vs 774 us for 0, permute/split). ``q_impl``: 1 = the
+#: block-per-thread quantize kernel (:func:`_quantize_kernel`; RTN 175 us vs 227 us), 0 = the first version
+#: (:func:`_quantize_kernel_v0`). ``a_impl``: 1 = under RHT the amax pass loads and rotates blocks as halves like
+#: the quantize kernel (103 vs 115 us); 2 = halves also without RHT; 0 = never. ``t_impl`` (transpose=True):
+#: 2 = one Triton transposing copy (tiles ``p_*``, 128x128, 8 warps; fused with the amax pass without RHT), then
+#: the row-wise kernels (MS-EDEN+RHT128 477 us, RTN 231 us); 0 = strided loads through the swapped strides (717
+#: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
+CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
+          "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
+          "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -404,9 +740,29 @@ def _launch_opts(device):
     return {"enable_fp_fusion": False}
 
 
+_DUMMIES: dict = {}
+
+
+def _dummy(kind: str, device) -> torch.Tensor:
+    """A per-device placeholder argument that the kernels never read (the signs without RHT, the seed of
+    RTN): cached so a quantize call does not allocate and fill one each time (a fill is a kernel launch).
+    Not cached while a CUDA graph is being captured (the tensor would live in the graph's private pool)."""
+    device = torch.device(device)
+    key = (kind, device)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = torch.zeros((1,) if kind == "signs" else (), dtype=torch.float32 if kind == "signs" else torch.int64,
+                        device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _DUMMIES[key] = t
+    return t
+
+
 def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch.Tensor:
+    """The +-1 sign vector as a contiguous FP32 device tensor (random if ``signs`` is None; a cached
+    placeholder when ``hadamard`` is 0)."""
     if not hadamard:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+        return _dummy("signs", device)
     if signs is None:
         from ..formats.hadamard import random_signs
         return random_signs(hadamard, device=device).contiguous()
@@ -417,11 +773,28 @@ def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch
 
 def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    bc = max(cfg["a_cols"], hadamard or 16)
-    _amax_kernel[(triton.cdiv(R, cfg["a_rows"]), triton.cdiv(K, bc))](
+    if not hadamard and srow == 1 and scol != 1:
+        # max|x.T| = max|x|: reduce x in its own (contiguous) orientation
+        R, K, srow, scol, tload = K, R, scol, srow, False
+    pre = "ah" if hadamard else "a"
+    br, bc = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16)
+    _amax_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
-        TLOAD=tload, BR=cfg["a_rows"], BC=bc, num_warps=cfg["a_warps"], **_launch_opts(x.device))
+        TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
+        num_warps=cfg[pre + "_warps"],
+        **_launch_opts(x.device))
     return amax
+
+
+def _transpose(x, cfg, want_amax: bool):
+    """(x.T contiguous, max|x| as an FP32 device scalar or None) from one Triton pass over x."""
+    M, N = x.shape
+    xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
+    am = torch.zeros((), dtype=torch.float32, device=x.device)
+    _transpose_kernel[(triton.cdiv(M, cfg["p_rows"]), triton.cdiv(N, cfg["p_cols"]))](
+        x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
+        num_warps=cfg["p_warps"])
+    return xt, (am if want_amax else None)
 
 
 def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None, transpose: bool = False,
@@ -429,6 +802,8 @@ def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = Non
     """max|x| (of the RHT-rotated tensor when ``hadamard``) as an FP32 device scalar: the first of the two
     passes of :func:`quantize`, exposed for timing and for delayed-amax schemes."""
     cfg = _config(x.device, config)
+    if transpose and hadamard and cfg["t_impl"] == 2:
+        x, transpose = _transpose(x, cfg, False)[0], False
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     return _amax(x, R, K, srow, scol, hadamard, prepare_signs(signs, hadamard, x.device), cfg,
@@ -437,12 +812,18 @@ def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = Non
 
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
              hadamard: int = 0, signs: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
-             transpose: bool = False, config: Optional[dict] = None):
+             transpose: bool = False, config: Optional[dict] = None, amax: Optional[torch.Tensor] = None):
     """Launch the NVFP4 quantize kernels on a 2D tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     Same contract as ``torch.ops.fp4compile.quantize``: returns (codes uint8 [R, C/2], scale bytes uint8
     [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
     NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
+
+    ``amax``: optional FP32 0-dim device tensor used as the global amax instead of measuring max|x| (of the
+    rotated tensor under RHT): one pass over x instead of two, e.g. for delayed scaling (the previous step's
+    amax, as in Transformer Engine's FP8 recipe). The result equals the two-pass one only when ``amax`` is
+    the true max; a smaller value saturates the top block scales at 448 (RTN/MS-EDEN codes saturate at 6;
+    SR's no-saturation guarantee is lost). Not used by the op / the backend (their default measures amax).
     """
     cfg = _config(x.device, config)
     if x.dim() != 2:
@@ -453,6 +834,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
     if rounding == "ms_eden" and four_over_six:
         raise ValueError("four_over_six is not defined for rounding='ms_eden'")
+    if transpose and cfg["t_impl"] == 2 and x.numel():  # one transposing copy, then the row-wise kernels
+        x, a = _transpose(x, cfg, amax is None and not hadamard)
+        transpose = False
+        amax = a if a is not None else amax
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
     if K % 16:
@@ -466,7 +851,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if rounding != "rtn":
         seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
     else:
-        seed = torch.zeros((), dtype=torch.int64, device=dev)
+        seed = _dummy("seed", dev)
     codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
     gscale = torch.empty((), dtype=torch.float32, device=dev)
@@ -474,20 +859,29 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         gscale.zero_()
         return codes, scales, gscale
     tload = bool(transpose and cfg["t_impl"])
-    amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
+    if amax is None:
+        amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
+    else:
+        if amax.numel() != 1:
+            raise ValueError(f"amax must be a scalar tensor, got shape {tuple(amax.shape)}")
+        amax = amax.to(device=dev, dtype=torch.float32).reshape(())
     opts = _launch_opts(dev)
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
-    br = cfg["q_rows"]
+    pre = "t" if transpose else "r" if hadamard else "q" if rounding == "rtn" and not four_over_six else "s"
+    br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
     if block2d:
         br = max(16, br // 16 * 16)
-    bc = max(cfg["q_cols"], hadamard or 16)
-    _quantize_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
-        x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale,
-        G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
-        ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
-        HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=cfg["q_warps"],
-        **opts)
+    args = dict(G=global_numerator(rounding, four_over_six), M6=m6, M4=m4 if m4 is not None else 4.0,
+                ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
+                HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=warps,
+                **opts)
+    grid = (triton.cdiv(R, br), triton.cdiv(K, bc))
+    if cfg["q_impl"] == 0:
+        _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
+    else:
+        _quantize_kernel[grid](x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales, gscale,
+                               MAGIC_PACK=_MAGIC_PACK, **args)
     return codes, scales, gscale
 
 
