@@ -254,18 +254,25 @@ def _register_qattn_cuda():
         _qattn_check(q, k, v, fp4_roles)
         if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
-        fq, fk, fv = _aref.needs_fp4(fp4_roles)
-        vals, deq = [], {}
-        for name, x, need, fwd_role in (("q", q, fq, _aref.QK), ("k", k, fk, _aref.QK), ("v", v, fv, _aref.PV)):
-            if need:  # the FP4 copy (saved) and, when the forward reads it, its bf16 code x scale (transient)
-                r = _attn.quantize_2d(x, dequantized=bool(fp4_roles & fwd_role))
-                vals += r[:3]
-                if len(r) == 4:
-                    deq[name] = r[3]
-            else:
-                vals += _aref._empty_view(x)
+        # the FP4 copies (saved for backward) of every tensor with an NVFP4 consumer, and, where the forward
+        # reads it, its bf16 code x scale (transient): two launches for all of them
+        todo = [(name, x, bool(fp4_roles & r)) for name, x, need, r in
+                zip("qkv", (q, k, v), _aref.needs_fp4(fp4_roles), (_aref.QK, _aref.QK, _aref.PV)) if need]
+        done = dict(zip((t[0] for t in todo), _attn.quantize_many([t[1] for t in todo], [t[2] for t in todo])
+                        if todo else ()))
+        vals, deq, zero = [], {}, 0
+        for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+            if name in done:
+                vals += done[name][:3]
+                if len(done[name]) == 4:
+                    deq[name] = done[name][3]
+            else:  # empty codes/scales; the global is set to 0 by the forward kernel (no fill launch)
+                vals += [x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8),
+                         x.new_empty((), dtype=torch.float32)]
+                zero |= 1 << i
         views = _aref.QuantizedQKV(*vals)
-        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq)
+        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq,
+                                       zero_globals=zero)
         return (out, lse, *views)
 
     @qattn_bwd.register_kernel("cuda")
@@ -273,10 +280,10 @@ def _register_qattn_cuda():
           v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
         views = [q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global]
         dev = grad_out.device
-        views = _aref.QuantizedQKV(*[
-            t if t is not None else (torch.zeros((), dtype=torch.float32, device=dev) if i % 3 == 2
-                                     else torch.empty((0,), dtype=torch.uint8, device=dev))
-            for i, t in enumerate(views)])
+        # copies that were not saved are never read by the kernels (their roles are BF16): placeholders
+        g0, c0 = _attn._dummy(dev, torch.float32), _attn._dummy(dev, torch.uint8)
+        views = _aref.QuantizedQKV(*[t if t is not None else (g0 if i % 3 == 2 else c0)
+                                     for i, t in enumerate(views)])
         return _attn.attention_bwd(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles)
 
 

@@ -294,14 +294,36 @@ def _patched(tensor, scope):  # Triton 3.6's interpreter calls int() on 1-elemen
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 I._patch_lang_tensor = _patched
 from fp4compile.kernels import attention as A, attention_ref as R
+import triton, triton.language as tl
+@triton.jit
+def E2M1_CHECK(X, Y, Z, N: tl.constexpr):
+    o = tl.arange(0, N)
+    a = tl.load(X + o)
+    tl.store(Y + o, A._e2m1_rne(a))
+    tl.store(Z + o, A._e2m1_value(A._e2m1_mag_code(a)))
 def rel(a, b):
     a, b = a.double(), b.double(); return ((a - b).norm() / b.norm()).item()
 torch.manual_seed(0)
 x = torch.randn(1, 2, 40, 64).bfloat16()
 assert all(torch.equal(a, b) for a, b in zip(A.quantize_2d(x), R.quantize_2d(x))), "quant2d kernel != reference"
-CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None), (63, False, 2, 2, 70, "bool"), (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None),
-         (0, False, 1, 1, 50, "add")]
-for mask, causal, H, Hkv, T, mk in CASES:
+xs = [x, torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3, torch.zeros(1, 1, 20, 64).bfloat16()]
+for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + one quantize launch for three
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t))), "quantize_many != reference"
+    assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
+# the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
+# non-default tiles (the fp4-dS path pins its backward tiles to DS_TILE)
+CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),
+         (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None, None, None), (0, False, 1, 1, 50, "add", None, None),
+         (R.PAPER_ROLES, True, 1, 1, 160, None, dict(BM=64, BN=32), None),
+         (0, True, 1, 1, 100, None, dict(BM=32, BN=16, num_warps=4),
+          {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)})]
+x = torch.rand(4096) * 8
+x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
+y = torch.empty_like(x)
+z = torch.empty_like(x)
+E2M1_CHECK[(1,)](x, y, z, N=4096)
+assert torch.equal(y, z), "_e2m1_rne != threshold form"
+for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
         q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2) for n in (H, Hkv, Hkv, H))
     else:
@@ -313,10 +335,10 @@ for mask, causal, H, Hkv, T, mk in CASES:
         am = keep if mk == "bool" else torch.where(keep, torch.randn(keep.shape), torch.full(keep.shape, -1e4))
     views = R.quantize_qkv(q, k, v, mask)
     sc = 0.125
-    o, lse = A.attention_fwd(q, k, v, views, am, causal, sc, mask)
+    o, lse = A.attention_fwd(q, k, v, views, am, causal, sc, mask, config=fcfg)
     o64, l64 = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, out_dtype=torch.float64)
     opt, lpt = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
-    g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask)
+    g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
     g64 = R.attention_bwd_ref(do, q, k, v, views, o64, l64, am, causal, sc, mask, out_dtype=torch.float64)
     gpt = R.attention_bwd_ref(do, q, k, v, views, opt, lpt, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     for name, a, b, c in [("o", o, opt, o64)] + list(zip(("dq", "dk", "dv"), g, gpt, g64)):
