@@ -286,7 +286,7 @@ def test_bad_inputs_raise_clear_errors():
 # ---------------------------------------------------------------------------------------------------------
 # the Triton kernels under the interpreter (CPU), FlashAttention's 2x rule
 _INTERP_SCRIPT = r"""
-import math, torch
+import math, os, torch
 import triton.runtime.interpreter as I
 _orig = I._patch_lang_tensor
 def _patched(tensor, scope):  # Triton 3.6's interpreter calls int() on 1-element arrays; numpy >= 2.4 refuses
@@ -303,10 +303,12 @@ def E2M1_CHECK(X, Y, Z, N: tl.constexpr):
     tl.store(Z + o, A._e2m1_value(A._e2m1_mag_code(a)))
 def rel(a, b):
     a, b = a.double(), b.double(); return ((a - b).norm() / b.norm()).item()
+DEV = os.environ.get("QATTN_TEST_DEVICE", "cpu")
 torch.manual_seed(0)
-x = torch.randn(1, 2, 40, 64).bfloat16()
+x = torch.randn(1, 2, 40, 64).bfloat16().to(DEV)
 assert all(torch.equal(a, b) for a, b in zip(A.quantize_2d(x), R.quantize_2d(x))), "quant2d kernel != reference"
-xs = [x, torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3, torch.zeros(1, 1, 20, 64).bfloat16()]
+xs = [x, (torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3).to(DEV),
+      torch.zeros(1, 1, 20, 64).bfloat16().to(DEV)]
 for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + one quantize launch for three
     assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t))), "quantize_many != reference"
     assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
@@ -319,20 +321,23 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
           {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)})]
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
+x = x.to(DEV)
 y = torch.empty_like(x)
 z = torch.empty_like(x)
 E2M1_CHECK[(1,)](x, y, z, N=4096)
 assert torch.equal(y, z), "_e2m1_rne != threshold form"
 for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
-        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2) for n in (H, Hkv, Hkv, H))
+        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))
     else:
         q = torch.randn(1, H, T, 64).bfloat16(); k = torch.randn(1, Hkv, T, 64).bfloat16()
         v = torch.randn(1, Hkv, T, 64).bfloat16(); do = torch.randn(1, H, T, 64).bfloat16()
+        q, k, v, do = (t.to(DEV) for t in (q, k, v, do))
     am = None
     if mk:
         keep = torch.rand(1, 1, T, T) > 0.3; keep[..., 0] = True
         am = keep if mk == "bool" else torch.where(keep, torch.randn(keep.shape), torch.full(keep.shape, -1e4))
+        am = am.to(DEV)
     views = R.quantize_qkv(q, k, v, mask)
     sc = 0.125
     o, lse = A.attention_fwd(q, k, v, views, am, causal, sc, mask, config=fcfg)
@@ -346,6 +351,14 @@ for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
         print(f"mask={mask} causal={causal} {name}: kernel {ek:.5f} pt {ep:.5f}")
         assert ek <= 2 * ep + 1e-3, (mask, causal, name, ek, ep)
     assert (lse.double() - l64).abs().max() < 1e-5
+if DEV == "cuda":  # the op: globals of tensors without an FP4 copy are 0 (written by the forward kernel)
+    import fp4compile.ops
+    junk = [torch.full((), float("nan"), device=DEV) for _ in range(256)]
+    del junk
+    q = torch.randn(1, 2, 64, 64, device=DEV).bfloat16()
+    for roles, zero in ((0, (4, 7, 10)), (R.PAPER_ROLES, (10,))):
+        r = torch.ops.fp4compile.qattn(q, q, q, None, True, 0.125, roles)
+        assert all(r[i].item() == 0.0 for i in zero), [r[i].item() for i in zero]
 print("INTERPRETER-OK")
 """
 
@@ -353,6 +366,17 @@ print("INTERPRETER-OK")
 def test_triton_kernels_interpreter_fa_rule():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_fa_rule():
+    """The same cases compiled for the GPU (wgmma, hardware conversions), plus the CUDA op's zero globals."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = dict(os.environ, QATTN_TEST_DEVICE="cuda", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 

@@ -311,7 +311,7 @@ if triton is not None:
             mn = offs_n < Tk
             k = _ld(k_ptr, offs_n, mn, skt, D, MASKED)
             s = _mma(q, tl.trans(k))
-            if HAS_BIAS or MASKED or not FOLD:
+            if (HAS_BIAS or MASKED) or (not FOLD):  # Triton rejects chained boolean operators
                 s = s * qk_scale
                 if HAS_BIAS:
                     bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
@@ -340,28 +340,28 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["ZERO_G"])
     def _attn_fwd_kernel(Q, K, V, Gq, Gk, Gv, Bias, O, LSE,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                          sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                          QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         FOLD: tl.constexpr, MASK_M: tl.constexpr, ZERO_G: tl.constexpr, BM: tl.constexpr,
+                         FOLD: tl.constexpr, MASK_M: tl.constexpr, ZERO_G, BM: tl.constexpr,
                          BN: tl.constexpr, D: tl.constexpr):
         """Q/K (and V) are BF16, or the dequantized code x scale of their NVFP4 copies when the role is NVFP4;
         the FP4 global scales multiply the FP32 scores / the final accumulator. Grid (batch*head, query
         blocks); causal: the longest query blocks are scheduled first. Key tiles fully inside the visible
-        range run without masks; the causal diagonal band and the ragged tail run masked. ZERO_G (bits 0..2):
-        the op's global-scale outputs of Q/K/V that were not quantized, set to 0 here (saves fill launches)."""
+        range run without masks; the causal diagonal band and the ragged tail run masked. ZERO_G (runtime,
+        bits 0..2): the op's global-scale outputs of Q/K/V that were not quantized, set to 0 here (no fill
+        launches)."""
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
-        if ZERO_G != 0:
-            if (pid_bh == 0) & (pid_m == 0):
-                if ZERO_G & 1:
-                    tl.store(Gq, 0.0)
-                if ZERO_G & 2:
-                    tl.store(Gk, 0.0)
-                if ZERO_G & 4:
-                    tl.store(Gv, 0.0)
+        if (ZERO_G != 0) & (pid_bh == 0) & (pid_m == 0):
+            if (ZERO_G & 1) != 0:
+                tl.store(Gq, 0.0)
+            if (ZERO_G & 2) != 0:
+                tl.store(Gk, 0.0)
+            if (ZERO_G & 4) != 0:
+                tl.store(Gv, 0.0)
         if CAUSAL:
             pid_m = tl.num_programs(1) - 1 - pid_m
         b = pid_bh // H
@@ -769,12 +769,13 @@ FWD_CONFIGS = {64: dict(BM=128, BN=128, num_warps=8, num_stages=3),
                128: dict(BM=128, BN=64, num_warps=8, num_stages=2)}
 #: Backward configurations, {(D, fp4_ds): {"dkdv": dict(BM, BN, ...), "dq": dict(BM, BN, ...)}}. fp4_ds (attn.dsk
 #: or attn.dsq in NVFP4) pins BM = BN = DS_TILE: the per-tile global scale of dS is defined on that tile.
-BWD_CONFIGS = {
-    (64, False): {"dkdv": dict(BM=64, BN=64, num_warps=4, num_stages=2), "dq": dict(BM=64, BN=64, num_warps=4, num_stages=2)},
-    (128, False): {"dkdv": dict(BM=64, BN=64, num_warps=8, num_stages=2), "dq": dict(BM=64, BN=64, num_warps=8, num_stages=2)},
-    (64, True): {"dkdv": dict(BM=64, BN=64, num_warps=4, num_stages=2), "dq": dict(BM=64, BN=64, num_warps=4, num_stages=2)},
-    (128, True): {"dkdv": dict(BM=64, BN=64, num_warps=8, num_stages=2), "dq": dict(BM=64, BN=64, num_warps=8, num_stages=2)},
-}
+def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64) -> dict:
+    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st),
+            "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
+
+
+BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(8),
+               (64, True): _bwd_pair(4), (128, True): _bwd_pair(8)}
 
 
 def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
@@ -827,7 +828,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mas
     _attn_fwd_kernel[grid](qa, ka, va, views.q_global, views.k_global, views.v_global, bias, o, lse,
                            *_st(qa), *_st(ka), *_st(va), *_st(o), *sb, float(scale), H, H // Hkv, Tq, Tk,
                            QK_FP4=bool(mask & QK), PV_FP4=bool(mask & PV), CAUSAL=bool(is_causal),
-                           HAS_BIAS=has_bias, FOLD=scale >= 0, MASK_M=Tq % BM != 0, ZERO_G=int(zero_globals), BM=BM, BN=BN, D=D, **cfg)
+                           HAS_BIAS=has_bias, FOLD=scale >= 0, MASK_M=Tq % BM != 0, ZERO_G=int(zero_globals),
+                           BM=BM, BN=BN, D=D, **cfg)
     return o, lse
 
 
