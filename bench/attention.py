@@ -114,7 +114,7 @@ def bench_one(fn, warmup=3, rep=20):
         return (time.perf_counter() - t) * 1e3
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=warmup, rep=rep)
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _cfg(bm, bn, w, st):
