@@ -127,7 +127,8 @@ if triton is not None:
     @triton.jit
     def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr):
         """Fake-quantize fp32 [R, C] with 1x16 blocks along C; returns code*E4M3-scale (exact in bf16), i.e.
-        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product)."""
+        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product).
+        ``s_enc`` / ``g_dec``: scalars, or [R, 1] (one two-level scale per row band)."""
         xb = tl.reshape(x, [R, C // 16, 16])
         amax = tl.max(tl.abs(xb), axis=2)
         sf = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0)).to(tl.float32)
@@ -138,13 +139,23 @@ if triton is not None:
         return tl.reshape(val * sf[:, :, None], [R, C])
 
     @triton.jit
-    def _tile_scales(x):
-        """Per-tile two-level scale of an fp32 tile: (s_enc, g_dec) from its amax (0 -> (1, 0))."""
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(G_NUM_C, amax))
-        g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, s_enc))
+    def _band_scales(x, R: tl.constexpr, C: tl.constexpr):
+        """Two-level scales of an fp32 [R, C] tile of dS (C == DS_TILE, R a multiple of it), one per
+        DS_TILE x DS_TILE band of rows: (s_enc, g_dec), each [R, 1] (scalars when R == DS_TILE), from the band's
+        amax (0 -> (1, 0))."""
+        if R == DS_TILE_C:  # one tile: scalar scales
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(G_NUM_C, amax))
+            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, s_enc))
+        else:
+            rmax = tl.max(tl.abs(x), axis=1)  # [R]
+            band = tl.max(tl.reshape(rmax, [R // DS_TILE_C, DS_TILE_C]), axis=1)  # [R / DS_TILE]
+            amax = tl.reshape(tl.broadcast_to(band[:, None], [R // DS_TILE_C, DS_TILE_C]), [R, 1])
+            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax))
+            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc))
         return s_enc, g_dec
 
+    DS_TILE_C = tl.constexpr(DS_TILE)
     G_NUM_C = tl.constexpr(G_NUM)
     P_GLOBAL_C = tl.constexpr(P_GLOBAL)
 
@@ -457,7 +468,7 @@ if triton is not None:
             else:
                 q2 = _ld(q2_ptr, offs_m, mm, sq2t, D, MASKED)
             if DSQ_FP4:
-                s_enc, g_dec = _tile_scales(dsT)
+                s_enc, g_dec = _band_scales(dsT, BN, BM)  # rows: keys; one scale per 64-key band
                 dk += _mma(_to_bf16(_fq_rows(dsT, s_enc, g_dec, BN, BM)), q2) * g_dec
             else:
                 dk = _mma_acc(_to_bf16(dsT), q2, dk)
@@ -566,7 +577,7 @@ if triton is not None:
             else:
                 k2 = _ld(k2_ptr, offs_n, mn, sk2t, D, MASKED)
             if DSK_FP4:
-                s_enc, g_dec = _tile_scales(ds)
+                s_enc, g_dec = _band_scales(ds, BM, BN)  # rows: queries; one scale per 64-query band
                 dq += _mma(_to_bf16(_fq_rows(ds, s_enc, g_dec, BM, BN)), k2) * g_dec
             else:
                 dq = _mma_acc(_to_bf16(ds), k2, dq)
@@ -768,7 +779,8 @@ def _st(t: Tensor):
 FWD_CONFIGS = {64: dict(BM=128, BN=128, num_warps=8, num_stages=3),
                128: dict(BM=128, BN=64, num_warps=8, num_stages=2)}
 #: Backward configurations, {(D, fp4_ds): {"dkdv": dict(BM, BN, ...), "dq": dict(BM, BN, ...)}}. fp4_ds (attn.dsk
-#: or attn.dsq in NVFP4) pins BM = BN = DS_TILE: the per-tile global scale of dS is defined on that tile.
+#: or attn.dsq in NVFP4) pins the contraction side of each kernel's dS tile to DS_TILE (dkdv: BM, dq: BN) and the
+#: other side to a multiple of it: the per-tile global scale of dS is defined on DS_TILE x DS_TILE tiles.
 def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64) -> dict:
     return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st),
             "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
@@ -787,12 +799,14 @@ def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
 
 
 def _bwd_config(D: int, fp4_ds: bool, config: Optional[dict] = None) -> dict:
-    base = BWD_CONFIGS.get((D, fp4_ds), {"dkdv": dict(BM=64, BN=64, num_warps=4, num_stages=2),
-                                         "dq": dict(BM=64, BN=64, num_warps=4, num_stages=2)})
+    base = BWD_CONFIGS.get((D, fp4_ds), _bwd_pair(4))
     cfg = {k: dict(v, **((config or {}).get(k) or {})) for k, v in base.items()}
-    if fp4_ds:
-        for v in cfg.values():
-            v["BM"] = v["BN"] = DS_TILE
+    if fp4_ds:  # the contraction tile is DS_TILE (dS's per-tile global); the other side may hold several tiles
+        cfg["dkdv"]["BM"] = DS_TILE
+        cfg["dq"]["BN"] = DS_TILE
+        for kern, side in (("dkdv", "BN"), ("dq", "BM")):
+            if cfg[kern][side] % DS_TILE:
+                cfg[kern][side] = DS_TILE
     return cfg
 
 
