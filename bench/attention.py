@@ -4,7 +4,7 @@
     python bench/attention.py --compile-worker I/N     # fill Triton's disk cache with the sweep's kernels
 
 Phases: ``checks`` (correctness, below), ``sweep`` (kernel-level times of the tile configurations in SWEEP at
-T = 2048 and 4096; each config's output is compared with the default config's; the fastest valid config per
+T = 1024, 2048 and 4096; each config's output is compared with the default config's; the fastest valid config per
 (head dim, kernel) becomes the configuration of the ``table`` phase in the same process, and is printed), and
 ``table`` (the issue's grid, op level). ``--compile-worker`` processes started in parallel compile the sweep's
 kernels on tiny inputs of the same Triton specialization, so the timing process loads them from the cache.
@@ -124,22 +124,22 @@ def _cfg(bm, bn, w, st):
 #: the sweep: forward configs per head dim (bf16 roles; the QK-in-NVFP4 forward is the same kernel plus two
 #: scalar loads), backward (dkdv, dq) pairs per (head dim, dS in NVFP4); the first entry is the current default
 SWEEP = {
-    ("fwd", 64): [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 4), _cfg(128, 64, 4, 3),
-                  _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
-    ("fwd", 128): [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 64, 4, 2),
-                   _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)],
+    ("fwd", 64): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3), _cfg(64, 64, 4, 4),
+                  _cfg(128, 64, 4, 4), _cfg(128, 32, 4, 3)],
+    ("fwd", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3), _cfg(64, 64, 4, 4),
+                   _cfg(128, 64, 4, 3), _cfg(128, 32, 4, 3)],
     ("bwd", 64, False): [(_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)), (_cfg(32, 128, 4, 3), _cfg(128, 32, 4, 3)),
                          (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2)), (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)),
-                         (_cfg(32, 128, 4, 4), _cfg(128, 32, 4, 4))],
+                         (_cfg(64, 128, 4, 2), _cfg(128, 64, 4, 2))],
     ("bwd", 128, False): [(_cfg(64, 64, 8, 2), _cfg(64, 64, 8, 2)), (_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)),
-                          (_cfg(32, 128, 8, 2), _cfg(128, 32, 8, 2)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2)),
-                          (_cfg(64, 64, 8, 3), _cfg(64, 64, 8, 3))],
+                          (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2)),
+                          (_cfg(32, 128, 4, 2), _cfg(128, 32, 4, 2))],
     # dS in NVFP4: the contraction side is DS_TILE (64); the other side holds one or two 64x64 scale tiles
-    ("bwd", 64, True): [(_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)), (_cfg(64, 64, 8, 2), _cfg(64, 64, 8, 2)),
-                        (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2)),
-                        (_cfg(64, 128, 8, 3), _cfg(128, 64, 8, 3))],
-    ("bwd", 128, True): [(_cfg(64, 64, 8, 2), _cfg(64, 64, 8, 2)), (_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)),
-                         (_cfg(64, 64, 8, 3), _cfg(64, 64, 8, 3)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2))],
+    ("bwd", 64, True): [(_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)), (_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)),
+                        (_cfg(64, 64, 4, 4), _cfg(64, 64, 4, 4)), (_cfg(64, 128, 4, 2), _cfg(128, 64, 4, 2)),
+                        (_cfg(64, 128, 4, 3), _cfg(128, 64, 4, 3))],
+    ("bwd", 128, True): [(_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)), (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)),
+                         (_cfg(64, 128, 4, 2), _cfg(128, 64, 4, 2)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2))],
 }
 
 
@@ -185,7 +185,7 @@ def compile_worker(spec):
     print(f"worker {I}/{N} done in {time.time() - t0:.0f} s", flush=True)
 
 
-def sweep(results, Ts=(2048, 4096), budget_s=80.0, B=4, H=16):
+def sweep(results, Ts=(1024, 2048, 4096), budget_s=80.0, B=4, H=16):
     """Kernel-level times of SWEEP; sets A.FWD_CONFIGS / A.BWD_CONFIGS to the fastest valid entries."""
     t0 = time.time()
     if DEV == "cpu":
@@ -290,6 +290,50 @@ def host_overhead(results):
                 row[lab + " kernels"] = f"n/a ({type(e).__name__})"
         say(f"host T{T} d{D} {name}: " + ", ".join(f"{a} {b:.0f}" if isinstance(b, float) else f"{a} {b}"
                                                    for a, b in row.items()))
+
+
+def host_breakdown(results, T=1024, D=64):
+    """Host (CPU) microseconds per call of each piece of the op path (no sync; launches queue up)."""
+    B, H = 4, 16
+    sc = D ** -0.5
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    P = R.PAPER_ROLES
+    (qc, qs, qg, qd), (kc, ks, kg, kd) = A.quantize_many([q, k], [True, True])
+    e = torch.empty(0, dtype=torch.uint8, device="cuda")
+    views = R.QuantizedQKV(qc, qs, qg, kc, ks, kg, e, e, torch.zeros((), device="cuda"))
+    o, lse = A.attention_fwd(q, k, v, views, None, True, sc, P, dequantized={"q": qd, "k": kd})
+    views0 = R.quantize_qkv(q, k, v, 0)
+    pieces = {
+        "torch.empty": lambda: torch.empty((B, H, T, D), dtype=torch.bfloat16, device="cuda"),
+        "quantize_many(q, k)": lambda: A.quantize_many([q, k], [True, True]),
+        "attention_fwd paper (kernel only)": lambda: A.attention_fwd(q, k, v, views, None, True, sc, P,
+                                                                     dequantized={"q": qd, "k": kd}),
+        "attention_fwd bf16": lambda: A.attention_fwd(q, k, v, views0, None, True, sc, 0),
+        "op qattn paper": lambda: torch.ops.fp4compile.qattn(q, k, v, None, True, sc, P),
+        "op qattn bf16": lambda: torch.ops.fp4compile.qattn(q, k, v, None, True, sc, 0),
+        "qattn_sdpa paper": lambda: qattn_sdpa(q, k, v, is_causal=True, fp4_roles=P),
+        "bwd prep (delta + deq q, k)": lambda: A._bwd_prep(do, o, [(qc, qs), (kc, ks)]),
+        "attention_bwd paper": lambda: A.attention_bwd(do, None, None, v, views, o, lse, None, True, sc, P),
+        "attention_bwd bf16": lambda: A.attention_bwd(do, q, k, v, views0, o, lse, None, True, sc, 0),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    out = results.setdefault("host_breakdown", {})
+    with torch.no_grad():
+        for name, fn in pieces.items():
+            try:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+                n = 40
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                us = (time.perf_counter() - t) / n * 1e6
+                torch.cuda.synchronize()
+                out[name] = us
+                say(f"host us/call T{T} d{D}: {name}: {us:.1f}")
+            except Exception as ex:
+                say(f"host {name} failed: {type(ex).__name__}: {str(ex)[:200]}")
 
 
 def _graphed(fn):
@@ -414,6 +458,8 @@ def main():
             say(f"checks {'ALL PASS' if ok else 'SOME FAILED'} ({time.time() - t0:.0f} s)")
         if args.phase in ("sweep", "all"):
             sweep(results, budget_s=args.sweep_budget, **TINY)
+            if DEV == "cuda":
+                host_breakdown(results)
         if args.phase in ("table", "sweep", "all"):
             say(f"| impl | T | d | fwd ms | fwd TFLOP/s (% of {CEILING:.0f}) | fwd vs SDPA | fwd+bwd ms | "
                 "fwd+bwd TFLOP/s (%) | fwd+bwd vs SDPA |")

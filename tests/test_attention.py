@@ -369,22 +369,28 @@ print("INTERPRETER-OK")
 """
 
 
-def test_triton_kernels_interpreter_fa_rule():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+def _run_kernel_script(tmp_path, env):
+    # from a file: compiling @triton.jit functions (E2M1_CHECK) needs their source file
+    script = tmp_path / "qattn_kernel_cases.py"
+    script.write_text(_INTERP_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def test_triton_kernels_interpreter_fa_rule(tmp_path):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    _run_kernel_script(tmp_path, env)
+
+
 @pytest.mark.gpu
-def test_cuda_kernels_fa_rule():
+def test_cuda_kernels_fa_rule(tmp_path):
     """The same cases compiled for the GPU (wgmma, hardware conversions), plus the CUDA op's zero globals."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     env = dict(os.environ, QATTN_TEST_DEVICE="cuda", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _run_kernel_script(tmp_path, env)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -726,9 +726,9 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
         deqs.append(y)
         slots.append((c, s, y, c.numel() // (D // 2)))
-    dummy = _dummy(dev)
-    while len(slots) < 2:
-        slots.append((dummy, dummy, dummy, 0))
+    dummy, c0 = _dummy(dev), _dummy(dev, torch.uint8)
+    while len(slots) < 2:  # unused slot (R = 0): never read, but typed like a real one (the kernel bitcasts)
+        slots.append((c0, c0, dummy, 0))
     if do is not None:
         B, H, T, _ = do.shape
         delta = torch.empty((B, H, T), dtype=torch.float32, device=dev)
@@ -776,8 +776,8 @@ def _st(t: Tensor):
 
 #: Forward tile configuration per head dim, {D: dict(BM, BN, num_warps, num_stages)}; chosen from the sweep in
 #: ``bench/attention.py`` (docs/BENCHMARKS.md). With attn.pv in NVFP4 the key tile is PV_TILE whatever this says.
-FWD_CONFIGS = {64: dict(BM=128, BN=128, num_warps=8, num_stages=3),
-               128: dict(BM=128, BN=64, num_warps=8, num_stages=2)}
+FWD_CONFIGS = {64: dict(BM=128, BN=64, num_warps=8, num_stages=3),
+               128: dict(BM=128, BN=64, num_warps=8, num_stages=3)}
 #: Backward configurations, {(D, fp4_ds): {"dkdv": dict(BM, BN, ...), "dq": dict(BM, BN, ...)}}. fp4_ds (attn.dsk
 #: or attn.dsq in NVFP4) pins the contraction side of each kernel's dS tile to DS_TILE (dkdv: BM, dq: BN) and the
 #: other side to a multiple of it: the per-tile global scale of dS is defined on DS_TILE x DS_TILE tiles.
@@ -787,7 +787,7 @@ def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, 
 
 
 BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(8),
-               (64, True): _bwd_pair(4), (128, True): _bwd_pair(8)}
+               (64, True): _bwd_pair(4, 3), (128, True): _bwd_pair(4)}
 
 
 def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
