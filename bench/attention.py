@@ -152,7 +152,8 @@ def _jobs():
                 jobs += [("fwd", D, 0, c, None), ("fwd", D, R.PAPER_ROLES, c, None)]
             else:
                 jobs.append(("bwd", D, R.PAPER_ROLES if rest[0] else 0, None, {"dkdv": c[0], "dq": c[1]}))
-    return [("op", D, m, None, None) for D in (64, 128) for m in (0, R.PAPER_ROLES)] + jobs
+    ops = [("op", D, m, None, None) for D in (64, 128) for m in (0, R.PAPER_ROLES)]
+    return ops if os.environ.get("ATTN_JOBS") == "op" else ops + jobs  # ATTN_JOBS=op: the defaults only
 
 
 def _inputs(B, H, T, D, mask, seed=0):
@@ -311,7 +312,8 @@ def host_breakdown(results, T=1024, D=64):
         "attention_fwd bf16": lambda: A.attention_fwd(q, k, v, views0, None, True, sc, 0),
         "op qattn paper": lambda: torch.ops.fp4compile.qattn(q, k, v, None, True, sc, P),
         "op qattn bf16": lambda: torch.ops.fp4compile.qattn(q, k, v, None, True, sc, 0),
-        "qattn_sdpa paper": lambda: qattn_sdpa(q, k, v, is_causal=True, fp4_roles=P),
+        "qattn_sdpa paper (eager path)": lambda: qattn_sdpa(q, k, v, is_causal=True, fp4_roles=P),
+        "qattn_sdpa bf16 (eager path)": lambda: qattn_sdpa(q, k, v, is_causal=True, fp4_roles=0),
         "bwd prep (delta + deq q, k)": lambda: A._bwd_prep(do, o, [(qc, qs), (kc, ks)]),
         "attention_bwd paper": lambda: A.attention_bwd(do, None, None, v, views, o, lse, None, True, sc, P),
         "attention_bwd bf16": lambda: A.attention_bwd(do, q, k, v, views0, o, lse, None, True, sc, 0),
@@ -460,6 +462,8 @@ def main():
             sweep(results, budget_s=args.sweep_budget, **TINY)
             if DEV == "cuda":
                 host_breakdown(results)
+        if args.phase == "table" and DEV == "cuda":
+            host_breakdown(results)
         if args.phase in ("table", "sweep", "all"):
             say(f"| impl | T | d | fwd ms | fwd TFLOP/s (% of {CEILING:.0f}) | fwd vs SDPA | fwd+bwd ms | "
                 "fwd+bwd TFLOP/s (%) | fwd+bwd vs SDPA |")

@@ -231,6 +231,42 @@ def test_causal_equals_tril_bool_mask_and_additive_mask():
         assert torch.equal(x, y) and torch.equal(x, z)
 
 
+@pytest.mark.parametrize("roles", [0, PAPER, ALL], ids=["bf16", "paper", "all-fp4"])
+def test_eager_path_equals_op(roles):
+    """qattn_sdpa outside torch.compile runs ``ops._QAttnEager`` (no custom-op layers): bit-identical output and
+    gradients to the op with its registered autograd, and the same tensors saved for backward."""
+    from fp4compile.ops import _QAttnEager
+
+    q, k, v, do = _qkv(H=4, Hkv=2)
+    outs, grads, saved = [], [], []
+    for eager in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if eager:
+            o = qattn_sdpa(*leaves, is_causal=True, enable_gqa=True, fp4_roles=roles)
+            assert type(o.grad_fn).__name__ == "_QAttnEagerBackward"
+        else:
+            o = torch.ops.fp4compile.qattn(*leaves, None, True, 0.125, roles)[0]
+        saved.append([t.dtype if t is not None else None for t in o.grad_fn.saved_tensors]
+                     if eager else None)
+        outs.append(o)
+        grads.append(torch.autograd.grad(o, leaves, do))
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    # the FP4 copies (uint8 codes/scales), not bf16 Q/K, are saved where a role consumes them in NVFP4
+    need = R.saved_for_backward(roles)
+    assert (saved[0][0] is None) == (not need["q"][0]) and (saved[0][3] is None) == (not need["q"][1])
+
+
+def test_eager_path_not_taken_when_traced():
+    """Under tracing (make_fx here; Dynamo/AOT alike) qattn_sdpa emits the custom op, never the eager Function."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, _ = _qkv()
+    gm = make_fx(lambda a, b, c: qattn_sdpa(a, b, c, is_causal=True, fp4_roles=PAPER))(q, k, v)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("fp4compile.qattn" in t for t in targets), targets
+
+
 def test_gqa_equals_repeated_kv():
     """GQA (2 KV heads for 4 query heads) == repeating K/V: same quantized copies (same amax, same tiles);
     dK/dV are the group sums."""

@@ -786,7 +786,7 @@ def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, 
             "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
 
 
-BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(8),
+BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(4),
                (64, True): _bwd_pair(4, 3), (128, True): _bwd_pair(4)}
 
 
