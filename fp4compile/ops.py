@@ -237,6 +237,8 @@ def _qattn_setup_context(ctx, inputs, output):
             views[3 * i:3 * i + 3] = [None, None, None]
     ctx.save_for_backward(*keep, *views, out, lse, attn_mask)
     ctx.qattn_args = (is_causal, scale, fp4_roles)
+    # LSE and the FP4 views are never differentiated: no zero-filled gradients for them (one fill kernel each)
+    ctx.set_materialize_grads(False)
 
 
 def _qattn_backward(ctx, grad_out, *unused):
@@ -245,6 +247,8 @@ def _qattn_backward(ctx, grad_out, *unused):
     views = saved[3:12]
     out, lse, attn_mask = saved[12:15]
     is_causal, scale, fp4_roles = ctx.qattn_args
+    if grad_out is None:  # the output itself was not used
+        return None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out.contiguous(), q, k, v, *views, out, lse, attn_mask,
                                                 is_causal, scale, fp4_roles)
     return dq, dk, dv, None, None, None, None
@@ -325,6 +329,8 @@ class _QAttnEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None, None, None, None
         saved = ctx.saved_tensors
         is_causal, scale, fp4_roles = ctx.qattn_args
         bwd = _IMPLS.get(grad_out.device.type, (_qattn_fwd_ref, _qattn_bwd_ref))[1]
