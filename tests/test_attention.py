@@ -235,8 +235,6 @@ def test_causal_equals_tril_bool_mask_and_additive_mask():
 def test_eager_path_equals_op(roles):
     """qattn_sdpa outside torch.compile runs ``ops._QAttnEager`` (no custom-op layers): bit-identical output and
     gradients to the op with its registered autograd, and the same tensors saved for backward."""
-    from fp4compile.ops import _QAttnEager
-
     q, k, v, do = _qkv(H=4, Hkv=2)
     outs, grads, saved = [], [], []
     for eager in (True, False):

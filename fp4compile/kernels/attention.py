@@ -3,25 +3,30 @@
 The numerics (which operand is quantized how, which copy is reused, the scale levels) are documented in
 ``attention_ref.py``, whose torch code is the reference these kernels must match. In short:
 
-* ``quantize_2d`` (Triton ``_quant2d_kernel``): Q, K, V (and dO) -> NVFP4 with 16x16 tiles and a per-tensor
-  global computed on the device (no host sync). One copy serves both contraction axes, so the forward's copy
-  is the one saved for, and reused by, the backward. The same pass also writes code x E4M3 scale as BF16 (exact:
-  2 + 4 significant bits), a transient operand buffer for the MMA kernels; the backward rebuilds it from the
-  saved codes with ``_dequant2d_kernel``. (H200 has no FP4 tensor cores: the products are BF16 MMAs on exactly
-  the NVFP4 values, with the FP32 global scales applied to the FP32 accumulators -- what Blackwell computes.
-  Dequantizing each K/V tile inside the attention loop instead was measured 1.8-2.8x slower: every query
-  block would redo it.)
-* ``attention_fwd``: one program per (128-query block, batch x head), S = Q·Kᵀ on BF16 tensor cores with FP32
-  accumulation, online softmax in base 2. P is quantized on the fly, in registers (1x16 along keys), when
-  attn.pv is NVFP4.
-* ``attention_bwd``: FlashAttention-2 structure: D = rowsum(dO∘O); a dK/dV kernel (one program per 64-key
-  block and KV head, looping over the GQA group's query heads and query blocks) and a dQ kernel (one program
-  per 64-query block). dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a
-  per-64x64-tile global (the register tile: ``DS_TILE``).
+* ``quantize_many`` (``_amax_kernel`` then ``_quant2d_kernel``: two launches for up to three tensors): Q, K, V
+  (and dO) -> NVFP4 with 16x16 tiles and a per-tensor global computed on the device from deterministic partial
+  maxima (no host sync, no atomics). One copy serves both contraction axes, so the forward's copy is the one
+  saved for, and reused by, the backward. The same pass also writes code x E4M3 scale as BF16 (exact: 2 + 4
+  significant bits), a transient operand buffer for the MMA kernels; the backward rebuilds it from the saved
+  codes in its one preparatory launch (``_bwd_prep_kernel``, which also computes D = rowsum(dO∘O)). (H200 has
+  no FP4 tensor cores: the products are BF16 MMAs on exactly the NVFP4 values, with the FP32 global scales
+  applied to the FP32 accumulators -- what Blackwell computes. Dequantizing each K/V tile inside the attention
+  loop instead was measured 1.8-2.8x slower: every query block would redo it.)
+* ``attention_fwd``: one program per (batch x head, BM-query block), longest causal blocks first; S = Q·Kᵀ on
+  BF16 tensor cores with FP32 accumulation, online softmax in base 2 with the scale folded into one FMA;
+  interior key tiles unpredicated, the diagonal band and ragged tail masked. P is quantized on the fly, in
+  registers (1x16 along keys), when attn.pv is NVFP4.
+* ``attention_bwd``: FlashAttention-2 structure: a dK/dV kernel (one program per BN-key block and KV head,
+  looping over the GQA group's query heads and query blocks) and a dQ kernel (one program per BM-query block).
+  dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a per-64x64-tile global
+  (``DS_TILE``; a 128-row register tile holds two scale tiles, one global per 64-row band).
+
+Tile configurations: ``FWD_CONFIGS`` / ``BWD_CONFIGS``, chosen from the H200 sweep in ``bench/attention.py``
+(docs/BENCHMARKS.md, "Attention").
 
 Causal masking is top-left aligned (key j visible to query i iff j <= i), like ``F.scaled_dot_product_attention``.
 Masks are additive FP32 biases (booleans become 0 / -inf), read per tile with broadcast strides. Any sequence
-length: loads and stores are masked, padded rows/keys contribute exact zeros (also to every amax).
+length: ragged tiles are masked, padded rows/keys contribute exact zeros (also to every amax).
 """
 from __future__ import annotations
 
