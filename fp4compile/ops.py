@@ -165,6 +165,10 @@ def qattn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causa
           fp4_roles: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                    Tensor]:
     """Mixed-precision attention forward (torch reference: FP32 with the kernels' BF16 roundings)."""
+    return _qattn_fwd_ref(q, k, v, attn_mask, is_causal, scale, fp4_roles)
+
+
+def _qattn_fwd_ref(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     _qattn_check(q, k, v, fp4_roles)
     views = _aref.quantize_qkv(q, k, v, fp4_roles)
     out, lse = _aref.attention_fwd_ref(q, k, v, views, attn_mask, is_causal, scale, fp4_roles,
@@ -195,6 +199,12 @@ def qattn_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Opt
               out: Tensor, lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float,
               fp4_roles: int) -> tuple[Tensor, Tensor, Tensor]:
     """Mixed-precision attention backward (torch reference)."""
+    return _qattn_bwd_ref(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes,
+                          v_scales, v_global, out, lse, attn_mask, is_causal, scale, fp4_roles)
+
+
+def _qattn_bwd_ref(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
+                   v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
     views = _qattn_views((q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global))
     return _aref.attention_bwd_ref(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles,
                                    dtype=torch.float32, emulate_bf16=True)
@@ -227,6 +237,8 @@ def _qattn_setup_context(ctx, inputs, output):
             views[3 * i:3 * i + 3] = [None, None, None]
     ctx.save_for_backward(*keep, *views, out, lse, attn_mask)
     ctx.qattn_args = (is_causal, scale, fp4_roles)
+    # LSE and the FP4 views are never differentiated: no zero-filled gradients for them (one fill kernel each)
+    ctx.set_materialize_grads(False)
 
 
 def _qattn_backward(ctx, grad_out, *unused):
@@ -235,6 +247,8 @@ def _qattn_backward(ctx, grad_out, *unused):
     views = saved[3:12]
     out, lse, attn_mask = saved[12:15]
     is_causal, scale, fp4_roles = ctx.qattn_args
+    if grad_out is None:  # the output itself was not used
+        return None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out.contiguous(), q, k, v, *views, out, lse, attn_mask,
                                                 is_causal, scale, fp4_roles)
     return dq, dk, dv, None, None, None, None
@@ -249,35 +263,85 @@ def _register_qattn_cuda():
     if _attn.triton is None:
         return
 
-    @qattn.register_kernel("cuda")
-    def _(q, k, v, attn_mask, is_causal, scale, fp4_roles):
-        _qattn_check(q, k, v, fp4_roles)
-        if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
-        fq, fk, fv = _aref.needs_fp4(fp4_roles)
-        vals, deq = [], {}
-        for name, x, need, fwd_role in (("q", q, fq, _aref.QK), ("k", k, fk, _aref.QK), ("v", v, fv, _aref.PV)):
-            if need:  # the FP4 copy (saved) and, when the forward reads it, its bf16 code x scale (transient)
-                r = _attn.quantize_2d(x, dequantized=bool(fp4_roles & fwd_role))
-                vals += r[:3]
-                if len(r) == 4:
-                    deq[name] = r[3]
-            else:
-                vals += _aref._empty_view(x)
-        views = _aref.QuantizedQKV(*vals)
-        out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq)
-        return (out, lse, *views)
+    qattn.register_kernel("cuda")(_qattn_fwd_cuda)
+    qattn_bwd.register_kernel("cuda")(_qattn_bwd_cuda)
+    _IMPLS["cuda"] = (_qattn_fwd_cuda, _qattn_bwd_cuda)
 
-    @qattn_bwd.register_kernel("cuda")
-    def _(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
-          v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
-        views = [q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global]
-        dev = grad_out.device
-        views = _aref.QuantizedQKV(*[
-            t if t is not None else (torch.zeros((), dtype=torch.float32, device=dev) if i % 3 == 2
-                                     else torch.empty((0,), dtype=torch.uint8, device=dev))
-            for i, t in enumerate(views)])
-        return _attn.attention_bwd(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles)
+
+def _qattn_fwd_cuda(q, k, v, attn_mask, is_causal, scale, fp4_roles):
+    from .kernels import attention as _attn
+
+    _qattn_check(q, k, v, fp4_roles)
+    if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    # the FP4 copies (saved for backward) of every tensor with an NVFP4 consumer, and, where the forward
+    # reads it, its bf16 code x scale (transient): two launches for all of them
+    todo = [(name, x, bool(fp4_roles & r)) for name, x, need, r in
+            zip("qkv", (q, k, v), _aref.needs_fp4(fp4_roles), (_aref.QK, _aref.QK, _aref.PV)) if need]
+    done = dict(zip((t[0] for t in todo), _attn.quantize_many([t[1] for t in todo], [t[2] for t in todo])
+                    if todo else ()))
+    vals, deq, zero = [], {}, 0
+    for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+        if name in done:
+            vals += done[name][:3]
+            if len(done[name]) == 4:
+                deq[name] = done[name][3]
+        else:  # empty codes/scales; the global is set to 0 by the forward kernel (no fill launch)
+            vals += [x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8),
+                     x.new_empty((), dtype=torch.float32)]
+            zero |= 1 << i
+    views = _aref.QuantizedQKV(*vals)
+    out, lse = _attn.attention_fwd(q, k, v, views, attn_mask, is_causal, scale, fp4_roles, dequantized=deq,
+                                   zero_globals=zero)
+    return (out, lse, *views)
+
+
+def _qattn_bwd_cuda(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
+                v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
+    from .kernels import attention as _attn
+
+    views = [q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global]
+    dev = grad_out.device
+    # copies that were not saved are never read by the kernels (their roles are BF16): placeholders
+    g0, c0 = _attn._dummy(dev, torch.float32), _attn._dummy(dev, torch.uint8)
+    views = _aref.QuantizedQKV(*[t if t is not None else (g0 if i % 3 == 2 else c0)
+                                 for i, t in enumerate(views)])
+    return _attn.attention_bwd(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles)
+
+
+#: per device type: (forward, backward) implementations behind the ops, for the eager path below
+_IMPLS = {}
+
+
+class _QAttnEager(torch.autograd.Function):
+    """Eager-mode twin of ``fp4compile::qattn`` + its registered autograd: the same implementation functions
+    (Triton on CUDA, the torch reference elsewhere), the same saved tensors (``_qattn_setup_context``), without
+    the custom-op dispatch layers (Python dispatcher, autograd wrapper, alias checks), which cost more host time
+    than the kernels at T <= 2048. Used by ``passes.attention.qattn_sdpa`` outside torch.compile only; traced
+    graphs always contain the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, fp4_roles):
+        fwd = _IMPLS.get(q.device.type, (_qattn_fwd_ref, _qattn_bwd_ref))[0]
+        res = fwd(q, k, v, attn_mask, is_causal, scale, fp4_roles)
+        _qattn_setup_context(ctx, (q, k, v, attn_mask, is_causal, scale, fp4_roles), res)
+        return res[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None, None, None, None
+        saved = ctx.saved_tensors
+        is_causal, scale, fp4_roles = ctx.qattn_args
+        bwd = _IMPLS.get(grad_out.device.type, (_qattn_fwd_ref, _qattn_bwd_ref))[1]
+        dq, dk, dv = bwd(grad_out.contiguous(), *saved[:12], saved[12], saved[13], saved[14], is_causal, scale,
+                         fp4_roles)
+        return dq, dk, dv, None, None, None, None
+
+
+def qattn_eager(q, k, v, attn_mask, is_causal: bool, scale: float, fp4_roles: int) -> Tensor:
+    """The attention output of ``fp4compile::qattn`` through ``_QAttnEager`` (eager callers only)."""
+    return _QAttnEager.apply(q, k, v, attn_mask, is_causal, scale, fp4_roles)
 
 
 _register_qattn_cuda()

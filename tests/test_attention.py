@@ -231,6 +231,40 @@ def test_causal_equals_tril_bool_mask_and_additive_mask():
         assert torch.equal(x, y) and torch.equal(x, z)
 
 
+@pytest.mark.parametrize("roles", [0, PAPER, ALL], ids=["bf16", "paper", "all-fp4"])
+def test_eager_path_equals_op(roles):
+    """qattn_sdpa outside torch.compile runs ``ops._QAttnEager`` (no custom-op layers): bit-identical output and
+    gradients to the op with its registered autograd, and the same tensors saved for backward."""
+    q, k, v, do = _qkv(H=4, Hkv=2)
+    outs, grads, saved = [], [], []
+    for eager in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if eager:
+            o = qattn_sdpa(*leaves, is_causal=True, enable_gqa=True, fp4_roles=roles)
+            assert type(o.grad_fn).__name__ == "_QAttnEagerBackward"
+        else:
+            o = torch.ops.fp4compile.qattn(*leaves, None, True, 0.125, roles)[0]
+        saved.append([t.dtype if t is not None else None for t in o.grad_fn.saved_tensors]
+                     if eager else None)
+        outs.append(o)
+        grads.append(torch.autograd.grad(o, leaves, do))
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    # the FP4 copies (uint8 codes/scales), not bf16 Q/K, are saved where a role consumes them in NVFP4
+    need = R.saved_for_backward(roles)
+    assert (saved[0][0] is None) == (not need["q"][0]) and (saved[0][3] is None) == (not need["q"][1])
+
+
+def test_eager_path_not_taken_when_traced():
+    """Under tracing (make_fx here; Dynamo/AOT alike) qattn_sdpa emits the custom op, never the eager Function."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, _ = _qkv()
+    gm = make_fx(lambda a, b, c: qattn_sdpa(a, b, c, is_causal=True, fp4_roles=PAPER))(q, k, v)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("fp4compile.qattn" in t for t in targets), targets
+
+
 def test_gqa_equals_repeated_kv():
     """GQA (2 KV heads for 4 query heads) == repeating K/V: same quantized copies (same amax, same tiles);
     dK/dV are the group sums."""
@@ -286,7 +320,7 @@ def test_bad_inputs_raise_clear_errors():
 # ---------------------------------------------------------------------------------------------------------
 # the Triton kernels under the interpreter (CPU), FlashAttention's 2x rule
 _INTERP_SCRIPT = r"""
-import math, torch
+import math, os, torch
 import triton.runtime.interpreter as I
 _orig = I._patch_lang_tensor
 def _patched(tensor, scope):  # Triton 3.6's interpreter calls int() on 1-element arrays; numpy >= 2.4 refuses
@@ -294,45 +328,103 @@ def _patched(tensor, scope):  # Triton 3.6's interpreter calls int() on 1-elemen
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 I._patch_lang_tensor = _patched
 from fp4compile.kernels import attention as A, attention_ref as R
+import triton, triton.language as tl
+@triton.jit
+def E2M1_CHECK(X, Y, Z, N: tl.constexpr):
+    o = tl.arange(0, N)
+    a = tl.load(X + o)
+    tl.store(Y + o, A._e2m1_rne(a))
+    tl.store(Z + o, A._e2m1_value(A._e2m1_mag_code(a)))
 def rel(a, b):
     a, b = a.double(), b.double(); return ((a - b).norm() / b.norm()).item()
+DEV = os.environ.get("QATTN_TEST_DEVICE", "cpu")
 torch.manual_seed(0)
-x = torch.randn(1, 2, 40, 64).bfloat16()
+x = torch.randn(1, 2, 40, 64).bfloat16().to(DEV)
 assert all(torch.equal(a, b) for a, b in zip(A.quantize_2d(x), R.quantize_2d(x))), "quant2d kernel != reference"
-CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None), (63, False, 2, 2, 70, "bool"), (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None),
-         (0, False, 1, 1, 50, "add")]
-for mask, causal, H, Hkv, T, mk in CASES:
+xs = [x, (torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3).to(DEV),
+      torch.zeros(1, 1, 20, 64).bfloat16().to(DEV)]
+for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + one quantize launch for three
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t))), "quantize_many != reference"
+    assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
+# the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
+# non-default tiles (the fp4-dS backward: 128-row dS tiles holding two 64x64 scale tiles)
+CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),
+         (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None, None, None), (0, False, 1, 1, 50, "add", None, None),
+         (R.PAPER_ROLES, True, 1, 1, 160, None, dict(BM=64, BN=32), {"dkdv": dict(BN=128), "dq": dict(BM=128)}),
+         (0, True, 1, 1, 100, None, dict(BM=32, BN=16, num_warps=4),
+          {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)})]
+x = torch.rand(4096) * 8
+x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
+x = x.to(DEV)
+y = torch.empty_like(x)
+z = torch.empty_like(x)
+E2M1_CHECK[(1,)](x, y, z, N=4096)
+assert torch.equal(y, z), "_e2m1_rne != threshold form"
+for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
-        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2) for n in (H, Hkv, Hkv, H))
+        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))
     else:
         q = torch.randn(1, H, T, 64).bfloat16(); k = torch.randn(1, Hkv, T, 64).bfloat16()
         v = torch.randn(1, Hkv, T, 64).bfloat16(); do = torch.randn(1, H, T, 64).bfloat16()
+        q, k, v, do = (t.to(DEV) for t in (q, k, v, do))
     am = None
     if mk:
         keep = torch.rand(1, 1, T, T) > 0.3; keep[..., 0] = True
         am = keep if mk == "bool" else torch.where(keep, torch.randn(keep.shape), torch.full(keep.shape, -1e4))
+        am = am.to(DEV)
     views = R.quantize_qkv(q, k, v, mask)
     sc = 0.125
-    o, lse = A.attention_fwd(q, k, v, views, am, causal, sc, mask)
+    o, lse = A.attention_fwd(q, k, v, views, am, causal, sc, mask, config=fcfg)
     o64, l64 = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, out_dtype=torch.float64)
     opt, lpt = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
-    g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask)
+    g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
     g64 = R.attention_bwd_ref(do, q, k, v, views, o64, l64, am, causal, sc, mask, out_dtype=torch.float64)
     gpt = R.attention_bwd_ref(do, q, k, v, views, opt, lpt, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     for name, a, b, c in [("o", o, opt, o64)] + list(zip(("dq", "dk", "dv"), g, gpt, g64)):
         ek, ep = rel(a, c), rel(b, c)
         print(f"mask={mask} causal={causal} {name}: kernel {ek:.5f} pt {ep:.5f}")
         assert ek <= 2 * ep + 1e-3, (mask, causal, name, ek, ep)
+    if bcfg is not None and mask & (R.DSK | R.DSQ):
+        # the same dS quantization (64x64 scale tiles inside 128-row register tiles) as the reference: given the
+        # same O and LSE, the kernel's dQ/dK are far closer to the FP32 implementation than either is to fp64
+        gs = A.attention_bwd(do, q, k, v, views, opt, lpt, am, causal, sc, mask, config=bcfg)
+        for name, a, b, c in zip(("dq", "dk"), gs, gpt, g64):
+            assert rel(a, b) <= 0.25 * rel(b, c), (mask, name, rel(a, b), rel(b, c))
     assert (lse.double() - l64).abs().max() < 1e-5
+if DEV == "cuda":  # the op: globals of tensors without an FP4 copy are 0 (written by the forward kernel)
+    import fp4compile.ops
+    junk = [torch.full((), float("nan"), device=DEV) for _ in range(256)]
+    del junk
+    q = torch.randn(1, 2, 64, 64, device=DEV).bfloat16()
+    for roles, zero in ((0, (4, 7, 10)), (R.PAPER_ROLES, (10,))):
+        r = torch.ops.fp4compile.qattn(q, q, q, None, True, 0.125, roles)
+        assert all(r[i].item() == 0.0 for i in zero), [r[i].item() for i in zero]
 print("INTERPRETER-OK")
 """
 
 
-def test_triton_kernels_interpreter_fa_rule():
+def _run_kernel_script(tmp_path, env):
+    # from a file: compiling @triton.jit functions (E2M1_CHECK) needs their source file
+    script = tmp_path / "qattn_kernel_cases.py"
+    script.write_text(_INTERP_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_triton_kernels_interpreter_fa_rule(tmp_path):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _run_kernel_script(tmp_path, env)
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_fa_rule(tmp_path):
+    """The same cases compiled for the GPU (wgmma, hardware conversions), plus the CUDA op's zero globals."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    env = dict(os.environ, QATTN_TEST_DEVICE="cuda", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    _run_kernel_script(tmp_path, env)
 
 
 # ---------------------------------------------------------------------------------------------------------

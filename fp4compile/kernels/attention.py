@@ -3,25 +3,30 @@
 The numerics (which operand is quantized how, which copy is reused, the scale levels) are documented in
 ``attention_ref.py``, whose torch code is the reference these kernels must match. In short:
 
-* ``quantize_2d`` (Triton ``_quant2d_kernel``): Q, K, V (and dO) -> NVFP4 with 16x16 tiles and a per-tensor
-  global computed on the device (no host sync). One copy serves both contraction axes, so the forward's copy
-  is the one saved for, and reused by, the backward. The same pass also writes code x E4M3 scale as BF16 (exact:
-  2 + 4 significant bits), a transient operand buffer for the MMA kernels; the backward rebuilds it from the
-  saved codes with ``_dequant2d_kernel``. (H200 has no FP4 tensor cores: the products are BF16 MMAs on exactly
-  the NVFP4 values, with the FP32 global scales applied to the FP32 accumulators -- what Blackwell computes.
-  Dequantizing each K/V tile inside the attention loop instead was measured 1.8-2.8x slower: every query
-  block would redo it.)
-* ``attention_fwd``: one program per (128-query block, batch x head), S = Q·Kᵀ on BF16 tensor cores with FP32
-  accumulation, online softmax in base 2. P is quantized on the fly, in registers (1x16 along keys), when
-  attn.pv is NVFP4.
-* ``attention_bwd``: FlashAttention-2 structure: D = rowsum(dO∘O); a dK/dV kernel (one program per 64-key
-  block and KV head, looping over the GQA group's query heads and query blocks) and a dQ kernel (one program
-  per 64-query block). dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a
-  per-64x64-tile global (the register tile: ``DS_TILE``).
+* ``quantize_many`` (``_amax_kernel`` then ``_quant2d_kernel``: two launches for up to three tensors): Q, K, V
+  (and dO) -> NVFP4 with 16x16 tiles and a per-tensor global computed on the device from deterministic partial
+  maxima (no host sync, no atomics). One copy serves both contraction axes, so the forward's copy is the one
+  saved for, and reused by, the backward. The same pass also writes code x E4M3 scale as BF16 (exact: 2 + 4
+  significant bits), a transient operand buffer for the MMA kernels; the backward rebuilds it from the saved
+  codes in its one preparatory launch (``_bwd_prep_kernel``, which also computes D = rowsum(dO∘O)). (H200 has
+  no FP4 tensor cores: the products are BF16 MMAs on exactly the NVFP4 values, with the FP32 global scales
+  applied to the FP32 accumulators -- what Blackwell computes. Dequantizing each K/V tile inside the attention
+  loop instead was measured 1.8-2.8x slower: every query block would redo it.)
+* ``attention_fwd``: one program per (batch x head, BM-query block), longest causal blocks first; S = Q·Kᵀ on
+  BF16 tensor cores with FP32 accumulation, online softmax in base 2 with the scale folded into one FMA;
+  interior key tiles unpredicated, the diagonal band and ragged tail masked. P is quantized on the fly, in
+  registers (1x16 along keys), when attn.pv is NVFP4.
+* ``attention_bwd``: FlashAttention-2 structure: a dK/dV kernel (one program per BN-key block and KV head,
+  looping over the GQA group's query heads and query blocks) and a dQ kernel (one program per BM-query block).
+  dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a per-64x64-tile global
+  (``DS_TILE``; a 128-row register tile holds two scale tiles, one global per 64-row band).
+
+Tile configurations: ``FWD_CONFIGS`` / ``BWD_CONFIGS``, chosen from the H200 sweep in ``bench/attention.py``
+(docs/BENCHMARKS.md, "Attention").
 
 Causal masking is top-left aligned (key j visible to query i iff j <= i), like ``F.scaled_dot_product_attention``.
 Masks are additive FP32 biases (booleans become 0 / -inf), read per tile with broadcast strides. Any sequence
-length: loads and stores are masked, padded rows/keys contribute exact zeros (also to every amax).
+length: ragged tiles are masked, padded rows/keys contribute exact zeros (also to every amax).
 """
 from __future__ import annotations
 
@@ -111,152 +116,281 @@ if triton is not None:
         return tl.where(code >= 8, -val, val)
 
     @triton.jit
+    def _e2m1_rne(a):
+        """a >= 0 (|x|*enc) -> its E2M1 value, round-to-nearest-even, saturating at 6; equal to
+        ``_e2m1_value(_e2m1_mag_code(a))`` for every a. The E2M1 grid is uniform with step 1/2 on [0, 2), 1 on
+        [2, 4) and 2 on [4, 6], so a/step (exact: a power-of-two scaling, <= 4) is rounded to an integer by
+        fp32's own round-to-nearest-even (adding and subtracting 1.5 * 2^23); ties land on the even code as
+        the threshold form does. ~8 instructions instead of 7 compares + a decode."""
+        lo = a < 2.0
+        mid = a < 4.0
+        inv = tl.where(lo, 2.0, tl.where(mid, 1.0, 0.5))
+        step = tl.where(lo, 0.5, tl.where(mid, 1.0, 2.0))
+        r = (tl.minimum(a, 6.0) * inv + 12582912.0) - 12582912.0
+        return r * step
+
+    @triton.jit
     def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr):
         """Fake-quantize fp32 [R, C] with 1x16 blocks along C; returns code*E4M3-scale (exact in bf16), i.e.
-        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product)."""
+        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product).
+        ``s_enc`` / ``g_dec``: scalars, or [R, 1] (one two-level scale per row band)."""
         xb = tl.reshape(x, [R, C // 16, 16])
         amax = tl.max(tl.abs(xb), axis=2)
         sf = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0)).to(tl.float32)
         enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
         a = xb * enc[:, :, None]
-        mag = _e2m1_mag_code(tl.abs(a))
-        code = tl.where(a < 0, mag | 8, mag)
-        return tl.reshape(_e2m1_value(code) * sf[:, :, None], [R, C])
+        mag = _e2m1_rne(tl.abs(a))
+        val = tl.where(a < 0, -mag, mag)
+        return tl.reshape(val * sf[:, :, None], [R, C])
 
     @triton.jit
-    def _tile_scales(x):
-        """Per-tile two-level scale of an fp32 tile: (s_enc, g_dec) from its amax (0 -> (1, 0))."""
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(G_NUM_C, amax))
-        g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, s_enc))
+    def _band_scales(x, R: tl.constexpr, C: tl.constexpr):
+        """Two-level scales of an fp32 [R, C] tile of dS (C == DS_TILE, R a multiple of it), one per
+        DS_TILE x DS_TILE band of rows: (s_enc, g_dec), each [R, 1] (scalars when R == DS_TILE), from the band's
+        amax (0 -> (1, 0))."""
+        if R == DS_TILE_C:  # one tile: scalar scales
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(G_NUM_C, amax))
+            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, s_enc))
+        else:
+            rmax = tl.max(tl.abs(x), axis=1)  # [R]
+            band = tl.max(tl.reshape(rmax, [R // DS_TILE_C, DS_TILE_C]), axis=1)  # [R / DS_TILE]
+            amax = tl.reshape(tl.broadcast_to(band[:, None], [R // DS_TILE_C, DS_TILE_C]), [R, 1])
+            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax))
+            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc))
         return s_enc, g_dec
 
+    DS_TILE_C = tl.constexpr(DS_TILE)
     G_NUM_C = tl.constexpr(G_NUM)
     P_GLOBAL_C = tl.constexpr(P_GLOBAL)
 
     @triton.jit
-    def _ld(ptr, offs_t, mask_t, stride_t, D: tl.constexpr):
-        """[BT, D] bf16 operand tile of the (batch, head) slice at ``ptr`` (row stride ``stride_t``)."""
+    def _ld(ptr, offs_t, mask_t, stride_t, D: tl.constexpr, CHECK: tl.constexpr = True):
+        """[BT, D] bf16 operand tile of the (batch, head) slice at ``ptr`` (row stride ``stride_t``). CHECK=False:
+        every row is known to be in range (no predicate on the load)."""
         od = tl.arange(0, D)
-        x = tl.load(ptr + offs_t[:, None] * stride_t + od[None, :], mask=mask_t[:, None], other=0.0)
+        p = ptr + offs_t[:, None] * stride_t + od[None, :]
+        if CHECK:
+            x = tl.load(p, mask=mask_t[:, None], other=0.0)
+        else:
+            x = tl.load(p)
         return _to_bf16(x)
 
-    # -----------------------------------------------------------------------------------------------------
     @triton.jit
-    def _quant2d_kernel(x_ptr, codes_ptr, scales_ptr, deq_ptr, amax_ptr, gdec_ptr, T, H, sxb, sxh, sxt,
-                        BT: tl.constexpr, D: tl.constexpr, WRITE_DEQ: tl.constexpr):
-        """NVFP4 RTN, 16x16 tiles over (T, D), of one [BT, D] slab of x[b, h]; == attention_ref.quantize_2d.
-        With WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
-        pid_t = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        amax_t = tl.load(amax_ptr)
-        s_enc = tl.where(amax_t == 0.0, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
-        g_dec = tl.where(amax_t == 0.0, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
-        if (pid_t == 0) & (pid_bh == 0):
-            tl.store(gdec_ptr, g_dec)
-        offs_t = pid_t * BT + tl.arange(0, BT)
-        mt = offs_t < T
+    def _mma_acc(a, b, acc):
+        """acc + a @ b with the accumulator inside the MMA (wgmma's accumulator operand on the GPU)."""
+        if _DOT_F32:
+            return acc + tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            return tl.dot(a, b, acc)
+
+    # -----------------------------------------------------------------------------------------------------
+    # quantization of Q/K/V/dO: one amax launch and one quantize launch for up to three tensors
+    @triton.jit
+    def _amax_body(x_ptr, part_ptr, pid, NP, T, H, NBH, sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr):
+        """Partial amax of the [BT, D] tiles pid, pid + NP, ... of x (tiles ordered (batch*head, time))."""
+        nT = tl.cdiv(T, BT)
         od = tl.arange(0, D)
-        x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
-                    other=0.0).to(tl.float32)
-        x4 = tl.reshape(x, [BT // 16, 16, D // 16, 16])
-        amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)  # [BT/16, D/16]
-        sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
-        sf = sf8.to(tl.float32)
-        enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
-        enc4 = tl.broadcast_to(tl.reshape(enc, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
-        a = x * tl.reshape(enc4, [BT, D])
-        mag = _e2m1_mag_code(tl.abs(a))
-        code = tl.where(a < 0, mag | 8, mag)
-        base = (b * H + h) * T
-        if WRITE_DEQ:
-            sf4 = tl.broadcast_to(tl.reshape(sf, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
-            val = _e2m1_value(code) * tl.reshape(sf4, [BT, D])
-            tl.store(deq_ptr + (base + offs_t[:, None]) * D + od[None, :], _to_bf16(val), mask=mt[:, None])
-        lo, hi = tl.split(tl.reshape(code, [BT, D // 2, 2]))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        ob = tl.arange(0, D // 2)
-        tl.store(codes_ptr + (base + offs_t[:, None]) * (D // 2) + ob[None, :], packed, mask=mt[:, None])
-        sbytes = sf8.to(tl.uint8, bitcast=True)
-        srows = tl.reshape(tl.broadcast_to(tl.reshape(sbytes, [BT // 16, 1, D // 16]), [BT // 16, 16, D // 16]),
-                           [BT, D // 16])
-        os_ = tl.arange(0, D // 16)
-        tl.store(scales_ptr + (base + offs_t[:, None]) * (D // 16) + os_[None, :], srows, mask=mt[:, None])
+        acc = tl.zeros([BT, D], tl.float32)
+        for i in range(pid, nT * NBH, NP):
+            bh = i // nT
+            offs_t = (i % nT) * BT + tl.arange(0, BT)
+            x = tl.load(x_ptr + (bh // H) * sxb + (bh % H) * sxh + offs_t[:, None] * sxt + od[None, :],
+                        mask=offs_t[:, None] < T, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
     @triton.jit
-    def _dequant2d_kernel(codes_ptr, scales_ptr, out_ptr, R, BT: tl.constexpr, D: tl.constexpr):
-        """code x E4M3 scale (bf16, global excluded) of a contiguous [R, D] NVFP4 copy; purely elementwise."""
-        rows = tl.program_id(0) * BT + tl.arange(0, BT)
-        m = rows < R
-        od = tl.arange(0, D)
-        byte = tl.load(codes_ptr + rows[:, None] * (D // 2) + od[None, :] // 2, mask=m[:, None], other=0)
-        code = (byte.to(tl.int32) >> ((od[None, :] % 2) * 4)) & 15
-        sb = tl.load(scales_ptr + rows[:, None] * (D // 16) + od[None, :] // 16, mask=m[:, None], other=0)
-        sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * D + od[None, :], _to_bf16(_e2m1_value(code) * sf), mask=m[:, None])
+    def _amax_kernel(X0, X1, X2, PART, NP, T0, T1, T2, H0, H1, H2, N0, N1, N2,
+                     s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, BT: tl.constexpr, D: tl.constexpr):
+        """PART[t, p] = amax of tensor t's tiles p, p + NP, ... (deterministic: no atomics, no memset)."""
+        pid = tl.program_id(0)
+        t = tl.program_id(1)
+        if t == 0:
+            _amax_body(X0, PART, pid, NP, T0, H0, N0, s0b, s0h, s0t, BT, D)
+        elif t == 1:
+            _amax_body(X1, PART + NP, pid, NP, T1, H1, N1, s1b, s1h, s1t, BT, D)
+        else:
+            _amax_body(X2, PART + 2 * NP, pid, NP, T2, H2, N2, s2b, s2h, s2t, BT, D)
+
+    @triton.jit
+    def _quant_body(x_ptr, codes_ptr, scales_ptr, deq_ptr, gdec_ptr, part_ptr, NP, pid_t, pid_bh, T, H, NBH,
+                    sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr, WRITE_DEQ: tl.constexpr):
+        """NVFP4 RTN, 16x16 tiles over (T, D), of one [BT, D] slab of x[b, h]; == attention_ref.quantize_2d.
+        The per-tensor amax is the max of the NP partials. With WRITE_DEQ also stores code x E4M3 scale
+        (exact in bf16; the global is applied by the consumer)."""
+        if (pid_t * BT < T) & (pid_bh < NBH):
+            ip = tl.arange(0, NP2)
+            amax_t = tl.max(tl.load(part_ptr + ip, mask=ip < NP, other=0.0), axis=0)
+            s_enc = tl.where(amax_t == 0.0, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
+            g_dec = tl.where(amax_t == 0.0, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
+            if (pid_t == 0) & (pid_bh == 0):
+                tl.store(gdec_ptr, g_dec)
+            b = pid_bh // H
+            h = pid_bh % H
+            offs_t = pid_t * BT + tl.arange(0, BT)
+            mt = offs_t < T
+            od = tl.arange(0, D)
+            x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
+                        other=0.0).to(tl.float32)
+            x4 = tl.reshape(x, [BT // 16, 16, D // 16, 16])
+            amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)  # [BT/16, D/16]
+            sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
+            sf = sf8.to(tl.float32)
+            enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
+            enc4 = tl.broadcast_to(tl.reshape(enc, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
+            a = x * tl.reshape(enc4, [BT, D])
+            mag = _e2m1_mag_code(tl.abs(a))
+            code = tl.where(a < 0, mag | 8, mag)
+            base = pid_bh * T
+            if WRITE_DEQ:
+                sf4 = tl.broadcast_to(tl.reshape(sf, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
+                val = _e2m1_value(code) * tl.reshape(sf4, [BT, D])
+                tl.store(deq_ptr + (base + offs_t[:, None]) * D + od[None, :], _to_bf16(val), mask=mt[:, None])
+            lo, hi = tl.split(tl.reshape(code, [BT, D // 2, 2]))
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            ob = tl.arange(0, D // 2)
+            tl.store(codes_ptr + (base + offs_t[:, None]) * (D // 2) + ob[None, :], packed, mask=mt[:, None])
+            sbytes = sf8.to(tl.uint8, bitcast=True)
+            srows = tl.reshape(tl.broadcast_to(tl.reshape(sbytes, [BT // 16, 1, D // 16]), [BT // 16, 16, D // 16]),
+                               [BT, D // 16])
+            os_ = tl.arange(0, D // 16)
+            tl.store(scales_ptr + (base + offs_t[:, None]) * (D // 16) + os_[None, :], srows, mask=mt[:, None])
+
+    @triton.jit
+    def _quant2d_kernel(X0, C0, S0, Y0, G0, X1, C1, S1, Y1, G1, X2, C2, S2, Y2, G2, PART, NP,
+                        T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t,
+                        BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
+                        WD0: tl.constexpr, WD1: tl.constexpr, WD2: tl.constexpr):
+        """Grid (time blocks, batch*head, tensor): quantizes up to three tensors in one launch."""
+        pid_t = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        t = tl.program_id(2)
+        if t == 0:
+            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, BT, D, NP2, WD0)
+        elif t == 1:
+            _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t, pid_bh, T1, H1, N1, s1b, s1h, s1t, BT, D, NP2,
+                        WD1)
+        else:
+            _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t, pid_bh, T2, H2, N2, s2b, s2h, s2t, BT, D,
+                        NP2, WD2)
+
+    @triton.jit
+    def _deq_body(codes_ptr, scales_ptr, out_ptr, pid, R, BT: tl.constexpr, D: tl.constexpr):
+        """code x E4M3 scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a contiguous [R, D] copy."""
+        if pid * BT < R:
+            rows = pid * BT + tl.arange(0, BT)
+            m = rows < R
+            od = tl.arange(0, D)
+            byte = tl.load(codes_ptr + rows[:, None] * (D // 2) + od[None, :] // 2, mask=m[:, None], other=0)
+            code = (byte.to(tl.int32) >> ((od[None, :] % 2) * 4)) & 15
+            sb = tl.load(scales_ptr + rows[:, None] * (D // 16) + od[None, :] // 16, mask=m[:, None], other=0)
+            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            tl.store(out_ptr + rows[:, None] * D + od[None, :], _to_bf16(_e2m1_value(code) * sf), mask=m[:, None])
+
+    @triton.jit
+    def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
+                         BT: tl.constexpr, D: tl.constexpr):
+        """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
+        [BT] row block; tasks 1, 2: code x scale of a saved NVFP4 copy (Q and/or K), elementwise."""
+        pid = tl.program_id(0)
+        task = tl.program_id(1)
+        if task == 0:
+            nT = tl.cdiv(T, BT)
+            if pid < nT * NBH:
+                bh = pid // nT
+                b = bh // H
+                h = bh % H
+                offs_t = (pid % nT) * BT + tl.arange(0, BT)
+                mt = offs_t < T
+                od = tl.arange(0, D)
+                do = tl.load(DO + b * sdb + h * sdh + offs_t[:, None] * sdt + od[None, :], mask=mt[:, None],
+                             other=0.0).to(tl.float32)
+                o = tl.load(O + b * sob + h * soh + offs_t[:, None] * sot + od[None, :], mask=mt[:, None],
+                            other=0.0).to(tl.float32)
+                tl.store(DELTA + bh * T + offs_t, tl.sum(do * o, axis=1), mask=mt)
+        elif task == 1:
+            _deq_body(C0, S0, Y0, pid, R0, BT, D)
+        else:
+            _deq_body(C1, S1, Y1, pid, R1, BT, D)
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, svt, sbb, sbh, sbm, sbn,
-                   qk_scale, pv_scale, Tk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PV_FP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        """Online-softmax over key tiles [lo, hi); MASKED: apply the key-range and causal masks."""
+                   qk_scale, Tk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   PV_FP4: tl.constexpr, FOLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """Online softmax over key tiles [lo, hi). MASKED: apply the key-range and causal masks; otherwise every
+        tile is complete and fully visible (unpredicated loads; with FOLD the softmax scale is folded into the
+        max and into one FMA before exp2)."""
         for start_n in range(lo, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             mn = offs_n < Tk
-            k = _ld(k_ptr, offs_n, mn, skt, D)
-            s = _mma(q, tl.trans(k)) * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
-                               mask=mm[:, None] & mn[None, :], other=0.0)
-                s = s + bias * 1.4426950408889634
-            if MASKED:
-                valid = mn[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= offs_m[:, None])
-                s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
+            k = _ld(k_ptr, offs_n, mn, skt, D, MASKED)
+            s = _mma(q, tl.trans(k))
+            if (HAS_BIAS or MASKED) or (not FOLD):  # Triton rejects chained boolean operators
+                s = s * qk_scale
+                if HAS_BIAS:
+                    bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                                   mask=mm[:, None] & mn[None, :], other=0.0)
+                    s = s + bias * 1.4426950408889634
+                if MASKED:
+                    valid = mn[None, :]
+                    if CAUSAL:
+                        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                    s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - m_safe[:, None])
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s * qk_scale - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _ld(v_ptr, offs_n, mn, svt, D)
+            v = _ld(v_ptr, offs_n, mn, svt, D, MASKED)
             if PV_FP4:
-                pq = _fq_rows(p, G_NUM_C, P_GLOBAL_C, BM, BN)
-                acc += _mma(_to_bf16(pq), v) * pv_scale
+                acc = _mma_acc(_to_bf16(_fq_rows(p, G_NUM_C, P_GLOBAL_C, BM, BN)), v, acc)
             else:
-                acc += _mma(_to_bf16(p), v)
+                acc = _mma_acc(_to_bf16(p), v, acc)
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["ZERO_G"])
     def _attn_fwd_kernel(Q, K, V, Gq, Gk, Gv, Bias, O, LSE,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                          sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                          QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                         FOLD: tl.constexpr, MASK_M: tl.constexpr, ZERO_G, BM: tl.constexpr,
+                         BN: tl.constexpr, D: tl.constexpr):
         """Q/K (and V) are BF16, or the dequantized code x scale of their NVFP4 copies when the role is NVFP4;
-        the FP4 global scales multiply the FP32 scores / accumulator. Key tiles fully inside the visible range
-        run without masks; the causal diagonal band and the ragged tail run masked."""
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        the FP4 global scales multiply the FP32 scores / the final accumulator. Grid (batch*head, query
+        blocks); causal: the longest query blocks are scheduled first. Key tiles fully inside the visible
+        range run without masks; the causal diagonal band and the ragged tail run masked. ZERO_G (runtime,
+        bits 0..2): the op's global-scale outputs of Q/K/V that were not quantized, set to 0 here (no fill
+        launches)."""
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        if (ZERO_G != 0) & (pid_bh == 0) & (pid_m == 0):
+            if (ZERO_G & 1) != 0:
+                tl.store(Gq, 0.0)
+            if (ZERO_G & 2) != 0:
+                tl.store(Gk, 0.0)
+            if (ZERO_G & 4) != 0:
+                tl.store(Gv, 0.0)
+        if CAUSAL:
+            pid_m = tl.num_programs(1) - 1 - pid_m
         b = pid_bh // H
         h = pid_bh % H
         hk = h // GROUPS
         offs_m = pid_m * BM + tl.arange(0, BM)
         mm = offs_m < Tq
-        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D)
+        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D, MASK_M)
         k_ptr = K + b * skb + hk * skh
         v_ptr = V + b * svb + hk * svh
         qk_scale = sm_scale * 1.4426950408889634
         if QK_FP4:
             qk_scale = qk_scale * tl.load(Gq) * tl.load(Gk)
-        pv_scale = 1.0
-        if PV_FP4:
-            pv_scale = tl.load(Gv) * P_GLOBAL_C
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
@@ -267,54 +401,122 @@ if triton is not None:
             hi = Tk
             full = (Tk // BN) * BN
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, 0, full, skt, svt,
-                                   sbb, sbh, sbm, sbn, qk_scale, pv_scale, Tk, False, CAUSAL, HAS_BIAS, PV_FP4,
+                                   sbb, sbh, sbm, sbn, qk_scale, Tk, False, CAUSAL, HAS_BIAS, PV_FP4, FOLD,
                                    BM, BN, D)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, full, hi, skt, svt,
-                                   sbb, sbh, sbm, sbn, qk_scale, pv_scale, Tk, True, CAUSAL, HAS_BIAS, PV_FP4,
+                                   sbb, sbh, sbm, sbn, qk_scale, Tk, True, CAUSAL, HAS_BIAS, PV_FP4, FOLD,
                                    BM, BN, D)
+        if PV_FP4:
+            acc = acc * (tl.load(Gv) * P_GLOBAL_C)
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("inf"), m_i / 1.4426950408889634 + tl.log(tl.where(empty, 1.0, l_i)))
         od = tl.arange(0, D)
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + od[None, :], _cast_like(o, O), mask=mm[:, None])
-        tl.store(LSE + pid_bh * Tq + offs_m, lse, mask=mm)
+        o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sot + od[None, :]
+        if MASK_M:
+            tl.store(o_ptrs, _cast_like(o, O), mask=mm[:, None])
+            tl.store(LSE + pid_bh * Tq + offs_m, lse, mask=mm)
+        else:
+            tl.store(o_ptrs, _cast_like(o, O))
+            tl.store(LSE + pid_bh * Tq + offs_m, lse)
 
     # -----------------------------------------------------------------------------------------------------
+    @triton.jit
+    def _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n, mn, lo, hi,
+                    sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
+                    MASKED: tl.constexpr, MASK_N: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
+                    DSQ_FP4: tl.constexpr, QK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+        """Accumulate dK, dV of one key block over query blocks [lo, hi). Unmasked blocks are complete and
+        fully visible; with MASK_N the key rows past Tk are zeroed (they must not enter a dS tile's amax)."""
+        for start_m in range(lo, hi, BM):
+            offs_m = start_m + tl.arange(0, BM)
+            mm = offs_m < Tq
+            q = _ld(q_ptr, offs_m, mm, sqt, D, MASKED)
+            sT = _mma(k, tl.trans(q))  # [BN, BM]
+            if MASKED:
+                lse = tl.load(LSE + bh * Tq + offs_m, mask=mm, other=float("inf")) * 1.4426950408889634
+            else:
+                lse = tl.load(LSE + bh * Tq + offs_m) * 1.4426950408889634
+            if HAS_BIAS:
+                bias = tl.load(Bias + b * sbb + h * sbh + offs_m[None, :] * sbm + offs_n[:, None] * sbn,
+                               mask=mm[None, :] & mn[:, None], other=0.0)
+                pT = tl.math.exp2(sT * qk_scale + bias * 1.4426950408889634 - lse[None, :])
+            else:
+                pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+            if MASKED:
+                valid = mn[:, None] & mm[None, :]
+                if CAUSAL:
+                    valid = valid & (offs_n[:, None] <= offs_m[None, :])
+                pT = tl.where(valid, pT, 0.0)
+            elif MASK_N:
+                pT = tl.where(mn[:, None], pT, 0.0)
+            do = _ld(do_ptr, offs_m, mm, sdt, D, MASKED)
+            if PDO_FP4:
+                dv = _mma_acc(_to_bf16(_fq_rows(pT, G_NUM_C, P_GLOBAL_C, BN, BM)), do, dv)
+            else:
+                dv = _mma_acc(_to_bf16(pT), do, dv)
+            if DOV_FP4 == PDO_FP4:
+                do2 = do
+            else:
+                do2 = _ld(do2_ptr, offs_m, mm, sd2t, D, MASKED)
+            dpT = _mma(v, tl.trans(do2))
+            if DOV_FP4:
+                dpT = dpT * dp_scale
+            if MASKED:
+                delta = tl.load(DELTA + bh * Tq + offs_m, mask=mm, other=0.0)
+            else:
+                delta = tl.load(DELTA + bh * Tq + offs_m)
+            dsT = pT * (dpT - delta[None, :])
+            if DSQ_FP4 == QK_FP4:
+                q2 = q
+            else:
+                q2 = _ld(q2_ptr, offs_m, mm, sq2t, D, MASKED)
+            if DSQ_FP4:
+                s_enc, g_dec = _band_scales(dsT, BN, BM)  # rows: keys; one scale per 64-key band
+                dk += _mma(_to_bf16(_fq_rows(dsT, s_enc, g_dec, BN, BM)), q2) * g_dec
+            else:
+                dk = _mma_acc(_to_bf16(dsT), q2, dk)
+        return dk, dv
+
     @triton.jit
     def _attn_bwd_dkdv_kernel(Q, Q2, K, V, DO, DO2, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DK, DV,
                               sqb, sqh, sqt, sq2b, sq2h, sq2t, skb, skh, skt, svb, svh, svt,
                               sdb, sdh, sdt, sd2b, sd2h, sd2t, sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                               QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                               DSQ_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              MASK_M: tl.constexpr, MASK_N: tl.constexpr,
                               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        """dK, dV for one 64-key block of one KV head. Q: the attn.qk operand, Q2: the attn.dsq operand (read
-        only when the two precisions differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem)."""
-        pid_n = tl.program_id(0)
-        pid_bhk = tl.program_id(1)
+        """dK, dV for one BN-key block of one KV head (grid: (batch*KV heads, key blocks); causal: the first key
+        blocks, which see the most queries, are scheduled first), looping over the GQA group's query heads and
+        over BM-query blocks: the causal diagonal band masked, the blocks fully below it unmasked, the ragged
+        query tail masked. Q: the attn.qk operand, Q2: the attn.dsq operand (read only when the two precisions
+        differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem)."""
+        pid_bhk = tl.program_id(0)
+        pid_n = tl.program_id(1)
         Hkv = H // GROUPS
         b = pid_bhk // Hkv
         hk = pid_bhk % Hkv
         offs_n = pid_n * BN + tl.arange(0, BN)
         mn = offs_n < Tk
-        k = _ld(K + b * skb + hk * skh, offs_n, mn, skt, D)
-        v = _ld(V + b * svb + hk * svh, offs_n, mn, svt, D)
+        k = _ld(K + b * skb + hk * skh, offs_n, mn, skt, D, MASK_N)
+        v = _ld(V + b * svb + hk * svh, offs_n, mn, svt, D, MASK_N)
         qk_scale = sm_scale * 1.4426950408889634
         if QK_FP4:
             qk_scale = qk_scale * tl.load(Gq) * tl.load(Gk)
         dp_scale = 1.0
         if DOV_FP4:
             dp_scale = tl.load(Gv) * tl.load(Gdo)
-        dv_scale = 1.0
-        if PDO_FP4:
-            dv_scale = tl.load(Gdo) * P_GLOBAL_C
-        gq = 1.0
-        if DSQ_FP4:
-            gq = tl.load(Gq)
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         lo = 0
+        mu = 0
         if CAUSAL:
             lo = ((pid_n * BN) // BM) * BM
+            mu = tl.cdiv(pid_n * BN + BN - 1, BM) * BM  # first query block that sees every key of this block
+        q_full = (Tq // BM) * BM
+        mid = tl.minimum(tl.maximum(mu, lo), q_full)
+        tail = tl.maximum(tl.maximum(mid, q_full), lo)
         for g in range(0, GROUPS):
             h = hk * GROUPS + g
             bh = b * H + h
@@ -322,83 +524,68 @@ if triton is not None:
             q2_ptr = Q2 + b * sq2b + h * sq2h
             do_ptr = DO + b * sdb + h * sdh
             do2_ptr = DO2 + b * sd2b + h * sd2h
-            for start_m in range(lo, Tq, BM):
-                offs_m = start_m + tl.arange(0, BM)
-                mm = offs_m < Tq
-                q = _ld(q_ptr, offs_m, mm, sqt, D)
-                sT = _mma(k, tl.trans(q)) * qk_scale  # [BN, BM]
-                if HAS_BIAS:
-                    bias = tl.load(Bias + b * sbb + h * sbh + offs_m[None, :] * sbm + offs_n[:, None] * sbn,
-                                   mask=mm[None, :] & mn[:, None], other=0.0)
-                    sT = sT + bias * 1.4426950408889634
-                lse = tl.load(LSE + bh * Tq + offs_m, mask=mm, other=float("inf")) * 1.4426950408889634
-                valid = mn[:, None] & mm[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_n[:, None] <= offs_m[None, :])
-                pT = tl.where(valid, tl.math.exp2(sT - lse[None, :]), 0.0)
-                do = _ld(do_ptr, offs_m, mm, sdt, D)
-                if PDO_FP4:
-                    pq = _fq_rows(pT, G_NUM_C, P_GLOBAL_C, BN, BM)
-                    dv += _mma(_to_bf16(pq), do) * dv_scale
-                else:
-                    dv += _mma(_to_bf16(pT), do)
-                if DOV_FP4 == PDO_FP4:
-                    do2 = do
-                else:
-                    do2 = _ld(do2_ptr, offs_m, mm, sd2t, D)
-                dpT = _mma(v, tl.trans(do2)) * dp_scale
-                delta = tl.load(DELTA + bh * Tq + offs_m, mask=mm, other=0.0)
-                dsT = pT * (dpT - delta[None, :])
-                if DSQ_FP4 == QK_FP4:
-                    q2 = q
-                else:
-                    q2 = _ld(q2_ptr, offs_m, mm, sq2t, D)
-                if DSQ_FP4:
-                    s_enc, g_dec = _tile_scales(dsT)
-                    dsq = _fq_rows(dsT, s_enc, g_dec, BN, BM)
-                    dk += _mma(_to_bf16(dsq), q2) * (g_dec * gq)
-                else:
-                    dk += _mma(_to_bf16(dsT), q2)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n,
+                                 mn, lo, mid, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
+                                 True, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n,
+                                 mn, mid, q_full, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
+                                 False, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D)
+            if MASK_M:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh,
+                                     offs_n, mn, tail, Tq, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale,
+                                     dp_scale, Tq, True, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL,
+                                     HAS_BIAS, BM, BN, D)
+        dk_scale = sm_scale
+        if DSQ_FP4:
+            dk_scale = dk_scale * tl.load(Gq)
+        if PDO_FP4:
+            dv = dv * (tl.load(Gdo) * P_GLOBAL_C)
         od = tl.arange(0, D)
         out_off = (pid_bhk * Tk + offs_n[:, None]) * D + od[None, :]
-        tl.store(DK + out_off, _cast_like(dk * sm_scale, DK), mask=mn[:, None])
-        tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
+        if MASK_N:
+            tl.store(DK + out_off, _cast_like(dk * dk_scale, DK), mask=mn[:, None])
+            tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
+        else:
+            tl.store(DK + out_off, _cast_like(dk * dk_scale, DK))
+            tl.store(DV + out_off, _cast_like(dv, DV))
 
     @triton.jit
     def _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, sk2t, svt,
-                  sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, MASKED: tl.constexpr, QK_FP4: tl.constexpr,
-                  DSK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, MASKED: tl.constexpr, QK_FP4: tl.constexpr,
+                  DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
         """Accumulate dQ of one query block over key tiles [lo, hi). Unmasked tiles must be complete key
         tiles strictly below the causal diagonal (query rows past Tq have LSE = +inf: P = dS = 0)."""
         for start_n in range(lo, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             mn = offs_n < Tk
-            k = _ld(k_ptr, offs_n, mn, skt, D)
-            s = _mma(q, tl.trans(k)) * qk_scale
+            k = _ld(k_ptr, offs_n, mn, skt, D, MASKED)
+            s = _mma(q, tl.trans(k))
             if HAS_BIAS:
                 bias = tl.load(Bias + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
                                mask=mm[:, None] & mn[None, :], other=0.0)
-                s = s + bias * 1.4426950408889634
-            p = tl.math.exp2(s - lse[:, None])
+                p = tl.math.exp2(s * qk_scale + bias * 1.4426950408889634 - lse[:, None])
+            else:
+                p = tl.math.exp2(s * qk_scale - lse[:, None])
             if MASKED:
                 valid = mm[:, None] & mn[None, :]
                 if CAUSAL:
                     valid = valid & (offs_n[None, :] <= offs_m[:, None])
                 p = tl.where(valid, p, 0.0)
-            v = _ld(v_ptr, offs_n, mn, svt, D)
-            dp = _mma(do, tl.trans(v)) * dp_scale
+            v = _ld(v_ptr, offs_n, mn, svt, D, MASKED)
+            dp = _mma(do, tl.trans(v))
+            if DOV_FP4:
+                dp = dp * dp_scale
             ds = p * (dp - delta[:, None])
             if DSK_FP4 == QK_FP4:
                 k2 = k
             else:
-                k2 = _ld(k2_ptr, offs_n, mn, sk2t, D)
+                k2 = _ld(k2_ptr, offs_n, mn, sk2t, D, MASKED)
             if DSK_FP4:
-                s_enc, g_dec = _tile_scales(ds)
-                dsq = _fq_rows(ds, s_enc, g_dec, BM, BN)
-                dq += _mma(_to_bf16(dsq), k2) * (g_dec * gk)
+                s_enc, g_dec = _band_scales(ds, BM, BN)  # rows: queries; one scale per 64-query band
+                dq += _mma(_to_bf16(_fq_rows(ds, s_enc, g_dec, BM, BN)), k2) * g_dec
             else:
-                dq += _mma(_to_bf16(ds), k2)
+                dq = _mma_acc(_to_bf16(ds), k2, dq)
         return dq
 
     @triton.jit
@@ -406,19 +593,22 @@ if triton is not None:
                             sqb, sqh, sqt, skb, skh, skt, sk2b, sk2h, sk2t, svb, svh, svt, sdb, sdh, sdt,
                             sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                             QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr,
-                            CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_M: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-        """dQ for one 64-query block. K: the attn.qk operand, K2: the attn.dsk operand (read only when the two
-        precisions differ); DO: the attn.dov operand."""
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        """dQ for one BM-query block (grid: (batch*heads, query blocks), longest first when causal). K: the
+        attn.qk operand, K2: the attn.dsk operand (read only when the two precisions differ); DO: the attn.dov
+        operand."""
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        if CAUSAL:
+            pid_m = tl.num_programs(1) - 1 - pid_m
         b = pid_bh // H
         h = pid_bh % H
         hk = h // GROUPS
         offs_m = pid_m * BM + tl.arange(0, BM)
         mm = offs_m < Tq
-        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D)
-        do = _ld(DO + b * sdb + h * sdh, offs_m, mm, sdt, D)
+        q = _ld(Q + b * sqb + h * sqh, offs_m, mm, sqt, D, MASK_M)
+        do = _ld(DO + b * sdb + h * sdh, offs_m, mm, sdt, D, MASK_M)
         lse = tl.load(LSE + pid_bh * Tq + offs_m, mask=mm, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + pid_bh * Tq + offs_m, mask=mm, other=0.0)
         k_ptr = K + b * skb + hk * skh
@@ -430,9 +620,6 @@ if triton is not None:
         dp_scale = 1.0
         if DOV_FP4:
             dp_scale = tl.load(Gv) * tl.load(Gdo)
-        gk = 1.0
-        if DSK_FP4:
-            gk = tl.load(Gk)
         dq = tl.zeros([BM, D], tl.float32)
         if CAUSAL:
             hi = tl.minimum((pid_m + 1) * BM, Tk)
@@ -441,14 +628,20 @@ if triton is not None:
             hi = Tk
             full = (Tk // BN) * BN
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, 0, full, skt, sk2t,
-                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, False, QK_FP4, DSK_FP4, CAUSAL,
+                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, False, QK_FP4, DOV_FP4, DSK_FP4, CAUSAL,
                        HAS_BIAS, BM, BN, D)
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, full, hi, skt, sk2t,
-                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, gk, Tk, True, QK_FP4, DSK_FP4, CAUSAL,
+                       svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, True, QK_FP4, DOV_FP4, DSK_FP4, CAUSAL,
                        HAS_BIAS, BM, BN, D)
+        dq_scale = sm_scale
+        if DSK_FP4:
+            dq_scale = dq_scale * tl.load(Gk)
         od = tl.arange(0, D)
-        tl.store(DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :], _cast_like(dq * sm_scale, DQ),
-                 mask=mm[:, None])
+        dq_ptrs = DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :]
+        if MASK_M:
+            tl.store(dq_ptrs, _cast_like(dq * dq_scale, DQ), mask=mm[:, None])
+        else:
+            tl.store(dq_ptrs, _cast_like(dq * dq_scale, DQ))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -462,36 +655,102 @@ def _lastdim_contig(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+#: programs of the amax pass per tensor (each reduces every NP-th tile; the quantize pass reads the NP partials)
+_AMAX_PROGRAMS = 256
+
+
+def quantize_many(xs, dequantized) -> list:
+    """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles, in two
+    launches in all: one partial-amax pass and one quantize pass (the per-tensor global scales stay on the
+    device). Returns, per tensor, (codes, scales, global) and, where ``dequantized[i]``, also the bf16 code x
+    E4M3 scale tensor (exact; the global excluded) that the attention kernels consume. Bit-identical to
+    ``attention_ref.quantize_2d``."""
+    _require_triton()
+    n = len(xs)
+    if not 1 <= n <= 3 or len(dequantized) != n:
+        raise ValueError(f"quantize_many takes 1 to 3 tensors and as many dequantized flags, got {n}")
+    xs = [_lastdim_contig(x) for x in xs]
+    D = xs[0].shape[-1]
+    if any(x.dim() != 4 or x.shape[-1] != D for x in xs):
+        raise ValueError("quantize_many: tensors must be [B, H, T, D] with one head dim")
+    dev = xs[0].device
+    BT_A = 64 if D <= 64 else 32
+    NP = _AMAX_PROGRAMS
+    part = torch.empty((n, NP), dtype=torch.float32, device=dev)
+    outs, slots = [], []
+    for x, wd in zip(xs, dequantized):
+        B, H, T, _ = x.shape
+        codes = torch.empty((B, H, T, D // 2), dtype=torch.uint8, device=dev)
+        scales = torch.empty((B, H, T, D // 16), dtype=torch.uint8, device=dev)
+        g = torch.empty((), dtype=torch.float32, device=dev)
+        deq = torch.empty((B, H, T, D), dtype=torch.bfloat16, device=dev) if wd else None
+        outs.append((codes, scales, g, deq) if wd else (codes, scales, g))
+        slots.append((x, codes, scales, deq if wd else codes, g, T, H, B * H, x.stride(0), x.stride(1),
+                      x.stride(2), bool(wd)))
+    while len(slots) < 3:  # unused slots: never reached (the grid's last dim is n)
+        slots.append(slots[0])
+    X = [s[0] for s in slots]
+    T_, H_, N_ = [s[5] for s in slots], [s[6] for s in slots], [s[7] for s in slots]
+    strides = [v for s in slots for v in s[8:11]]
+    _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
+    BT = 32
+    tens = [t for s in slots for t in s[:5]]
+    _quant2d_kernel[(triton.cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
+        *tens, part, NP, *T_, *H_, *N_, *strides, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
+        WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], num_warps=4)
+    return outs
+
+
 def quantize_2d(x: Tensor, *, dequantized: bool = False):
     """Triton twin of ``attention_ref.quantize_2d`` for ``[B, H, T, D]`` (D a power of two, 16..256).
 
     Returns (codes, scales, global); with ``dequantized=True`` also the bf16 tensor of code x E4M3 scale (the
     NVFP4 values without the global scale; exact in bf16) that the attention kernels consume. The per-tensor
-    amax stays on the device (no host sync); the kernel derives the global scales from it exactly as the
-    reference does."""
+    amax stays on the device (no host sync). ``quantize_many`` does several tensors in the same two launches."""
+    return quantize_many([x], [dequantized])[0]
+
+
+def dequantize_many(pairs) -> list:
+    """bf16 code x E4M3 scale (global excluded) of one or two contiguous NVFP4 copies (codes [..., D/2],
+    scales [..., D/16]), in one launch."""
+    return _bwd_prep(None, None, pairs)[1]
+
+
+def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
+    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given) and the code x scale tensors of
+    up to two NVFP4 copies ``pairs`` = [(codes, scales), ...]."""
     _require_triton()
-    x = _lastdim_contig(x)
-    B, H, T, D = x.shape
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-    g_dec = torch.empty((), dtype=torch.float32, device=x.device)
-    codes = torch.empty((B, H, T, D // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((B, H, T, D // 16), dtype=torch.uint8, device=x.device)
-    deq = torch.empty((B, H, T, D), dtype=torch.bfloat16, device=x.device) if dequantized else codes
-    BT = 32
-    _quant2d_kernel[(triton.cdiv(T, BT), B * H)](x, codes, scales, deq, amax, g_dec, T, H, x.stride(0), x.stride(1),
-                                                 x.stride(2), BT=BT, D=D, WRITE_DEQ=dequantized, num_warps=4)
-    return (codes, scales, g_dec, deq) if dequantized else (codes, scales, g_dec)
+    if len(pairs) > 2:
+        raise ValueError("_bwd_prep dequantizes at most two copies")
+    ref = do if do is not None else pairs[0][0]
+    dev = ref.device
+    D = do.shape[-1] if do is not None else pairs[0][0].shape[-1] * 2
+    BT = 64
+    deqs, slots = [], []
+    for c, s in pairs:
+        y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
+        deqs.append(y)
+        slots.append((c, s, y, c.numel() // (D // 2)))
+    dummy, c0 = _dummy(dev), _dummy(dev, torch.uint8)
+    while len(slots) < 2:  # unused slot (R = 0): never read, but typed like a real one (the kernel bitcasts)
+        slots.append((c0, c0, dummy, 0))
+    if do is not None:
+        B, H, T, _ = do.shape
+        delta = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        dargs = (do, out, delta)
+        st = (do.stride(0), do.stride(1), do.stride(2), out.stride(0), out.stride(1), out.stride(2))
+        n0 = triton.cdiv(T, BT) * B * H
+    else:
+        delta, B, H, T, n0 = None, 1, 1, 0, 0
+        dargs, st = (dummy, dummy, dummy), (0,) * 6
+    nx = max([n0] + [triton.cdiv(sl[3], BT) for sl in slots])
+    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, num_warps=4)
+    return delta, deqs
 
 
 def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
     """bf16 code x E4M3 scale of a contiguous NVFP4 copy [..., D/2] (global excluded)."""
-    _require_triton()
-    D = codes.shape[-1] * 2
-    out = torch.empty((*codes.shape[:-1], D), dtype=torch.bfloat16, device=codes.device)
-    R_ = codes.numel() // (D // 2)
-    BT = 64
-    _dequant2d_kernel[(triton.cdiv(R_, BT),)](codes, scales, out, R_, BT=BT, D=D, num_warps=4)
-    return out
+    return dequantize_many([(codes, scales)])[0]
 
 
 def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
@@ -520,45 +779,76 @@ def _st(t: Tensor):
     return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
 
-def _fwd_config(D: int, pv_fp4: bool):
-    # Hopper: 128-query tiles, 8 warps. With attn.pv in NVFP4 the key tile is PV_TILE (64): it is part of the
-    # numerics (P̃ is quantized relative to the running max of each tile), not a tuning knob.
-    return dict(BM=128, BN=PV_TILE if pv_fp4 or D == 128 else 128, num_warps=8, num_stages=3 if D == 64 else 2)
+#: Forward tile configuration per head dim, {D: dict(BM, BN, num_warps, num_stages)}; chosen from the sweep in
+#: ``bench/attention.py`` (docs/BENCHMARKS.md). With attn.pv in NVFP4 the key tile is PV_TILE whatever this says.
+FWD_CONFIGS = {64: dict(BM=128, BN=64, num_warps=8, num_stages=3),
+               128: dict(BM=128, BN=64, num_warps=8, num_stages=3)}
+#: Backward configurations, {(D, fp4_ds): {"dkdv": dict(BM, BN, ...), "dq": dict(BM, BN, ...)}}. fp4_ds (attn.dsk
+#: or attn.dsq in NVFP4) pins the contraction side of each kernel's dS tile to DS_TILE (dkdv: BM, dq: BN) and the
+#: other side to a multiple of it: the per-tile global scale of dS is defined on DS_TILE x DS_TILE tiles.
+def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64) -> dict:
+    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st),
+            "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
+
+
+BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(4),
+               (64, True): _bwd_pair(4, 3), (128, True): _bwd_pair(4)}
+
+
+def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
+    cfg = dict(FWD_CONFIGS.get(D, dict(BM=64, BN=64, num_warps=4, num_stages=2)))
+    cfg.update(config or {})
+    if pv_fp4:  # P̃ is quantized per key tile relative to the running max: the tile width is numerics
+        cfg["BN"] = PV_TILE
+    return cfg
+
+
+def _bwd_config(D: int, fp4_ds: bool, config: Optional[dict] = None) -> dict:
+    base = BWD_CONFIGS.get((D, fp4_ds), _bwd_pair(4))
+    cfg = {k: dict(v, **((config or {}).get(k) or {})) for k, v in base.items()}
+    if fp4_ds:  # the contraction tile is DS_TILE (dS's per-tile global); the other side may hold several tiles
+        cfg["dkdv"]["BM"] = DS_TILE
+        cfg["dq"]["BN"] = DS_TILE
+        for kern, side in (("dkdv", "BN"), ("dq", "BM")):
+            if cfg[kern][side] % DS_TILE:
+                cfg[kern][side] = DS_TILE
+    return cfg
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mask: Optional[Tensor],
                   is_causal: bool, scale: float, mask: int, *, dequantized: Optional[dict] = None,
-                  config: Optional[dict] = None):
-    """Triton forward: (O [B, H, Tq, D] in q's dtype, LSE fp32 [B, H, Tq]).
+                  config: Optional[dict] = None, zero_globals: int = 0):
+    """Triton forward: (O [B, H, Tq, D] in q's dtype, LSE fp32 [B, H, Tq]). One launch.
 
-    ``dequantized`` may hold the bf16 code x scale tensors ("q", "k", "v") made by ``quantize_2d(...,
-    dequantized=True)``; missing ones are dequantized from ``views`` here."""
+    ``dequantized`` may hold the bf16 code x scale tensors ("q", "k", "v") made by ``quantize_many(...)``;
+    missing ones are dequantized from ``views`` here. ``config`` overrides ``FWD_CONFIGS`` (BM, BN, num_warps,
+    num_stages). ``zero_globals`` (bits 0, 1, 2 = Q, K, V): global-scale tensors of ``views`` that hold no copy
+    (never read here) and that the kernel sets to 0 (the op's documented value)."""
     _require_triton()
     q, k, v = (_lastdim_contig(t) for t in (q, k, v))
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq_ = dict(dequantized or {})
-
-    def operand(name, x, fp4):
-        if not fp4:
-            return x
-        if name not in dq_:
-            c, s = getattr(views, f"{name}_codes"), getattr(views, f"{name}_scales")
-            dq_[name] = dequantize_2d(c, s)
-        return dq_[name]
-
-    qa, ka = operand("q", q, mask & QK), operand("k", k, mask & QK)
-    va = operand("v", v, mask & PV)
+    missing = [n for n, r in (("q", QK), ("k", QK), ("v", PV)) if mask & r and n not in dq_]
+    if missing:
+        got = dequantize_many([(getattr(views, f"{n}_codes"), getattr(views, f"{n}_scales")) for n in missing[:2]])
+        if len(missing) == 3:
+            got += dequantize_many([(views.v_codes, views.v_scales)])
+        dq_.update(zip(missing, got))
+    qa = dq_["q"] if mask & QK else q
+    ka = dq_["k"] if mask & QK else k
+    va = dq_["v"] if mask & PV else v
     o = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, q.device)
-    cfg = dict(_fwd_config(D, bool(mask & PV)), **(config or {}))
+    cfg = _fwd_config(D, bool(mask & PV), config)
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
-    grid = (triton.cdiv(Tq, BM), B * H)
+    grid = (B * H, triton.cdiv(Tq, BM))
     _attn_fwd_kernel[grid](qa, ka, va, views.q_global, views.k_global, views.v_global, bias, o, lse,
                            *_st(qa), *_st(ka), *_st(va), *_st(o), *sb, float(scale), H, H // Hkv, Tq, Tk,
                            QK_FP4=bool(mask & QK), PV_FP4=bool(mask & PV), CAUSAL=bool(is_causal),
-                           HAS_BIAS=has_bias, BM=BM, BN=BN, D=D, **cfg)
+                           HAS_BIAS=has_bias, FOLD=scale >= 0, MASK_M=Tq % BM != 0, ZERO_G=int(zero_globals),
+                           BM=BM, BN=BN, D=D, **cfg)
     return o, lse
 
 
@@ -566,7 +856,9 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
                   views: QuantizedQKV, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                   scale: float, mask: int, *, config: Optional[dict] = None):
     """Triton backward: (dQ, dK, dV). q/k/v may be None where only their FP4 copy was saved; the FP4 copies
-    are dequantized once (bf16 code x scale, a transient buffer) and read by both kernels."""
+    of Q/K are dequantized once (bf16 code x scale, transient buffers) in the same launch that computes
+    delta = rowsum(dO * O), and read by both kernels. Three launches in all (four, plus two, with dO in
+    NVFP4). ``config`` = {"dkdv": {...}, "dq": {...}} overrides ``BWD_CONFIGS``."""
     _require_triton()
     do = _lastdim_contig(grad_out)
     B, H, Tq, D = do.shape
@@ -574,8 +866,11 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     kv_ref = k if k is not None else (views.k_codes if views.k_codes.dim() == 4 else views.v_codes)
     Hkv, Tk = kv_ref.shape[1], kv_ref.shape[2]
     fq, fk, _ = needs_fp4(mask)
-    qh = dequantize_2d(views.q_codes, views.q_scales) if fq else None
-    kh = dequantize_2d(views.k_codes, views.k_scales) if fk else None
+    pairs = [(views.q_codes, views.q_scales)] if fq else []
+    pairs += [(views.k_codes, views.k_scales)] if fk else []
+    delta, deqs = _bwd_prep(do, out, pairs)
+    qh = deqs.pop(0) if fq else None
+    kh = deqs.pop(0) if fk else None
     q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)
     k_qk, k_ds = (kh if mask & QK else k), (kh if mask & DSK else k)
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
@@ -585,28 +880,27 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     if mask & (DOV | PDO):
         _, _, g_do, doh = quantize_2d(do, dequantized=True)
     else:
-        g_do, doh = torch.zeros((), dtype=torch.float32, device=dev), None
+        g_do, doh = views.q_global, None  # unread (no dO role in NVFP4)
     do_pdo = doh if mask & PDO else do
     do_dov = doh if mask & DOV else do
-    delta = (do.float() * out.float()).sum(-1)
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, dev)
     dtype = do.dtype
     dq = torch.empty((B, H, Tq, D), dtype=dtype, device=dev)
     dk = torch.empty((B, Hkv, Tk, D), dtype=dtype, device=dev)
     dv = torch.empty((B, Hkv, Tk, D), dtype=dtype, device=dev)
-    cfg = dict(num_warps=4 if D == 64 else 8, num_stages=2)
-    cfg.update(config or {})
-    BM = BN = DS_TILE  # fixed: the dS per-tile global scale is defined on this tile (numerics, not tuning)
+    cfg = _bwd_config(D, bool(mask & (DSK | DSQ)), config)
+    c1, c2 = dict(cfg["dkdv"]), dict(cfg["dq"])
+    BM1, BN1, BM2, BN2 = c1.pop("BM"), c1.pop("BN"), c2.pop("BM"), c2.pop("BN")
     G = (views.q_global, views.k_global, views.v_global, g_do)
-    flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias,
-                 BM=BM, BN=BN, D=D)
+    flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias, D=D)
     tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), B * Hkv)](
+    _attn_bwd_dkdv_kernel[(B * Hkv, triton.cdiv(Tk, BN1))](
         q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,
         *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *tail,
-        PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), **flags, **cfg)
-    _attn_bwd_dq_kernel[(triton.cdiv(Tq, BM), B * H)](
+        PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), MASK_M=Tq % BM1 != 0, MASK_N=Tk % BN1 != 0,
+        BM=BM1, BN=BN1, **flags, **c1)
+    _attn_bwd_dq_kernel[(B * H, triton.cdiv(Tq, BM2))](
         q_qk, k_qk, k_ds, v_dov, do_dov, *G, bias, lse, delta, dq,
         *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *tail,
-        DSK_FP4=bool(mask & DSK), **flags, **cfg)
+        DSK_FP4=bool(mask & DSK), MASK_M=Tq % BM2 != 0, BM=BM2, BN=BN2, **flags, **c2)
     return dq, dk, dv

@@ -68,7 +68,24 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
+        from ..ops import qattn_eager
+
+        return qattn_eager(query, key, value, attn_mask, bool(is_causal), float(scale), int(fp4_roles))
     return torch.ops.fp4compile.qattn(query, key, value, attn_mask, bool(is_causal), float(scale), int(fp4_roles))[0]
+
+
+def _plain_eager(*tensors) -> bool:
+    """True outside torch.compile/export tracing, functorch transforms and tensor subclasses / dispatch modes:
+    then ``qattn_sdpa`` may skip the custom-op layers. Anything traced (Dynamo, AOT autograd's fake and
+    functional tensors, make_fx) sees ``fp4compile::qattn``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if getattr(torch._C, "_are_functorch_transforms_active", lambda: False)():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
 @dataclasses.dataclass
