@@ -405,14 +405,15 @@ class _Bucket:
         self.kind, self.key, self.params = kind, key, params
         cols = _Q_COLS if kind == "q" else _F_COLS
         dummy = 0
-        rows, chunks = [], []
-        for i, (p, st) in enumerate(zip(params, states)):
-            rows.append([p.numel() if k == "numel" else (st[k].data_ptr() if k in st else dummy) for k in cols])
-            nc = -(-p.numel() // CH)
-            chunks += [(i, c) for c in range(nc)]
+        rows = [[p.numel() if k == "numel" else (st[k].data_ptr() if k in st else dummy) for k in cols]
+                for p, st in zip(params, states)]
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.chunks = torch.tensor(chunks, dtype=torch.int32).reshape(-1).to(device)
-        self.nprog = len(chunks)
+        # chunk table: (tensor index, run index within the tensor) of every program
+        nch = torch.tensor([-(-p.numel() // CH) for p in params], dtype=torch.int64)
+        self.nprog = int(nch.sum())
+        tid = torch.repeat_interleave(torch.arange(len(params)), nch)
+        cid = torch.arange(self.nprog) - torch.repeat_interleave(torch.cumsum(nch, 0) - nch, nch)
+        self.chunks = torch.stack((tid, cid), 1).to(torch.int32).reshape(-1).to(device)
         self.steps = [st["step"] for st in states]
         self._ptrs = None
         self.ptab = None

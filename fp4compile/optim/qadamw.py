@@ -20,10 +20,15 @@ back with ``bf16_master="sr"`` (stochastic rounding, no extra state; default), `
 compensation buffer, +2 bytes/param) or ``"rtn"`` (plain rounding; updates smaller than half a BF16 ulp
 are lost).
 
-The per-parameter update is a pure function of tensors (:func:`q_adamw_step`) that Inductor compiles into a
-few fused kernels (``compile=True``, the default on CUDA): no host syncs, ``lr`` passed as a device tensor so
-LR schedules never recompile. Stochastic rounding draws its bits from a counter-based hash of
-(element, per-tensor seed, step), so a resumed run reproduces the uninterrupted one bit for bit.
+On CUDA the step runs as fused multi-tensor Triton kernels (:mod:`fp4compile.optim.fused`): per param
+group at most two launches (NVFP4-state tensors, FP32-state tensors) that decode, update, re-encode and write
+every tensor of the group in one pass over memory, with no host syncs (``lr`` is a device tensor, step
+counters stay on the device). The per-parameter update :func:`q_adamw_step` (pure tensor code) is its
+reference, bit for bit, and runs where Triton does not (CPU; ``fused=False``; ``compile=True`` compiles it).
+The second-level NVFP4 scale of the states is per run of ``SCALE_CHUNK`` (1024) elements instead of per
+tensor, so no tensor-wide amax is needed before encoding. Stochastic rounding draws its bits from a
+counter-based hash of (element, per-tensor seed, step), so a resumed run reproduces the uninterrupted one
+bit for bit.
 """
 from __future__ import annotations
 
