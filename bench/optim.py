@@ -37,11 +37,11 @@ TINY = {"tiny": dict(d=64, layers=2, vocab=512, ctx=64)}
 
 
 def make_params(shapes, device, dtype=torch.float32):
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)  # on the device: 1B CPU randn would take ~10 s
     ps = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(*s, generator=g).mul_(0.02).to(device, dtype))
-        p.grad = torch.randn(*s, generator=g).mul_(1e-3).to(device, dtype)
+        p = torch.nn.Parameter(torch.randn(*s, generator=g, device=device).mul_(0.02).to(dtype))
+        p.grad = torch.randn(*s, generator=g, device=device).mul_(1e-3).to(dtype)
         ps.append(p)
     return ps
 
@@ -51,15 +51,22 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+HOST_MS = {}
+
+
 def time_steps(opt, device, iters, warmup):
+    """CUDA-event milliseconds per step (also records the host time per step of the launch loop in
+    ``HOST_MS[id(opt)]``: when it is close to the event time the step is launch-bound, not GPU-bound)."""
     for _ in range(warmup):
         opt.step()
     sync(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t = time.perf_counter()
         for _ in range(iters):
             opt.step()
+        HOST_MS[id(opt)] = (time.perf_counter() - t) * 1e3 / iters
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
@@ -78,39 +85,63 @@ def state_bytes(opt):
     return n
 
 
-def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None):
+def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None):
     shapes = gpt_shapes(**cfg)
     nparam = sum(math.prod(s) for s in shapes)
     res = {}
     makers = [("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda")),
               ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4))]
-    if warps:  # only the Q-AdamW kernel with another warp count
+    if warps:  # only the Q-AdamW kernel with another warp count / butterfly implementation
         makers = makers[1:]
         from fp4compile.optim import fused
-        fused.NUM_WARPS = warps
+        fused.NUM_WARPS, fused.RHT_IMPL = warps, impl
     for label, make in makers:
         ps = make_params(shapes, device)
         opt = make(ps)
         t0 = time.perf_counter()
         ms = time_steps(opt, device, iters, warmup)
-        res[label] = (ms, state_bytes(opt), time.perf_counter() - t0)
+        res[label] = (ms, state_bytes(opt), time.perf_counter() - t0, HOST_MS.get(id(opt), float("nan")))
         del opt, ps
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if warps:
         from fp4compile.optim import fused
         fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
-        rows.append(dict(section="QAdamW warps", set=name, warps=warps, qadamw_ms=res["QAdamW"][0]))
+        fused.RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
+        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl, qadamw_ms=res["QAdamW"][0],
+                         host_ms=res["QAdamW"][3]))
         return
-    (t_ref, b_ref, _), (t_q, b_q, wall_q) = res["torch AdamW fused"], res["QAdamW"]
+    (t_ref, b_ref, _, h_ref), (t_q, b_q, wall_q, h_q) = res["torch AdamW fused"], res["QAdamW"]
     # bytes moved per step: AdamW fp32 reads p, g, m, v and writes p, m, v (28 B/param);
     # Q-AdamW reads p, g and the NVFP4 states and writes p and the states
     q_state_per_param = b_q / nparam
     rows.append(dict(section="QAdamW step", set=name, params=nparam, adamw_ms=t_ref, qadamw_ms=t_q,
-                     time_ratio=t_q / t_ref, adamw_GBps=28 * nparam / t_ref / 1e6,
+                     time_ratio=t_q / t_ref, adamw_host_ms=h_ref, qadamw_host_ms=h_q, adamw_GBps=28 * nparam / t_ref / 1e6,
                      qadamw_GBps=(12 + 2 * q_state_per_param) * nparam / t_q / 1e6,
                      adamw_state_MB=b_ref / 2**20, qadamw_state_MB=b_q / 2**20,
                      state_ratio=b_q / b_ref, qadamw_wall_incl_compile_s=wall_q))
+
+
+def profile_step(name, cfg, device, rows):
+    """torch.profiler of 3 Q-AdamW steps: GPU time per kernel (is the fused kernel or the overhead the cost?)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ps = make_params(gpt_shapes(**cfg), device)
+    opt = QAdamW(ps, lr=1e-4)
+    for _ in range(2):
+        opt.step()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            opt.step()
+        sync(device)
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    avgs = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))
+    top = [(e.key[:60], getattr(e, key, 0.0) / 3e3, e.count // 3) for e in avgs[:8]]
+    print("\n".join(f"[profile {name}] {k}: {ms:.3f} ms/step, {c} calls/step" for k, ms, c in top))
+    rows.append(dict(section="QAdamW profile", set=name, **{f"top{i}": f"{k} {ms:.3f}ms x{c}"
+                                                           for i, (k, ms, c) in enumerate(top[:5])}))
 
 
 def bench_peak_memory(device, tiny, rows):
@@ -221,7 +252,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,warps,peak,root")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,profile,warps,peak,root")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -233,9 +264,12 @@ def main(argv=None):
         jobs.append(("check", lambda: check_fused(device, rows)))
     if "adamw" not in skip:
         jobs += [("adamw " + k, lambda k=k, c=c: bench_adamw(k, c, device, iters, warmup, rows)) for k, c in sets.items()]
+    if "profile" not in skip:
+        k = "tiny" if args.tiny else "124M"
+        jobs.append(("profile " + k, lambda: profile_step(k, sets[k], device, rows)))
     if "warps" not in skip and not args.tiny:
-        jobs += [(f"warps {w}", lambda w=w: bench_adamw("124M", SETS["124M"], device, iters, warmup, rows, warps=w))
-                 for w in (2, 8)]
+        jobs += [(f"config warps={w} rht_impl={i}", lambda w=w, i=i: bench_adamw(
+            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i)) for w, i in ((8, 1), (4, 0))]
     if "peak" not in skip:
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
     if "root" not in skip:
