@@ -64,6 +64,7 @@ def report(device, cases=None, steps=3):
                     out[f"p{i}.{k}"] = "shape/dtype" if (w.shape != v.shape or w.dtype != v.dtype) \
                         else int((w.reshape(-1) != v.reshape(-1)).sum())
             out_all[case] = out
+            print(f"CASE {case}: mismatches " + json.dumps({k: v for k, v in out.items() if v != 0}), flush=True)
         except Exception as e:  # report, don't hide
             import traceback
             traceback.print_exc()
