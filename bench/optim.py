@@ -276,20 +276,25 @@ def main(argv=None):
         k = "tiny" if args.tiny else "124M"
         jobs.append(("root " + k, lambda: bench_root(k, (TINY if args.tiny else SETS)[k], device, 5 if not args.tiny
                                                      else 2, 1, rows, budget_s=20.0)))
+    def fmt(r):
+        return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+
     for name, job in jobs:
-        t = time.perf_counter()
+        t, n0 = time.perf_counter(), len(rows)
         try:
             job()
         except Exception as e:  # keep going: one failing section must not lose the others
             traceback.print_exc()
             rows.append(dict(section=name, error=f"{type(e).__name__}: {e}"))
+        for r in rows[n0:]:  # print and save as we go: a time box that ends the run keeps what finished
+            print("[row] " + fmt(r), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
         print(f"[bench/optim] {name}: {time.perf_counter() - t:.1f}s", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
     print(f"\n## Optimizers ({device}, torch {torch.__version__}, total {time.perf_counter() - t_start:.0f}s)")
     for r in rows:
-        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        print(fmt(r))
 
 
 if __name__ == "__main__":

@@ -408,6 +408,9 @@ class _Bucket:
         rows = [[p.numel() if k == "numel" else (st[k].data_ptr() if k in st else dummy) for k in cols]
                 for p, st in zip(params, states)]
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        # the table holds raw addresses: keep the tensors alive while it exists (state entries replaced other than
+        # through load_state_dict are not seen by the plan; they are never freed under it either)
+        self._keep = [st[k] for st in states for k in cols if k in st]
         # chunk table: (tensor index, run index within the tensor) of every program
         nch = torch.tensor([-(-p.numel() // CH) for p in params], dtype=torch.int64)
         self.nprog = int(nch.sum())
