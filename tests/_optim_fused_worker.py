@@ -26,6 +26,7 @@ CASES = {
     "bf16-sr": dict(dtype=torch.bfloat16, kw={}),
     "bf16-kahan": dict(dtype=torch.bfloat16, kw=dict(bf16_master="kahan")),
     "bf16-rtn": dict(dtype=torch.bfloat16, kw=dict(bf16_master="rtn")),
+    "qroot-adamw": dict(dtype=torch.float32, kw={}, root=True),
 }
 
 
@@ -41,7 +42,13 @@ def run(case, fused, device, steps=3):
     cfg = CASES[case]
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s).mul_(0.1).to(device, cfg["dtype"])) for s in SHAPES]
-    opt = QAdamW(ps, lr=torch.tensor(3e-3), fused=fused, compile=False, min_numel=64, **cfg["kw"])
+    if cfg.get("root"):  # QRoot's AdamW part (use_root=False group) through the same kernels
+        from fp4compile.optim import QRoot
+
+        opt = QRoot([{"params": ps, "use_root": False}], lr=3e-3, precision="bf16", fused=fused, compile=False,
+                    min_numel=64, **cfg["kw"])
+    else:
+        opt = QAdamW(ps, lr=torch.tensor(3e-3), fused=fused, compile=False, min_numel=64, **cfg["kw"])
     for i in range(steps):
         for j, p in enumerate(ps):
             p.grad = grads(p.shape, cfg["dtype"], i * 10 + j, device)

@@ -1,7 +1,7 @@
 """The fused multi-tensor Q-AdamW / AdamW Triton kernels (fp4compile/optim/fused.py) against the per-parameter
 torch reference step: bit for bit, parameters and every state tensor, over several steps, for FP32 and BF16
-parameters (SR / Kahan / RTN masters), Hadamard sizes, SR/RTN and 4/6 variants, tail runs and extreme
-gradients. On CPU through the Triton interpreter (a fresh process); on CUDA in-process (``-m gpu``)."""
+parameters (SR / Kahan / RTN masters), Hadamard sizes, SR/RTN and 4/6 variants, tail runs, extreme
+gradients, and QRoot's AdamW part. On CPU through the Triton interpreter (a fresh process); on CUDA in-process (``-m gpu``)."""
 import copy
 import json
 import os
@@ -39,7 +39,7 @@ def test_interpreter_bit_exact_default():
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines; the gpu test covers CUDA")
 def test_interpreter_bit_exact_variants():
-    _assert_exact(_interp(["fp32-variant", "fp32-had128-rtn", "bf16-sr", "bf16-kahan", "bf16-rtn"], 2))
+    _assert_exact(_interp(["fp32-variant", "fp32-had128-rtn", "bf16-sr", "bf16-kahan", "bf16-rtn", "qroot-adamw"], 2))
 
 
 @pytest.mark.gpu

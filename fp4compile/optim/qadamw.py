@@ -378,6 +378,17 @@ def _fused():
     return fused
 
 
+def use_fused(flag: Optional[bool], p: torch.Tensor) -> bool:
+    """Whether a step over parameters like ``p`` runs the fused kernels under the ``fused`` flag."""
+    if flag is False:
+        return False
+    ok = _fused_available(p.device)
+    if flag and not ok:
+        raise RuntimeError(f"fused=True needs CUDA parameters (or TRITON_INTERPRET=1 on CPU); got a parameter on "
+                           f"{p.device}")
+    return ok
+
+
 def _fused_available(device) -> bool:
     if device.type == "cuda":
         return True
@@ -454,7 +465,7 @@ class QAdamW(Optimizer):
                 if not state:
                     init_state(p, group, state, self._param_index(p))
                     self._plan_version += 1
-            if self._use_fused(params[0]):
+            if use_fused(self._fused_flag, params[0]):
                 lr = self._lr_bufs.get(gi, group["lr"], params[0].device)
                 params = _fused().run_group(self, gi, group, params, lr, self._plans, self._plan_version)
             for p in params:
@@ -462,15 +473,6 @@ class QAdamW(Optimizer):
                     use_compile = resolve_compile(self._compile_flag, [p])
                 run_adamw_update(p, self.state[p], group, gi, self._lr_bufs, use_compile)
         return loss
-
-    def _use_fused(self, p) -> bool:
-        if self._fused_flag is False:
-            return False
-        ok = _fused_available(p.device)
-        if self._fused_flag and not ok:
-            raise RuntimeError(f"QAdamW(fused=True) needs CUDA parameters (or TRITON_INTERPRET=1 on CPU); got a "
-                               f"parameter on {p.device}")
-        return ok
 
     def load_state_dict(self, state_dict):
         """Load a state dict; every entry is validated first, so a bad one raises and changes nothing."""
