@@ -144,14 +144,14 @@ def profile_step(name, cfg, device, rows):
                                                            for i, (k, ms, c) in enumerate(top[:5])}))
 
 
-def bench_peak_memory(device, tiny, rows):
+def bench_peak_memory(device, tiny, rows, batch=None):
     """Peak of a full train step with each optimizer, and what the peak is made of (params, grads, optimizer
     state, the rest = activations/logits/workspaces at the peak)."""
     from fp4compile.optim.study import TinyGPT
 
     cfg = dict(d=64, layers=2, heads=4, ctx=64, vocab=256) if tiny else dict(d=768, layers=12, heads=12, ctx=1024,
                                                                            vocab=50304)
-    batch = 2 if tiny else 8
+    batch = batch or (2 if tiny else 8)
     cuda = device.type == "cuda"
     out = {}
     for label in ("torch AdamW fused", "QAdamW", "no optimizer state"):
@@ -181,7 +181,7 @@ def bench_peak_memory(device, tiny, rows):
         if cuda:
             torch.cuda.empty_cache()
     a, q = out["torch AdamW fused"]["peak_MB"], out["QAdamW"]["peak_MB"]
-    row = dict(section="GPT-124M train step peak" if not tiny else "tiny GPT train step peak",
+    row = dict(section="GPT-124M train step peak" if not tiny else "tiny GPT train step peak", batch=batch,
                adamw_peak_MB=a, qadamw_peak_MB=q, peak_change=(q - a) / a if a == a else float("nan"))
     for label, d in out.items():
         for k, v in d.items():
@@ -272,6 +272,7 @@ def main(argv=None):
             "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i)) for w, i in ((8, 1), (4, 0))]
     if "peak" not in skip:
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
+        jobs.append(("peak batch 1", lambda: bench_peak_memory(device, args.tiny, rows, batch=1)))
     if "root" not in skip:
         k = "tiny" if args.tiny else "124M"
         jobs.append(("root " + k, lambda: bench_root(k, (TINY if args.tiny else SETS)[k], device, 5 if not args.tiny
