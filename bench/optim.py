@@ -85,13 +85,13 @@ def state_bytes(opt):
     return n
 
 
-def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None):
+def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, qkw=None):
     shapes = gpt_shapes(**cfg)
     nparam = sum(math.prod(s) for s in shapes)
     res = {}
     makers = [("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda")),
-              ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4))]
-    if warps:  # only the Q-AdamW kernel with another warp count / butterfly implementation
+              ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4, **(qkw or {})))]
+    if warps:  # only the Q-AdamW kernel with another warp count / butterfly implementation / settings
         makers = makers[1:]
         from fp4compile.optim import fused
         fused.NUM_WARPS, fused.RHT_IMPL = warps, impl
@@ -108,8 +108,8 @@ def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None):
         from fp4compile.optim import fused
         fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
         fused.RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
-        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl, qadamw_ms=res["QAdamW"][0],
-                         host_ms=res["QAdamW"][3]))
+        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl, settings=str(qkw or "default"),
+                         qadamw_ms=res["QAdamW"][0], host_ms=res["QAdamW"][3]))
         return
     (t_ref, b_ref, _, h_ref), (t_q, b_q, wall_q, h_q) = res["torch AdamW fused"], res["QAdamW"]
     # bytes moved per step: AdamW fp32 reads p, g, m, v and writes p, m, v (28 B/param);
@@ -268,8 +268,13 @@ def main(argv=None):
         k = "tiny" if args.tiny else "124M"
         jobs.append(("profile " + k, lambda: profile_step(k, sets[k], device, rows)))
     if "warps" not in skip and not args.tiny:
-        jobs += [(f"config warps={w} rht_impl={i}", lambda w=w, i=i: bench_adamw(
-            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i)) for w, i in ((8, 1), (4, 0))]
+        # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, all off
+        no46 = dict(m_four_over_six=False, v_four_over_six=False)
+        norht = dict(m_hadamard=None, v_hadamard=None)
+        configs = [(2, 1, None), (1, 1, None), (4, 1, no46), (4, 1, norht), (4, 1, dict(m_rounding="rtn")),
+                   (4, 1, {**no46, **norht, "m_rounding": "rtn"})]
+        jobs += [(f"config warps={w} rht_impl={i} {q or ''}", lambda w=w, i=i, q=q: bench_adamw(
+            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q)) for w, i, q in configs]
     if "peak" not in skip:
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
         jobs.append(("peak batch 1", lambda: bench_peak_memory(device, args.tiny, rows, batch=1)))

@@ -170,9 +170,11 @@ def _scale_for(ab, M: tl.constexpr, s_enc, gs):
 
 @triton.jit
 def _sse(xb, sf, enc, gs, NB: tl.constexpr):
-    q = _e2m1_value(_e2m1_rne(xb * enc[:, None])) * (sf * gs)[:, None]
+    """(RTN codes of the candidate, its FP64 sum of squared errors per block)."""
+    c = _e2m1_rne(xb * enc[:, None])
+    q = _e2m1_value(c) * (sf * gs)[:, None]
     d = xb.to(tl.float64) - q.to(tl.float64)
-    return _tree_rows(d * d, NB, 16)
+    return c, _tree_rows(d * d, NB, 16)
 
 
 @triton.jit
@@ -180,8 +182,9 @@ def _sr_codes(v, u):
     """``codec.e2m1_sr_codes``: unbiased stochastic rounding onto the E2M1 grid -> codes."""
     a = tl.minimum(tl.abs(v), 6.0)
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    lo = tl.floor(tl.math.div_rn(a, step)) * step
-    q = tl.minimum(tl.where(u < tl.math.div_rn(a - lo, step), lo + step, lo), 6.0)
+    inv = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # x / 2^k == x * 2^-k exactly: no division
+    lo = tl.floor(a * inv) * step
+    q = tl.minimum(tl.where(u < (a - lo) * inv, lo + step, lo), 6.0)
     sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     # the sign goes in as a bit: Triton's ``-q`` is ``0 - q``, which turns -0 into +0 (torch keeps -0 -> code 8)
     return _e2m1_rne(q) | (sign << 3)
@@ -192,7 +195,9 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
                   FOS: tl.constexpr, SR: tl.constexpr):
     """``codec.encode`` of one run (its own second-level scale) -> stores codes, scale bytes, global."""
     NB: tl.constexpr = N // 16
-    amax = tl.max(tl.abs(y), axis=0)
+    xb = tl.reshape(y, (NB, 16))
+    ab = tl.max(tl.abs(xb), axis=1)
+    amax = tl.max(ab, axis=0)  # the run's amax from the block amaxes (max is exact: same value)
     zero = amax == 0
     if FOS:
         numer = 1536.0
@@ -201,20 +206,21 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
     one = tl.full([], 1.0, tl.float32)
     s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
     gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
-    xb = tl.reshape(y, (NB, 16))
-    ab = tl.max(tl.abs(xb), axis=1)
     code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
     if FOS:
         code4, sf4, enc4 = _scale_for(ab, 4.0, s_enc, gs)
-        pick4 = _sse(xb, sf4, enc4, gs, NB) < _sse(xb, sf, enc, gs, NB)
+        c4, e4 = _sse(xb, sf4, enc4, gs, NB)
+        c6, e6 = _sse(xb, sf, enc, gs, NB)
+        pick4 = e4 < e6
         code = tl.where(pick4, code4, code)
         enc = tl.where(pick4, enc4, enc)
-    scaled = xb * enc[:, None]
+        if not SR:  # the RTN codes of the chosen candidate are already there
+            q = tl.where(pick4[:, None], c4, c6)
     if SR:
         u = (_hash(offs, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
-        q = _sr_codes(scaled, tl.reshape(u, (NB, 16)))
-    else:
-        q = _e2m1_rne(scaled)
+        q = _sr_codes(xb * enc[:, None], tl.reshape(u, (NB, 16)))
+    elif not FOS:
+        q = _e2m1_rne(xb * enc[:, None])
     q = tl.where(zero, 0, q)
     lo, hi = tl.split(tl.reshape(q, (N // 2, 2)))
     o2 = base // 2 + tl.arange(0, N // 2)
