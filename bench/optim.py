@@ -85,7 +85,7 @@ def state_bytes(opt):
     return n
 
 
-def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, qkw=None):
+def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, qkw=None, sse64=None):
     shapes = gpt_shapes(**cfg)
     nparam = sum(math.prod(s) for s in shapes)
     res = {}
@@ -93,8 +93,11 @@ def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, q
               ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4, **(qkw or {})))]
     if warps:  # only the Q-AdamW kernel with another warp count / butterfly implementation / settings
         makers = makers[1:]
-        from fp4compile.optim import fused
+        from fp4compile.optim import fused, qadamw
         fused.NUM_WARPS, fused.RHT_IMPL = warps, impl
+        sse64_default = qadamw.SSE64_4OVER6
+        if sse64 is not None:
+            qadamw.SSE64_4OVER6 = sse64
     for label, make in makers:
         ps = make_params(shapes, device)
         opt = make(ps)
@@ -108,7 +111,9 @@ def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, q
         from fp4compile.optim import fused
         fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
         fused.RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
-        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl, settings=str(qkw or "default"),
+        qadamw.SSE64_4OVER6 = sse64_default
+        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl,
+                         sse64_4over6=sse64 if sse64 is not None else sse64_default, settings=str(qkw or "default"),
                          qadamw_ms=res["QAdamW"][0], host_ms=res["QAdamW"][3]))
         return
     (t_ref, b_ref, _, h_ref), (t_q, b_q, wall_q, h_q) = res["torch AdamW fused"], res["QAdamW"]
@@ -271,10 +276,11 @@ def main(argv=None):
         # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, all off
         no46 = dict(m_four_over_six=False, v_four_over_six=False)
         norht = dict(m_hadamard=None, v_hadamard=None)
-        configs = [(2, 1, None), (1, 1, None), (4, 1, no46), (4, 1, norht), (4, 1, dict(m_rounding="rtn")),
-                   (4, 1, {**no46, **norht, "m_rounding": "rtn"})]
-        jobs += [(f"config warps={w} rht_impl={i} {q or ''}", lambda w=w, i=i, q=q: bench_adamw(
-            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q)) for w, i, q in configs]
+        configs = [(4, 1, None, True), (8, 1, None, None), (4, 1, no46, None), (4, 1, norht, None),
+                   (4, 1, dict(m_rounding="rtn"), None), (4, 1, {**no46, **norht, "m_rounding": "rtn"}, None)]
+        jobs += [(f"config warps={w} rht_impl={i} sse64={e} {q or ''}", lambda w=w, i=i, q=q, e=e: bench_adamw(
+            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q, sse64=e))
+            for w, i, q, e in configs]
     if "peak" not in skip:
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
         jobs.append(("peak batch 1", lambda: bench_peak_memory(device, args.tiny, rows, batch=1)))

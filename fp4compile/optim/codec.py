@@ -150,7 +150,7 @@ def per_block(gscale: torch.Tensor, n: int, chunk: int | None) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tensor | None = None,
-           chunk: int | None = None):
+           chunk: int | None = None, sse64: bool = True):
     """Flat FP32 x [n] (n % 16 == 0) -> (codes u8 [n/2], scales u8 [n/16], global fp32).
 
     ``chunk=None``: one per-tensor global scale (0-dim) and RTN is bit-identical to
@@ -159,6 +159,8 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
     the same two-level arithmetic, applied to each run as if it were a tensor of its own, so a fused kernel
     can encode each run without a tensor-wide reduction. With ``rounding="sr"`` the block scales (and the
     4/6 choice, made by RTN error) are the same and the elements are rounded stochastically with ``u`` [n].
+    ``sse64``: the 4/6 choice compares per-block squared-error sums in FP64 (the format reference's rule) or,
+    with False, in FP32 (same adjacent-pair tree; differs from FP64 only in near-ties).
     """
     x = x.to(torch.float32)
     n = x.numel()
@@ -188,7 +190,7 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
 
         def sse(sf_, enc_):
             q = e2m1_decode(e2m1_rne_codes(xb * enc_.unsqueeze(-1))) * (sf_ * gscale).unsqueeze(-1)
-            d = xb.double() - q.double()
+            d = xb.double() - q.double() if sse64 else xb - q
             return tree_sum(d * d)  # the format reference's fixed pairwise order
 
         pick4 = sse(sf4, enc4) < sse(sf, enc)
@@ -258,13 +260,13 @@ def scaled_hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # the two moment codecs
 def encode_m(m: torch.Tensor, signs: torch.Tensor, *, rounding="sr", four_over_six=True, seed=None,
-             chunk: int | None = None):
+             chunk: int | None = None, sse64: bool = True):
     """First moment: RHT along the flat vector, then NVFP4 (SR + 4/6 by default). ``chunk``: see
     :func:`encode` (the optimizer uses per-chunk global scales, ``qadamw.SCALE_CHUNK``)."""
     m = m.reshape(-1).to(torch.float32)
     y = rht(m, signs) if signs is not None else m
     u = uniform_hash(m.numel(), seed, m.device) if rounding == "sr" else None
-    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk)
+    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g)
 
 
@@ -274,7 +276,7 @@ def decode_m(codes, scales, gbits, signs, chunk: int | None = None) -> torch.Ten
 
 
 def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", four_over_six=False, seed=None,
-             from_sqrt: bool = False, chunk: int | None = None):
+             from_sqrt: bool = False, chunk: int | None = None, sse64: bool = True):
     """Second moment: r = sqrt(v); mu = BF16 tile mean of r; NVFP4(RHT(r - mu)).
 
     ``from_sqrt=True`` means the input already is r = sqrt(v) (saves a sqrt/square pair in the step).
@@ -286,7 +288,7 @@ def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", 
     res = (r.reshape(-1, tile) - mu.to(torch.float32).unsqueeze(-1)).reshape(-1)
     y = rht(res, signs) if signs is not None else res
     u = uniform_hash(v.numel(), seed, v.device) if rounding == "sr" else None
-    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk)
+    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g), mu.view(torch.int16)
 
 

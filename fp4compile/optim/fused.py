@@ -169,12 +169,14 @@ def _scale_for(ab, M: tl.constexpr, s_enc, gs):
 
 
 @triton.jit
-def _sse(xb, sf, enc, gs, NB: tl.constexpr):
-    """(RTN codes of the candidate, its FP64 sum of squared errors per block)."""
-    c = _e2m1_rne(xb * enc[:, None])
-    q = _e2m1_value(c) * (sf * gs)[:, None]
-    d = xb.to(tl.float64) - q.to(tl.float64)
-    return c, _tree_rows(d * d, NB, 16)
+def _sse(xb, sf, enc, gs, NB: tl.constexpr, SSE64: tl.constexpr):
+    """Per-block sum of squared errors of one 4/6 candidate (FP64 or FP32, adjacent-pair tree)."""
+    q = _e2m1_value(_e2m1_rne(xb * enc[:, None])) * (sf * gs)[:, None]
+    if SSE64:
+        d = xb.to(tl.float64) - q.to(tl.float64)
+    else:
+        d = xb - q
+    return _tree_rows(d * d, NB, 16)
 
 
 @triton.jit
@@ -192,7 +194,7 @@ def _sr_codes(v, u):
 
 @triton.jit
 def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N: tl.constexpr,
-                  FOS: tl.constexpr, SR: tl.constexpr):
+                  FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr):
     """``codec.encode`` of one run (its own second-level scale) -> stores codes, scale bytes, global."""
     NB: tl.constexpr = N // 16
     xb = tl.reshape(y, (NB, 16))
@@ -209,18 +211,15 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
     code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
     if FOS:
         code4, sf4, enc4 = _scale_for(ab, 4.0, s_enc, gs)
-        c4, e4 = _sse(xb, sf4, enc4, gs, NB)
-        c6, e6 = _sse(xb, sf, enc, gs, NB)
-        pick4 = e4 < e6
+        pick4 = _sse(xb, sf4, enc4, gs, NB, SSE64) < _sse(xb, sf, enc, gs, NB, SSE64)
         code = tl.where(pick4, code4, code)
         enc = tl.where(pick4, enc4, enc)
-        if not SR:  # the RTN codes of the chosen candidate are already there
-            q = tl.where(pick4[:, None], c4, c6)
+    scaled = xb * enc[:, None]
     if SR:
         u = (_hash(offs, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
-        q = _sr_codes(xb * enc[:, None], tl.reshape(u, (NB, 16)))
-    elif not FOS:
-        q = _e2m1_rne(xb * enc[:, None])
+        q = _sr_codes(scaled, tl.reshape(u, (NB, 16)))
+    else:
+        q = _e2m1_rne(scaled)
     q = tl.where(zero, 0, q)
     lo, hi = tl.split(tl.reshape(q, (N // 2, 2)))
     o2 = base // 2 + tl.arange(0, N // 2)
@@ -255,7 +254,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
                    N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
                    MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
                    V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
-                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, IMPL: tl.constexpr):
+                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, IMPL: tl.constexpr, SSE64: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunks + 2 * pid)
     c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
@@ -322,7 +321,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if MH > 0:
         m = _rht(m, m_signs, N, MH, MNORM, IMPL)
     _encode_store(m, offs, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c, base, n, N,
-                  M_FOS, M_SR)
+                  M_FOS, M_SR, SSE64)
     mu = _bf16_rne(_tree_rows(tl.reshape(r, (N // TILE, TILE)), N // TILE, TILE) * (1.0 / TILE))
     tl.store(v_mean + ot, mu, mask=ot < n // TILE)
     res = tl.reshape(tl.reshape(r, (N // TILE, TILE)) - mu.to(tl.float32)[:, None], (N,))
@@ -330,7 +329,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if VH > 0:
         res = _rht(res, v_signs, N, VH, VNORM, IMPL)
     _encode_store(res, offs, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c, base, n, N,
-                  V_FOS, V_SR)
+                  V_FOS, V_SR, SSE64)
     _write_param(p_ptr, tl.load(row + 11), p32, offs, mask, base_seed, step_f, MASTER)
 
 
@@ -502,7 +501,7 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
                 MNORM=1.0 / math.sqrt(mh) if mh else 1.0, VNORM=1.0 / math.sqrt(vh) if vh else 1.0,
                 M_SR=group["m_rounding"] == "sr", M_FOS=bool(group["m_four_over_six"]),
                 V_SR=group["v_rounding"] == "sr", V_FOS=bool(group["v_four_over_six"]),
-                P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize, IMPL=RHT_IMPL,
+                P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize, IMPL=RHT_IMPL, SSE64=_qa.SSE64_4OVER6,
                 num_warps=NUM_WARPS, **_launch_opts(dev))
         else:
             _adamw_kernel[(b.nprog,)](

@@ -100,6 +100,11 @@ def adamw_step(p, g, exp_avg, exp_avg_sq, step, lr, comp, seed, *, beta1: float,
 #: alone. Same two-level arithmetic per run; at least as accurate as one per tensor; 4 bytes / 1024 elements.
 SCALE_CHUNK = 1024
 
+#: the 4/6 block-scale choice of the moment states compares FP32 (False) or FP64 (True) squared-error sums
+#: (same pairwise tree; they differ only in near-ties). Read by both the reference step and the fused kernel.
+#: FP32 because on the H200 the 4/6 search was ~46 % of the fused step's time (window-2 ablation, BENCHMARKS.md).
+SSE64_4OVER6 = False
+
 
 def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v_mean, m_signs, v_signs, step,
                  lr, comp, seed, *, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
@@ -127,9 +132,10 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     p32 = p.reshape(-1).to(torch.float32) * decay
     p32 = p32 - step_size * (m / denom)
     mc, msc, mg = codec.encode_m(m, ms, rounding=m_rounding, four_over_six=m_four_over_six,
-                                 seed=codec.step_seed(seed, step, 0), chunk=ch)
+                                 seed=codec.step_seed(seed, step, 0), chunk=ch, sse64=SSE64_4OVER6)
     vc, vsc, vg, vmu = codec.encode_v(r, vs, tile=tile, rounding=v_rounding, four_over_six=v_four_over_six,
-                                      seed=codec.step_seed(seed, step, 1), from_sqrt=True, chunk=ch)
+                                      seed=codec.step_seed(seed, step, 1), from_sqrt=True, chunk=ch,
+                                      sse64=SSE64_4OVER6)
     m_codes.copy_(mc)
     m_scales.copy_(msc)
     m_gbits.copy_(mg)
