@@ -22,6 +22,7 @@ order: ``div_rn``/``sqrt_rn``, no FMA contraction (``enable_fp_fusion=False``), 
 pairwise tree sums and counter-based hash for the random bits); per-tensor scalars (bias corrections,
 decay, step size) are computed by the same torch function (``qadamw.adam_coefficients``) for both.
 ``tests/test_optim_fused.py`` checks this under ``TRITON_INTERPRET=1``; the GPU test checks it on CUDA.
+The E2M1/E4M3 rounding and the butterfly come from ``kernels/quantize.py`` (shared with the quantize kernels).
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ from ..kernels.quantize import _e2m1_rne, _e2m1_value, _e4m3_code, _e4m3_value, 
 from . import qadamw as _qa
 
 CH = _qa.SCALE_CHUNK
-#: Triton warps per program (1024 elements each); tuned on the H200 by ``bench/optim.py``
+#: Triton warps per program (1024 elements each): 4 is the fastest of 1, 2, 4, 8 on the H200 (124M set: 22.7, 11.1,
+#: 7.1-7.8, 9.0 ms; ``bench/optim.py``, docs/BENCHMARKS.md)
 NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
-#: butterfly implementation of ``kernels.quantize._fwht`` (0: permute/split/join, 1: flip)
+#: butterfly implementation of ``kernels.quantize._fwht`` (0: permute/split/join, 1: flip; 1 measured faster on the
+#: H200: 7.06 vs 7.93 ms on the 124M set)
 RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
