@@ -37,11 +37,11 @@ TINY = {"tiny": dict(d=64, layers=2, vocab=512, ctx=64)}
 
 
 def make_params(shapes, device, dtype=torch.float32):
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)  # on the device: 1B CPU randn would take ~10 s
     ps = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(*s, generator=g).mul_(0.02).to(device, dtype))
-        p.grad = torch.randn(*s, generator=g).mul_(1e-3).to(device, dtype)
+        p = torch.nn.Parameter(torch.randn(*s, generator=g, device=device).mul_(0.02).to(dtype))
+        p.grad = torch.randn(*s, generator=g, device=device).mul_(1e-3).to(dtype)
         ps.append(p)
     return ps
 
@@ -51,15 +51,22 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+HOST_MS = {}
+
+
 def time_steps(opt, device, iters, warmup):
+    """CUDA-event milliseconds per step (also records the host time per step of the launch loop in
+    ``HOST_MS[id(opt)]``: when it is close to the event time the step is launch-bound, not GPU-bound)."""
     for _ in range(warmup):
         opt.step()
     sync(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t = time.perf_counter()
         for _ in range(iters):
             opt.step()
+        HOST_MS[id(opt)] = (time.perf_counter() - t) * 1e3 / iters
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
@@ -78,56 +85,113 @@ def state_bytes(opt):
     return n
 
 
-def bench_adamw(name, cfg, device, iters, warmup, rows):
+def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, qkw=None, sse64=None):
     shapes = gpt_shapes(**cfg)
     nparam = sum(math.prod(s) for s in shapes)
     res = {}
-    for label, make in (("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda")),
-                        ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4))):
+    makers = [("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=device.type == "cuda")),
+              ("QAdamW", lambda ps: QAdamW(ps, lr=1e-4, **(qkw or {})))]
+    if warps:  # only the Q-AdamW kernel with another warp count / butterfly implementation / settings
+        makers = makers[1:]
+        from fp4compile.optim import fused, qadamw
+        fused.NUM_WARPS, fused.RHT_IMPL = warps, impl
+        sse64_default = qadamw.SSE64_4OVER6
+        if sse64 is not None:
+            qadamw.SSE64_4OVER6 = sse64
+    for label, make in makers:
         ps = make_params(shapes, device)
         opt = make(ps)
         t0 = time.perf_counter()
         ms = time_steps(opt, device, iters, warmup)
-        res[label] = (ms, state_bytes(opt), time.perf_counter() - t0)
+        res[label] = (ms, state_bytes(opt), time.perf_counter() - t0, HOST_MS.get(id(opt), float("nan")))
         del opt, ps
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    (t_ref, b_ref, _), (t_q, b_q, wall_q) = res["torch AdamW fused"], res["QAdamW"]
+    if warps:
+        from fp4compile.optim import fused
+        fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
+        fused.RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
+        qadamw.SSE64_4OVER6 = sse64_default
+        rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl,
+                         sse64_4over6=sse64 if sse64 is not None else sse64_default, settings=str(qkw or "default"),
+                         qadamw_ms=res["QAdamW"][0], host_ms=res["QAdamW"][3]))
+        return
+    (t_ref, b_ref, _, h_ref), (t_q, b_q, wall_q, h_q) = res["torch AdamW fused"], res["QAdamW"]
+    # bytes moved per step: AdamW fp32 reads p, g, m, v and writes p, m, v (28 B/param);
+    # Q-AdamW reads p, g and the NVFP4 states and writes p and the states
+    q_state_per_param = b_q / nparam
     rows.append(dict(section="QAdamW step", set=name, params=nparam, adamw_ms=t_ref, qadamw_ms=t_q,
-                     time_ratio=t_q / t_ref, adamw_state_MB=b_ref / 2**20, qadamw_state_MB=b_q / 2**20,
+                     time_ratio=t_q / t_ref, adamw_host_ms=h_ref, qadamw_host_ms=h_q, adamw_GBps=28 * nparam / t_ref / 1e6,
+                     qadamw_GBps=(12 + 2 * q_state_per_param) * nparam / t_q / 1e6,
+                     adamw_state_MB=b_ref / 2**20, qadamw_state_MB=b_q / 2**20,
                      state_ratio=b_q / b_ref, qadamw_wall_incl_compile_s=wall_q))
 
 
-def bench_peak_memory(device, tiny, rows):
+def profile_step(name, cfg, device, rows):
+    """torch.profiler of 3 Q-AdamW steps: GPU time per kernel (is the fused kernel or the overhead the cost?)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ps = make_params(gpt_shapes(**cfg), device)
+    opt = QAdamW(ps, lr=1e-4)
+    for _ in range(2):
+        opt.step()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            opt.step()
+        sync(device)
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    avgs = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))
+    top = [(e.key[:60], getattr(e, key, 0.0) / 3e3, e.count // 3) for e in avgs[:8]]
+    print("\n".join(f"[profile {name}] {k}: {ms:.3f} ms/step, {c} calls/step" for k, ms, c in top))
+    rows.append(dict(section="QAdamW profile", set=name, **{f"top{i}": f"{k} {ms:.3f}ms x{c}"
+                                                           for i, (k, ms, c) in enumerate(top[:5])}))
+
+
+def bench_peak_memory(device, tiny, rows, batch=None):
+    """Peak of a full train step with each optimizer, and what the peak is made of (params, grads, optimizer
+    state, the rest = activations/logits/workspaces at the peak)."""
     from fp4compile.optim.study import TinyGPT
 
     cfg = dict(d=64, layers=2, heads=4, ctx=64, vocab=256) if tiny else dict(d=768, layers=12, heads=12, ctx=1024,
                                                                            vocab=50304)
-    batch = 2 if tiny else 8
+    batch = batch or (2 if tiny else 8)
+    cuda = device.type == "cuda"
     out = {}
-    for label in ("torch AdamW fused", "QAdamW"):
+    for label in ("torch AdamW fused", "QAdamW", "no optimizer state"):
         torch.manual_seed(0)
         model = TinyGPT(**cfg).to(device)
-        opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda") if label.startswith("torch")
-               else QAdamW(model.parameters(), lr=1e-4))
+        params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda) if label.startswith("torch")
+               else QAdamW(model.parameters(), lr=1e-4) if label == "QAdamW" else None)
         x = torch.randint(0, cfg["vocab"], (batch, cfg["ctx"]), device=device)
         for i in range(3):
-            if device.type == "cuda" and i == 2:
+            if cuda and i == 2:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 loss = model(x, x)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-        out[label] = peak
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+        state_mb = state_bytes(opt) / 2**20 if opt is not None else 0.0
+        out[label] = dict(peak_MB=peak, params_MB=params_mb, grads_MB=params_mb, state_MB=state_mb,
+                          rest_at_peak_MB=peak - 2 * params_mb - state_mb)
         del model, opt
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
-    a, q = out["torch AdamW fused"], out["QAdamW"]
-    rows.append(dict(section="GPT-124M train step peak" if not tiny else "tiny GPT train step peak",
-                     adamw_peak_MB=a, qadamw_peak_MB=q, peak_change=(q - a) / a if a == a else float("nan")))
+    a, q = out["torch AdamW fused"]["peak_MB"], out["QAdamW"]["peak_MB"]
+    row = dict(section="GPT-124M train step peak" if not tiny else "tiny GPT train step peak", batch=batch,
+               adamw_peak_MB=a, qadamw_peak_MB=q, peak_change=(q - a) / a if a == a else float("nan"))
+    for label, d in out.items():
+        for k, v in d.items():
+            row[f"{label.split()[0]}_{k}"] = v
+    rows.append(row)
 
 
 def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
@@ -160,8 +224,9 @@ def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
                      ns_share_bf16=min(1.0, nb / tb), ns_share_nvfp4=min(1.0, nq / tq)))
 
 
-def check_compiled(device, rows):
-    """Correctness on this device: codec RTN vs the format reference (bitwise), compiled vs eager Q-AdamW."""
+def check_fused(device, rows):
+    """Correctness on this device: codec RTN vs the format reference (bitwise); the fused Q-AdamW kernel vs the
+    per-parameter torch reference step (mismatching elements after 5 steps; 0 = bit-exact)."""
     from fp4compile.formats import nvfp4
     from fp4compile.optim import codec
 
@@ -170,26 +235,29 @@ def check_compiled(device, rows):
     c2, s2, g2 = nvfp4.quantize_rtn_(x, False, True)
     codec_ok = torch.equal(c, c2) and torch.equal(sc, s2.view(torch.uint8)) and torch.equal(g, g2)
     out = []
-    for comp in (False, True):
+    for fused in (False, True):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(512, 256, device=device))
-        opt = QAdamW([p], lr=1e-3, compile=comp)
+        opt = QAdamW([p], lr=1e-3, fused=fused, compile=False)
         gen = torch.Generator(device="cpu").manual_seed(1)
         for _ in range(5):
             p.grad = torch.randn(512, 256, generator=gen).to(device)
             opt.step()
-        out.append((p.detach().clone(), opt.state[p]["m_codes"].clone()))
-    (pe, me), (pc, mc) = out
-    rows.append(dict(section="check", codec_rtn_bitwise=codec_ok,
-                     compiled_vs_eager_param_maxdiff_over_lr=float((pe - pc).abs().max()) / 1e-3,
-                     compiled_vs_eager_m_codes_mismatch=float((me != mc).float().mean())))
+        out.append((p.detach().clone(), opt.state[p]))
+    (pe, se), (pc, sc_) = out
+    row = dict(section="check", codec_rtn_bitwise=codec_ok,
+               fused_vs_ref_param_maxdiff_over_lr=float((pe - pc).abs().max()) / 1e-3,
+               fused_vs_ref_param_mismatch=int((pe != pc).sum()))
+    for k in ("m_codes", "v_codes", "v_mean", "m_gbits", "v_gbits"):
+        row[f"{k}_mismatch"] = int((se[k] != sc_[k]).sum())
+    rows.append(row)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,peak,root")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,profile,warps,peak,root")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -198,29 +266,47 @@ def main(argv=None):
     rows, t_start = [], time.perf_counter()
     jobs = []
     if "check" not in skip:
-        jobs.append(("check", lambda: check_compiled(device, rows)))
+        jobs.append(("check", lambda: check_fused(device, rows)))
     if "adamw" not in skip:
         jobs += [("adamw " + k, lambda k=k, c=c: bench_adamw(k, c, device, iters, warmup, rows)) for k, c in sets.items()]
+    if "profile" not in skip:
+        k = "tiny" if args.tiny else "124M"
+        jobs.append(("profile " + k, lambda: profile_step(k, sets[k], device, rows)))
+    if "warps" not in skip and not args.tiny:
+        # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, all off
+        no46 = dict(m_four_over_six=False, v_four_over_six=False)
+        norht = dict(m_hadamard=None, v_hadamard=None)
+        configs = [(4, 1, None, True), (8, 1, None, None), (4, 1, no46, None), (4, 1, norht, None),
+                   (4, 1, dict(m_rounding="rtn"), None), (4, 1, {**no46, **norht, "m_rounding": "rtn"}, None)]
+        jobs += [(f"config warps={w} rht_impl={i} sse64={e} {q or ''}", lambda w=w, i=i, q=q, e=e: bench_adamw(
+            "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q, sse64=e))
+            for w, i, q, e in configs]
     if "peak" not in skip:
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
+        jobs.append(("peak batch 1", lambda: bench_peak_memory(device, args.tiny, rows, batch=1)))
     if "root" not in skip:
         k = "tiny" if args.tiny else "124M"
         jobs.append(("root " + k, lambda: bench_root(k, (TINY if args.tiny else SETS)[k], device, 5 if not args.tiny
                                                      else 2, 1, rows, budget_s=20.0)))
+    def fmt(r):
+        return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+
     for name, job in jobs:
-        t = time.perf_counter()
+        t, n0 = time.perf_counter(), len(rows)
         try:
             job()
         except Exception as e:  # keep going: one failing section must not lose the others
             traceback.print_exc()
             rows.append(dict(section=name, error=f"{type(e).__name__}: {e}"))
+        for r in rows[n0:]:  # print and save as we go: a time box that ends the run keeps what finished
+            print("[row] " + fmt(r), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
         print(f"[bench/optim] {name}: {time.perf_counter() - t:.1f}s", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
     print(f"\n## Optimizers ({device}, torch {torch.__version__}, total {time.perf_counter() - t_start:.0f}s)")
     for r in rows:
-        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        print(fmt(r))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ touch them:
 
     codes   uint8 [n/2]      two E2M1 codes per byte
     scales  uint8 [n/16]     raw E4M3 bytes
-    gbits   int32 []         the FP32 per-tensor decode scale, bit-cast
+    gbits   int32 [] or [ceil(n/chunk)]   the FP32 second-level decode scale(s), bit-cast: per tensor, or per
+                             run of ``chunk`` elements (what the optimizer stores: no tensor-wide
+                             reduction, so one fused kernel encodes each run on its own)
     mean    int16 [n/tile]   (second moment only) BF16 tile means of sqrt(v), bit-cast
 """
 from __future__ import annotations
@@ -124,21 +126,55 @@ def e2m1_sr_codes(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # block encode/decode (1x16 blocks along a flat vector)
-def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tensor | None = None):
-    """Flat FP32 x [n] (n % 16 == 0) -> (codes u8 [n/2], scales u8 [n/16], global fp32 []).
+def chunk_amax(x: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """max|x| over the whole flat ``x`` (``chunk=None``: a 0-dim tensor) or over each run of ``chunk``
+    consecutive elements (the last run may be shorter): ``[ceil(n / chunk)]``."""
+    a = x.abs()
+    if chunk is None:
+        return a.amax()
+    n = a.numel()
+    pad = (-n) % chunk
+    if pad:
+        a = torch.cat((a, a.new_zeros(pad)))
+    return a.reshape(-1, chunk).amax(-1)
 
-    RTN is bit-identical to ``formats.nvfp4.quantize_rtn_`` on the same input. With ``rounding="sr"`` the
-    block scales (and the 4/6 choice, made by RTN error) are the same and the elements are rounded
-    stochastically with the uniforms ``u`` [n].
+
+def per_block(gscale: torch.Tensor, n: int, chunk: int | None) -> torch.Tensor:
+    """The global scale of each 16-element block of an ``n``-element vector: ``gscale`` is 0-dim (per
+    tensor; ``chunk`` ignored) or one per run of ``chunk`` elements -> ``[n/16]``."""
+    if gscale.dim() == 0:
+        return gscale.expand(n // 16)
+    if chunk is None or gscale.numel() != -(-n // chunk):
+        raise ValueError(f"{gscale.numel()} global scales do not fit {n} elements in chunks of {chunk}")
+    return gscale.repeat_interleave(chunk // 16)[: n // 16]
+
+
+def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tensor | None = None,
+           chunk: int | None = None, sse64: bool = True):
+    """Flat FP32 x [n] (n % 16 == 0) -> (codes u8 [n/2], scales u8 [n/16], global fp32).
+
+    ``chunk=None``: one per-tensor global scale (0-dim) and RTN is bit-identical to
+    ``formats.nvfp4.quantize_rtn_`` on the same input. ``chunk=c`` (a multiple of 16): the second scaling
+    level is per run of ``c`` consecutive elements instead of per tensor (``global`` is ``[ceil(n/c)]``):
+    the same two-level arithmetic, applied to each run as if it were a tensor of its own, so a fused kernel
+    can encode each run without a tensor-wide reduction. With ``rounding="sr"`` the block scales (and the
+    4/6 choice, made by RTN error) are the same and the elements are rounded stochastically with ``u`` [n].
+    ``sse64``: the 4/6 choice compares per-block squared-error sums in FP64 (the format reference's rule) or,
+    with False, in FP32 (same adjacent-pair tree; differs from FP64 only in near-ties).
     """
     x = x.to(torch.float32)
-    amax = x.abs().amax()
+    n = x.numel()
+    if chunk is not None and chunk % 16:
+        raise ValueError(f"chunk must be a multiple of 16, got {chunk}")
+    amax = chunk_amax(x, chunk)
     zero = amax == 0
     numer = 6.0 * 256.0 if four_over_six else 6.0 * E4M3_MAX
     # tensor / tensor (``float / tensor`` is reciprocal-then-multiply in torch and would differ by an ulp)
     s_enc = torch.where(zero, torch.ones_like(amax),
                         torch.full_like(amax, numer) / torch.where(zero, torch.ones_like(amax), amax))
-    gscale = torch.where(zero, torch.zeros_like(amax), 1.0 / s_enc)
+    gscale_c = torch.where(zero, torch.zeros_like(amax), 1.0 / s_enc)
+    # per 16-element block from here on
+    s_enc, gscale, zero = (per_block(t, n, chunk) for t in (s_enc, gscale_c, zero))
     xb = x.reshape(-1, 16)
     amax_b = xb.abs().amax(-1)
 
@@ -154,7 +190,7 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
 
         def sse(sf_, enc_):
             q = e2m1_decode(e2m1_rne_codes(xb * enc_.unsqueeze(-1))) * (sf_ * gscale).unsqueeze(-1)
-            d = xb.double() - q.double()
+            d = xb.double() - q.double() if sse64 else xb - q
             return tree_sum(d * d)  # the format reference's fixed pairwise order
 
         pick4 = sse(sf4, enc4) < sse(sf, enc)
@@ -169,14 +205,16 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
         q = e2m1_sr_codes(scaled, u.reshape(-1, 16))
     else:
         raise ValueError(f"optimizer-state rounding must be 'rtn' or 'sr', got {rounding!r}")
-    q = torch.where(zero, torch.zeros_like(q), q)
-    return pack_nibbles(q.reshape(-1)), stored.view(torch.uint8), gscale
+    q = torch.where(zero.unsqueeze(-1), torch.zeros_like(q), q)
+    return pack_nibbles(q.reshape(-1)), stored.view(torch.uint8), gscale_c
 
 
-def decode(codes: torch.Tensor, scales_u8: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-    """(codes, raw E4M3 scale bytes, global) -> flat FP32."""
+def decode(codes: torch.Tensor, scales_u8: torch.Tensor, gscale: torch.Tensor, chunk: int | None = None
+           ) -> torch.Tensor:
+    """(codes, raw E4M3 scale bytes, global) -> flat FP32. ``gscale``: 0-dim (per tensor), or one per run of
+    ``chunk`` elements as :func:`encode` wrote it."""
     q = e2m1_decode(unpack_nibbles(codes)).reshape(-1, 16)
-    s = scales_u8.view(torch.float8_e4m3fn).to(torch.float32) * gscale
+    s = scales_u8.view(torch.float8_e4m3fn).to(torch.float32) * per_block(gscale, q.numel(), chunk)
     return (q * s.unsqueeze(-1)).reshape(-1)
 
 
@@ -185,27 +223,60 @@ def f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def bits_from_f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).reshape(()).view(torch.int32)
+    """FP32 global scale(s) -> their int32 bit patterns (0-dim stays 0-dim)."""
+    x = x.to(torch.float32)
+    return x.reshape(()).view(torch.int32) if x.numel() == 1 and x.dim() == 0 else x.view(torch.int32)
+
+
+def tile_mean(r: torch.Tensor, tile: int) -> torch.Tensor:
+    """Mean of each run of ``tile`` (a power of two) elements, summed as a fixed pairwise tree of adjacent
+    pairs (``formats.nvfp4.tree_sum``) then divided by ``tile`` (exact): a device-independent order the
+    Triton kernel reproduces bit for bit (``torch.mean``'s order differs between CPU and CUDA)."""
+    if tile & (tile - 1):
+        return r.reshape(-1, tile).mean(-1)
+    return tree_sum(r.reshape(-1, tile)) / tile
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 square root on every device. CUDA's ``sqrt`` is IEEE; some CPU builds of torch
+    vectorize FP32 ``sqrt`` with an approximation that is off by an ulp for ~1 in 7 inputs, so on CPU it is
+    taken in FP64 and rounded once (exact: a double-rounded square root is correctly rounded)."""
+    if x.device.type == "cuda":
+        return x.sqrt()
+    return x.double().sqrt().to(x.dtype)
+
+
+def scaled_hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sqrt(a^2 + b^2) for a, b >= 0 without overflow or underflow: both are scaled by the same power of
+    two (exact) when the larger is above 2^60 or below 2^-60. Only IEEE ops (mul, add, sqrt), so the Triton
+    kernel reproduces it bit for bit (``torch.hypot`` is a libm call whose rounding differs by device)."""
+    mx = torch.maximum(a, b)
+    s = torch.where(mx > 2.0 ** 60, 2.0 ** -64, torch.where(mx < 2.0 ** -60, 2.0 ** 64, 1.0))
+    si = torch.where(mx > 2.0 ** 60, 2.0 ** 64, torch.where(mx < 2.0 ** -60, 2.0 ** -64, 1.0))
+    a, b = a * s, b * s
+    return sqrt_rn(a * a + b * b) * si
 
 
 # ----------------------------------------------------------------------------------------------
 # the two moment codecs
-def encode_m(m: torch.Tensor, signs: torch.Tensor, *, rounding="sr", four_over_six=True, seed=None):
-    """First moment: RHT along the flat vector, then NVFP4 (SR + 4/6 by default)."""
+def encode_m(m: torch.Tensor, signs: torch.Tensor, *, rounding="sr", four_over_six=True, seed=None,
+             chunk: int | None = None, sse64: bool = True):
+    """First moment: RHT along the flat vector, then NVFP4 (SR + 4/6 by default). ``chunk``: see
+    :func:`encode` (the optimizer uses per-chunk global scales, ``qadamw.SCALE_CHUNK``)."""
     m = m.reshape(-1).to(torch.float32)
     y = rht(m, signs) if signs is not None else m
     u = uniform_hash(m.numel(), seed, m.device) if rounding == "sr" else None
-    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u)
+    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g)
 
 
-def decode_m(codes, scales, gbits, signs) -> torch.Tensor:
-    y = decode(codes, scales, f32_from_bits(gbits))
+def decode_m(codes, scales, gbits, signs, chunk: int | None = None) -> torch.Tensor:
+    y = decode(codes, scales, f32_from_bits(gbits), chunk)
     return inverse_rht(y, signs) if signs is not None else y
 
 
 def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", four_over_six=False, seed=None,
-             from_sqrt: bool = False):
+             from_sqrt: bool = False, chunk: int | None = None, sse64: bool = True):
     """Second moment: r = sqrt(v); mu = BF16 tile mean of r; NVFP4(RHT(r - mu)).
 
     ``from_sqrt=True`` means the input already is r = sqrt(v) (saves a sqrt/square pair in the step).
@@ -213,15 +284,16 @@ def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", 
     """
     v = v.reshape(-1).to(torch.float32)
     r = v if from_sqrt else v.clamp(min=0).sqrt()
-    mu = r.reshape(-1, tile).mean(-1).to(torch.bfloat16)
+    mu = tile_mean(r, tile).to(torch.bfloat16)
     res = (r.reshape(-1, tile) - mu.to(torch.float32).unsqueeze(-1)).reshape(-1)
     y = rht(res, signs) if signs is not None else res
     u = uniform_hash(v.numel(), seed, v.device) if rounding == "sr" else None
-    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u)
+    codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g), mu.view(torch.int16)
 
 
-def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bool = False) -> torch.Tensor:
+def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bool = False,
+                  chunk: int | None = None) -> torch.Tensor:
     """Reconstructed sqrt(v) = max(dequant + mean, 0) (>= 0 and finite by construction).
 
     ``floor=True`` (what the optimizer uses) instead clamps at the *resolution* of the element's block: half
@@ -231,20 +303,20 @@ def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bo
     only shrinks their steps.
     """
     g = f32_from_bits(gbits)
-    y = decode(codes, scales, g)
+    y = decode(codes, scales, g, chunk)
     res = inverse_rht(y, signs) if signs is not None else y
     mu = mean_bits.view(torch.bfloat16).to(torch.float32)
     r = (res.reshape(-1, tile) + mu.unsqueeze(-1)).reshape(-1)
     if not floor:
         return r.clamp(min=0)
-    lo = scales.view(torch.float8_e4m3fn).to(torch.float32) * g * 0.25
+    lo = scales.view(torch.float8_e4m3fn).to(torch.float32) * per_block(g, r.numel(), chunk) * 0.25
     d = 16 if signs is None else max(16, signs.numel())
     lo = lo.reshape(-1, d // 16).amax(-1, keepdim=True).expand(-1, d).reshape(-1)
     return torch.maximum(r, lo)
 
 
-def decode_v(codes, scales, gbits, mean_bits, signs, *, tile=128) -> torch.Tensor:
-    return decode_v_sqrt(codes, scales, gbits, mean_bits, signs, tile=tile).square()
+def decode_v(codes, scales, gbits, mean_bits, signs, *, tile=128, chunk: int | None = None) -> torch.Tensor:
+    return decode_v_sqrt(codes, scales, gbits, mean_bits, signs, tile=tile, chunk=chunk).square()
 
 
 def direct_v_roundtrip(v: torch.Tensor, *, rounding="rtn", four_over_six=False, seed=None) -> torch.Tensor:

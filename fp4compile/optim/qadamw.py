@@ -20,10 +20,15 @@ back with ``bf16_master="sr"`` (stochastic rounding, no extra state; default), `
 compensation buffer, +2 bytes/param) or ``"rtn"`` (plain rounding; updates smaller than half a BF16 ulp
 are lost).
 
-The per-parameter update is a pure function of tensors (:func:`q_adamw_step`) that Inductor compiles into a
-few fused kernels (``compile=True``, the default on CUDA): no host syncs, ``lr`` passed as a device tensor so
-LR schedules never recompile. Stochastic rounding draws its bits from a counter-based hash of
-(element, per-tensor seed, step), so a resumed run reproduces the uninterrupted one bit for bit.
+On CUDA the step runs as fused multi-tensor Triton kernels (:mod:`fp4compile.optim.fused`): per param
+group at most two launches (NVFP4-state tensors, FP32-state tensors) that decode, update, re-encode and write
+every tensor of the group in one pass over memory, with no host syncs (``lr`` is a device tensor, step
+counters stay on the device). The per-parameter update :func:`q_adamw_step` (pure tensor code) is its
+reference, bit for bit, and runs where Triton does not (CPU; ``fused=False``; ``compile=True`` compiles it).
+The second-level NVFP4 scale of the states is per run of ``SCALE_CHUNK`` (1024) elements instead of per
+tensor, so no tensor-wide amax is needed before encoding. Stochastic rounding draws its bits from a
+counter-based hash of (element, per-tensor seed, step), so a resumed run reproduces the uninterrupted one
+bit for bit.
 """
 from __future__ import annotations
 
@@ -57,22 +62,48 @@ def _write_param(p: torch.Tensor, p32: torch.Tensor, comp: Optional[torch.Tensor
         p.copy_(p32.reshape(p.shape).to(p.dtype))
 
 
+def adam_coefficients(step: torch.Tensor, lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float):
+    """(decay, step_size, bc2_sqrt) = (1 - lr*wd, lr / (1 - beta1^t), sqrt(1 - beta2^t)) as FP32 tensors.
+
+    ``step`` (FP32, any shape: 0-dim per parameter, or the stacked steps of a group for the fused kernel)
+    and ``lr`` (an FP32 device tensor) stay on the device. Both the reference steps and the fused kernel's
+    launcher take their per-tensor scalars from here, so the two agree bit for bit."""
+    bc1 = 1 - torch.pow(beta1, step)
+    bc2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    return 1 - lr * weight_decay, lr / bc1, bc2_sqrt
+
+
 def adamw_step(p, g, exp_avg, exp_avg_sq, step, lr, comp, seed, *, beta1: float, beta2: float, eps: float,
                weight_decay: float, maximize: bool, master: str):
-    """AdamW with FP32 states, op for op torch's single-tensor AdamW (``step`` is a 0-dim tensor)."""
+    """AdamW with FP32 states (torch's single-tensor AdamW; ``step`` is a 0-dim tensor, ``lr`` a tensor).
+
+    The moment updates are written as separate multiplies and adds (no lerp/addcmul, whose FMA use differs
+    between CPU and CUDA builds) so the fused kernel (``fused.py``) reproduces them bit for bit."""
     step.add_(1)
     g32 = g.to(torch.float32)
     if maximize:
         g32 = -g32
-    p32 = p.to(torch.float32)
-    p32 = p32 * (1 - lr * weight_decay)
-    exp_avg.lerp_(g32, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-    bc1 = 1 - torch.pow(beta1, step)
-    bc2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
-    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-    p32 = p32 - (lr / bc1) * (exp_avg / denom)
+    decay, step_size, bc2_sqrt = adam_coefficients(step, lr, beta1, beta2, weight_decay)
+    m = exp_avg + (g32 - exp_avg) * (1 - beta1)
+    v = exp_avg_sq * beta2 + (g32 * g32) * (1 - beta2)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    denom = codec.sqrt_rn(v) / bc2_sqrt + eps
+    p32 = p.to(torch.float32) * decay
+    p32 = p32 - step_size * (m / denom)
     _write_param(p, p32.reshape(-1), comp, codec.step_seed(seed, step, 2), master, None)
+
+
+#: elements per second-level (FP32) scale of the NVFP4 moment states. The NVFP4 format's per-tensor global
+#: scale needs a tensor-wide amax before any element can be encoded (two passes over the tensor, or a grid
+#: sync); a scale per 1024-element run lets one fused kernel program decode, update and re-encode its run
+#: alone. Same two-level arithmetic per run; at least as accurate as one per tensor; 4 bytes / 1024 elements.
+SCALE_CHUNK = 1024
+
+#: the 4/6 block-scale choice of the moment states compares FP32 (False) or FP64 (True) squared-error sums
+#: (same pairwise tree; they differ only in near-ties). Read by both the reference step and the fused kernel.
+#: FP32 because on the H200 the 4/6 search was ~46 % of the fused step's time (window-2 ablation, BENCHMARKS.md).
+SSE64_4OVER6 = False
 
 
 def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v_mean, m_signs, v_signs, step,
@@ -81,29 +112,30 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
                  master: str):
     """One Q-AdamW step of one parameter: decode m, v -> AdamW update -> encode m, v -> write p.
 
-    All state tensors are updated in place. ``m_signs``/``v_signs`` may be None (no Hadamard).
+    All state tensors are updated in place. ``m_signs``/``v_signs`` may be None (no Hadamard). This is the
+    reference of the fused Triton kernel (``fused.py``), which reproduces it bit for bit.
     """
     step.add_(1)
+    ch = SCALE_CHUNK
     g32 = g.reshape(-1).to(torch.float32)
     if maximize:
         g32 = -g32
     ms = None if m_signs is None else m_signs.to(torch.float32)
     vs = None if v_signs is None else v_signs.to(torch.float32)
-    m = codec.decode_m(m_codes, m_scales, m_gbits, ms)
-    r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True)
-    m = torch.lerp(m, g32, 1 - beta1)
+    m = codec.decode_m(m_codes, m_scales, m_gbits, ms, chunk=ch)
+    r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True, chunk=ch)
+    m = m + (g32 - m) * (1 - beta1)
     # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
-    r = torch.hypot(r * math.sqrt(beta2), g32 * math.sqrt(1 - beta2))
-    bc1 = 1 - torch.pow(beta1, step)
-    bc2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
+    r = codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2))
+    decay, step_size, bc2_sqrt = adam_coefficients(step, lr, beta1, beta2, weight_decay)
     denom = r / bc2_sqrt + eps
-    p32 = p.reshape(-1).to(torch.float32)
-    p32 = p32 * (1 - lr * weight_decay)
-    p32 = p32 - (lr / bc1) * (m / denom)
+    p32 = p.reshape(-1).to(torch.float32) * decay
+    p32 = p32 - step_size * (m / denom)
     mc, msc, mg = codec.encode_m(m, ms, rounding=m_rounding, four_over_six=m_four_over_six,
-                                 seed=codec.step_seed(seed, step, 0))
+                                 seed=codec.step_seed(seed, step, 0), chunk=ch, sse64=SSE64_4OVER6)
     vc, vsc, vg, vmu = codec.encode_v(r, vs, tile=tile, rounding=v_rounding, four_over_six=v_four_over_six,
-                                      seed=codec.step_seed(seed, step, 1), from_sqrt=True)
+                                      seed=codec.step_seed(seed, step, 1), from_sqrt=True, chunk=ch,
+                                      sse64=SSE64_4OVER6)
     m_codes.copy_(mc)
     m_scales.copy_(msc)
     m_gbits.copy_(mg)
@@ -154,6 +186,11 @@ def _compiled(fn):
 QSTATE_KEYS = ("step", "seed", "m_codes", "m_scales", "m_gbits", "v_codes", "v_scales", "v_gbits", "v_mean")
 
 
+def n_chunks(n: int) -> int:
+    """Number of per-chunk global scales of an ``n``-element quantized state."""
+    return -(-n // SCALE_CHUNK)
+
+
 def is_quantized(p: torch.Tensor, group: dict) -> bool:
     """The state of ``p`` is NVFP4 under ``group``'s settings (else FP32, like torch's AdamW)."""
     return bool(group["quantize"]) and p.dim() >= 2 and p.numel() >= group["min_numel"] \
@@ -182,7 +219,7 @@ def init_state(p: torch.Tensor, group: dict, state: dict, index: int):
         for k in ("m", "v"):
             state[f"{k}_codes"] = torch.zeros(n // 2, dtype=torch.uint8, device=dev)
             state[f"{k}_scales"] = torch.zeros(n // 16, dtype=torch.uint8, device=dev)
-            state[f"{k}_gbits"] = torch.zeros((), dtype=torch.int32, device=dev)
+            state[f"{k}_gbits"] = torch.zeros(n_chunks(n), dtype=torch.int32, device=dev)
             signs = _signs(group[f"{k}_hadamard"], seed + (1 if k == "m" else 2), dev)
             if signs is not None:
                 state[f"{k}_signs"] = signs
@@ -202,7 +239,7 @@ def expected_state_spec(p: torch.Tensor, group: dict) -> dict:
         for k in ("m", "v"):
             spec[f"{k}_codes"] = ((n // 2,), torch.uint8)
             spec[f"{k}_scales"] = ((n // 16,), torch.uint8)
-            spec[f"{k}_gbits"] = ((), torch.int32)
+            spec[f"{k}_gbits"] = ((n_chunks(n),), torch.int32)
             if group[f"{k}_hadamard"] is not None:
                 spec[f"{k}_signs"] = ((group[f"{k}_hadamard"],), torch.int8)
         spec["v_mean"] = ((n // group["tile"],), torch.int16)
@@ -224,7 +261,7 @@ def validate_state(p: torch.Tensor, group: dict, st: dict, where: str, extra_key
         t = st[k]
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{where}: state entry {k!r} is a {type(t).__name__}, expected a tensor")
-        if tuple(t.shape) != shape:
+        if tuple(t.shape) != shape and not (k.endswith("_gbits") and t.dim() == 0):  # 0-dim: legacy per-tensor
             raise ValueError(f"{where}: state entry {k!r} has shape {tuple(t.shape)}, expected {shape}")
         if dtype is not None and t.dtype != dtype:
             raise ValueError(f"{where}: state entry {k!r} has dtype {t.dtype}, expected {dtype}")
@@ -238,8 +275,8 @@ def validate_state(p: torch.Tensor, group: dict, st: dict, where: str, extra_key
         if f"{k}_codes" not in st:
             continue
         g = st[f"{k}_gbits"].detach().cpu().view(torch.float32)
-        if not bool(torch.isfinite(g)) or float(g) < 0:
-            raise ValueError(f"{where}: corrupt {k} global scale {float(g)}")
+        if not bool(torch.isfinite(g).all()) or bool((g < 0).any()):
+            raise ValueError(f"{where}: corrupt {k} global scale(s) (NaN, Inf or negative)")
         sc = st[f"{k}_scales"].detach().cpu()
         if bool(((sc & 0x7F) == 0x7F).any()) or bool((sc >= 0x80).any()):
             raise ValueError(f"{where}: corrupt {k} block scales (NaN or negative E4M3 bytes)")
@@ -327,7 +364,7 @@ def run_adamw_update(p, state, group, gi, lr_bufs, use_compile):
     if state["step"].device != p.device:
         state["step"] = state["step"].to(p.device)
         state["seed"] = state["seed"].to(p.device)
-    lr = lr_bufs.get(gi, group["lr"], p.device) if use_compile else group["lr"]
+    lr = lr_bufs.get(gi, group["lr"], p.device)
     comp = state.get("comp")
     if "m_codes" in state:
         fn = _compiled(q_adamw_step) if use_compile else q_adamw_step
@@ -341,6 +378,31 @@ def run_adamw_update(p, state, group, gi, lr_bufs, use_compile):
         fn(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, comp, state["seed"], **kw)
 
 
+def _fused():
+    from . import fused  # imports Triton: only when a fused step actually runs
+
+    return fused
+
+
+def use_fused(flag: Optional[bool], p: torch.Tensor) -> bool:
+    """Whether a step over parameters like ``p`` runs the fused kernels under the ``fused`` flag."""
+    if flag is False:
+        return False
+    ok = _fused_available(p.device)
+    if flag and not ok:
+        raise RuntimeError(f"fused=True needs CUDA parameters (or TRITON_INTERPRET=1 on CPU); got a parameter on "
+                           f"{p.device}")
+    return ok
+
+
+def _fused_available(device) -> bool:
+    if device.type == "cuda":
+        return True
+    import os
+
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def resolve_compile(flag, params) -> bool:
     if flag is None:
         return any(p.is_cuda for p in params)
@@ -351,9 +413,11 @@ class QAdamW(Optimizer):
     """AdamW with NVFP4 moment states (see the module docstring for the storage format).
 
     Args (torch.optim.AdamW's, same meaning and defaults): params, lr, betas, eps, weight_decay, amsgrad
-        (must be False), maximize. ``foreach``/``fused``/``capturable`` are accepted and ignored (the step
-        is always one fused graph per parameter when compiled and never syncs); ``differentiable`` must be
-        False.
+        (must be False), maximize. ``fused``: the fused multi-tensor Triton kernels (``fused.py``: one launch
+        per param group and kind, no host syncs); None (default) uses them for CUDA parameters, True
+        requires them (CUDA, or CPU under ``TRITON_INTERPRET=1``), False runs the per-parameter torch step
+        (compiled with ``compile``). Both paths give bit-identical results. ``foreach``/``capturable`` are
+        accepted and ignored; ``differentiable`` must be False.
     Quantization (also settable per param group):
         quantize: False keeps FP32 states for the group (plain AdamW).
         min_numel: tensors with fewer elements (or 1-D, or numel % tile != 0) keep FP32 states (4096).
@@ -362,7 +426,7 @@ class QAdamW(Optimizer):
         m_rounding, m_four_over_six: "sr", True.   v_rounding, v_four_over_six: "rtn", True.
         bf16_master: how BF16 parameters absorb FP32 updates: "sr" | "kahan" | "rtn".
         seed: base seed of the per-tensor Hadamard signs and stochastic-rounding streams.
-    compile: torch.compile each per-parameter step (None: on CUDA only).
+    compile: torch.compile the per-parameter torch step where it runs (None: on CUDA only).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
@@ -377,8 +441,11 @@ class QAdamW(Optimizer):
         for g in self.param_groups:
             check_group(g)
         self._compile_flag = compile
+        self._fused_flag = fused
         self._lr_bufs = _LrBuffers()
         self._index = {}
+        self._plans = {}         # fused-kernel pointer tables per param group (fused.FusedPlan)
+        self._plan_version = 0   # bumped whenever states are created or replaced: invalidates the plans
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -396,15 +463,21 @@ class QAdamW(Optimizer):
                 loss = closure()
         use_compile = None
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if use_compile is None:
-                    use_compile = resolve_compile(self._compile_flag, [p])
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
                 state = self.state[p]
                 if not state:
                     init_state(p, group, state, self._param_index(p))
-                run_adamw_update(p, state, group, gi, self._lr_bufs, use_compile)
+                    self._plan_version += 1
+            if use_fused(self._fused_flag, params[0]):
+                lr = self._lr_bufs.get(gi, group["lr"], params[0].device)
+                params = _fused().run_group(self, gi, group, params, lr, self._plans, self._plan_version)
+            for p in params:
+                if use_compile is None:
+                    use_compile = resolve_compile(self._compile_flag, [p])
+                run_adamw_update(p, self.state[p], group, gi, self._lr_bufs, use_compile)
         return loss
 
     def load_state_dict(self, state_dict):
@@ -412,6 +485,14 @@ class QAdamW(Optimizer):
         validate_loadable(self, state_dict)
         super().load_state_dict(state_dict)
         post_load(self, state_dict)
+        self._plan_version += 1
+        self._plans.clear()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_fused_flag", None)
+        self.__dict__["_plans"] = {}
+        self.__dict__.setdefault("_plan_version", 0)
 
 
 def param_index(opt: Optimizer, p) -> int:
@@ -470,6 +551,10 @@ def post_load(opt: Optimizer, state_dict):
             for k, v in saved.items():
                 if isinstance(v, torch.Tensor) and k != "step" and v.dtype != p.dtype:
                     st[k] = v.detach().to(device=p.device).clone()
+                if k.endswith("_gbits") and v.dim() == 0:
+                    # a checkpoint with one global scale per tensor (before per-chunk scales): the same scale
+                    # for every chunk decodes to exactly the same values
+                    st[k] = v.detach().to(device=p.device).expand(n_chunks(p.numel())).clone()
             if "step" in st:
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 

@@ -261,11 +261,13 @@ class QRoot(Optimizer):
         policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
             ``policy.resolve(module_path, "optim.ns")``. ``precision``: a spec ("bf16", "nvfp4", ``BF16``,
             ``NVFP4(...)``) that overrides the policy. ``module_path``: the path the policy is asked about.
-        compile: torch.compile the AdamW part's per-parameter steps (None: on CUDA).
+        fused: the AdamW part through Q-AdamW's fused multi-tensor kernels (None: for CUDA parameters; True
+            requires them; False: the per-parameter torch step, compiled per ``compile``).
+        compile: torch.compile the AdamW part's per-parameter torch steps where they run (None: on CUDA).
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, *, policy=None, precision=None,
-                 module_path: str = "optim", compile: Optional[bool] = None, **kw):
+                 module_path: str = "optim", compile: Optional[bool] = None, fused: Optional[bool] = None, **kw):
         from ..policy import BF16, NVFP4, Policy
 
         known = set(ROOT_DEFAULTS) | set(_qa.QADAMW_DEFAULTS)
@@ -297,6 +299,9 @@ class QRoot(Optimizer):
         for g in self.param_groups:
             self._check_group(g)
         self._compile_flag = compile
+        self._fused_flag = fused
+        self._plans = {}         # fused AdamW-part tables per param group (fused.FusedPlan)
+        self._plan_version = 0   # bumped when states are created or loaded
         self._lr_bufs = _qa._LrBuffers()
         self._index = {}
 
@@ -361,24 +366,32 @@ class QRoot(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
-            root_ps = []
+            root_ps, adam_ps = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("QRoot does not support sparse gradients")
-                if self._is_root(p, group):
-                    root_ps.append(p)
-                else:
-                    ag = self._adamw_group(group)
-                    state = self.state[p]
-                    if not state:
-                        _qa.init_state(p, ag, state, self._param_index(p))
-                    use_compile = _qa.resolve_compile(self._compile_flag, [p])
-                    _qa.run_adamw_update(p, state, ag, gi, self._lr_bufs, use_compile)
+                (root_ps if self._is_root(p, group) else adam_ps).append(p)
+            if adam_ps:
+                self._adamw_update(adam_ps, group, gi)
             if root_ps:
                 self._root_update(root_ps, group)
         return loss
+
+    def _adamw_update(self, params, group, gi):
+        ag = self._adamw_group(group)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                _qa.init_state(p, ag, state, self._param_index(p))
+                self._plan_version += 1
+        if _qa.use_fused(self._fused_flag, params[0]):
+            lr = self._lr_bufs.get(gi, group["lr"], params[0].device)
+            params = _qa._fused().run_group(self, gi, ag, params, lr, self._plans, self._plan_version)
+        for p in params:
+            use_compile = _qa.resolve_compile(self._compile_flag, [p])
+            _qa.run_adamw_update(p, self.state[p], ag, gi, self._lr_bufs, use_compile)
 
     def orthogonalize(self, U: torch.Tensor, group: dict) -> torch.Tensor:
         """Clip + NS of a stack U [B, m, n] of Nesterov momenta (the Root direction before scaling)."""
@@ -428,6 +441,14 @@ class QRoot(Optimizer):
         _qa.validate_loadable(self, state_dict, check_group_fn=self._check_group, validate_entry=validate_entry)
         super().load_state_dict(state_dict)
         _qa.post_load(self, state_dict)
+        self._plan_version += 1
+        self._plans.clear()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_fused_flag", None)
+        self.__dict__["_plans"] = {}
+        self.__dict__.setdefault("_plan_version", 0)
 
 
 def _check_root_state(p, st, where):

@@ -1,0 +1,515 @@
+"""Fused multi-tensor Triton kernels for the (Q-)AdamW step: one launch per parameter group and kind.
+
+``_qadamw_kernel`` does the whole Q-AdamW update of :func:`fp4compile.optim.qadamw.q_adamw_step` in one
+pass over memory: decode m (NVFP4 -> inverse RHT) and sqrt(v) (NVFP4 -> inverse RHT -> + BF16 tile mean ->
+resolution floor), the AdamW update, re-encode m (RHT -> NVFP4 with stochastic rounding and 4/6 scaling)
+and sqrt(v) (tile mean -> RHT -> NVFP4), and write the parameter (FP32, or BF16 with stochastic rounding /
+Kahan compensation). ``_adamw_kernel`` is the FP32-state AdamW of ``qadamw.adamw_step`` for the small and
+1-D tensors. Per step and parameter group there are at most two kernel launches (plus a handful of tiny
+torch ops for the step counters), however many tensors the group has:
+
+* every program handles one run of ``SCALE_CHUNK`` (1024) elements of one tensor. The runs of all tensors
+  of a launch are listed in a chunk table ``(tensor, run)`` and each tensor's addresses in a pointer table
+  (int64 ``data_ptr``s cast to pointers in the kernel), both built once and cached on the device; only the
+  parameter/gradient addresses are re-read each step and re-uploaded when they change;
+* the states' second-level NVFP4 scale is per 1024-element run (``qadamw.SCALE_CHUNK``), so a program needs
+  no tensor-wide amax and no second pass; everything else (block scales, 4/6 choice, tile means, Hadamard
+  mixes, the decode floor) lives inside a run;
+* ``lr`` is a device tensor and the step counters stay on the device: no host synchronization.
+
+Bit-exactness: the kernels reproduce the torch reference steps bit for bit (same operations in the same
+order: ``div_rn``/``sqrt_rn``, no FMA contraction (``enable_fp_fusion=False``), the same butterfly Hadamard,
+pairwise tree sums and counter-based hash for the random bits); per-tensor scalars (bias corrections,
+decay, step size) are computed by the same torch function (``qadamw.adam_coefficients``) for both.
+``tests/test_optim_fused.py`` checks this under ``TRITON_INTERPRET=1``; the GPU test checks it on CUDA.
+The E2M1/E4M3 rounding and the butterfly come from ``kernels/quantize.py`` (shared with the quantize kernels).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels.quantize import _e2m1_rne, _e2m1_value, _e4m3_code, _e4m3_value, _fwht
+from . import qadamw as _qa
+
+CH = _qa.SCALE_CHUNK
+#: Triton warps per program (1024 elements each): 4 is the fastest of 1, 2, 4, 8 on the H200 (124M set: 22.7, 11.1,
+#: 7.1-7.8, 9.0 ms; ``bench/optim.py``, docs/BENCHMARKS.md)
+NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
+#: butterfly implementation of ``kernels.quantize._fwht`` (0: permute/split/join, 1: flip; 1 measured faster on the
+#: H200: 7.06 vs 7.93 ms on the 124M set)
+RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# pointer-table columns
+_Q_COLS = ("numel", "m_codes", "m_scales", "m_gbits", "v_codes", "v_scales", "v_gbits", "v_mean", "m_signs",
+           "v_signs", "seed", "comp")
+_F_COLS = ("numel", "exp_avg", "exp_avg_sq", "seed", "comp")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _fptr(addr, KIND: tl.constexpr):
+    if KIND == 0:
+        r = addr.to(tl.pointer_type(tl.float32))
+    elif KIND == 1:
+        r = addr.to(tl.pointer_type(tl.bfloat16))
+    else:
+        r = addr.to(tl.pointer_type(tl.float16))
+    return r
+
+
+@triton.jit
+def _bf16_rne(x):
+    """FP32 -> BF16, round to nearest even, on the bit pattern (what ``.to(torch.bfloat16)`` does; written out
+    because the Triton interpreter's cast truncates)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _hash(idx, seed):
+    """``codec.hash_bits`` for int64 element indices and a uint32 seed: uint32 words."""
+    x = (idx & 0xFFFFFFFF).to(tl.uint32) * 0x2545F491 + seed * 0x61C88647 + 0x1B873593
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    x = x ^ (x >> 16)
+    x = x * 0x297A2D39
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _step_seed(base, step_f, STREAM: tl.constexpr):
+    """``codec.step_seed``: (base + step * 0x9E3779B1 + stream * 0x165667B1) mod 2^32."""
+    s = (base + step_f.to(tl.int64) * 0x9E3779B1 + STREAM * 0x165667B1) & 0xFFFFFFFF
+    return s.to(tl.uint32)
+
+
+@triton.jit
+def _tree_rows(t, R: tl.constexpr, N: tl.constexpr):
+    """[R, N] -> [R]: sum of each row as a pairwise tree of adjacent pairs (``formats.nvfp4.tree_sum``)."""
+    if N >= 1024:
+        a, b = tl.split(tl.reshape(t, (R, 512, 2)))
+        t = a + b
+    if N >= 512:
+        a, b = tl.split(tl.reshape(t, (R, 256, 2)))
+        t = a + b
+    if N >= 256:
+        a, b = tl.split(tl.reshape(t, (R, 128, 2)))
+        t = a + b
+    if N >= 128:
+        a, b = tl.split(tl.reshape(t, (R, 64, 2)))
+        t = a + b
+    if N >= 64:
+        a, b = tl.split(tl.reshape(t, (R, 32, 2)))
+        t = a + b
+    if N >= 32:
+        a, b = tl.split(tl.reshape(t, (R, 16, 2)))
+        t = a + b
+    if N >= 16:
+        a, b = tl.split(tl.reshape(t, (R, 8, 2)))
+        t = a + b
+    if N >= 8:
+        a, b = tl.split(tl.reshape(t, (R, 4, 2)))
+        t = a + b
+    if N >= 4:
+        a, b = tl.split(tl.reshape(t, (R, 2, 2)))
+        t = a + b
+    a, b = tl.split(tl.reshape(t, (R, 1, 2)))
+    return tl.reshape(a + b, (R,))
+
+
+@triton.jit
+def _rht(x, s_ptr, N: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, IMPL: tl.constexpr):
+    """``codec.rht``: (x * s) H_D / sqrt(D) along runs of D of a flat [N] vector."""
+    s = tl.load(s_ptr + tl.arange(0, D)).to(tl.float32)
+    xs = tl.reshape(x, (N // D, D)) * s[None, :]
+    y = _fwht(xs, N // D, D, IMPL) * NORM
+    return tl.reshape(y, (N,))
+
+
+@triton.jit
+def _irht(y, s_ptr, N: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, IMPL: tl.constexpr):
+    """``codec.inverse_rht``: (y H_D / sqrt(D)) * s."""
+    s = tl.load(s_ptr + tl.arange(0, D)).to(tl.float32)
+    z = _fwht(tl.reshape(y, (N // D, D)), N // D, D, IMPL) * NORM
+    return tl.reshape(z * s[None, :], (N,))
+
+
+@triton.jit
+def _unpack(ptr, base, n, N: tl.constexpr):
+    """N E2M1 codes (int32) of elements [base, base + N) from two-per-byte storage (element 2i low nibble)."""
+    o = base // 2 + tl.arange(0, N // 2)
+    b = tl.load(ptr + o, mask=o < n // 2, other=0).to(tl.int32)
+    return tl.reshape(tl.join(b & 15, b >> 4), (N,))
+
+
+@triton.jit
+def _decode(codes_ptr, scales_ptr, g, base, n, N: tl.constexpr):
+    """``codec.decode`` of one run: (values [N], block scale * global [N // 16])."""
+    q = _e2m1_value(_unpack(codes_ptr, base, n, N))
+    ob = base // 16 + tl.arange(0, N // 16)
+    sf = _e4m3_value(tl.load(scales_ptr + ob, mask=ob < n // 16, other=0).to(tl.int32))
+    s = sf * g
+    return tl.reshape(tl.reshape(q, (N // 16, 16)) * s[:, None], (N,)), s
+
+
+@triton.jit
+def _scale_for(ab, M: tl.constexpr, s_enc, gs):
+    v = tl.minimum(tl.math.div_rn(ab, tl.full(ab.shape, M, tl.float32)) * s_enc, 448.0)
+    code = _e4m3_code(v)
+    sf = _e4m3_value(code)
+    enc = tl.where(sf == 0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * gs))
+    return code, sf, enc
+
+
+@triton.jit
+def _sse(xb, sf, enc, gs, NB: tl.constexpr, SSE64: tl.constexpr):
+    """Per-block sum of squared errors of one 4/6 candidate (FP64 or FP32, adjacent-pair tree)."""
+    q = _e2m1_value(_e2m1_rne(xb * enc[:, None])) * (sf * gs)[:, None]
+    if SSE64:
+        d = xb.to(tl.float64) - q.to(tl.float64)
+    else:
+        d = xb - q
+    return _tree_rows(d * d, NB, 16)
+
+
+@triton.jit
+def _sr_codes(v, u):
+    """``codec.e2m1_sr_codes``: unbiased stochastic rounding onto the E2M1 grid -> codes."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    inv = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # x / 2^k == x * 2^-k exactly: no division
+    lo = tl.floor(a * inv) * step
+    q = tl.minimum(tl.where(u < (a - lo) * inv, lo + step, lo), 6.0)
+    sign = (v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    # the sign goes in as a bit: Triton's ``-q`` is ``0 - q``, which turns -0 into +0 (torch keeps -0 -> code 8)
+    return _e2m1_rne(q) | (sign << 3)
+
+
+@triton.jit
+def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N: tl.constexpr,
+                  FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr):
+    """``codec.encode`` of one run (its own second-level scale) -> stores codes, scale bytes, global."""
+    NB: tl.constexpr = N // 16
+    xb = tl.reshape(y, (NB, 16))
+    ab = tl.max(tl.abs(xb), axis=1)
+    amax = tl.max(ab, axis=0)  # the run's amax from the block amaxes (max is exact: same value)
+    zero = amax == 0
+    if FOS:
+        numer = 1536.0
+    else:
+        numer = 2688.0
+    one = tl.full([], 1.0, tl.float32)
+    s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
+    gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
+    code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
+    if FOS:
+        code4, sf4, enc4 = _scale_for(ab, 4.0, s_enc, gs)
+        pick4 = _sse(xb, sf4, enc4, gs, NB, SSE64) < _sse(xb, sf, enc, gs, NB, SSE64)
+        code = tl.where(pick4, code4, code)
+        enc = tl.where(pick4, enc4, enc)
+    scaled = xb * enc[:, None]
+    if SR:
+        u = (_hash(offs, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
+        q = _sr_codes(scaled, tl.reshape(u, (NB, 16)))
+    else:
+        q = _e2m1_rne(scaled)
+    q = tl.where(zero, 0, q)
+    lo, hi = tl.split(tl.reshape(q, (N // 2, 2)))
+    o2 = base // 2 + tl.arange(0, N // 2)
+    tl.store(codes_ptr + o2, (lo | (hi << 4)).to(tl.uint8), mask=o2 < n // 2)
+    ob = base // 16 + tl.arange(0, NB)
+    tl.store(scales_ptr + ob, code.to(tl.uint8), mask=ob < n // 16)
+    tl.store(gbits_ptr + c, gs)
+
+
+@triton.jit
+def _write_param(p_ptr, comp_addr, p32, offs, mask, base_seed, step_f, MASTER: tl.constexpr):
+    """``qadamw._write_param``: 0 plain cast, 1 BF16 stochastic rounding, 2 BF16 + Kahan compensation."""
+    if MASTER == 1:
+        r = (_hash(offs, _step_seed(base_seed, step_f, 2)) & 0xFFFF).to(tl.int32)
+        bits = (p32.to(tl.int32, bitcast=True) + r) & -65536
+        tl.store(p_ptr + offs, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    elif MASTER == 2:
+        comp_ptr = comp_addr.to(tl.pointer_type(tl.bfloat16))
+        s = p32 + tl.load(comp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        new = _bf16_rne(s)
+        tl.store(comp_ptr + offs, _bf16_rne(s - new.to(tl.float32)), mask=mask)
+        tl.store(p_ptr + offs, new, mask=mask)
+    elif p_ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(p_ptr + offs, _bf16_rne(p32), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p32.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
+                   N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
+                   MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
+                   V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, IMPL: tl.constexpr, SSE64: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunks + 2 * pid)
+    c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
+    row = qtab + t * NQ
+    n = tl.load(row + 0)
+    base = c * N
+    offs = base + tl.arange(0, N)
+    mask = offs < n
+    decay = tl.load(coef + t)
+    step_size = tl.load(coef + coef_stride + t)
+    bc2s = tl.load(coef + 2 * coef_stride + t)
+    step_f = tl.load(coef + 3 * coef_stride + t)
+    base_seed = tl.load(tl.load(row + 10).to(tl.pointer_type(tl.int64)))
+    m_codes = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+    m_scales = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    m_gbits = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    v_codes = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    v_scales = tl.load(row + 5).to(tl.pointer_type(tl.uint8))
+    v_gbits = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    v_mean = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
+    m_signs = tl.load(row + 8).to(tl.pointer_type(tl.int8))
+    v_signs = tl.load(row + 9).to(tl.pointer_type(tl.int8))
+    p_ptr = _fptr(tl.load(ptab + 2 * t), P_KIND)
+    g_ptr = _fptr(tl.load(ptab + 2 * t + 1), G_KIND)
+
+    # ---- decode m and sqrt(v)
+    m, _s = _decode(m_codes, m_scales, tl.load(m_gbits + c), base, n, N)
+    if MH > 0:
+        m = _irht(m, m_signs, N, MH, MNORM, IMPL)
+    y, vs = _decode(v_codes, v_scales, tl.load(v_gbits + c), base, n, N)
+    if VH > 0:
+        y = _irht(y, v_signs, N, VH, VNORM, IMPL)
+    ot = base // TILE + tl.arange(0, N // TILE)
+    mu = tl.load(v_mean + ot, mask=ot < n // TILE, other=0.0).to(tl.float32)
+    r = tl.reshape(tl.reshape(y, (N // TILE, TILE)) + mu[:, None], (N,))
+    lo = vs * 0.25
+    if VH > 16:  # the floor is the max over the blocks of one Hadamard group
+        lg = tl.max(tl.reshape(lo, (N // VH, VH // 16)), axis=1)
+        lo = tl.reshape(tl.broadcast_to(lg[:, None], (N // VH, VH // 16)), (N // 16,))
+    r = tl.maximum(r, tl.reshape(tl.broadcast_to(lo[:, None], (N // 16, 16)), (N,)))
+
+    # ---- the AdamW update
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = g * -1.0  # not -g (0 - g): keeps torch's -0
+    m = m + (g - m) * b1c
+    a = r * sb2
+    b = tl.abs(g) * sb2c
+    mx = tl.maximum(a, b)
+    s = tl.where(mx > 1.152921504606847e18, 5.421010862427522e-20, tl.where(mx < 8.673617379884035e-19,
+                                                                            1.8446744073709552e19, 1.0))
+    si = tl.where(mx > 1.152921504606847e18, 1.8446744073709552e19, tl.where(mx < 8.673617379884035e-19,
+                                                                             5.421010862427522e-20, 1.0))
+    a = a * s
+    b = b * s
+    r = tl.sqrt_rn(a * a + b * b) * si
+    denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
+    p32 = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
+    p32 = p32 - step_size * tl.math.div_rn(m, denom)
+
+    # ---- re-encode m and sqrt(v); write the parameter
+    m = tl.where(mask, m, 0.0)
+    r = tl.where(mask, r, 0.0)
+    if MH > 0:
+        m = _rht(m, m_signs, N, MH, MNORM, IMPL)
+    _encode_store(m, offs, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c, base, n, N,
+                  M_FOS, M_SR, SSE64)
+    mu = _bf16_rne(_tree_rows(tl.reshape(r, (N // TILE, TILE)), N // TILE, TILE) * (1.0 / TILE))
+    tl.store(v_mean + ot, mu, mask=ot < n // TILE)
+    res = tl.reshape(tl.reshape(r, (N // TILE, TILE)) - mu.to(tl.float32)[:, None], (N,))
+    res = tl.where(mask, res, 0.0)
+    if VH > 0:
+        res = _rht(res, v_signs, N, VH, VNORM, IMPL)
+    _encode_store(res, offs, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c, base, n, N,
+                  V_FOS, V_SR, SSE64)
+    _write_param(p_ptr, tl.load(row + 11), p32, offs, mask, base_seed, step_f, MASTER)
+
+
+@triton.jit
+def _adamw_kernel(ftab, ptab, coef, coef_stride, chunks, b1c, b2, b2c, eps,
+                  N: tl.constexpr, NF: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                  MASTER: tl.constexpr, MAXIMIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunks + 2 * pid)
+    c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
+    row = ftab + t * NF
+    n = tl.load(row + 0)
+    offs = c * N + tl.arange(0, N)
+    mask = offs < n
+    decay = tl.load(coef + t)
+    step_size = tl.load(coef + coef_stride + t)
+    bc2s = tl.load(coef + 2 * coef_stride + t)
+    step_f = tl.load(coef + 3 * coef_stride + t)
+    m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    base_seed = tl.load(tl.load(row + 3).to(tl.pointer_type(tl.int64)))
+    p_ptr = _fptr(tl.load(ptab + 2 * t), P_KIND)
+    g_ptr = _fptr(tl.load(ptab + 2 * t + 1), G_KIND)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = g * -1.0  # not -g (0 - g): keeps torch's -0
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = m + (g - m) * b1c
+    v = v * b2 + (g * g) * b2c
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    denom = tl.math.div_rn(tl.sqrt_rn(v), tl.broadcast_to(bc2s, v.shape)) + eps
+    p32 = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
+    p32 = p32 - step_size * tl.math.div_rn(m, denom)
+    _write_param(p_ptr, tl.load(row + 4), p32, offs, mask, base_seed, step_f, MASTER)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def available(device: torch.device) -> bool:
+    """The fused kernels can run on ``device`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
+
+
+def _master_code(p: torch.Tensor, state: dict, master: str) -> int:
+    if p.dtype == torch.bfloat16 and master == "sr":
+        return 1
+    if p.dtype == torch.bfloat16 and master == "kahan" and "comp" in state:
+        return 2
+    return 0
+
+
+def _eligible(p: torch.Tensor, st: dict, group: dict) -> bool:
+    """The fused kernels handle ``p`` (else the per-parameter torch step does)."""
+    g = p.grad
+    if p.dtype not in _KIND or g.dtype not in _KIND or g.is_sparse or not available(p.device):
+        return False
+    if not (p.is_contiguous() and g.is_contiguous() and g.device == p.device and g.shape == p.shape):
+        return False
+    if st["step"].device != p.device or st["seed"].device != p.device:
+        return False
+    if "comp" in st and not (st["comp"].dtype == torch.bfloat16 and st["comp"].is_contiguous()):
+        return False
+    if "m_codes" in st:
+        tile = group["tile"]
+        if CH % tile or tile & (tile - 1):
+            return False
+        return all(st[k].is_contiguous() and st[k].device == p.device for k in _Q_COLS[1:]
+                   if k in st) and st["m_gbits"].numel() == _qa.n_chunks(p.numel())
+    return all(st[k].dtype == torch.float32 and st[k].is_contiguous() and st[k].device == p.device
+               for k in ("exp_avg", "exp_avg_sq"))
+
+
+class _Bucket:
+    """Parameters of one group that share a kernel specialization: their tables, cached on the device."""
+
+    def __init__(self, kind, key, params, states, device):
+        self.kind, self.key, self.params = kind, key, params
+        cols = _Q_COLS if kind == "q" else _F_COLS
+        dummy = 0
+        rows = [[p.numel() if k == "numel" else (st[k].data_ptr() if k in st else dummy) for k in cols]
+                for p, st in zip(params, states)]
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        # the table holds raw addresses: keep the tensors alive while it exists (state entries replaced other than
+        # through load_state_dict are not seen by the plan; they are never freed under it either)
+        self._keep = [st[k] for st in states for k in cols if k in st]
+        # chunk table: (tensor index, run index within the tensor) of every program
+        nch = torch.tensor([-(-p.numel() // CH) for p in params], dtype=torch.int64)
+        self.nprog = int(nch.sum())
+        tid = torch.repeat_interleave(torch.arange(len(params)), nch)
+        cid = torch.arange(self.nprog) - torch.repeat_interleave(torch.cumsum(nch, 0) - nch, nch)
+        self.chunks = torch.stack((tid, cid), 1).to(torch.int32).reshape(-1).to(device)
+        self.steps = [st["step"] for st in states]
+        self._ptrs = None
+        self.ptab = None
+
+    def pointers(self, device):
+        ptrs = [x for p in self.params for x in (p.data_ptr(), p.grad.data_ptr())]
+        if ptrs != self._ptrs:
+            t = torch.tensor(ptrs, dtype=torch.int64)
+            self.ptab = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+            self._ptrs = ptrs
+        return self.ptab
+
+
+class FusedPlan:
+    """All buckets of one parameter group (rebuilt when its parameters or states change)."""
+
+    def __init__(self, opt, group, params):
+        by_key = {}
+        self.rest = []
+        for p in params:
+            st = opt.state[p]
+            if not _eligible(p, st, group):
+                self.rest.append(p)
+                continue
+            kind = "q" if "m_codes" in st else "f"
+            key = (kind, _KIND[p.dtype], _KIND[p.grad.dtype], _master_code(p, st, group["bf16_master"]))
+            by_key.setdefault(key, []).append(p)
+        self.buckets = []
+        for key, ps in by_key.items():
+            self.buckets.append(_Bucket(key[0], key, ps, [opt.state[p] for p in ps], ps[0].device))
+        self.steps = [s for b in self.buckets for s in b.steps]
+        self.grad_dtypes = [(p, p.grad.dtype) for b in self.buckets for p in b.params]
+
+    def still_valid(self) -> bool:
+        """Cheap per-step check: every gradient still has the dtype/layout the plan was built for."""
+        for p, dt in self.grad_dtypes:
+            g = p.grad
+            if g.dtype != dt or not g.is_contiguous():
+                return False
+        return True
+
+
+def _launch_opts(device):
+    return {} if device.type == "cpu" else {"enable_fp_fusion": False}
+
+
+def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: dict, version: int):
+    """Apply one (Q-)AdamW step to ``params`` (all with grads and initialized states) of ``group`` with the
+    fused kernels. Returns the parameters it could not handle (the caller runs the torch step on them)."""
+    key = (gi, version, tuple(id(p) for p in params))
+    plan = plans.get(gi)
+    if plan is None or plan[0] != key or not plan[1].still_valid():
+        plans[gi] = plan = (key, FusedPlan(opt, group, params))
+    plan = plan[1]
+    if not plan.buckets:
+        return plan.rest
+    beta1, beta2 = group["betas"]
+    beta1, beta2 = float(beta1), float(beta2)
+    torch._foreach_add_(plan.steps, 1.0)
+    steps = torch.stack(plan.steps)
+    decay, step_size, bc2s = _qa.adam_coefficients(steps, lr, beta1, beta2, float(group["weight_decay"]))
+    coef = torch.stack((decay.expand_as(steps), step_size, bc2s, steps))
+    ttot = steps.numel()
+    t0 = 0
+    eps = float(group["eps"])
+    maximize = bool(group["maximize"])
+    for b in plan.buckets:
+        dev = b.params[0].device
+        ptab = b.pointers(dev)
+        _, pk, gk, master = b.key
+        cslice = coef.reshape(-1)[t0:]
+        if b.kind == "q":
+            mh, vh = group["m_hadamard"] or 0, group["v_hadamard"] or 0
+            _qadamw_kernel[(b.nprog,)](
+                b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, math.sqrt(beta2), math.sqrt(1 - beta2), eps,
+                N=CH, NQ=len(_Q_COLS), TILE=group["tile"], MH=mh, VH=vh,
+                MNORM=1.0 / math.sqrt(mh) if mh else 1.0, VNORM=1.0 / math.sqrt(vh) if vh else 1.0,
+                M_SR=group["m_rounding"] == "sr", M_FOS=bool(group["m_four_over_six"]),
+                V_SR=group["v_rounding"] == "sr", V_FOS=bool(group["v_four_over_six"]),
+                P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize, IMPL=RHT_IMPL, SSE64=_qa.SSE64_4OVER6,
+                num_warps=NUM_WARPS, **_launch_opts(dev))
+        else:
+            _adamw_kernel[(b.nprog,)](
+                b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, beta2, 1 - beta2, eps,
+                N=CH, NF=len(_F_COLS), P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize,
+                num_warps=NUM_WARPS, **_launch_opts(dev))
+        t0 += len(b.params)
+    return plan.rest
