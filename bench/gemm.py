@@ -5,6 +5,7 @@ Usage (on the H200)::
     python bench/gemm.py                 # the table of docs/BENCHMARKS.md (## GEMM)
     python bench/gemm.py --explore       # correctness checks + tile/dequant-path sweep (development)
     python bench/gemm.py --quick         # fewer shapes
+    python bench/gemm.py --lower         # candidate sm_90 lowerings per shape vs cuBLAS BF16 (lowering_table)
 
 Per shape: TFLOP/s (2*M*N*K / time) of the "half" kernel (autotuned; its time includes the bf16
 pre-dequantization of the operand with fewer rows), of the "full" kernel (both operands dequantized in
@@ -274,10 +275,135 @@ def table(quick, out_dir, rep, budget_s):
     print("\n" + "\n".join(lines), flush=True)
 
 
+# ---------------------------------------------------------------------------------------------- lowering
+def lowering_shapes():
+    """124M and 1B linear shapes, then the 4096^3 / 8192^3 squares."""
+    out = []
+    for tag, d in (("124M", 768), ("1B", 2048)):
+        out += [(f"{tag} {name}", m, n, k) for name, m, n, k in linear_shapes(d)]
+    out += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
+    return out
+
+
+def lowering_table(out_dir, rep, budget_s):
+    """Per shape, the candidate sm_90 lowerings of one NVFP4 linear GEMM against cuBLAS BF16 (same run).
+
+    Columns (microseconds, median of do_bench; ratio = cuBLAS BF16 time / time):
+      cuBLAS      torch.mm on bf16 operands, bf16 out (the BF16 training step's GEMM)
+      cuBLAS f32  torch.mm(out_dtype=float32) on bf16 operands (the GEMM of the "dequantize + cuBLAS" lowering)
+      dq x2       the two exact bf16 dequantization passes (dequantize_bf16 of A and of B)
+      dq+cuBLAS   dequant_cublas: dq x2 + cuBLAS f32 + scale + cast as separate launches (standalone worst
+                  case of lowering (a): in a graph, the scale/cast fuse into the consumer, leaving
+                  dq x2 + cuBLAS f32 + the consumer reading 4 instead of 2 bytes per output element)
+      (a) est     dq x2 + cuBLAS f32 + (4-2) bytes/element extra read at the measured copy bandwidth
+      tma         the persistent TMA bf16 GEMM with the scaled epilogue, on pre-dequantized operands
+      dq_triton   dq x2 + tma (the op, impl="dq_triton")
+      dq_splitk   dq x2 + split-K TMA GEMM (impl="dq_splitk", automatic split count)
+      full        both operands dequantized in registers (impl="full")
+      op          torch.ops.fp4compile.gemm as registered (impl="auto": choose_impl's pick)
+    """
+    dev = torch.cuda.get_device_name()
+    head = (f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; op impl: {G.DEFAULT_IMPL}; "
+            f"do_bench rep={rep} ms (median), times in us, ratio = cuBLAS BF16 time / time")
+    print(head, flush=True)
+    # copy bandwidth (for the fused-epilogue estimate of lowering (a))
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x), rep)
+    bw = 2 * x.numel() / (ms * 1e-3)
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read+write bytes / time)", flush=True)
+    del x, y
+    cols = ["cuBLAS", "cuBLAS f32", "dq x2", "dq+cuBLAS", "(a) est", "tma", "dq_triton", "dq_splitk", "full", "op"]
+    hdr = "| shape | M | N | K | " + " | ".join(cols) + " | op/cuBLAS | best lowering | best/cuBLAS | auto picks | split |"
+    lines = [head, f"copy bandwidth {bw / 1e12:.2f} TB/s", "", hdr, "|" + "---|" * (len(cols) + 9)]
+    outf = open(os.path.join(out_dir, "lowering_table.md"), "w") if out_dir else None
+    if outf:
+        outf.write("\n".join(lines) + "\n")
+        outf.flush()
+    t0 = time.time()
+    results = []
+    for name, M, N, K in lowering_shapes():
+        if time.time() - t0 > budget_s:
+            print(f"(time budget of {budget_s}s reached: remaining shapes not measured)", flush=True)
+            lines.append(f"| (budget reached before {name} {M}x{N}x{K}) |")
+            break
+        args = make_operands(M, N, K)
+        a16 = G.dequantize_bf16(args[0], args[1])
+        b16 = G.dequantize_bf16(args[3], args[4])
+        ref = reference64(args) if M * N * K <= 2 ** 36 else None
+
+        def us(fn):
+            try:
+                return 1e3 * bench_ms(fn, rep)
+            except Exception as e:  # noqa: BLE001
+                print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                return float("nan")
+
+        t = {}
+        t["cuBLAS"] = us(lambda: torch.mm(a16, b16.t()))
+        t["cuBLAS f32"] = us(lambda: torch.mm(a16, b16.t(), out_dtype=torch.float32))
+        t["dq x2"] = us(lambda: (G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])))
+        t["dq+cuBLAS"] = us(lambda: G.gemm_dequant_cublas(*args))
+        t["(a) est"] = t["dq x2"] + t["cuBLAS f32"] + 1e6 * (2 * M * N) / bw
+        t["tma"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5]))
+        t["dq_triton"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_triton"))
+        t["dq_splitk"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_splitk"))
+        t["full"] = us(lambda: G.nvfp4_gemm(*args, impl="full"))
+        t["op"] = us(lambda: torch.ops.fp4compile.gemm(*args))
+        if ref is not None:  # the measured candidates are exact up to FP32 accumulation order
+            for impl in ("dq_triton", "dq_splitk"):
+                o = G.nvfp4_gemm(*args, impl=impl, out_dtype=torch.float32)
+                e = rel_err(o, ref)
+                if not e < 1e-5:
+                    print(f"  WRONG {name} {impl}: fp32 rel err {e:.2e}", flush=True)
+        cand = {k: t[k] for k in ("dq+cuBLAS", "(a) est", "dq_triton", "dq_splitk", "full")}
+        best = min(cand, key=lambda k: cand[k] if cand[k] == cand[k] else float("inf"))
+        pick = G.choose_impl(M, N, K)
+        line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)
+                + f" | {t['cuBLAS'] / t['op']:.2f} | {best} | {t['cuBLAS'] / cand[best]:.2f} | {pick} "
+                f"| {G.splitk_factor(M, N, K)} |")
+        lines.append(line)
+        results.append(dict(name=name, M=M, N=N, K=K, us=t, pick=pick, best=best))
+        if outf:
+            outf.write(line + "\n")
+            outf.flush()
+        print(line, f"[{time.time() - t0:.0f}s]", flush=True)
+        del args, a16, b16
+    tuned = getattr(G._tuned.get("tma"), "cache", {})
+    print("tma autotuned configs:", {k[:3]: str(v) for k, v in tuned.items()}, flush=True)
+    # per training step (one layer's 12 GEMMs x n_layer): sum of times per column, 124M and 1B
+    for tag, nl in (("124M", 12), ("1B", 16)):
+        d = 768 if tag == "124M" else 2048
+        full = [(m, n, k) for name, m, n, k in _all_linear(d)]
+        by = {(r["M"], r["N"], r["K"]): r for r in results}
+        if not all(s in by for s in full):
+            continue
+        tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols}
+        best = nl * sum(min(v for k, v in by[s]["us"].items() if k in ("dq+cuBLAS", "(a) est", "dq_triton",
+                                                                        "dq_splitk", "full") and v == v)
+                        for s in full) / 1e3
+        msg = (f"{tag} step, {nl} layers x 12 linear GEMMs, ms: " + ", ".join(f"{c} {v:.2f}" for c, v in tot.items())
+               + f", best-per-shape {best:.2f}; op/cuBLAS {tot['cuBLAS'] / tot['op']:.3f}")
+        print(msg, flush=True)
+        lines.append(msg)
+    if outf:
+        outf.write("\n".join(lines[-2:]) + "\n")
+    return results
+
+
+def _all_linear(d, tokens=TOKENS):
+    """All 12 (not deduplicated) linear GEMMs of one block."""
+    out = []
+    for layer, (fin, fout) in {"qkv": (d, 3 * d), "proj": (d, d), "fc1": (d, 4 * d), "fc2": (4 * d, d)}.items():
+        out += [(f"{layer}.fprop", tokens, fout, fin), (f"{layer}.dgrad", tokens, fin, fout),
+                (f"{layer}.wgrad", fout, fin, tokens)]
+    return out
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--lower", action="store_true", help="the lowering table (candidate lowerings vs cuBLAS)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench rep time in ms")
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new shapes after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -286,6 +412,8 @@ def main():
         sys.exit("bench/gemm.py needs a CUDA device")
     if a.explore:
         explore(a.out)
+    elif a.lower:
+        lowering_table(a.out, a.rep, a.budget)
     else:
         table(a.quick, a.out, a.rep, a.budget)
 

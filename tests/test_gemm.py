@@ -100,6 +100,11 @@ _INTERP_SCRIPT = textwrap.dedent("""
         out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl, config=None if cfg is None else G._cfg(*cfg, **cfg_kw))
         torch.save({{"args": args, "out": out}}, {tmp!r} + f"/case{{len(res)}}.pt")
         res.append(len(res))
+    # split-K with explicit splits (the CPU default is one split): 5 K-tiles of 32 in 1, 2, 3 and 5 splits
+    for sk in (1, 2, 3, 5):
+        out = G.bf16_gemm_splitk(G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4]),
+                                 args[2], args[5], torch.float32, split_k=sk)
+        torch.save({{"args": args, "out": out}}, {tmp!r} + f"/split{{sk}}.pt")
     d = G.dequantize_bf16(qa.codes, qa.scales.view(torch.uint8))
     torch.save(d, {tmp!r} + "/deq.pt")
     torch.save((qa.codes, qa.scales.view(torch.uint8)), {tmp!r} + "/deq_in.pt")
@@ -115,6 +120,9 @@ INTERP_CASES = [
     (17, 40, 48, "half", "bf16", 2, (16, 16, 32, 4, 1)),
     (17, 40, 80, "half_rega", "fp32", 3, (16, 16, 32, 4, 1)),
     (40, 24, 80, "full", "bf16", 4, None),
+    (33, 40, 48, "dq_triton", "fp32", 5, None),       # persistent TMA GEMM: M, N, K tails (OOB zero-fill)
+    (40, 24, 80, "dq_triton", "bf16", 6, (16, 16, 32, 4, 1)),
+    (33, 40, 80, "dq_splitk", "fp32", 7, None),
 ]
 
 
@@ -133,6 +141,10 @@ def test_triton_kernels_under_interpreter(tmp_path):
         assert d["out"].dtype == dt
         # the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest): allow one ulp there
         check_close(d["out"], reference64(d["args"]), dt, bf16_ulps=1.0)
+    for sk in (1, 2, 3, 5):
+        d = torch.load(tmp_path / f"split{sk}.pt")
+        assert d["out"].shape == (33, 40)
+        check_close(d["out"], reference64(d["args"]), torch.float32)
     codes, scales = torch.load(tmp_path / "deq_in.pt")
     np.testing.assert_array_equal(torch.load(tmp_path / "deq.pt").double().numpy(), decode64(codes, scales))
 
@@ -173,7 +185,7 @@ GPU_SHAPES = [(1000, 520, 784), (129, 257, 48), (64, 64, 16), (300, 200, 4096), 
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("impl", ["half", "half_rega", "full", "dequant_cublas"])
+@pytest.mark.parametrize("impl", ["half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk"])
 @pytest.mark.parametrize("dequant", ["asm", "fp32"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_kernels_match_float64(impl, dequant, shape):
@@ -182,15 +194,44 @@ def test_gpu_kernels_match_float64(impl, dequant, shape):
     if impl == "dequant_cublas" and dequant == "fp32":
         pytest.skip("dequant_cublas uses the default dequant path; covered by the asm case")
     M, N, K = shape
+    if impl.startswith("dq_") and not G.tma_ok(M, N, K, torch.bfloat16):
+        pytest.skip("TMA row alignment (auto routes such shapes elsewhere)")
     args = operands(M, N, K, seed=M + N + K, device="cuda", scale_a=100.0, scale_b=1e-3)
     ref = reference64(args)
     for dt in (torch.float32, torch.bfloat16):
         if impl == "dequant_cublas":
             out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl)
+        elif impl.startswith("dq_"):
+            out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl, dequant=dequant)       # autotuned / auto split
         else:
             out = G.nvfp4_gemm(*args, out_dtype=dt, impl=impl, dequant=dequant,
                                config=G._cfg(64, 64, 64, 4, 3, PREFETCH_S=impl != "full"))
         check_close(out, ref, dt)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shape", [(768, 768, 16384), (300, 520, 4096), (1000, 256, 784)])
+def test_gpu_splitk_and_tma_tiles_match_float64(shape):
+    """Split-K with explicit split counts (incl. a ragged last split) and every TMA tile config."""
+    from fp4compile.kernels import gemm as G
+
+    M, N, K = shape
+    args = operands(M, N, K, seed=11, device="cuda", scale_a=100.0, scale_b=1e-3)
+    ref = reference64(args)
+    a16, b16 = G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])
+    for sk in (1, 3, 7, None):
+        for dt in (torch.float32, torch.bfloat16):
+            check_close(G.bf16_gemm_splitk(a16, b16, args[2], args[5], dt, split_k=sk), ref, dt)
+    for cfg in G.TMA_CONFIGS:
+        for dt in (torch.float32, torch.bfloat16):
+            try:
+                out = G.bf16_gemm_scaled(a16, b16, args[2], args[5], dt, config=cfg)
+            except Exception as e:  # noqa: BLE001  (a tile that does not fit shared memory for fp32 output)
+                if "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower():
+                    continue
+                raise
+            check_close(out, ref, dt)
 
 
 @pytest.mark.gpu
