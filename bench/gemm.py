@@ -285,7 +285,7 @@ def lowering_shapes():
     return out
 
 
-def lowering_table(out_dir, rep, budget_s):
+def lowering_table(out_dir, rep, budget_s, device="cuda"):
     """Per shape, the candidate sm_90 lowerings of one NVFP4 linear GEMM against cuBLAS BF16 (same run).
 
     Columns (microseconds, median of do_bench; ratio = cuBLAS BF16 time / time):
@@ -296,7 +296,9 @@ def lowering_table(out_dir, rep, budget_s):
                   case of lowering (a): in a graph, the scale/cast fuse into the consumer, leaving
                   dq x2 + cuBLAS f32 + the consumer reading 4 instead of 2 bytes per output element)
       (a) est     dq x2 + cuBLAS f32 + (4-2) bytes/element extra read at the measured copy bandwidth
-      tma         the persistent TMA bf16 GEMM with the scaled epilogue, on pre-dequantized operands
+      tma         the persistent TMA bf16 GEMM with the scaled epilogue, on pre-dequantized operands (autotuned)
+      tma flat/ws 128x256x64 w8 s3 with the persistent loop flattened / flattened + warp-specialized
+                  (124M and square shapes only)
       dq_triton   dq x2 + tma (the op, impl="dq_triton")
       dq_splitk   dq x2 + split-K TMA GEMM (impl="dq_splitk", automatic split count)
       full        both operands dequantized in registers (impl="full")
@@ -307,13 +309,14 @@ def lowering_table(out_dir, rep, budget_s):
             f"do_bench rep={rep} ms (median), times in us, ratio = cuBLAS BF16 time / time")
     print(head, flush=True)
     # copy bandwidth (for the fused-epilogue estimate of lowering (a))
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    x = torch.empty(1 << (28 if device == "cuda" else 20), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     ms = bench_ms(lambda: y.copy_(x), rep)
     bw = 2 * x.numel() / (ms * 1e-3)
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read+write bytes / time)", flush=True)
     del x, y
-    cols = ["cuBLAS", "cuBLAS f32", "dq x2", "dq+cuBLAS", "(a) est", "tma", "dq_triton", "dq_splitk", "full", "op"]
+    cols = ["cuBLAS", "cuBLAS f32", "dq x2", "dq+cuBLAS", "(a) est", "tma", "tma flat", "tma ws", "dq_triton",
+            "dq_splitk", "full", "op"]
     hdr = "| shape | M | N | K | " + " | ".join(cols) + " | op/cuBLAS | best lowering | best/cuBLAS | auto picks | split |"
     lines = [head, f"copy bandwidth {bw / 1e12:.2f} TB/s", "", hdr, "|" + "---|" * (len(cols) + 9)]
     outf = open(os.path.join(out_dir, "lowering_table.md"), "w") if out_dir else None
@@ -327,7 +330,7 @@ def lowering_table(out_dir, rep, budget_s):
             print(f"(time budget of {budget_s}s reached: remaining shapes not measured)", flush=True)
             lines.append(f"| (budget reached before {name} {M}x{N}x{K}) |")
             break
-        args = make_operands(M, N, K)
+        args = make_operands(M, N, K, device=device)
         a16 = G.dequantize_bf16(args[0], args[1])
         b16 = G.dequantize_bf16(args[3], args[4])
         ref = reference64(args) if M * N * K <= 2 ** 36 else None
@@ -346,6 +349,13 @@ def lowering_table(out_dir, rep, budget_s):
         t["dq+cuBLAS"] = us(lambda: G.gemm_dequant_cublas(*args))
         t["(a) est"] = t["dq x2"] + t["cuBLAS f32"] + 1e6 * (2 * M * N) / bw
         t["tma"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5]))
+        if name.startswith("124M") or name.startswith("square"):   # experimental persistent-loop variants
+            vc = G._cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True)
+            t["tma flat"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5], config=vc, flatten=True))
+            t["tma ws"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5], config=vc, flatten=True,
+                                                        warp_specialize=True))
+        else:
+            t["tma flat"] = t["tma ws"] = float("nan")
         t["dq_triton"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_triton"))
         t["dq_splitk"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_splitk"))
         t["full"] = us(lambda: G.nvfp4_gemm(*args, impl="full"))
@@ -378,9 +388,9 @@ def lowering_table(out_dir, rep, budget_s):
         by = {(r["M"], r["N"], r["K"]): r for r in results}
         if not all(s in by for s in full):
             continue
-        tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols}
-        best = nl * sum(min(v for k, v in by[s]["us"].items() if k in ("dq+cuBLAS", "(a) est", "dq_triton",
-                                                                        "dq_splitk", "full") and v == v)
+        tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols if "tma " not in c}
+        cand = ("dq+cuBLAS", "(a) est", "dq_triton", "dq_splitk", "full")
+        best = nl * sum(min((v for k, v in by[s]["us"].items() if k in cand and v == v), default=float("nan"))
                         for s in full) / 1e3
         msg = (f"{tag} step, {nl} layers x 12 linear GEMMs, ms: " + ", ".join(f"{c} {v:.2f}" for c, v in tot.items())
                + f", best-per-shape {best:.2f}; op/cuBLAS {tot['cuBLAS'] / tot['op']:.3f}")

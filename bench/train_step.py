@@ -158,6 +158,14 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
         r = results[-1]
         print(f"  {r['label']}: {r['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.1f} ms/step, peak {peak:.2f} GiB, "
               f"first step {compile_s:.1f} s, loss {first_loss:.3f} -> {last_loss:.3f}", flush=True)
+    try:
+        from fp4compile.kernels import gemm as G
+        if G.TUNED_CHOICES:
+            print("  impl='tuned' choices (M, N, K): " + "; ".join(
+                f"{k[:3]} {v[0]} (" + ", ".join(f"{i} {1e3 * t:.0f}us" for i, t in v[1].items()) + ")"
+                for k, v in G.TUNED_CHOICES.items()), flush=True)
+    except ImportError:
+        pass
     if profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
         n = 2

@@ -38,6 +38,8 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
   FP32 partial sums per K range, summed in FP32, scaled, rounded once) for long-K GEMMs with few output
   tiles (wgrad: K = tokens, 768x768 outputs are 36 tiles on 132 SMs).
 * ``"auto"``: one of the above per shape (:func:`choose_impl`).
+* ``"tuned"``: the fastest of :data:`TUNED_CANDIDATES`, timed on the first call of each shape (a
+  measurement tool; choices in :data:`TUNED_CHOICES`).
 
 "Dequantize to exact bf16, then a bf16 tensor-core GEMM" is faithful NVFP4 on sm_90: every product
 ``(q_a S_a)(q_b S_b)`` is exact in the wgmma, sums are FP32, the global scales multiply the FP32 result.
@@ -90,7 +92,11 @@ DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
 #: pre-dequantized, cuBLAS), "dq_triton" / "dq_splitk" (both pre-dequantized, Triton TMA GEMM with the scaled
 #: epilogue; split-K for long K on small outputs). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
-IMPLS = ("auto", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk")
+IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk")
+#: candidates that ``impl="tuned"`` times on the first call of each shape
+TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
+#: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
+TUNED_CHOICES: dict = {}
 
 
 def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
@@ -621,14 +627,15 @@ def tma_ok(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> bool:
 
 
 def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, config: Optional[dict] = None,
-                     warp_specialize: bool = False):
+                     warp_specialize: bool = False, flatten: bool = False):
     """``(a @ b.T) * (a_global * b_global)`` for bf16 ``a [M, K]``, ``b [N, K]`` (both K-major), FP32
     accumulation, one rounding to ``out_dtype``: the persistent TMA kernel :func:`_bf16_tma_gemm_kernel`.
 
     Exact NVFP4 semantics when ``a`` and ``b`` hold exact ``q * S`` values (:func:`dequantize_bf16`): the
     products are exact, the sums FP32, the global scales applied to the FP32 accumulator.
     ``config``: an explicit tile (keys of :data:`TMA_CONFIGS`); default autotunes on CUDA.
-    ``warp_specialize``: Triton's automatic warp specialization of the persistent loop (experimental)."""
+    ``warp_specialize``, ``flatten``: Triton's automatic warp specialization / loop flattening of the
+    persistent loop (experimental on sm_90; measured in bench/gemm.py --lower)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
@@ -662,7 +669,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
         nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
         _bf16_tma_gemm_kernel[(nsm,)](ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                       GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
-                                      WARP_SPEC=warp_specialize, FLATTEN=False,
+                                      WARP_SPEC=warp_specialize, FLATTEN=flatten,
                                       OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else triton.cdiv(K, bk),
                                       num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
         return out
@@ -672,7 +679,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     nsm = _num_sms(a.device)
     grid = lambda meta: (min(nsm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
     _get_tma_kernel()[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
-                            FLATTEN=False, OUT_FP32=out_dtype == torch.float32)
+                            FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
     return out
 
 
@@ -770,6 +777,9 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = choose_impl(M, N, K, out_dtype) if on_cuda else "half"
+    elif impl == "tuned":
+        impl = _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) if on_cuda \
+            else "half"
     if dequant is None:
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
@@ -839,6 +849,31 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     kern[grid](*args, EVEN_K=K % 128 == 0, **flags)
     return out
 
+
+def _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> str:
+    """``impl="tuned"``: on the first call of a shape, time every :data:`TUNED_CANDIDATES` implementation
+    that can take it (``triton.testing.do_bench`` median, after each one's own autotuning) and keep the
+    fastest in :data:`TUNED_CHOICES`. A measurement tool (bench/train_step.py --impls tuned): the first call
+    of each shape costs a few hundred ms."""
+    M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
+    key = (M, N, K, out_dtype, a_codes.device.index)
+    hit = TUNED_CHOICES.get(key)
+    if hit is not None:
+        return hit[0]
+    from triton.testing import do_bench
+
+    args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    times = {}
+    for cand in TUNED_CANDIDATES:
+        if cand.startswith("dq_") and not tma_ok(M, N, K, out_dtype):
+            continue
+        try:
+            times[cand] = do_bench(lambda: nvfp4_gemm(*args, impl=cand), warmup=5, rep=10, return_mode="median")
+        except Exception:  # noqa: BLE001  (a candidate that cannot run this shape is not a choice)
+            continue
+    best = min(times, key=times.get) if times else choose_impl(M, N, K, out_dtype)
+    TUNED_CHOICES[key] = (best, times)
+    return best
 
 def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
     """Dequantize packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes to bf16 ``q * S`` (exact; no
