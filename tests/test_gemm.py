@@ -236,6 +236,18 @@ def test_gpu_splitk_and_tma_tiles_match_float64(shape):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_tuned_impl_times_candidates_and_matches_float64():
+    from fp4compile.kernels import gemm as G
+
+    args = operands(768, 512, 4096, seed=9, device="cuda")
+    out = G.nvfp4_gemm(*args, impl="tuned")
+    check_close(out, reference64(args), torch.bfloat16)
+    best, times = G.TUNED_CHOICES[(768, 512, 4096, torch.bfloat16, args[0].device.index)]
+    assert set(times) == set(G.TUNED_CANDIDATES) and best == min(times, key=times.get), times
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_op_autotuned_and_opcheck():
     args = operands(512, 384, 1024, seed=5, device="cuda")
     ref = reference64(args)

@@ -561,7 +561,6 @@ HALF_REGA_CONFIGS = [
 #: do not fit shared memory are dropped by the autotuner)
 TMA_CONFIGS = [
     _cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True),
-    _cfg(128, 256, 64, 8, 4, EPI_SUBTILE=True),
     _cfg(128, 128, 64, 8, 4, EPI_SUBTILE=False),
     _cfg(128, 128, 64, 4, 4, EPI_SUBTILE=False),
     _cfg(256, 128, 64, 8, 3, EPI_SUBTILE=True),
