@@ -717,6 +717,9 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     on_cuda = a.is_cuda
     c = dict(config or (SPLITK_CONFIG if on_cuda else _cfg(32, 32, 32, 4, 1)))
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
+    if K == 0 or M == 0 or N == 0:
+        return torch.zeros((M, N), device=a.device, dtype=out_dtype)
     k_tiles = triton.cdiv(K, bk)
     if split_k is None:
         split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))
@@ -724,16 +727,15 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     per = triton.cdiv(k_tiles, split_k)
     split_k = triton.cdiv(k_tiles, per)                  # no empty split
     ws = torch.empty((split_k, M, N), device=a.device, dtype=torch.float32)
-    if M and N:
-        ad = TensorDescriptor.from_tensor(a, [bm, bk])
-        bd = TensorDescriptor.from_tensor(b, [bn, bk])
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split_k)
-        _bf16_tma_splitk_kernel[grid](ad, bd, ws, M, N, per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      K_ITERS=0 if on_cuda else per, num_warps=c["num_warps"],
-                                      num_stages=c["num_stages"])
-    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
+    ad = TensorDescriptor.from_tensor(a, [bm, bk])
+    bd = TensorDescriptor.from_tensor(b, [bn, bk])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split_k)
+    _bf16_tma_splitk_kernel[grid](ad, bd, ws, M, N, per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  K_ITERS=0 if on_cuda else per, num_warps=c["num_warps"],
+                                  num_stages=c["num_stages"])
     acc = ws[0] if split_k == 1 else ws.sum(0)
     return (acc * alpha).to(out_dtype)
+
 
 def gemm_dequant_triton(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16,
                         *, config: Optional[dict] = None, dequant: Optional[str] = None):
