@@ -337,6 +337,20 @@ H200_TABLE = [
 ]
 
 
+def test_splitk_factor_and_tma_alignment():
+    pytest.importorskip("triton")
+    from fp4compile.kernels.gemm import splitk_factor, tma_ok
+
+    # 124M wgrad shapes on 132 SMs: 768x768 is 36 tiles -> 8 splits (~2 waves); 2304x768 (108 tiles) -> 3;
+    # 3072x768 (144 tiles) fills the GPU -> 1; a short K never splits below 16 K-tiles per split
+    assert splitk_factor(768, 768, 16384) == 8
+    assert splitk_factor(2304, 768, 16384) == 3
+    assert splitk_factor(3072, 768, 16384) == 1
+    assert splitk_factor(768, 768, 1024) == 1
+    assert splitk_factor(16384, 768, 768) == 1
+    assert tma_ok(16, 8, 16) and not tma_ok(16, 12, 16) and tma_ok(16, 12, 16, torch.float32)
+
+
 def test_choose_impl_is_near_best_on_the_measured_table():
     """The "auto" rule picks, on every measured shape, an implementation within 20% of the best of the three
     (so a rule edit that contradicts the recorded measurements fails here)."""
