@@ -88,7 +88,13 @@ def tflops(M, N, K, ms):
     return 2.0 * M * N * K / (ms * 1e-3) / 1e12
 
 
+CUDAGRAPH = False   # --cudagraph: GPU time only (do_bench_cudagraph), no Python launch overhead
+
+
 def bench_ms(fn, rep):
+    if CUDAGRAPH:
+        from triton.testing import do_bench_cudagraph
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median")
 
 
@@ -285,7 +291,7 @@ def lowering_shapes():
     return out
 
 
-def lowering_table(out_dir, rep, budget_s, device="cuda"):
+def lowering_table(out_dir, rep, budget_s, device="cuda", only=()):
     """Per shape, the candidate sm_90 lowerings of one NVFP4 linear GEMM against cuBLAS BF16 (same run).
 
     Columns (microseconds, median of do_bench; ratio = cuBLAS BF16 time / time):
@@ -306,7 +312,8 @@ def lowering_table(out_dir, rep, budget_s, device="cuda"):
     """
     dev = torch.cuda.get_device_name()
     head = (f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; op impl: {G.DEFAULT_IMPL}; "
-            f"do_bench rep={rep} ms (median), times in us, ratio = cuBLAS BF16 time / time")
+            f"{'do_bench_cudagraph (GPU time only)' if CUDAGRAPH else 'do_bench (incl. launch overhead)'} "
+            f"rep={rep} ms (median), times in us, ratio = cuBLAS BF16 time / time")
     print(head, flush=True)
     # copy bandwidth (for the fused-epilogue estimate of lowering (a))
     x = torch.empty(1 << (28 if device == "cuda" else 20), dtype=torch.uint8, device=device)
@@ -319,13 +326,15 @@ def lowering_table(out_dir, rep, budget_s, device="cuda"):
             "dq_splitk", "full", "op"]
     hdr = "| shape | M | N | K | " + " | ".join(cols) + " | op/cuBLAS | best lowering | best/cuBLAS | auto picks | split |"
     lines = [head, f"copy bandwidth {bw / 1e12:.2f} TB/s", "", hdr, "|" + "---|" * (len(cols) + 9)]
-    outf = open(os.path.join(out_dir, "lowering_table.md"), "w") if out_dir else None
+    outf = open(os.path.join(out_dir, "lowering_table.md"), "a") if out_dir else None
     if outf:
         outf.write("\n".join(lines) + "\n")
         outf.flush()
     t0 = time.time()
     results = []
     for name, M, N, K in lowering_shapes():
+        if only and not name.startswith(only):
+            continue
         if time.time() - t0 > budget_s:
             print(f"(time budget of {budget_s}s reached: remaining shapes not measured)", flush=True)
             lines.append(f"| (budget reached before {name} {M}x{N}x{K}) |")
@@ -414,6 +423,10 @@ def main():
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--lower", action="store_true", help="the lowering table (candidate lowerings vs cuBLAS)")
+    ap.add_argument("--cudagraph", action="store_true",
+                    help="time CUDA-graph replays (GPU time only, no Python launch overhead)")
+    ap.add_argument("--only", default="", help="--lower: only shapes whose name starts with one of these "
+                                               "comma-separated prefixes (e.g. 124M,square)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench rep time in ms")
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new shapes after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -423,7 +436,9 @@ def main():
     if a.explore:
         explore(a.out)
     elif a.lower:
-        lowering_table(a.out, a.rep, a.budget)
+        global CUDAGRAPH
+        CUDAGRAPH = a.cudagraph
+        lowering_table(a.out, a.rep, a.budget, only=tuple(p for p in a.only.split(",") if p))
     else:
         table(a.quick, a.out, a.rep, a.budget)
 

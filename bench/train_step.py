@@ -116,6 +116,8 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
     dims = dict(vocab=256, d=64, n_layer=2, n_head=2, block_size=args.T) if args.tiny else {}
     model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    if backend == "fullstack_fp4":  # the function itself: works without the installed entry point too
+        from fp4compile.backend import fullstack_fp4 as backend
     step_fn = torch.compile(model, backend=backend, options=options)
     vocab = model.wte.num_embeddings
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -198,8 +200,8 @@ def main():
     ap.add_argument("--profile-bf16", action="store_true", help="also profile the BF16 step")
     ap.add_argument("--skip-bf16", action="store_true", help="no BF16 baseline run")
     ap.add_argument("--lowerings", default="op",
-                    help="comma list of backend gemm_lowering values to compile and time (op, dequant_mm); "
-                         "--impls applies to 'op', --profile to the first lowering")
+                    help="comma list of backend gemm_lowering values to compile and time (op, auto, dequant_mm); "
+                         "--impls applies to 'op' and 'auto'")
     args = ap.parse_args()
     if args.tiny:
         args.B, args.T, args.steps, args.warmup = 2, 64, 2, 1
@@ -210,7 +212,7 @@ def main():
     for i, low in enumerate(args.lowerings.split(",")):
         rows += run(f"fullstack_fp4 {args.policy}" + ("" if low == "op" else f" {low}"), "fullstack_fp4",
                     {"policy": policy_for(args.policy), "gemm_lowering": low}, args, device,
-                    impls=impls if low == "op" else (None,), profile=args.profile and i == 0)
+                    impls=impls if low in ("op", "auto") else (None,), profile=args.profile)
     base = rows[0]
     print(f"\nGPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, torch {torch.__version__}")
     print(f"{'backend':<26}{'tokens/s':>12}{'ratio':>8}{'ms/step':>10}{'peak GiB':>10}{'compile s':>11}{'loss0->N':>16}")

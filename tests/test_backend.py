@@ -497,3 +497,17 @@ def test_inductor_path_dump_dir_and_compile_cache(tmp_path, monkeypatch):
     torch._dynamo.reset()
     torch.compile(model, backend="fullstack_fp4", options={"policy": RTN.override("b", "bf16")})(x)
     assert counters["inductor"]["fxgraph_cache_miss"] >= 1 and counters["inductor"]["fxgraph_cache_hit"] == 0
+
+
+def test_choose_lowering_per_shape():
+    """gemm_lowering="auto": cuBLAS (dequant_mm) for wgrad-like long-K / few-tile GEMMs and the short d x d
+    GEMMs, the fp4compile::gemm op elsewhere and for symbolic sizes."""
+    from fp4compile.passes.linear import choose_lowering
+
+    assert choose_lowering(768, 768, 16384) == "dequant_mm"          # 124M proj.wgrad
+    assert choose_lowering(3072, 768, 16384) == "dequant_mm"         # 124M fc1.wgrad
+    assert choose_lowering(16384, 768, 768) == "dequant_mm"          # 124M proj.fprop
+    assert choose_lowering(16384, 3072, 768) == "op"                 # 124M fc1.fprop
+    assert choose_lowering(16384, 768, 3072) == "op"                 # 124M fc1.dgrad
+    assert choose_lowering(8192, 2048, 16384) == "op"                # 1B fc1.wgrad: enough tiles
+    assert choose_lowering(-1, 768, 768) == "op"

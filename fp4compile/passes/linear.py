@@ -53,7 +53,22 @@ MM_F32 = torch.ops.fp4compile.mm_f32.default
 #:                 cast, the last two as plain aten ops that Inductor fuses into the consumer (bias add,
 #:                 residual, activation). cuBLAS runs the GEMM; the FP32 output costs 2 extra bytes per
 #:                 element written and read, the bf16 operand copies 2 bytes per element written and read.
-LOWERINGS = ("op", "dequant_mm")
+#: "auto"       -- per GEMM by :func:`choose_lowering` (static shapes; symbolic ones get "op").
+LOWERINGS = ("op", "dequant_mm", "auto")
+
+
+def choose_lowering(M: int, N: int, K: int) -> str:
+    """``gemm_lowering="auto"``: "dequant_mm" (cuBLAS on exact bf16 operands, FP32 output fused into the
+    consumer) where the Triton GEMMs lose to cuBLAS on the H200 -- long contractions with few output tiles
+    (wgrad: K = tokens, where cuBLAS splits K) and the d x d GEMMs with K = N <= 1024 -- else "op"
+    (``fp4compile::gemm``, kernel per shape by ``kernels/gemm.choose_impl``). Symbolic sizes (-1): "op"."""
+    if min(M, N, K) < 0:
+        return "op"
+    if K >= 8192 and M * N <= 8 * 2 ** 20:
+        return "dequant_mm"
+    if max(N, K) <= 1024 and M >= 4096:
+        return "dequant_mm"
+    return "op"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,6 +267,9 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
                                 is_weight=role == "linear.dgrad")
         qa, qb = (gq, oq) if grad_first else (oq, gq)
         rec["reused"] = oq.origin
+    if lowering == "auto":
+        lowering = choose_lowering(*rec["shape"])
+    rec["lowering"] = lowering
     out = emit_gemm(graph, qa, qb, val(n).dtype, n, lowering)
     for d in out.meta.pop("fp4_dequant_nodes", ()):
         cache.recompute(d)                       # transient bf16 operand copies: never saved for backward
