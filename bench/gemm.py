@@ -410,6 +410,36 @@ def lowering_table(out_dir, rep, budget_s, device="cuda", only=()):
     return results
 
 
+def host_overhead(n=200):
+    """Host (CPU) microseconds per call of each implementation: ``n`` calls queued without synchronizing
+    (the GPU queue does not fill at this count), i.e. what the Python/launch side costs per GEMM; plus the
+    GPU time of one call for reference."""
+    print("host us/call (n=%d, queued, no sync) | GPU us/call (CUDA graph)" % n, flush=True)
+    for name, M, N, K in [("124M qkv.fprop", TOKENS, 2304, 768), ("124M fc1.wgrad", 3072, 768, TOKENS),
+                          ("1B fc1.fprop", TOKENS, 8192, 2048)]:
+        args = make_operands(M, N, K)
+        a16, b16 = G.dequantize_pair_bf16(args[0], args[1], args[3], args[4])
+        fns = {"cuBLAS": lambda: torch.mm(a16, b16.t())}
+        for impl in ("full", "dequant_cublas", "dq_triton", "dq_splitk"):
+            fns[impl] = (lambda i: lambda: G.nvfp4_gemm(*args, impl=i))(impl)
+        row = []
+        for k, fn in fns.items():
+            try:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                host = 1e6 * (time.perf_counter() - t0) / n
+                torch.cuda.synchronize()
+                from triton.testing import do_bench_cudagraph
+                gpu = 1e3 * do_bench_cudagraph(fn, rep=10, return_mode="median")
+                row.append(f"{k} {host:.0f} | {gpu:.0f}")
+            except Exception as e:  # noqa: BLE001
+                row.append(f"{k} ERROR {type(e).__name__}: {str(e)[:120]}")
+        print(f"{name} {M}x{N}x{K}: " + "; ".join(row), flush=True)
+
 def _all_linear(d, tokens=TOKENS):
     """All 12 (not deduplicated) linear GEMMs of one block."""
     out = []
@@ -423,6 +453,7 @@ def main():
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--lower", action="store_true", help="the lowering table (candidate lowerings vs cuBLAS)")
+    ap.add_argument("--host", action="store_true", help="host (launch) overhead per call of each impl")
     ap.add_argument("--cudagraph", action="store_true",
                     help="time CUDA-graph replays (GPU time only, no Python launch overhead)")
     ap.add_argument("--only", default="", help="--lower: only shapes whose name starts with one of these "
@@ -433,7 +464,9 @@ def main():
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA device")
-    if a.explore:
+    if a.host:
+        host_overhead()
+    elif a.explore:
         explore(a.out)
     elif a.lower:
         global CUDAGRAPH

@@ -117,14 +117,20 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
     model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     if backend == "fullstack_fp4":  # the function itself: works without the installed entry point too
-        from fp4compile.backend import fullstack_fp4 as backend
-    step_fn = torch.compile(model, backend=backend, options=options)
+        import functools
+        from fp4compile.backend import fullstack_fp4
+        # torch.compile refuses mode= together with options=: hand both to the backend directly
+        step_fn = torch.compile(model, backend=functools.partial(fullstack_fp4, options=options, mode=args.mode))
+    else:
+        step_fn = torch.compile(model, backend=backend, options=options, mode=args.mode)
     vocab = model.wte.num_embeddings
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, vocab, (args.B, args.T + 1), generator=g).to(device) for _ in range(4)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step(i):
+        if args.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         d = data[i % len(data)]
         loss = step_fn(d[:, :-1], d[:, 1:])
         loss.backward()
@@ -199,6 +205,8 @@ def main():
                     help="print a torch.profiler top-25 CUDA-kernel table of the fp4 step (last impl)")
     ap.add_argument("--profile-bf16", action="store_true", help="also profile the BF16 step")
     ap.add_argument("--skip-bf16", action="store_true", help="no BF16 baseline run")
+    ap.add_argument("--mode", default=None, help="torch.compile mode for both backends (e.g. reduce-overhead: "
+                                                  "CUDA graphs, no per-kernel launch cost)")
     ap.add_argument("--lowerings", default="op",
                     help="comma list of backend gemm_lowering values to compile and time (op, auto, dequant_mm); "
                          "--impls applies to 'op' and 'auto'")

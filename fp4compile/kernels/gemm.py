@@ -75,11 +75,13 @@ from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we re
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton is a hard dependency on GPU machines only
     triton = None
     tl = None
+    TensorDescriptor = None
 
-__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "gemm_dequant_cublas", "gemm_dequant_triton",
+__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas", "gemm_dequant_triton",
            "bf16_gemm_scaled", "bf16_gemm_splitk", "splitk_factor", "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS",
            "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
@@ -100,15 +102,20 @@ TUNED_CHOICES: dict = {}
 
 
 def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
-    """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM (rule from the H200
-    measurements in docs/BENCHMARKS.md, ## GEMM):
+    """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM.
+
+    Rule from the H200 measurements in docs/BENCHMARKS.md (## GEMM): wall-clock per call *inside* the
+    GPT-124M training step (``impl="tuned"``'s timings, which include the host-side launch cost) for the
+    124M shapes, and ``bench/gemm.py --lower`` for the 1B / square shapes:
 
     * skinny problems (min(M, N) <= 256): ``"full"`` (no bf16 copy; memory-bound anyway);
-    * shapes the TMA kernels cannot take (row strides not 16-byte aligned): the earlier rule
+    * shapes the TMA kernel cannot take (row strides not 16-byte aligned): the earlier rule
       (``"dequant_cublas"`` for long K on large outputs, else ``"full"`` / ``"half"``);
-    * long K on an output too small to fill the GPU (:func:`splitk_factor` > 1, e.g. wgrad with K = tokens):
-      ``"dq_splitk"``;
-    * otherwise ``"dq_triton"`` (exact bf16 dequantization, persistent TMA bf16 GEMM, scaled epilogue).
+    * large problems (M*N*K >= 2^36, e.g. every ~1B-model linear at 16K tokens, 4096^3): ``"dq_triton"``
+      (0.77-0.88x cuBLAS BF16 there; GPU time dominates its host cost);
+    * GPT-124M-sized problems: ``"dequant_cublas"`` for K >= 3072 (wgrad with K = tokens, fc2's dgrad: cuBLAS
+      splits K), else ``"full"`` (K <= 2304: one launch, no bf16 copies; ``dq_triton`` is faster on the GPU
+      but its three launches cost more host time than they save at this size).
     """
     if min(M, N) <= 256:
         return "full"
@@ -118,9 +125,11 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
         if min(M, N) <= 768 or K <= 1024:
             return "full"
         return "half"
-    if splitk_factor(M, N, K) > 1:
-        return "dq_splitk"
-    return "dq_triton"
+    if M * N * K >= 2 ** 36:
+        return "dq_triton"
+    if K >= 3072:
+        return "dequant_cublas"
+    return "full"
 
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
@@ -523,6 +532,35 @@ if triton is not None:
         tl.store(ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+    @triton.jit
+    def _dequant_rows(c_ptr, s_ptr, o_ptr, R, KH, pid_r, pid_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DEQUANT_ASM: tl.constexpr):
+        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = rr[:, None] < R
+        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * KH + kb[None, :], mask=rmask & (kb[None, :] < KH),
+                        other=0)
+        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * (KH // 8) + ks[None, :],
+                         mask=rmask & (ks[None, :] < KH // 8), other=0)
+        v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
+        tl.store(o_ptr + rr.to(tl.int64)[:, None] * (2 * KH) + ko[None, :], v.to(tl.bfloat16),
+                 mask=rmask & (ko[None, :] < 2 * KH))
+
+    @triton.jit
+    def _dequant2_kernel(ac_ptr, as_ptr, ao_ptr, RA, bc_ptr, bs_ptr, bo_ptr, RB, KH, NBLK_A,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+        """Both GEMM operands (same K, contiguous) dequantized to exact bf16 ``q * S`` in ONE launch:
+        row-blocks [0, NBLK_A) are A's, the rest B's (one launch instead of two: less host overhead)."""
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_r < NBLK_A:
+            _dequant_rows(ac_ptr, as_ptr, ao_ptr, RA, KH, pid_r, pid_k, BLOCK_R, BLOCK_K, DEQUANT_ASM)
+        else:
+            _dequant_rows(bc_ptr, bs_ptr, bo_ptr, RB, KH, pid_r - NBLK_A, pid_k, BLOCK_R, BLOCK_K, DEQUANT_ASM)
+
+
 def _cfg(bm, bn, bk, warps, stages, group_m=8, **extra):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, **extra)
 
@@ -614,15 +652,21 @@ def _get_tma_kernel():
     return _tuned["tma"]
 
 
+_SMS: dict = {}
+
+
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    n = _SMS.get(device.index)
+    if n is None:
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def tma_ok(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> bool:
     """Whether the TMA GEMM can take the shape: descriptor row strides must be multiples of 16 bytes."""
-    return K % 8 == 0 and (N * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
+    return K % 8 == 0 and (N * out_dtype.itemsize) % 16 == 0
 
 
 def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, config: Optional[dict] = None,
@@ -635,8 +679,6 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     ``config``: an explicit tile (keys of :data:`TMA_CONFIGS`); default autotunes on CUDA.
     ``warp_specialize``, ``flatten``: Triton's automatic warp specialization / loop flattening of the
     persistent loop (experimental on sm_90; measured in bench/gemm.py --lower)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"bf16_gemm_scaled takes bf16 operands, got {a.dtype}/{b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -703,8 +745,6 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     sums per K range, summed in FP32 (a different FP32 accumulation order, nothing else), then one scale and
     one rounding. Deterministic (no atomics). For long-K GEMMs whose output has too few tiles to fill the
     GPU (wgrad: K = tokens)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 2 \
             or a.shape[1] != b.shape[1]:
         raise ValueError(f"bf16_gemm_splitk: need bf16 a [M, K], b [N, K], got {a.dtype} {tuple(a.shape)}, "
@@ -788,8 +828,7 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     if impl == "dequant_cublas":
         return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     if impl in ("dq_triton", "dq_splitk"):
-        a16 = dequantize_bf16(a_codes, a_scales, dequant=dequant)
-        b16 = dequantize_bf16(b_codes, b_scales, dequant=dequant)
+        a16, b16 = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, dequant=dequant)
         if impl == "dq_splitk":
             return bf16_gemm_splitk(a16, b16, a_global, b_global, out_dtype, config=config)
         return bf16_gemm_scaled(a16, b16, a_global, b_global, out_dtype, config=config)
@@ -875,6 +914,23 @@ def _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dt
     best = min(times, key=times.get) if times else choose_impl(M, N, K, out_dtype)
     TUNED_CHOICES[key] = (best, times)
     return best
+
+def dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, *, dequant: Optional[str] = None):
+    """Both operands of one GEMM (contiguous, same K) to exact bf16 ``q * S`` with one launch of
+    :func:`_dequant2_kernel`; same values as two :func:`dequantize_bf16` calls."""
+    RA, KH = a_codes.shape
+    RB = b_codes.shape[0]
+    dev = a_codes.device
+    a16 = torch.empty((RA, 2 * KH), device=dev, dtype=torch.bfloat16)
+    b16 = torch.empty((RB, 2 * KH), device=dev, dtype=torch.bfloat16)
+    if dequant is None:
+        dequant = DEFAULT_DEQUANT if a_codes.is_cuda else "fp32"
+    br, bk = (64, 128) if a_codes.is_cuda else (16, 32)
+    nblk_a = triton.cdiv(RA, br)
+    grid = (nblk_a + triton.cdiv(RB, br), triton.cdiv(2 * KH, bk))
+    _dequant2_kernel[grid](a_codes, a_scales, a16, RA, b_codes, b_scales, b16, RB, KH, nblk_a,
+                           BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
+    return a16, b16
 
 def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
     """Dequantize packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes to bf16 ``q * S`` (exact; no
