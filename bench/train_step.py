@@ -1,6 +1,8 @@
 """GPT-124M training step: fullstack_fp4 (linear-only NVFP4) vs the default ``inductor`` backend in BF16.
 
-    python bench/train_step.py                       # H200: B=16, T=1024, GPT-2 124M, policy quartet2
+    python bench/train_step.py                       # H200: B=16, T=1024, GPT-2 124M, policy quartet2,
+                                                     # BF16 and fp4 in both compile modes (default and
+                                                     # reduce-overhead = CUDA graphs)
     python bench/train_step.py --policy rtn          # RTN-only NVFP4 linears (no RHT / MS-EDEN)
     python bench/train_step.py --tiny                # CPU smoke run at toy size
     python bench/train_step.py --impls auto,full --profile   # time several GEMM impls on one compiled model,
@@ -117,10 +119,9 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
     model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     if backend == "fullstack_fp4":  # the function itself: works without the installed entry point too
-        import functools
         from fp4compile.backend import fullstack_fp4
-        # torch.compile refuses mode= together with options=: hand both to the backend directly
-        step_fn = torch.compile(model, backend=functools.partial(fullstack_fp4, options=options, mode=args.mode))
+        # torch.compile refuses mode= next to options=: the backend takes the mode as an option
+        step_fn = torch.compile(model, backend=fullstack_fp4, options=dict(options, mode=args.mode))
     else:
         step_fn = torch.compile(model, backend=backend, options=options, mode=args.mode)
     vocab = model.wte.num_embeddings
@@ -147,9 +148,10 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
     results = []
     for impl in impls:
         # the same compiled graph, another kernel behind fp4compile::gemm (read at call time): no recompile
-        if impl is not None:
+        if backend is not None and device == "cuda":
+            import os
             from fp4compile.kernels import gemm as G
-            G.DEFAULT_IMPL = impl
+            G.DEFAULT_IMPL = impl or os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
         for i in range(args.warmup):
             step(i + 1)
         sync()
@@ -202,11 +204,13 @@ def main():
                     help="comma list of fp4compile::gemm impls to time on the same compiled fp4 model "
                          "(e.g. auto,full,dq_triton); default: the registered default only")
     ap.add_argument("--profile", action="store_true",
-                    help="print a torch.profiler top-25 CUDA-kernel table of the fp4 step (last impl)")
+                    help="print a torch.profiler top-25 CUDA-kernel table of each fp4 step (last impl)")
     ap.add_argument("--profile-bf16", action="store_true", help="also profile the BF16 step")
     ap.add_argument("--skip-bf16", action="store_true", help="no BF16 baseline run")
-    ap.add_argument("--mode", default=None, help="torch.compile mode for both backends (e.g. reduce-overhead: "
-                                                  "CUDA graphs, no per-kernel launch cost)")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of torch.compile modes, each timed for BF16 and fp4: 'default' (kernels "
+                         "launched eagerly by Python) and/or 'reduce-overhead' (CUDA graphs: no per-launch "
+                         "host cost). Default: both on CUDA, 'default' on CPU")
     ap.add_argument("--lowerings", default="op",
                     help="comma list of backend gemm_lowering values to compile and time (op, auto, dequant_mm); "
                          "--impls applies to 'op' and 'auto'")
@@ -214,28 +218,44 @@ def main():
     if args.tiny:
         args.B, args.T, args.steps, args.warmup = 2, 64, 2, 1
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    modes = (args.modes or ("default,reduce-overhead" if device == "cuda" else "default")).split(",")
     impls = tuple(args.impls.split(",")) if args.impls else (None,)
-    rows = [] if args.skip_bf16 else run("inductor bf16", "inductor", None, args, device,
-                                          profile=args.profile_bf16)
-    for i, low in enumerate(args.lowerings.split(",")):
-        rows += run(f"fullstack_fp4 {args.policy}" + ("" if low == "op" else f" {low}"), "fullstack_fp4",
-                    {"policy": policy_for(args.policy), "gemm_lowering": low}, args, device,
-                    impls=impls if low in ("op", "auto") else (None,), profile=args.profile)
-    base = rows[0]
-    print(f"\nGPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, torch {torch.__version__}")
-    print(f"{'backend':<26}{'tokens/s':>12}{'ratio':>8}{'ms/step':>10}{'peak GiB':>10}{'compile s':>11}{'loss0->N':>16}")
-    for r in rows:
-        print(f"{r['label']:<26}{r['tokens_per_s']:>12.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.3f}"
-              f"{r['ms_per_step']:>10.1f}{r['peak_gib']:>10.2f}{r['first_compile_s']:>11.1f}"
-              f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")
-    fp4 = max(rows[1:] or rows, key=lambda r: r["tokens_per_s"])
-    print(f"best fp4 row: {fp4['label']}")
-    print(f"targets: tokens/s ratio {fp4['tokens_per_s'] / base['tokens_per_s']:.3f} (>= 0.9), "
-          f"peak {fp4['peak_gib']:.2f} vs {base['peak_gib']:.2f} GiB (lower), "
-          f"compile {fp4['first_compile_s'] / base['first_compile_s']:.2f}x inductor (<= 1.5)")
+    print(f"\nGPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, "
+          f"torch {torch.__version__}", flush=True)
+    head = f"{'backend':<44}{'tokens/s':>10}{'ratio':>7}{'ms/step':>9}{'peak GiB':>9}{'compile s':>10}{'loss0->N':>16}"
+    all_rows, summary = [], []
+    for mode in modes:
+        args.mode = None if mode == "default" else mode
+        tag = f" ({mode})"
+        rows = [] if args.skip_bf16 else [dict(r, label=r["label"] + tag) for r in run(
+            "inductor bf16", "inductor", None, args, device, profile=args.profile_bf16)]
+        for low in args.lowerings.split(","):
+            use = impls if low in ("op", "auto") else (None,)
+            if args.mode == "reduce-overhead":   # impl="tuned" times kernels: not inside a CUDA-graph capture
+                use = tuple(i for i in use if i != "tuned") or (None,)
+            rows += [dict(r, label=r["label"] + tag) for r in run(
+                f"fullstack_fp4 {args.policy}" + ("" if low == "op" else f" {low}"), "fullstack_fp4",
+                {"policy": policy_for(args.policy), "gemm_lowering": low}, args, device, impls=use,
+                profile=args.profile)]
+        base = rows[0]
+        summary.append("")
+        summary.append(head)
+        for r in rows:
+            summary.append(f"{r['label']:<44}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>7.3f}"
+                           f"{r['ms_per_step']:>9.1f}{r['peak_gib']:>9.2f}{r['first_compile_s']:>10.1f}"
+                           f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")
+        fp4 = max(rows[1:] or rows, key=lambda r: r["tokens_per_s"])
+        summary.append(f"[{mode}] best fp4 row: {fp4['label']}; targets: tokens/s ratio "
+                       f"{fp4['tokens_per_s'] / base['tokens_per_s']:.3f} (>= 0.9), peak {fp4['peak_gib']:.2f} vs "
+                       f"{base['peak_gib']:.2f} GiB (lower), compile {fp4['first_compile_s'] / base['first_compile_s']:.2f}x "
+                       f"inductor (<= 1.5)")
+        print("\n".join(summary[-len(rows) - 3:]), flush=True)
+        all_rows += rows
+    print(f"\n== GPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, "
+          f"torch {torch.__version__}: all modes ==" + "\n".join(summary))
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps(dict(args=vars(args), device=device, torch=torch.__version__, rows=rows)) + "\n")
+            f.write(json.dumps(dict(args=vars(args), device=device, torch=torch.__version__, rows=all_rows)) + "\n")
 
 
 if __name__ == "__main__":

@@ -373,7 +373,9 @@ def test_bad_options_give_clear_errors():
                       ({"policy": "fp8"}, "unknown policy preset 'fp8'"),
                       ({"policy": 1.0}, "must be a fp4compile.Policy"),
                       ({"dump_dir": 3}, "dump_dir must be a path"),
-                      ({"gemm_lowering": "cutlass"}, "gemm_lowering must be one of")]:
+                      ({"gemm_lowering": "cutlass"}, "gemm_lowering must be one of"),
+                      ({"mode": 3}, "mode must be a torch.compile mode name"),
+                      ({"mode": "fastest"}, "unknown mode")]:
         torch._dynamo.reset()
         with pytest.raises(Exception, match=msg):
             torch.compile(model, backend="fullstack_fp4", options=opts)(x)

@@ -104,18 +104,18 @@ TUNED_CHOICES: dict = {}
 def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
     """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM.
 
-    Rule from the H200 measurements in docs/BENCHMARKS.md (## GEMM): wall-clock per call *inside* the
-    GPT-124M training step (``impl="tuned"``'s timings, which include the host-side launch cost) for the
-    124M shapes, and ``bench/gemm.py --lower`` for the 1B / square shapes:
+    Rule from the H200 measurements in docs/BENCHMARKS.md (## GEMM), by **GPU time** (``bench/gemm.py --lower
+    --cudagraph``; 1B / square shapes by ``--lower``, where GPU time dominates): the training step is meant to
+    run under CUDA graphs (``mode="reduce-overhead"``), where a GEMM's host-side launch cost is not paid per
+    step. (Launched eagerly, the 124M step is host-bound and fewer launches per GEMM would matter more.)
 
     * skinny problems (min(M, N) <= 256): ``"full"`` (no bf16 copy; memory-bound anyway);
     * shapes the TMA kernel cannot take (row strides not 16-byte aligned): the earlier rule
       (``"dequant_cublas"`` for long K on large outputs, else ``"full"`` / ``"half"``);
-    * large problems (M*N*K >= 2^36, e.g. every ~1B-model linear at 16K tokens, 4096^3): ``"dq_triton"``
-      (0.77-0.88x cuBLAS BF16 there; GPU time dominates its host cost);
-    * GPT-124M-sized problems: ``"dequant_cublas"`` for K >= 3072 (wgrad with K = tokens, fc2's dgrad: cuBLAS
-      splits K), else ``"full"`` (K <= 2304: one launch, no bf16 copies; ``dq_triton`` is faster on the GPU
-      but its three launches cost more host time than they save at this size).
+    * long contractions on small outputs (K >= 8192 and M*N < 2^22: the wgrad GEMMs of d <= 1024 models,
+      K = tokens): ``"dequant_cublas"`` (cuBLAS splits K; 60-165 us vs 103-202 for dq_triton on the 124M wgrads);
+    * otherwise ``"dq_triton"`` (124M fprop/dgrad: 0.67-0.81x cuBLAS BF16 GPU time, vs 0.44-0.49x for
+      ``"full"``; 1B linears 0.65-0.82x per call incl. launch cost).
     """
     if min(M, N) <= 256:
         return "full"
@@ -125,11 +125,9 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
         if min(M, N) <= 768 or K <= 1024:
             return "full"
         return "half"
-    if M * N * K >= 2 ** 36:
-        return "dq_triton"
-    if K >= 3072:
+    if K >= 8192 and M * N < 2 ** 22:
         return "dequant_cublas"
-    return "full"
+    return "dq_triton"
 
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
@@ -896,6 +894,8 @@ def _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dt
     fastest in :data:`TUNED_CHOICES`. A measurement tool (bench/train_step.py --impls tuned): the first call
     of each shape costs a few hundred ms."""
     M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
+    if torch.cuda.is_current_stream_capturing():      # no timing inside a CUDA-graph capture
+        return choose_impl(M, N, K, out_dtype)
     key = (M, N, K, out_dtype, a_codes.device.index)
     hit = TUNED_CHOICES.get(key)
     if hit is not None:
