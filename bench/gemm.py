@@ -5,6 +5,7 @@ Usage (on the H200)::
     python bench/gemm.py                 # the table of docs/BENCHMARKS.md (## GEMM)
     python bench/gemm.py --explore       # correctness checks + tile/dequant-path sweep (development)
     python bench/gemm.py --quick         # fewer shapes
+    python bench/gemm.py --lower         # candidate sm_90 lowerings per shape vs cuBLAS BF16 (lowering_table)
 
 Per shape: TFLOP/s (2*M*N*K / time) of the "half" kernel (autotuned; its time includes the bf16
 pre-dequantization of the operand with fewer rows), of the "full" kernel (both operands dequantized in
@@ -87,7 +88,13 @@ def tflops(M, N, K, ms):
     return 2.0 * M * N * K / (ms * 1e-3) / 1e12
 
 
+CUDAGRAPH = False   # --cudagraph: GPU time only (do_bench_cudagraph), no Python launch overhead
+
+
 def bench_ms(fn, rep):
+    if CUDAGRAPH:
+        from triton.testing import do_bench_cudagraph
+        return do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median")
 
 
@@ -274,18 +281,197 @@ def table(quick, out_dir, rep, budget_s):
     print("\n" + "\n".join(lines), flush=True)
 
 
+# ---------------------------------------------------------------------------------------------- lowering
+def lowering_shapes():
+    """124M and 1B linear shapes, then the 4096^3 / 8192^3 squares."""
+    out = []
+    for tag, d in (("124M", 768), ("1B", 2048)):
+        out += [(f"{tag} {name}", m, n, k) for name, m, n, k in linear_shapes(d)]
+    out += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
+    return out
+
+
+def lowering_table(out_dir, rep, budget_s, device="cuda", only=()):
+    """Per shape, the candidate sm_90 lowerings of one NVFP4 linear GEMM against cuBLAS BF16 (same run).
+
+    Columns (microseconds, median of do_bench; ratio = cuBLAS BF16 time / time):
+      cuBLAS      torch.mm on bf16 operands, bf16 out (the BF16 training step's GEMM)
+      cuBLAS f32  torch.mm(out_dtype=float32) on bf16 operands (the GEMM of the "dequantize + cuBLAS" lowering)
+      dq x2       the two exact bf16 dequantization passes (dequantize_bf16 of A and of B)
+      dq+cuBLAS   dequant_cublas: dq x2 + cuBLAS f32 + scale + cast as separate launches (standalone worst
+                  case of lowering (a): in a graph, the scale/cast fuse into the consumer, leaving
+                  dq x2 + cuBLAS f32 + the consumer reading 4 instead of 2 bytes per output element)
+      (a) est     dq x2 + cuBLAS f32 + (4-2) bytes/element extra read at the measured copy bandwidth
+      tma         the persistent TMA bf16 GEMM with the scaled epilogue, on pre-dequantized operands (autotuned)
+      tma flat/ws 128x256x64 w8 s3 with the persistent loop flattened / flattened + warp-specialized
+                  (124M and square shapes only)
+      dq_triton   dq x2 + tma (the op, impl="dq_triton")
+      dq_splitk   dq x2 + split-K TMA GEMM (impl="dq_splitk", automatic split count)
+      full        both operands dequantized in registers (impl="full")
+      op          torch.ops.fp4compile.gemm as registered (impl="auto": choose_impl's pick)
+    """
+    dev = torch.cuda.get_device_name()
+    head = (f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; op impl: {G.DEFAULT_IMPL}; "
+            f"{'do_bench_cudagraph (GPU time only)' if CUDAGRAPH else 'do_bench (incl. launch overhead)'} "
+            f"rep={rep} ms (median), times in us, ratio = cuBLAS BF16 time / time")
+    print(head, flush=True)
+    # copy bandwidth (for the fused-epilogue estimate of lowering (a))
+    x = torch.empty(1 << (28 if device == "cuda" else 20), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x), rep)
+    bw = 2 * x.numel() / (ms * 1e-3)
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read+write bytes / time)", flush=True)
+    del x, y
+    cols = ["cuBLAS", "cuBLAS f32", "dq x2", "dq+cuBLAS", "(a) est", "tma", "tma flat", "tma ws", "dq_triton",
+            "dq_splitk", "full", "op"]
+    hdr = "| shape | M | N | K | " + " | ".join(cols) + " | op/cuBLAS | best lowering | best/cuBLAS | auto picks | split |"
+    lines = [head, f"copy bandwidth {bw / 1e12:.2f} TB/s", "", hdr, "|" + "---|" * (len(cols) + 9)]
+    outf = open(os.path.join(out_dir, "lowering_table.md"), "a") if out_dir else None
+    if outf:
+        outf.write("\n".join(lines) + "\n")
+        outf.flush()
+    t0 = time.time()
+    results = []
+    for name, M, N, K in lowering_shapes():
+        if only and not name.startswith(only):
+            continue
+        if time.time() - t0 > budget_s:
+            print(f"(time budget of {budget_s}s reached: remaining shapes not measured)", flush=True)
+            lines.append(f"| (budget reached before {name} {M}x{N}x{K}) |")
+            break
+        args = make_operands(M, N, K, device=device)
+        a16 = G.dequantize_bf16(args[0], args[1])
+        b16 = G.dequantize_bf16(args[3], args[4])
+        ref = reference64(args) if M * N * K <= 2 ** 36 else None
+
+        def us(fn):
+            try:
+                return 1e3 * bench_ms(fn, rep)
+            except Exception as e:  # noqa: BLE001
+                print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                return float("nan")
+
+        t = {}
+        t["cuBLAS"] = us(lambda: torch.mm(a16, b16.t()))
+        t["cuBLAS f32"] = us(lambda: torch.mm(a16, b16.t(), out_dtype=torch.float32))
+        t["dq x2"] = us(lambda: (G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])))
+        t["dq+cuBLAS"] = us(lambda: G.gemm_dequant_cublas(*args))
+        t["(a) est"] = t["dq x2"] + t["cuBLAS f32"] + 1e6 * (2 * M * N) / bw
+        t["tma"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5]))
+        if name.startswith("124M") or name.startswith("square"):   # experimental persistent-loop variants
+            vc = G._cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True)
+            t["tma flat"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5], config=vc, flatten=True))
+            t["tma ws"] = us(lambda: G.bf16_gemm_scaled(a16, b16, args[2], args[5], config=vc, flatten=True,
+                                                        warp_specialize=True))
+        else:
+            t["tma flat"] = t["tma ws"] = float("nan")
+        t["dq_triton"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_triton"))
+        t["dq_splitk"] = us(lambda: G.nvfp4_gemm(*args, impl="dq_splitk"))
+        t["full"] = us(lambda: G.nvfp4_gemm(*args, impl="full"))
+        t["op"] = us(lambda: torch.ops.fp4compile.gemm(*args))
+        if ref is not None:  # the measured candidates are exact up to FP32 accumulation order
+            for impl in ("dq_triton", "dq_splitk"):
+                o = G.nvfp4_gemm(*args, impl=impl, out_dtype=torch.float32)
+                e = rel_err(o, ref)
+                if not e < 1e-5:
+                    print(f"  WRONG {name} {impl}: fp32 rel err {e:.2e}", flush=True)
+        cand = {k: t[k] for k in ("dq+cuBLAS", "(a) est", "dq_triton", "dq_splitk", "full")}
+        best = min(cand, key=lambda k: cand[k] if cand[k] == cand[k] else float("inf"))
+        pick = G.choose_impl(M, N, K)
+        line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)
+                + f" | {t['cuBLAS'] / t['op']:.2f} | {best} | {t['cuBLAS'] / cand[best]:.2f} | {pick} "
+                f"| {G.splitk_factor(M, N, K)} |")
+        lines.append(line)
+        results.append(dict(name=name, M=M, N=N, K=K, us=t, pick=pick, best=best))
+        if outf:
+            outf.write(line + "\n")
+            outf.flush()
+        print(line, f"[{time.time() - t0:.0f}s]", flush=True)
+        del args, a16, b16
+    tuned = getattr(G._tuned.get("tma"), "cache", {})
+    print("tma autotuned configs:", {k[:3]: str(v) for k, v in tuned.items()}, flush=True)
+    # per training step (one layer's 12 GEMMs x n_layer): sum of times per column, 124M and 1B
+    for tag, nl in (("124M", 12), ("1B", 16)):
+        d = 768 if tag == "124M" else 2048
+        full = [(m, n, k) for name, m, n, k in _all_linear(d)]
+        by = {(r["M"], r["N"], r["K"]): r for r in results}
+        if not all(s in by for s in full):
+            continue
+        tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols if "tma " not in c}
+        cand = ("dq+cuBLAS", "(a) est", "dq_triton", "dq_splitk", "full")
+        best = nl * sum(min((v for k, v in by[s]["us"].items() if k in cand and v == v), default=float("nan"))
+                        for s in full) / 1e3
+        msg = (f"{tag} step, {nl} layers x 12 linear GEMMs, ms: " + ", ".join(f"{c} {v:.2f}" for c, v in tot.items())
+               + f", best-per-shape {best:.2f}; op/cuBLAS {tot['cuBLAS'] / tot['op']:.3f}")
+        print(msg, flush=True)
+        lines.append(msg)
+    if outf:
+        outf.write("\n".join(lines[-2:]) + "\n")
+    return results
+
+
+def host_overhead(n=200):
+    """Host (CPU) microseconds per call of each implementation: ``n`` calls queued without synchronizing
+    (the GPU queue does not fill at this count), i.e. what the Python/launch side costs per GEMM; plus the
+    GPU time of one call for reference."""
+    print("host us/call (n=%d, queued, no sync) | GPU us/call (CUDA graph)" % n, flush=True)
+    for name, M, N, K in [("124M qkv.fprop", TOKENS, 2304, 768), ("124M fc1.wgrad", 3072, 768, TOKENS),
+                          ("1B fc1.fprop", TOKENS, 8192, 2048)]:
+        args = make_operands(M, N, K)
+        a16, b16 = G.dequantize_pair_bf16(args[0], args[1], args[3], args[4])
+        fns = {"cuBLAS": lambda: torch.mm(a16, b16.t())}
+        for impl in ("full", "dequant_cublas", "dq_triton", "dq_splitk"):
+            fns[impl] = (lambda i: lambda: G.nvfp4_gemm(*args, impl=i))(impl)
+        row = []
+        for k, fn in fns.items():
+            try:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                host = 1e6 * (time.perf_counter() - t0) / n
+                torch.cuda.synchronize()
+                from triton.testing import do_bench_cudagraph
+                gpu = 1e3 * do_bench_cudagraph(fn, rep=10, return_mode="median")
+                row.append(f"{k} {host:.0f} | {gpu:.0f}")
+            except Exception as e:  # noqa: BLE001
+                row.append(f"{k} ERROR {type(e).__name__}: {str(e)[:120]}")
+        print(f"{name} {M}x{N}x{K}: " + "; ".join(row), flush=True)
+
+def _all_linear(d, tokens=TOKENS):
+    """All 12 (not deduplicated) linear GEMMs of one block."""
+    out = []
+    for layer, (fin, fout) in {"qkv": (d, 3 * d), "proj": (d, d), "fc1": (d, 4 * d), "fc2": (4 * d, d)}.items():
+        out += [(f"{layer}.fprop", tokens, fout, fin), (f"{layer}.dgrad", tokens, fin, fout),
+                (f"{layer}.wgrad", fout, fin, tokens)]
+    return out
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--lower", action="store_true", help="the lowering table (candidate lowerings vs cuBLAS)")
+    ap.add_argument("--host", action="store_true", help="host (launch) overhead per call of each impl")
+    ap.add_argument("--cudagraph", action="store_true",
+                    help="time CUDA-graph replays (GPU time only, no Python launch overhead)")
+    ap.add_argument("--only", default="", help="--lower: only shapes whose name starts with one of these "
+                                               "comma-separated prefixes (e.g. 124M,square)")
     ap.add_argument("--rep", type=int, default=25, help="do_bench rep time in ms")
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting new shapes after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA device")
-    if a.explore:
+    if a.host:
+        host_overhead()
+    elif a.explore:
         explore(a.out)
+    elif a.lower:
+        global CUDAGRAPH
+        CUDAGRAPH = a.cudagraph
+        lowering_table(a.out, a.rep, a.budget, only=tuple(p for p in a.only.split(",") if p))
     else:
         table(a.quick, a.out, a.rep, a.budget)
 

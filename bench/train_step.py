@@ -1,8 +1,12 @@
 """GPT-124M training step: fullstack_fp4 (linear-only NVFP4) vs the default ``inductor`` backend in BF16.
 
-    python bench/train_step.py                       # H200: B=16, T=1024, GPT-2 124M, policy quartet2
+    python bench/train_step.py                       # H200: B=16, T=1024, GPT-2 124M, policy quartet2,
+                                                     # BF16 and fp4 in both compile modes (default and
+                                                     # reduce-overhead = CUDA graphs)
     python bench/train_step.py --policy rtn          # RTN-only NVFP4 linears (no RHT / MS-EDEN)
     python bench/train_step.py --tiny                # CPU smoke run at toy size
+    python bench/train_step.py --impls auto,full --profile   # time several GEMM impls on one compiled model,
+                                                     # then a torch.profiler top-25 kernel table
 
 Both models are built from the same seed in one process and timed the same way: first step (Dynamo +
 AOT + Inductor compile of forward and backward, plus one step) = "first compile"; then ``--steps`` timed
@@ -75,18 +79,59 @@ def policy_for(name):
     raise SystemExit(f"unknown --policy {name!r} (quartet2 | rtn)")
 
 
-def run(label, backend, options, args, device):
+def _kernel_table(prof, steps, top=25):
+    """Top CUDA kernels (self device time per step) of a torch.profiler trace, and totals by family."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            rows.append((t / steps, e.count // steps, e.key))
+    if not rows:  # older profilers: take every event with device time
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+            if t > 0:
+                rows.append((t / steps, e.count // steps, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    out = [f"{'us/step':>10} {'%':>6} {'calls':>6}  kernel (top {top} of {len(rows)}; total {total / 1e3:.2f} ms/step)"]
+    for t, c, k in rows[:top]:
+        out.append(f"{t:>10.0f} {100 * t / total:>6.1f} {c:>6}  {k[:110]}")
+    fam = {}
+    for t, c, k in rows:
+        n = k.lower()
+        f = ("nvfp4 gemm (triton)" if any(x in n for x in ("_nvfp4", "_bf16_tma", "_bf16_nvfp4")) else
+             "nvfp4 quantize" if any(x in n for x in ("_quantize_kernel", "_amax_kernel")) else
+             "nvfp4 dequantize" if "dequant" in n else
+             "attention" if any(x in n for x in ("flash", "fmha", "cudnn", "attention", "sdpa")) else
+             "cuBLAS gemm" if any(x in n for x in ("gemm", "nvjet", "xmma", "cutlass", "sm90")) else
+             "inductor fused (triton_*)" if "triton" in n else
+             "optimizer" if any(x in n for x in ("adam", "foreach", "multi_tensor")) else "other")
+        fam[f] = fam.get(f, 0.0) + t
+    out.append("by family (us/step): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(fam.items(), key=lambda x: -x[1])))
+    return "\n".join(out)
+
+
+def run(label, backend, options, args, device, impls=(None,), profile=False):
     torch.manual_seed(0)
     dims = dict(vocab=256, d=64, n_layer=2, n_head=2, block_size=args.T) if args.tiny else {}
     model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    step_fn = torch.compile(model, backend=backend, options=options)
+    if backend == "fullstack_fp4":  # the function itself: works without the installed entry point too
+        from fp4compile.backend import fullstack_fp4
+        # torch.compile refuses mode= next to options=: the backend takes the mode as an option
+        step_fn = torch.compile(model, backend=fullstack_fp4, options=dict(options, mode=args.mode))
+    else:
+        step_fn = torch.compile(model, backend=backend, options=options, mode=args.mode)
     vocab = model.wte.num_embeddings
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, vocab, (args.B, args.T + 1), generator=g).to(device) for _ in range(4)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step(i):
+        if args.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         d = data[i % len(data)]
         loss = step_fn(d[:, :-1], d[:, 1:])
         loss.backward()
@@ -100,20 +145,50 @@ def run(label, backend, options, args, device):
     t0 = time.perf_counter()
     first_loss = step(0).item()
     compile_s = time.perf_counter() - t0
-    for i in range(args.warmup):
-        step(i + 1)
-    sync()
-    t0 = time.perf_counter()
-    for i in range(args.steps):
-        loss = step(i)
-    last_loss = loss.item()
-    sync()
-    dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    results = []
+    for impl in impls:
+        # the same compiled graph, another kernel behind fp4compile::gemm (read at call time): no recompile
+        if backend is not None and device == "cuda":
+            import os
+            from fp4compile.kernels import gemm as G
+            G.DEFAULT_IMPL = impl or os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
+        for i in range(args.warmup):
+            step(i + 1)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            loss = step(i)
+        last_loss = loss.item()
+        sync()
+        dt = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        results.append(dict(label=label + (f" [{impl}]" if impl else ""), tokens_per_s=args.B * args.T * args.steps / dt,
+                            ms_per_step=1e3 * dt / args.steps, peak_gib=peak, first_compile_s=compile_s,
+                            first_loss=first_loss, last_loss=last_loss))
+        r = results[-1]
+        print(f"  {r['label']}: {r['tokens_per_s']:.0f} tok/s, {r['ms_per_step']:.1f} ms/step, peak {peak:.2f} GiB, "
+              f"first step {compile_s:.1f} s, loss {first_loss:.3f} -> {last_loss:.3f}", flush=True)
+    try:
+        from fp4compile.kernels import gemm as G
+        if G.TUNED_CHOICES:
+            print("  impl='tuned' choices (M, N, K): " + "; ".join(
+                f"{k[:3]} {v[0]} (" + ", ".join(f"{i} {1e3 * t:.0f}us" for i, t in v[1].items()) + ")"
+                for k, v in G.TUNED_CHOICES.items()), flush=True)
+    except ImportError:
+        pass
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as tprofile
+        n = 2
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with tprofile(activities=acts) as prof:
+            for i in range(n):
+                step(i)
+            sync()
+        print(f"\n== profile: {label}" + (f" [{impls[-1]}]" if impls[-1] else "") + f", {n} steps ==")
+        print(_kernel_table(prof, n), flush=True)
     del model, opt, step_fn
     torch._dynamo.reset()
-    return dict(label=label, tokens_per_s=args.B * args.T * args.steps / dt, ms_per_step=1e3 * dt / args.steps,
-                peak_gib=peak, first_compile_s=compile_s, first_loss=first_loss, last_loss=last_loss)
+    return results
 
 
 def main():
@@ -125,26 +200,62 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="toy model on CPU (smoke test)")
     ap.add_argument("--json", help="append the results as one JSON line to this file")
+    ap.add_argument("--impls", default="",
+                    help="comma list of fp4compile::gemm impls to time on the same compiled fp4 model "
+                         "(e.g. auto,full,dq_triton); default: the registered default only")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a torch.profiler top-25 CUDA-kernel table of each fp4 step (last impl)")
+    ap.add_argument("--profile-bf16", action="store_true", help="also profile the BF16 step")
+    ap.add_argument("--skip-bf16", action="store_true", help="no BF16 baseline run")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of torch.compile modes, each timed for BF16 and fp4: 'default' (kernels "
+                         "launched eagerly by Python) and/or 'reduce-overhead' (CUDA graphs: no per-launch "
+                         "host cost). Default: both on CUDA, 'default' on CPU")
+    ap.add_argument("--lowerings", default="op",
+                    help="comma list of backend gemm_lowering values to compile and time (op, auto, dequant_mm); "
+                         "--impls applies to 'op' and 'auto'")
     args = ap.parse_args()
     if args.tiny:
         args.B, args.T, args.steps, args.warmup = 2, 64, 2, 1
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    rows = [run("inductor bf16", "inductor", None, args, device),
-            run(f"fullstack_fp4 {args.policy}", "fullstack_fp4", {"policy": policy_for(args.policy)}, args, device)]
-    base = rows[0]
-    print(f"\nGPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, torch {torch.__version__}")
-    print(f"{'backend':<26}{'tokens/s':>12}{'ratio':>8}{'ms/step':>10}{'peak GiB':>10}{'compile s':>11}{'loss0->N':>16}")
-    for r in rows:
-        print(f"{r['label']:<26}{r['tokens_per_s']:>12.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.3f}"
-              f"{r['ms_per_step']:>10.1f}{r['peak_gib']:>10.2f}{r['first_compile_s']:>11.1f}"
-              f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")
-    fp4 = rows[1]
-    print(f"targets: tokens/s ratio {fp4['tokens_per_s'] / base['tokens_per_s']:.3f} (>= 0.9), "
-          f"peak {fp4['peak_gib']:.2f} vs {base['peak_gib']:.2f} GiB (lower), "
-          f"compile {fp4['first_compile_s'] / base['first_compile_s']:.2f}x inductor (<= 1.5)")
+    modes = (args.modes or ("default,reduce-overhead" if device == "cuda" else "default")).split(",")
+    impls = tuple(args.impls.split(",")) if args.impls else (None,)
+    print(f"\nGPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, "
+          f"torch {torch.__version__}", flush=True)
+    head = f"{'backend':<44}{'tokens/s':>10}{'ratio':>7}{'ms/step':>9}{'peak GiB':>9}{'compile s':>10}{'loss0->N':>16}"
+    all_rows, summary = [], []
+    for mode in modes:
+        args.mode = None if mode == "default" else mode
+        tag = f" ({mode})"
+        rows = [] if args.skip_bf16 else [dict(r, label=r["label"] + tag) for r in run(
+            "inductor bf16", "inductor", None, args, device, profile=args.profile_bf16)]
+        for low in args.lowerings.split(","):
+            use = impls if low in ("op", "auto") else (None,)
+            if args.mode == "reduce-overhead":   # impl="tuned" times kernels: not inside a CUDA-graph capture
+                use = tuple(i for i in use if i != "tuned") or (None,)
+            rows += [dict(r, label=r["label"] + tag) for r in run(
+                f"fullstack_fp4 {args.policy}" + ("" if low == "op" else f" {low}"), "fullstack_fp4",
+                {"policy": policy_for(args.policy), "gemm_lowering": low}, args, device, impls=use,
+                profile=args.profile)]
+        base = rows[0]
+        summary.append("")
+        summary.append(head)
+        for r in rows:
+            summary.append(f"{r['label']:<44}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>7.3f}"
+                           f"{r['ms_per_step']:>9.1f}{r['peak_gib']:>9.2f}{r['first_compile_s']:>10.1f}"
+                           f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")
+        fp4 = max(rows[1:] or rows, key=lambda r: r["tokens_per_s"])
+        summary.append(f"[{mode}] best fp4 row: {fp4['label']}; targets: tokens/s ratio "
+                       f"{fp4['tokens_per_s'] / base['tokens_per_s']:.3f} (>= 0.9), peak {fp4['peak_gib']:.2f} vs "
+                       f"{base['peak_gib']:.2f} GiB (lower), compile {fp4['first_compile_s'] / base['first_compile_s']:.2f}x "
+                       f"inductor (<= 1.5)")
+        print("\n".join(summary[-len(rows) - 3:]), flush=True)
+        all_rows += rows
+    print(f"\n== GPT {'tiny' if args.tiny else '124M'} train step, B={args.B} T={args.T}, {device}, "
+          f"torch {torch.__version__}: all modes ==" + "\n".join(summary))
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps(dict(args=vars(args), device=device, torch=torch.__version__, rows=rows)) + "\n")
+            f.write(json.dumps(dict(args=vars(args), device=device, torch=torch.__version__, rows=all_rows)) + "\n")
 
 
 if __name__ == "__main__":

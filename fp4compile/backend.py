@@ -21,7 +21,18 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
 This module does not register itself (the entry point does; self-registration would trip Dynamo's
 duplicate-name assertion). Options: ``policy`` (a :class:`~fp4compile.policy.Policy` or preset name,
 default ``full_stack``), ``dump_dir`` (write graphs, Inductor code and Triton kernel sources), ``debug``
-(CPU debug variant: same passes, partitioned graphs run eagerly -- for tests).
+(CPU debug variant: same passes, partitioned graphs run eagerly -- for tests), ``gemm_lowering`` ("op":
+one opaque ``fp4compile::gemm`` per NVFP4 GEMM, default; "dequant_mm": exact bf16 block dequantization +
+FP32-output cuBLAS GEMM + scale/cast as aten ops fused into the consumer; see passes/linear.py), ``mode``
+(a torch.compile mode, for use together with other options: ``torch.compile`` refuses ``mode=`` next to
+``options=``).
+
+Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
+GEMM: ~1100 launches per GPT-124M step); launched eagerly from Python, the step is host-bound. Use CUDA graphs:
+``torch.compile(model, backend="fullstack_fp4", options={"policy": ..., "mode": "reduce-overhead"})`` (or
+``mode="reduce-overhead"`` alone when no other option is given). The custom ops are graph-safe: they allocate
+through PyTorch, draw seeds/signs with on-device RNG, and never synchronize with the host
+(``impl="tuned"`` of ``fp4compile::gemm`` falls back to its static rule inside a capture).
 """
 from __future__ import annotations
 
@@ -37,12 +48,12 @@ from . import ops  # noqa: F401  (registers the fp4compile:: custom ops)
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
-from .passes.linear import SiteInfo, rewrite_linears
+from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import Policy
 
-OPTIONS = ("policy", "dump_dir", "debug")
+OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
@@ -57,6 +68,8 @@ class Settings:
     dump_dir: Optional[str] = None
     debug: bool = False
     recorder: Optional[Any] = None          # fp4compile.inspect.Recorder
+    gemm_lowering: str = "op"               # passes/linear.py LOWERINGS
+    mode: Optional[str] = None              # torch.compile mode (e.g. "reduce-overhead": CUDA graphs)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
@@ -67,8 +80,14 @@ class Settings:
         dump_dir = options.get("dump_dir")
         if dump_dir is not None and not isinstance(dump_dir, (str, os.PathLike)):
             raise TypeError(f"fullstack_fp4: dump_dir must be a path, got {dump_dir!r}")
+        lowering = options.get("gemm_lowering", "op")
+        if lowering not in LOWERINGS:
+            raise ValueError(f"fullstack_fp4: gemm_lowering must be one of {list(LOWERINGS)}, got {lowering!r}")
+        mode = options.get("mode")
+        if mode is not None and not isinstance(mode, str):
+            raise TypeError(f"fullstack_fp4: mode must be a torch.compile mode name, got {mode!r}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
-                   bool(options.get("debug", False)))
+                   bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode)
 
 
 class FP4JointPass(CustomGraphPass):
@@ -77,14 +96,15 @@ class FP4JointPass(CustomGraphPass):
     ``uuid()`` hashes the pass sources, the policy and the site table, so Inductor's / AOTAutograd's caches
     hit for the same policy and miss when anything that changes the rewrite changes."""
 
-    def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None):
+    def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None, gemm_lowering: str = "op"):
         self.policy, self.table, self.recorder = policy, table, recorder
+        self.gemm_lowering = gemm_lowering
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         cache = QuantCache(graph, tangent_closure(graph))
-        records = rewrite_linears(graph, self.table, cache)
+        records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
@@ -94,13 +114,15 @@ class FP4JointPass(CustomGraphPass):
             self.recorder.joint(graph, records)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()))))
+        return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
+                                                          self.gemm_lowering)))
 
 
 def fullstack_fp4(gm: torch.fx.GraphModule, example_inputs: Sequence, *, mode: Optional[str] = None,
                   options: Optional[Mapping[str, Any]] = None):
     """torch.compile backend: NVFP4 GEMMs per policy, the rest compiled by Inductor (see module docstring)."""
-    return compile_graph(gm, example_inputs, Settings.from_options(options), mode)
+    settings = Settings.from_options(options)
+    return compile_graph(gm, example_inputs, settings, mode or settings.mode)
 
 
 def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = None):
@@ -113,7 +135,7 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
-    joint = FP4JointPass(policy, table, settings.recorder)                        # 4-6
+    joint = FP4JointPass(policy, table, settings.recorder, settings.gemm_lowering)  # 4-6
     if settings.debug:
         return _debug_compile(gm, example_inputs, joint, settings)
     from torch._inductor.compile_fx import compile_fx

@@ -18,6 +18,14 @@ has a torch reference implementation registered for all devices; the CUDA kernel
     fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype) -> [R, C] in dtype
     fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> [M, N]
         TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global).
+        CUDA (sm_90, no FP4 tensor cores): kernels/gemm.py, impl chosen per shape by ``choose_impl``: exact
+        bf16 dequantization of both operands + a persistent TMA bf16 GEMM with the global scales in its FP32
+        epilogue (split-K for long-K / small-output wgrad shapes), or in-register dequantization kernels.
+    fp4compile::dequantize_blocks(codes, scales) -> bf16 [R, C]: exact q * S (no global scale)
+    fp4compile::mm_f32(a bf16 [M, K], b bf16 [N, K]) -> fp32 [M, N] = a @ b^T, FP32 out (cuBLAS on CUDA)
+        the two halves of the graph-level lowering ``gemm_lowering="dequant_mm"`` (passes/linear.py):
+        mm_f32(dequantize_blocks(A), dequantize_blocks(B)) * (a_global * b_global) -> cast, as plain aten
+        ops after the GEMM so that Inductor fuses the scale and the cast into the consumer.
 """
 from __future__ import annotations
 
@@ -109,6 +117,45 @@ def gemm(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b
 def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
     torch._check(a_codes.shape[-1] == b_codes.shape[-1], lambda: "gemm: K mismatch")
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp4compile::dequantize_blocks", mutates_args=())
+def dequantize_blocks(codes: Tensor, scales: Tensor) -> Tensor:
+    """Packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes -> bf16 ``q * S`` (no global scale).
+
+    Exact: an E2M1 value times an E4M3 scale has at most 6 significant bits and lies in [2^-10, 2688], so
+    it is representable in bf16. The operand half of the "dequantize + cuBLAS" GEMM lowering
+    (``passes/linear.py``); CUDA: one Triton pass (``kernels/gemm.dequantize_bf16``)."""
+    torch._check(codes.dim() == 2 and scales.dim() == 2, lambda: "dequantize_blocks takes 2D codes and scales")
+    one = torch.ones((), device=codes.device)
+    return nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), one).to(torch.bfloat16)
+
+
+@dequantize_blocks.register_fake
+def _(codes, scales):
+    torch._check(codes.dim() == 2 and scales.dim() == 2, lambda: "dequantize_blocks takes 2D codes and scales")
+    torch._check(scales.shape[1] * 8 == codes.shape[1], lambda: "dequantize_blocks: scales must be [R, K/16]")
+    return codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("fp4compile::mm_f32", mutates_args=())
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b.T`` of bf16 ``a [M, K]`` and ``b [N, K]`` with FP32 accumulation and an FP32 result (no
+    rounding to bf16). CUDA: cuBLAS (``torch.mm(..., out_dtype=torch.float32)``); elsewhere FP32 matmul of
+    the upcast operands (exact products of bf16 values, FP32 sums)."""
+    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], lambda: "mm_f32: need [M, K], [N, K]")
+    return a.float() @ b.float().t()
+
+
+@mm_f32.register_fake
+def _(a, b):
+    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], lambda: "mm_f32: need [M, K], [N, K]")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+
+
+@mm_f32.register_kernel("cuda")
+def _(a, b):
+    return torch.mm(a, b.t(), out_dtype=torch.float32)
 
 
 def _register_cuda_kernels():

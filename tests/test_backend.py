@@ -49,9 +49,9 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def compile_recorded(model, policy, debug=True):
+def compile_recorded(model, policy, debug=True, gemm_lowering="op"):
     rec = Recorder()
-    settings = Settings(policy, debug=debug, recorder=rec)
+    settings = Settings(policy, debug=debug, recorder=rec, gemm_lowering=gemm_lowering)
     return torch.compile(model, backend=functools.partial(compile_graph, settings=settings)), rec
 
 
@@ -83,14 +83,16 @@ def test_nanogpt_matches_eager_reference_of_same_ops():
     assert exact_match >= len(list(model.parameters())) // 2
 
 
-def test_linear_stack_equals_eager_reference_exactly():
-    """Without decomposed non-linearities in between, compiled == hand-written reference (same bytes)."""
+@pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
+def test_linear_stack_equals_eager_reference_exactly(lowering):
+    """Without decomposed non-linearities in between, compiled == hand-written reference (same bytes), with
+    either GEMM lowering (one fp4compile::gemm, or dequantize_blocks + mm_f32 + scale/cast as aten ops)."""
     torch.manual_seed(0)
     model = nn.Sequential(Stack(), nn.ReLU(), nn.Linear(32, 48))
     ref = use_reference_linears(copy.deepcopy(model))
     x = torch.randn(48, 64, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
-    compiled, rec = compile_recorded(model, RTN)
+    compiled, rec = compile_recorded(model, RTN, gemm_lowering=lowering)
     y = compiled(x)
     (y * torch.linspace(-1, 1, 48)).sum().backward()
     yr = ref(xr)
@@ -99,6 +101,12 @@ def test_linear_stack_equals_eager_reference_exactly():
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         assert rel(p.grad, pr.grad) < 1e-6, name
     assert [s.precision for s in rec.report().sites] == ["nvfp4"] * 12
+    g = rec.graphs[0]
+    targets = [a["target"] for _, a in g.nodes(data=True)]
+    n_gemm, n_mm = targets.count("fp4compile.gemm.default"), targets.count("fp4compile.mm_f32.default")
+    assert (n_gemm, n_mm) == ((12, 0) if lowering == "op" else (0, 12)), (n_gemm, n_mm)
+    if lowering == "dequant_mm":
+        assert targets.count("fp4compile.dequantize_blocks.default") == 24
 
 
 def test_nanogpt_all_linear_gemms_nvfp4_and_loss_decreases():
@@ -173,11 +181,14 @@ def _saved(rec):
     return [(a.op, a.meta["val"].dtype, tuple(a.meta["val"].shape)) for a in outs[1:]]   # [0] is the output
 
 
-def test_saved_for_backward_are_packed_fp4_and_no_weight_copy():
+@pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
+def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
+    """Saved: the packed FP4 activation copies only -- no bf16 activation, no FP4 weight copy and (with the
+    "dequant_mm" lowering) no dequantized bf16 operand and no FP32 GEMM output."""
     torch.manual_seed(0)
     model = Stack().to(torch.bfloat16)
     x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
-    compiled, rec = compile_recorded(model, RTN)
+    compiled, rec = compile_recorded(model, RTN, gemm_lowering=lowering)
     compiled(x).float().sum().backward()
     saved = _saved(rec)
     activations = [s for s in saved if s[0] != "placeholder"]       # placeholders: params/inputs (free)
@@ -240,6 +251,7 @@ def test_policy_change_recompiles_same_policy_same_key():
     assert k1 == FP4JointPass(rtn_policy(), dict(table)).uuid()
     assert k1 != FP4JointPass(RTN.override("a", "bf16"), table).uuid()
     assert k1 != FP4JointPass(RTN, {"linear": SiteInfo("b", (("linear.fprop", NVFP4()),), 1)}).uuid()
+    assert k1 != FP4JointPass(RTN, table, gemm_lowering="dequant_mm").uuid()
 
 
 def test_inference_graph_no_grad():
@@ -360,7 +372,10 @@ def test_bad_options_give_clear_errors():
     for opts, msg in [({"polcy": "bf16"}, r"unknown option\(s\) \['polcy'\]"),
                       ({"policy": "fp8"}, "unknown policy preset 'fp8'"),
                       ({"policy": 1.0}, "must be a fp4compile.Policy"),
-                      ({"dump_dir": 3}, "dump_dir must be a path")]:
+                      ({"dump_dir": 3}, "dump_dir must be a path"),
+                      ({"gemm_lowering": "cutlass"}, "gemm_lowering must be one of"),
+                      ({"mode": 3}, "mode must be a torch.compile mode name"),
+                      ({"mode": "fastest"}, "unknown mode")]:
         torch._dynamo.reset()
         with pytest.raises(Exception, match=msg):
             torch.compile(model, backend="fullstack_fp4", options=opts)(x)
@@ -484,3 +499,17 @@ def test_inductor_path_dump_dir_and_compile_cache(tmp_path, monkeypatch):
     torch._dynamo.reset()
     torch.compile(model, backend="fullstack_fp4", options={"policy": RTN.override("b", "bf16")})(x)
     assert counters["inductor"]["fxgraph_cache_miss"] >= 1 and counters["inductor"]["fxgraph_cache_hit"] == 0
+
+
+def test_choose_lowering_per_shape():
+    """gemm_lowering="auto": cuBLAS (dequant_mm) for wgrad-like long-K / few-tile GEMMs and the short d x d
+    GEMMs, the fp4compile::gemm op elsewhere and for symbolic sizes."""
+    from fp4compile.passes.linear import choose_lowering
+
+    assert choose_lowering(768, 768, 16384) == "dequant_mm"          # 124M proj.wgrad
+    assert choose_lowering(3072, 768, 16384) == "dequant_mm"         # 124M fc1.wgrad
+    assert choose_lowering(16384, 768, 768) == "dequant_mm"          # 124M proj.fprop
+    assert choose_lowering(16384, 3072, 768) == "op"                 # 124M fc1.fprop
+    assert choose_lowering(16384, 768, 3072) == "op"                 # 124M fc1.dgrad
+    assert choose_lowering(8192, 2048, 16384) == "op"                # 1B fc1.wgrad: enough tiles
+    assert choose_lowering(-1, 768, 768) == "op"

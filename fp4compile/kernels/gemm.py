@@ -29,7 +29,22 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
 * ``"full"`` (:func:`_nvfp4_gemm_kernel`): both operands dequantized inside the GEMM; no bf16 copies.
 * ``"dequant_cublas"`` (:func:`gemm_dequant_cublas`): both operands dequantized to bf16, cuBLAS with FP32
   output, then the scale and the cast.
-* ``"auto"``: one of ``half`` / ``full`` / ``dequant_cublas`` per shape (:func:`choose_impl`).
+* ``"dq_triton"`` (:func:`gemm_dequant_triton`): both operands dequantized to exact bf16 ``q * S`` by one
+  Triton pass each, then a persistent TMA bf16 GEMM (:func:`bf16_gemm_scaled`) whose epilogue multiplies
+  the FP32 accumulator by ``a_global * b_global`` and rounds once to the output dtype. The dequantization
+  leaves the tensor cores' critical path entirely (it is a memory-bound pass: 0.5625 bytes read, 2 written
+  per element, and the GEMM then reads 2 bytes per element instead of 0.5625); the GEMM runs at bf16 rate.
+* ``"dq_splitk"``: the same dequantization, then a deterministic split-K TMA GEMM (:func:`bf16_gemm_splitk`:
+  FP32 partial sums per K range, summed in FP32, scaled, rounded once) for long-K GEMMs with few output
+  tiles (wgrad: K = tokens, 768x768 outputs are 36 tiles on 132 SMs).
+* ``"auto"``: one of the above per shape (:func:`choose_impl`).
+* ``"tuned"``: the fastest of :data:`TUNED_CANDIDATES`, timed on the first call of each shape (a
+  measurement tool; choices in :data:`TUNED_CHOICES`).
+
+"Dequantize to exact bf16, then a bf16 tensor-core GEMM" is faithful NVFP4 on sm_90: every product
+``(q_a S_a)(q_b S_b)`` is exact in the wgmma, sums are FP32, the global scales multiply the FP32 result.
+What it costs is memory traffic and, for the graph, transient bf16 operand copies (freed after the GEMM,
+never saved for backward: the op takes packed codes).
 
 All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few configs; see ``*_CONFIGS``) and
 use a GROUP_M-swizzled tile order; M, N tails wrap in the loads and are masked in the store, a K tail (K a
@@ -44,7 +59,8 @@ Two dequantization paths (``DEQUANT``):
   (sm_90 only).
 
 Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU tensors under the interpreter),
-:func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`. Importing this module registers
+:func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`, :func:`gemm_dequant_triton`,
+:func:`bf16_gemm_scaled`, :func:`bf16_gemm_splitk`, :func:`splitk_factor`, :func:`tma_ok`. Importing this module registers
 :func:`nvfp4_gemm` as the CUDA kernel of ``fp4compile::gemm``; it imports cleanly on machines without CUDA.
 """
 from __future__ import annotations
@@ -59,41 +75,60 @@ from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we re
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton is a hard dependency on GPU machines only
     triton = None
     tl = None
+    TensorDescriptor = None
 
-__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "gemm_dequant_cublas", "GEMM_CONFIGS", "HALF_CONFIGS",
-           "HALF_REGA_CONFIGS",
+__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas", "gemm_dequant_triton",
+           "bf16_gemm_scaled", "bf16_gemm_splitk", "splitk_factor", "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS",
+           "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
 
 #: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
 DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
 #: implementation used by the registered CUDA op: "auto" (per shape, see :func:`choose_impl`), "half" (the
 #: operand with fewer rows pre-dequantized to bf16 by one Triton pass, the other dequantized tile by tile
-#: inside the GEMM), "half_rega", "full" (both dequantized inside the GEMM) or "dequant_cublas" (both
-#: pre-dequantized, cuBLAS). See docs/BENCHMARKS.md for the measurements.
+#: inside the GEMM), "half_rega", "full" (both dequantized inside the GEMM), "dequant_cublas" (both
+#: pre-dequantized, cuBLAS), "dq_triton" / "dq_splitk" (both pre-dequantized, Triton TMA GEMM with the scaled
+#: epilogue; split-K for long K on small outputs). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
-IMPLS = ("auto", "half", "half_rega", "full", "dequant_cublas")
+IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk")
+#: candidates that ``impl="tuned"`` times on the first call of each shape
+TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
+#: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
+TUNED_CHOICES: dict = {}
 
 
-def choose_impl(M: int, N: int, K: int) -> str:
+def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
     """The implementation ``impl="auto"`` uses for an ``[M, K] x [N, K]^T`` GEMM.
 
-    Read off the H200 table in docs/BENCHMARKS.md (## GEMM), choosing among the three implementations
-    measured on every shape there:
+    Rule from the H200 measurements in docs/BENCHMARKS.md (## GEMM), by **GPU time** (``bench/gemm.py --lower
+    --cudagraph``; 1B / square shapes by ``--lower``, where GPU time dominates): the training step is meant to
+    run under CUDA graphs (``mode="reduce-overhead"``), where a GEMM's host-side launch cost is not paid per
+    step. (Launched eagerly, the 124M step is host-bound and fewer launches per GEMM would matter more.)
 
-    * long contractions on large outputs (K >= 4096 and M*N >= 8M): ``"dequant_cublas"`` -- dequantizing
-      both operands once is amortized and cuBLAS then runs at its full rate (0.66-0.90x of cuBLAS BF16 there);
-    * skinny or short problems (min(M, N) <= 768, K <= 1024 or M <= 256): ``"full"`` (no bf16 copy; the
-      "half" kernel's larger tiles are starved there);
-    * otherwise ``"half"``.
+    * skinny problems (min(M, N) <= 256): ``"full"`` (no bf16 copy; memory-bound anyway);
+    * shapes the TMA kernel cannot take (row strides not 16-byte aligned): the earlier rule
+      (``"dequant_cublas"`` for long K on large outputs, else ``"full"`` / ``"half"``);
+    * long contractions on small outputs (K >= 8192 and M*N < 2^22: the wgrad GEMMs of d <= 1024 models,
+      K = tokens): ``"dequant_cublas"`` (cuBLAS splits K; 60-165 us vs 103-202 for dq_triton on the 124M wgrads);
+    * otherwise ``"dq_triton"`` (124M fprop/dgrad: 0.67-0.81x cuBLAS BF16 GPU time, vs 0.44-0.49x for
+      ``"full"``; 1B linears 0.65-0.82x per call incl. launch cost).
     """
-    if K >= 4096 and M * N >= 8 * 2 ** 20:
-        return "dequant_cublas"
-    if min(M, N) <= 768 or K <= 1024 or M <= 256:
+    if min(M, N) <= 256:
         return "full"
-    return "half"
+    if not tma_ok(M, N, K, out_dtype):
+        if K >= 4096 and M * N >= 8 * 2 ** 20:
+            return "dequant_cublas"
+        if min(M, N) <= 768 or K <= 1024:
+            return "full"
+        return "half"
+    if K >= 8192 and M * N < 2 ** 22:
+        return "dequant_cublas"
+    return "dq_triton"
+
 
 # One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
 # $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
@@ -410,6 +445,120 @@ if triton is not None:
                  mask=rmask & (ko[None, :] < 2 * KH))
 
 
+    @triton.jit
+    def _tma_tile(a_desc, b_desc, c_desc, alpha, tile_id, num_pid_m, num_pid_n, k_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  EPI_SUBTILE: tl.constexpr, INTERP: tl.constexpr):
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        offs_m = pid_m * BLOCK_M
+        offs_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([offs_m, ki * BLOCK_K])
+            b = b_desc.load([offs_n, ki * BLOCK_K])
+            if INTERP:  # interpreter: fp32 dot of the (exact) bf16 values, see _nvfp4_gemm_kernel
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        out = acc * alpha
+        if EPI_SUBTILE:  # two half-width stores: smaller epilogue buffer, the second overlaps the first
+            o = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            o0, o1 = tl.split(o)
+            c_desc.store([offs_m, offs_n], o0.to(c_desc.dtype))
+            c_desc.store([offs_m, offs_n + BLOCK_N // 2], o1.to(c_desc.dtype))
+        else:
+            c_desc.store([offs_m, offs_n], out.to(c_desc.dtype))
+
+    @triton.jit
+    def _bf16_tma_gemm_kernel(a_desc, b_desc, c_desc, ag_ptr, bg_ptr, M, N, K,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUBTILE: tl.constexpr,
+                              WARP_SPEC: tl.constexpr, FLATTEN: tl.constexpr, OUT_FP32: tl.constexpr = False,
+                              K_ITERS: tl.constexpr = 0):
+        """Persistent TMA bf16 x bf16 -> bf16/fp32 GEMM, TN (A [M, K], B [N, K], both K-major), for operands
+        that :func:`dequantize_bf16` made exact ``q * S``: ``C = (A @ B^T) * (a_global * b_global)`` with
+        FP32 accumulation and one final rounding (the global scales are applied to the FP32 accumulator
+        in the epilogue, never to the operands). Tensor descriptors zero-fill out-of-bounds loads (M, N, K
+        tails) and clip the stores. ``NUM_SMS`` programs stride over the GROUP_M-swizzled output tiles.
+        K_ITERS > 0 only under TRITON_INTERPRET=1: one tile per program and a compile-time K trip count."""
+        start_pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        if K_ITERS > 0:
+            _tma_tile(a_desc, b_desc, c_desc, alpha, start_pid, num_pid_m, num_pid_n, K_ITERS,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, True)
+        else:
+            k_tiles = tl.cdiv(K, BLOCK_K)
+            num_tiles = num_pid_m * num_pid_n
+            for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+                _tma_tile(a_desc, b_desc, c_desc, alpha, tile_id, num_pid_m, num_pid_n, k_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, False)
+
+
+    @triton.jit
+    def _bf16_tma_splitk_kernel(a_desc, b_desc, ws_ptr, M, N, K_TILES_PER_SPLIT,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                K_ITERS: tl.constexpr = 0):
+        """Split-K partial products for long-K, small-output GEMMs (the wgrad shapes: K = tokens): program
+        (tile, split) accumulates its K range in FP32 and stores the raw partial sum to
+        ``ws[split, M, N]`` (FP32); the caller sums the splits, applies the global scales and rounds once."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        offs_m = pid_m * BLOCK_M
+        offs_n = pid_n * BLOCK_N
+        k0 = split * K_TILES_PER_SPLIT
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(0, K_ITERS if K_ITERS > 0 else K_TILES_PER_SPLIT):
+            a = a_desc.load([offs_m, (k0 + ki) * BLOCK_K])
+            b = b_desc.load([offs_n, (k0 + ki) * BLOCK_K])
+            if K_ITERS > 0:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        rm = offs_m + tl.arange(0, BLOCK_M)
+        rn = offs_n + tl.arange(0, BLOCK_N)
+        ptrs = ws_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+    @triton.jit
+    def _dequant_rows(c_ptr, s_ptr, o_ptr, R, KH, pid_r, pid_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DEQUANT_ASM: tl.constexpr):
+        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = rr[:, None] < R
+        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * KH + kb[None, :], mask=rmask & (kb[None, :] < KH),
+                        other=0)
+        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * (KH // 8) + ks[None, :],
+                         mask=rmask & (ks[None, :] < KH // 8), other=0)
+        v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
+        tl.store(o_ptr + rr.to(tl.int64)[:, None] * (2 * KH) + ko[None, :], v.to(tl.bfloat16),
+                 mask=rmask & (ko[None, :] < 2 * KH))
+
+    @triton.jit
+    def _dequant2_kernel(ac_ptr, as_ptr, ao_ptr, RA, bc_ptr, bs_ptr, bo_ptr, RB, KH, NBLK_A,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+        """Both GEMM operands (same K, contiguous) dequantized to exact bf16 ``q * S`` in ONE launch:
+        row-blocks [0, NBLK_A) are A's, the rest B's (one launch instead of two: less host overhead)."""
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_r < NBLK_A:
+            _dequant_rows(ac_ptr, as_ptr, ao_ptr, RA, KH, pid_r, pid_k, BLOCK_R, BLOCK_K, DEQUANT_ASM)
+        else:
+            _dequant_rows(bc_ptr, bs_ptr, bo_ptr, RB, KH, pid_r - NBLK_A, pid_k, BLOCK_R, BLOCK_K, DEQUANT_ASM)
+
+
 def _cfg(bm, bn, bk, warps, stages, group_m=8, **extra):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages, **extra)
 
@@ -444,6 +593,15 @@ HALF_REGA_CONFIGS = [
 ]
 
 
+#: autotuning space of the persistent TMA bf16 GEMM behind ``"dq_triton"`` (Hopper wgmma tiles; configs that
+#: do not fit shared memory are dropped by the autotuner)
+TMA_CONFIGS = [
+    _cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True),
+    _cfg(128, 128, 64, 8, 4, EPI_SUBTILE=False),
+    _cfg(128, 128, 64, 4, 4, EPI_SUBTILE=False),
+    _cfg(256, 128, 64, 8, 3, EPI_SUBTILE=True),
+]
+
 def _prune_configs(configs, named_args, **kwargs):
     """Keep tiles that fit the problem: 64-wide tiles only for dims < 512 (or N tiles when M < 128, to get
     more CTAs on skinny problems), 256-wide only for dims >= 256."""
@@ -474,6 +632,161 @@ def _get_tuned_kernel(impl="full"):
     return _tuned[impl]
 
 
+def _tma_block_hook(nargs):
+    """Autotuner pre-hook: the descriptors' block shapes follow the config being run."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+    nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPI_SUBTILE"] else bn]
+
+
+def _get_tma_kernel():
+    if "tma" not in _tuned:
+        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                 num_warps=c["num_warps"], num_stages=c["num_stages"], pre_hook=_tma_block_hook)
+                   for c in TMA_CONFIGS]
+        _tuned["tma"] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32"], warmup=5, rep=20)(
+            _bf16_tma_gemm_kernel)
+    return _tuned["tma"]
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 1
+    n = _SMS.get(device.index)
+    if n is None:
+        n = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def tma_ok(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> bool:
+    """Whether the TMA GEMM can take the shape: descriptor row strides must be multiples of 16 bytes."""
+    return K % 8 == 0 and (N * out_dtype.itemsize) % 16 == 0
+
+
+def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, config: Optional[dict] = None,
+                     warp_specialize: bool = False, flatten: bool = False):
+    """``(a @ b.T) * (a_global * b_global)`` for bf16 ``a [M, K]``, ``b [N, K]`` (both K-major), FP32
+    accumulation, one rounding to ``out_dtype``: the persistent TMA kernel :func:`_bf16_tma_gemm_kernel`.
+
+    Exact NVFP4 semantics when ``a`` and ``b`` hold exact ``q * S`` values (:func:`dequantize_bf16`): the
+    products are exact, the sums FP32, the global scales applied to the FP32 accumulator.
+    ``config``: an explicit tile (keys of :data:`TMA_CONFIGS`); default autotunes on CUDA.
+    ``warp_specialize``, ``flatten``: Triton's automatic warp specialization / loop flattening of the
+    persistent loop (experimental on sm_90; measured in bench/gemm.py --lower)."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_gemm_scaled takes bf16 operands, got {a.dtype}/{b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"bf16_gemm_scaled: need a [M, K], b [N, K], got {tuple(a.shape)}, {tuple(b.shape)}")
+    a, b = a.contiguous(), b.contiguous()
+    M, K = a.shape
+    N = b.shape[0]
+    if not tma_ok(M, N, K, out_dtype):
+        raise ValueError(f"bf16_gemm_scaled: N={N}, K={K} break the TMA 16-byte row alignment for {out_dtype}")
+    out = torch.empty((M, N), device=a.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    a_global = a_global.reshape(()).to(torch.float32)
+    b_global = b_global.reshape(()).to(torch.float32)
+    on_cuda = a.is_cuda
+    if config is None and not on_cuda:
+        config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
+    dummy = [1, 1]
+    if config is not None:
+        c = dict(config)
+        bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+        sub = bool(c.get("EPI_SUBTILE", False))
+        ad = TensorDescriptor.from_tensor(a, [bm, bk])
+        bd = TensorDescriptor.from_tensor(b, [bn, bk])
+        cd = TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn])
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
+        _bf16_tma_gemm_kernel[(nsm,)](ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
+                                      WARP_SPEC=warp_specialize, FLATTEN=flatten,
+                                      OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else triton.cdiv(K, bk),
+                                      num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
+        return out
+    ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
+    bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
+    cd = TensorDescriptor(out, out.shape, out.stride(), dummy)
+    nsm = _num_sms(a.device)
+    grid = lambda meta: (min(nsm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
+    _get_tma_kernel()[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
+                            FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
+    return out
+
+
+#: tile of the split-K kernel (128x128x64, 8 warps, 4 stages: fits shared memory, wgmma-shaped)
+SPLITK_CONFIG = _cfg(128, 128, 64, 8, 4)
+
+
+def splitk_factor(M: int, N: int, K: int, num_sms: int = 132, block=(128, 128, 64)) -> int:
+    """Number of K splits for the split-K kernel: enough (tile, split) programs for ~2 waves, each split
+    at least 16 K-tiles long; 1 when the output alone fills the machine."""
+    bm, bn, bk = block
+    tiles = -(-M // bm) * -(-N // bn)
+    k_tiles = -(-K // bk)
+    if tiles >= num_sms:
+        return 1
+    return max(1, min(k_tiles // 16, -(-2 * num_sms // tiles)))
+
+
+def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, split_k: Optional[int] = None,
+                     config: Optional[dict] = None):
+    """``(a @ b.T) * (a_global * b_global)`` by split-K (:func:`_bf16_tma_splitk_kernel`): FP32 partial
+    sums per K range, summed in FP32 (a different FP32 accumulation order, nothing else), then one scale and
+    one rounding. Deterministic (no atomics). For long-K GEMMs whose output has too few tiles to fill the
+    GPU (wgrad: K = tokens)."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 2 \
+            or a.shape[1] != b.shape[1]:
+        raise ValueError(f"bf16_gemm_splitk: need bf16 a [M, K], b [N, K], got {a.dtype} {tuple(a.shape)}, "
+                         f"{b.dtype} {tuple(b.shape)}")
+    a, b = a.contiguous(), b.contiguous()
+    M, K = a.shape
+    N = b.shape[0]
+    if K % 8:
+        raise ValueError(f"bf16_gemm_splitk: K={K} breaks the TMA 16-byte row alignment")
+    on_cuda = a.is_cuda
+    c = dict(config or (SPLITK_CONFIG if on_cuda else _cfg(32, 32, 32, 4, 1)))
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
+    if K == 0 or M == 0 or N == 0:
+        return torch.zeros((M, N), device=a.device, dtype=out_dtype)
+    k_tiles = triton.cdiv(K, bk)
+    if split_k is None:
+        split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))
+    split_k = max(1, min(int(split_k), k_tiles))
+    per = triton.cdiv(k_tiles, split_k)
+    split_k = triton.cdiv(k_tiles, per)                  # no empty split
+    ws = torch.empty((split_k, M, N), device=a.device, dtype=torch.float32)
+    ad = TensorDescriptor.from_tensor(a, [bm, bk])
+    bd = TensorDescriptor.from_tensor(b, [bn, bk])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split_k)
+    _bf16_tma_splitk_kernel[grid](ad, bd, ws, M, N, per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  K_ITERS=0 if on_cuda else per, num_warps=c["num_warps"],
+                                  num_stages=c["num_stages"])
+    acc = ws[0] if split_k == 1 else ws.sum(0)
+    return (acc * alpha).to(out_dtype)
+
+
+def gemm_dequant_triton(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16,
+                        *, config: Optional[dict] = None, dequant: Optional[str] = None):
+    """``impl="dq_triton"``: both operands dequantized to exact bf16 ``q * S`` (:func:`dequantize_bf16`, one
+    Triton pass each), then the persistent TMA bf16 GEMM with the global scales in its FP32 epilogue and a
+    bf16 (or fp32) output: one rounding, no FP32 [M, N] round trip. Extra memory traffic against a native
+    NVFP4 GEMM: each operand's bf16 copy is written once and read by the GEMM (2 + 2 bytes per element
+    instead of 0.5625)."""
+    _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    a = dequantize_bf16(a_codes, a_scales, dequant=dequant)
+    b = dequantize_bf16(b_codes, b_scales, dequant=dequant)
+    return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config)
+
 def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
                impl: Optional[str] = None, config: Optional[dict] = None, dequant: Optional[str] = None):
     """NVFP4 GEMM ``C = (A @ B^T) * a_global * b_global`` with the Triton kernels (TN layout).
@@ -487,7 +800,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
             with fewer rows pre-dequantized to exact bf16 by :func:`dequantize_bf16`, the other dequantized
             in registers tile by tile and stored to shared memory for the wgmma), ``"half_rega"`` (same
             split, the NVFP4 operand is the wgmma register operand), ``"full"`` (both dequantized in
-            registers; no bf16 copy at all) or ``"dequant_cublas"``; default :data:`DEFAULT_IMPL`.
+            registers; no bf16 copy at all), ``"dequant_cublas"``, ``"dq_triton"`` or ``"dq_splitk"``;
+            default :data:`DEFAULT_IMPL`.
         config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
             small fixed tile under the interpreter.
         dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
@@ -501,13 +815,21 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = choose_impl(M, N, K) if on_cuda else "half"
+        impl = choose_impl(M, N, K, out_dtype) if on_cuda else "half"
+    elif impl == "tuned":
+        impl = _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) if on_cuda \
+            else "half"
     if dequant is None:
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
         raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
     if impl == "dequant_cublas":
         return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    if impl in ("dq_triton", "dq_splitk"):
+        a16, b16 = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, dequant=dequant)
+        if impl == "dq_splitk":
+            return bf16_gemm_splitk(a16, b16, a_global, b_global, out_dtype, config=config)
+        return bf16_gemm_scaled(a16, b16, a_global, b_global, out_dtype, config=config)
     out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
@@ -566,6 +888,50 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     return out
 
 
+def _tuned_impl(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> str:
+    """``impl="tuned"``: on the first call of a shape, time every :data:`TUNED_CANDIDATES` implementation
+    that can take it (``triton.testing.do_bench`` median, after each one's own autotuning) and keep the
+    fastest in :data:`TUNED_CHOICES`. A measurement tool (bench/train_step.py --impls tuned): the first call
+    of each shape costs a few hundred ms."""
+    M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
+    if torch.cuda.is_current_stream_capturing():      # no timing inside a CUDA-graph capture
+        return choose_impl(M, N, K, out_dtype)
+    key = (M, N, K, out_dtype, a_codes.device.index)
+    hit = TUNED_CHOICES.get(key)
+    if hit is not None:
+        return hit[0]
+    from triton.testing import do_bench
+
+    args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+    times = {}
+    for cand in TUNED_CANDIDATES:
+        if cand.startswith("dq_") and not tma_ok(M, N, K, out_dtype):
+            continue
+        try:
+            times[cand] = do_bench(lambda: nvfp4_gemm(*args, impl=cand), warmup=5, rep=10, return_mode="median")
+        except Exception:  # noqa: BLE001  (a candidate that cannot run this shape is not a choice)
+            continue
+    best = min(times, key=times.get) if times else choose_impl(M, N, K, out_dtype)
+    TUNED_CHOICES[key] = (best, times)
+    return best
+
+def dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, *, dequant: Optional[str] = None):
+    """Both operands of one GEMM (contiguous, same K) to exact bf16 ``q * S`` with one launch of
+    :func:`_dequant2_kernel`; same values as two :func:`dequantize_bf16` calls."""
+    RA, KH = a_codes.shape
+    RB = b_codes.shape[0]
+    dev = a_codes.device
+    a16 = torch.empty((RA, 2 * KH), device=dev, dtype=torch.bfloat16)
+    b16 = torch.empty((RB, 2 * KH), device=dev, dtype=torch.bfloat16)
+    if dequant is None:
+        dequant = DEFAULT_DEQUANT if a_codes.is_cuda else "fp32"
+    br, bk = (64, 128) if a_codes.is_cuda else (16, 32)
+    nblk_a = triton.cdiv(RA, br)
+    grid = (nblk_a + triton.cdiv(RB, br), triton.cdiv(2 * KH, bk))
+    _dequant2_kernel[grid](a_codes, a_scales, a16, RA, b_codes, b_scales, b16, RB, KH, nblk_a,
+                           BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
+    return a16, b16
+
 def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
     """Dequantize packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes to bf16 ``q * S`` (exact; no
     global scale). One Triton pass; the first half of the "dequantize then cuBLAS" baseline."""
@@ -601,3 +967,12 @@ def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
 
 
 torch.library.register_kernel("fp4compile::gemm", "cuda", _gemm_cuda)
+
+
+def _dequantize_blocks_cuda(codes, scales):
+    if codes.dim() != 2 or scales.dim() != 2 or codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError("fp4compile::dequantize_blocks takes 2D uint8 codes [R, K/2] and scale bytes [R, K/16]")
+    return dequantize_bf16(codes.contiguous(), scales.contiguous())
+
+
+torch.library.register_kernel("fp4compile::dequantize_blocks", "cuda", _dequantize_blocks_cuda)

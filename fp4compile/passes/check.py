@@ -2,7 +2,9 @@
 
 Checks, after the rewrite:
 - each site with an NVFP4 ``linear.fprop`` spec has a forward GEMM record (its mm was found at all);
-- each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph;
+- each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph, or,
+  with ``gemm_lowering="dequant_mm"``, to the scale/cast (or bias add) of an ``fp4compile::mm_f32`` whose
+  operands are both ``fp4compile::dequantize_blocks`` of FP4 copies;
 - no ``aten.mm``/``addmm`` of a site remains for a role the policy sent to NVFP4 unless a fallback warning
   was given for it.
 Raises :class:`FP4CheckError` naming the site and role otherwise: a silent BF16 GEMM is a bug.
@@ -19,6 +21,20 @@ from .common import GEMMS
 from .linear import site_of
 
 GEMM = torch.ops.fp4compile.gemm.default
+MM_F32 = torch.ops.fp4compile.mm_f32.default
+DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
+
+
+def is_fp4_product(n, depth: int = 4) -> bool:
+    """``n`` is, or is made within ``depth`` pointwise steps from, an NVFP4 GEMM: ``fp4compile::gemm`` or
+    ``fp4compile::mm_f32`` of two ``fp4compile::dequantize_blocks``."""
+    if n is None or n.op != "call_function":
+        return False
+    if n.target is GEMM:
+        return True
+    if n.target is MM_F32:
+        return all(a.op == "call_function" and a.target is DEQUANT_BLOCKS for a in n.args[:2])
+    return depth > 0 and any(is_fp4_product(a, depth - 1) for a in n.all_input_nodes)
 
 
 class FP4CheckError(RuntimeError):
@@ -37,8 +53,7 @@ def check(graph: Graph, table: Dict, records: List[dict]) -> None:
         if r["precision"] != "nvfp4":
             continue
         n = nodes.get(r["node"])
-        ok = n is not None and (n.target is GEMM or any(a.target is GEMM for a in n.all_input_nodes
-                                                         if a.op == "call_function"))
+        ok = is_fp4_product(n)
         if not ok:
             raise FP4CheckError(f"fp4compile: {r['role']} of {r['path'] or '<root>'} should be an fp4compile::gemm "
                                 f"but node {r['node']} is not")

@@ -19,6 +19,12 @@ transposed BF16 copy is ever materialized. How a spec applies to each operand is
 ``fp4compile::rht_signs`` node, drawn fresh on every call (never a baked constant). Operands come from
 :class:`.reuse.QuantCache` (backward operands from the forward FP4 copies).
 
+Lowering of the GEMM itself (``gemm_lowering``, see :data:`LOWERINGS`): one opaque ``fp4compile::gemm``
+node (default), or exact bf16 block dequantization + an FP32-output GEMM + the global scale and cast as
+plain aten ops. Either way the operands in the graph are the packed FP4 copies; the transient bf16
+``dequantize_blocks`` nodes are tagged MUST_RECOMPUTE (through :class:`.reuse.QuantCache`) so the
+partitioner never saves them for the backward.
+
 Anything else -- a contraction dim not a multiple of 16 (or of the Hadamard size), a non-float dtype,
 ``addmm`` with alpha/beta, a GEMM of a site that cannot be classified -- stays BF16 with a one-line warning
 naming the node.
@@ -37,6 +43,32 @@ from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val,
 from .reuse import QSpec, QuantCache
 
 GEMM = torch.ops.fp4compile.gemm.default
+DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
+MM_F32 = torch.ops.fp4compile.mm_f32.default
+
+#: how an NVFP4 GEMM is emitted (backend option ``gemm_lowering``):
+#: "op"         -- one opaque ``fp4compile::gemm(codes, scales, global, ...)`` node; the CUDA kernel is picked
+#:                 per shape at run time (``kernels/gemm.choose_impl``);
+#: "dequant_mm" -- ``mm_f32(dequantize_blocks(A), dequantize_blocks(B)) * (a_global * b_global)`` then the
+#:                 cast, the last two as plain aten ops that Inductor fuses into the consumer (bias add,
+#:                 residual, activation). cuBLAS runs the GEMM; the FP32 output costs 2 extra bytes per
+#:                 element written and read, the bf16 operand copies 2 bytes per element written and read.
+#: "auto"       -- per GEMM by :func:`choose_lowering` (static shapes; symbolic ones get "op").
+LOWERINGS = ("op", "dequant_mm", "auto")
+
+
+def choose_lowering(M: int, N: int, K: int) -> str:
+    """``gemm_lowering="auto"``: "dequant_mm" (cuBLAS on exact bf16 operands, FP32 output fused into the
+    consumer) where the Triton GEMMs lose to cuBLAS on the H200 -- long contractions with few output tiles
+    (wgrad: K = tokens, where cuBLAS splits K) and the d x d GEMMs with K = N <= 1024 -- else "op"
+    (``fp4compile::gemm``, kernel per shape by ``kernels/gemm.choose_impl``). Symbolic sizes (-1): "op"."""
+    if min(M, N, K) < 0:
+        return "op"
+    if K >= 8192 and M * N <= 8 * 2 ** 20:
+        return "dequant_mm"
+    if max(N, K) <= 1024 and M >= 4096:
+        return "dequant_mm"
+    return "op"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,7 +213,34 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
     return None
 
 
-def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tangents) -> dict:
+def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op") -> Node:
+    """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
+    before ``before``; returns the node holding the ``out_dtype`` result (see :data:`LOWERINGS`)."""
+    if lowering == "op":
+        return add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
+    if lowering != "dequant_mm":
+        raise ValueError(f"gemm_lowering must be one of {LOWERINGS}, got {lowering!r}")
+    aten = torch.ops.aten
+    da = add_call(graph, DEQUANT_BLOCKS, (qa.codes, qa.scales), before=before, anchor=before)
+    db = add_call(graph, DEQUANT_BLOCKS, (qb.codes, qb.scales), before=before, anchor=before)
+    acc = add_call(graph, MM_F32, (da, db), before=before, anchor=before)
+    alpha = add_call(graph, aten.mul.Tensor, (qa.glob, qb.glob), before=before, anchor=before)
+    y = add_call(graph, aten.mul.Tensor, (acc, alpha), before=before, anchor=before)
+    out = y if out_dtype == torch.float32 else \
+        add_call(graph, torch.ops.prims.convert_element_type.default, (y, out_dtype), before=before, anchor=before)
+    for m in (da, db, acc, alpha, y, out):
+        _copy_meta(before, m)
+    out.meta["fp4_dequant_nodes"] = (da, db)
+    return out
+
+
+def _copy_meta(src: Node, dst: Node) -> None:
+    for k_ in ("partitioner_tag", "seq_nr", "nn_module_stack", "fwd_nn_module_stack", "custom", "stack_trace"):
+        if k_ in src.meta:
+            dst.meta[k_] = src.meta[k_]
+
+
+def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tangents, lowering: str = "op") -> dict:
     """Replace one GEMM node; returns its report record."""
     n, role = g.node, g.role
     spec = info.spec(role)
@@ -208,12 +267,15 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
                                 is_weight=role == "linear.dgrad")
         qa, qb = (gq, oq) if grad_first else (oq, gq)
         rec["reused"] = oq.origin
-    out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), val(n).dtype), before=n, anchor=n)
+    if lowering == "auto":
+        lowering = choose_lowering(*rec["shape"])
+    rec["lowering"] = lowering
+    out = emit_gemm(graph, qa, qb, val(n).dtype, n, lowering)
+    for d in out.meta.pop("fp4_dequant_nodes", ()):
+        cache.recompute(d)                       # transient bf16 operand copies: never saved for backward
     if n.target is torch.ops.aten.addmm.default:
         out = add_call(graph, torch.ops.aten.add.Tensor, (out, n.args[0]), before=n, anchor=n)
-    for k_ in ("partitioner_tag", "seq_nr", "nn_module_stack", "fwd_nn_module_stack", "custom", "stack_trace"):
-        if k_ in n.meta:
-            out.meta[k_] = n.meta[k_]
+    _copy_meta(n, out)
     out.meta["fp4"] = rec
     rec["node"] = out.name
     n.replace_all_uses_with(out)
@@ -231,9 +293,12 @@ def _signs(graph: Graph, like: Node, spec: NVFP4) -> Optional[Node]:
     return s
 
 
-def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache) -> List[dict]:
+def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache, lowering: str = "op") -> List[dict]:
     """Rewrite every classifiable site GEMM the policy sends to NVFP4; returns one record per site GEMM
-    (``precision`` "nvfp4", or "bf16" with a ``note`` for policy-BF16 and fallbacks)."""
+    (``precision`` "nvfp4", or "bf16" with a ``note`` for policy-BF16 and fallbacks). ``lowering``: how
+    each NVFP4 GEMM is emitted (:data:`LOWERINGS`)."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"gemm_lowering must be one of {LOWERINGS}, got {lowering!r}")
     gemms, bad = find_gemms(graph, table)
     records = []
     for n, site, reason in bad:
@@ -247,7 +312,7 @@ def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache)
         spec = info.spec(g.role)
         why = _why_not(g, spec) if isinstance(spec, NVFP4) else None
         if isinstance(spec, NVFP4) and why is None:
-            records.append(rewrite_gemm(graph, g, info, cache, cache.tangents))
+            records.append(rewrite_gemm(graph, g, info, cache, cache.tangents, lowering))
             continue
         note = "policy" if not isinstance(spec, NVFP4) else why
         if why:

@@ -12,7 +12,8 @@
 - ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
   every node made for the backward that does not depend on a gradient, so the partitioner saves the packed
   forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
-  copy or a dequantized BF16 tensor (notes/torch-compile.md §8).
+  copy or a dequantized BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient
+  nodes made from FP4 copies (the bf16 ``dequantize_blocks`` operands of the "dequant_mm" GEMM lowering).
 """
 from __future__ import annotations
 
@@ -136,6 +137,12 @@ class QuantCache:
         if fwd is not None and fwd.node in self.dequants:
             self._recompute.add(self.dequants[fwd.node])
         return copy
+
+    def recompute(self, node: Node) -> None:
+        """Tag ``node`` MUST_RECOMPUTE at :meth:`finalize` unless it depends on a gradient (for transient
+        nodes made from FP4 copies, e.g. the bf16 ``dequantize_blocks`` of the "dequant_mm" lowering)."""
+        self.created.add(node)
+        self._recompute.add(node)
 
     def finalize(self) -> None:
         """Tag MUST_RECOMPUTE (see the module docstring); nodes fed by a gradient are left alone."""
