@@ -7,7 +7,7 @@ import os
 import sys
 import warnings
 
-if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cpu":
+if __name__ == "__main__" and ("--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cpu"):
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 

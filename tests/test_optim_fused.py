@@ -1,7 +1,7 @@
 """The fused multi-tensor Q-AdamW / AdamW Triton kernels (fp4compile/optim/fused.py) against the per-parameter
 torch reference step: bit for bit, parameters and every state tensor, over several steps, for FP32 and BF16
 parameters (SR / Kahan / RTN masters), Hadamard sizes, SR/RTN and 4/6 variants, tail runs, extreme
-gradients, and QRoot's AdamW part. On CPU through the Triton interpreter (a fresh process); on CUDA in-process (``-m gpu``)."""
+gradients, and QRoot's AdamW part. On CPU through the Triton interpreter, on CUDA with the compiled kernels (``-m gpu``); both in a fresh process."""
 import copy
 import json
 import os
@@ -15,12 +15,16 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _interp(cases, steps):
+def _interp(cases, steps, device="cpu"):
+    """The worker in a fresh process: on CPU it selects the Triton interpreter before importing triton (an
+    in-process import cannot switch an already imported triton), on CUDA it runs the compiled kernels."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_optim_fused_worker.py"), "--cases",
-                        ",".join(cases), "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=1800)
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "_optim_fused_worker.py"), "--device", device, "--steps",
+           str(steps)] + (["--cases", ",".join(cases)] if cases else [])
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("REPORT")]
-    assert p.returncode == 0 and line, f"interpreter worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0 and line, f"{device} worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return json.loads(line[0][len("REPORT"):])
 
 
@@ -45,10 +49,7 @@ def test_interpreter_bit_exact_variants():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_bit_exact():
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from _optim_fused_worker import report
-
-    _assert_exact(report("cuda", None, 3))
+    _assert_exact(_interp(None, 3, device="cuda"))
 
 
 def test_legacy_per_tensor_global_scale_loads():
