@@ -72,11 +72,13 @@ def policy_for(name):
 
     if name == "quartet2":
         return Policy.quartet2()
+    if name == "full_stack":
+        return Policy.full_stack()             # + Q-Attn (QK^T and dS in NVFP4) on top of the quartet2 linears
     if name == "rtn":
         return Policy((), "rtn-linear").override("*", NVFP4("rtn"), role="linear.fprop") \
             .override("*", NVFP4("rtn"), role="linear.dgrad").override("*", NVFP4("rtn"), role="linear.wgrad") \
             .override("*lm_head*", "bf16")
-    raise SystemExit(f"unknown --policy {name!r} (quartet2 | rtn)")
+    raise SystemExit(f"unknown --policy {name!r} (quartet2 | full_stack | rtn)")
 
 
 def _kernel_table(prof, steps, top=25):
@@ -193,7 +195,7 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="quartet2", help="quartet2 (default) | rtn")
+    ap.add_argument("--policy", default="quartet2", help="quartet2 (default) | full_stack | rtn")
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
