@@ -409,6 +409,19 @@ def resolve_compile(flag, params) -> bool:
     return bool(flag)
 
 
+
+def invalidate_plans(opt) -> None:
+    """Drop the fused kernels' cached pointer tables of ``opt`` (QAdamW or QRoot): states were replaced."""
+    opt._plan_version += 1
+    opt._plans.clear()
+
+
+def restore_plan_fields(opt) -> None:
+    """After unpickling: the fused-step fields that are not part of an optimizer's pickled state."""
+    opt.__dict__.setdefault("_fused_flag", None)
+    opt.__dict__["_plans"] = {}
+    opt.__dict__.setdefault("_plan_version", 0)
+
 class QAdamW(Optimizer):
     """AdamW with NVFP4 moment states (see the module docstring for the storage format).
 
@@ -485,14 +498,11 @@ class QAdamW(Optimizer):
         validate_loadable(self, state_dict)
         super().load_state_dict(state_dict)
         post_load(self, state_dict)
-        self._plan_version += 1
-        self._plans.clear()
+        invalidate_plans(self)
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.__dict__.setdefault("_fused_flag", None)
-        self.__dict__["_plans"] = {}
-        self.__dict__.setdefault("_plan_version", 0)
+        restore_plan_fields(self)
 
 
 def param_index(opt: Optimizer, p) -> int:

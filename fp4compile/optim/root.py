@@ -441,14 +441,11 @@ class QRoot(Optimizer):
         _qa.validate_loadable(self, state_dict, check_group_fn=self._check_group, validate_entry=validate_entry)
         super().load_state_dict(state_dict)
         _qa.post_load(self, state_dict)
-        self._plan_version += 1
-        self._plans.clear()
+        _qa.invalidate_plans(self)
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.__dict__.setdefault("_fused_flag", None)
-        self.__dict__["_plans"] = {}
-        self.__dict__.setdefault("_plan_version", 0)
+        _qa.restore_plan_fields(self)
 
 
 def _check_root_state(p, st, where):
