@@ -29,6 +29,10 @@ def data(kind, shape, seed=0):
         x = x * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
     elif kind == "zeros":
         x = torch.zeros(shape)
+    elif kind == "tiny":  # amax below AMAX_FLUSH (2^-100): flushed to an all-zero encoding by every path
+        x = torch.zeros(shape)
+        x[-1, -1] = 1.401298464324817e-45
+        x[0, 0] = -7e-31
     elif kind == "special":  # zero blocks, -0.0, an underflowing block, exact E2M1 midpoints
         x[0, :16] = 0.0
         x[1, :16] = -0.0
@@ -61,6 +65,9 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("heavy", (32, 128), "rtn", True, True, 0, False),
     ("bf16", (48, 256), "rtn", False, False, 16, True),
     ("zeros", (16, 64), "sr", False, False, 0, False),
+    ("tiny", (16, 64), "rtn", True, False, 0, False),
+    ("tiny", (16, 64), "sr", False, False, 0, False),
+    ("tiny", (16, 64), "ms_eden", False, False, 16, False),
     ("gauss", (32, 128), "sr", False, False, 0, False),
     ("heavy", (32, 128), "sr", True, True, 0, False),
     ("heavy", (16, 256), "ms_eden", False, False, 128, False),

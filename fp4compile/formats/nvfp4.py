@@ -12,7 +12,11 @@ Semantics (all arithmetic in FP32, in exactly this order; NVIDIA's two-level sca
     codes       = e2m1_rne_sat(x * (1 / (stored_b * global)))
 
 A block whose stored scale is 0 encodes as zeros; an all-zero tensor gives zero codes, zero scales and a
-zero global scale and dequantizes to zeros.
+zero global scale and dequantizes to zeros. So does a tensor whose amax is below ``AMAX_FLUSH`` = 2^-100
+(about 7.9e-31): for such an amax ``s_enc = G / amax`` approaches or overflows FP32's range (inf for
+amax < G / FLT_MAX), and its decode scale and the block scales would be subnormal, so the whole tensor is
+flushed to zero instead (every implementation -- this reference, the Triton kernels, the optimizer codec and
+Q-Attn's tile scales -- uses the same test ``amax < AMAX_FLUSH``).
 
 Packing: element 2i in the low nibble, 2i+1 in the high nibble (bit-compatible with
 ``torch.float4_e2m1fn_x2``). Sign is bit 3 of a nibble.
@@ -28,6 +32,8 @@ import torch
 # constants
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+#: amax below this (2^-100, exact in FP32) encodes as an all-zero tensor: see the module docstring
+AMAX_FLUSH = 2.0 ** -100
 #: the E2M1 magnitudes by 3-bit code
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ROUNDINGS = ("rtn", "sr", "ms_eden")
@@ -189,7 +195,7 @@ def quantize_rtn_(x32: torch.Tensor, block2d: bool, four_over_six: bool):
     """RTN (optionally 4/6) on an FP32 tensor; returns (codes uint8 [...,K/2], scales fp8 [...,K/16], global)."""
     amax = x32.abs().amax() if x32.numel() else torch.zeros((), device=x32.device)
     amax = amax.to(torch.float32)
-    zero = amax == 0
+    zero = amax < AMAX_FLUSH
     s_enc = torch.where(zero, torch.ones_like(amax),
                         torch.tensor(_global_numerator("rtn", four_over_six), device=x32.device) / amax)
     gscale = torch.where(zero, torch.zeros_like(amax), 1.0 / s_enc)

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from .hadamard import random_signs, rht
-from .nvfp4 import (E4M3_MAX, NVFP4Tensor, _block_amax, _tile_sum, e2m1_decode, e2m1_rne_codes, e4m3_rne,
+from .nvfp4 import (AMAX_FLUSH, E4M3_MAX, NVFP4Tensor, _block_amax, _tile_sum, e2m1_decode, e2m1_rne_codes, e4m3_rne,
                     pack_nibbles, quantize_rtn_, tree_sum)
 from .random import draw_seed, uniform
 
@@ -77,7 +77,7 @@ def _f32(v: float, device) -> torch.Tensor:
 
 
 def _global(amax: torch.Tensor, numerator: float):
-    zero = amax == 0
+    zero = amax < AMAX_FLUSH
     s_enc = torch.where(zero, torch.ones_like(amax), _f32(numerator, amax.device) / amax)
     gscale = torch.where(zero, torch.zeros_like(amax), 1.0 / s_enc)
     return s_enc, gscale
@@ -142,7 +142,7 @@ def _quantize_sr(x2: torch.Tensor, block2d: bool, four_over_six: bool, seed: tor
     idx = torch.arange(R * K, device=x2.device, dtype=torch.int64).view(R, K // 16, 16)
     u = uniform(seed, idx)
     q = sr_codes(xb * enc.unsqueeze(-1), u)
-    q = torch.where(amax == 0, torch.zeros_like(q), q)
+    q = torch.where(amax < AMAX_FLUSH, torch.zeros_like(q), q)
     return pack_nibbles(q.flatten(-2)), stored, gscale
 
 
@@ -184,7 +184,7 @@ def _quantize_eden(x2: torch.Tensor, block2d: bool, seed: torch.Tensor):
     bidx = rows[:, None] * nb + torch.arange(nb, device=x2.device, dtype=torch.int64)[None, :]
     u = uniform(seed, bidx)
     final = torch.where(u < p, hi, lo).to(torch.float8_e4m3fn)
-    q = torch.where(amax == 0, torch.zeros_like(q), q)
+    q = torch.where(amax < AMAX_FLUSH, torch.zeros_like(q), q)
     return pack_nibbles(q.flatten(-2)), final, gscale
 
 

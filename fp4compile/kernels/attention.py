@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from ..formats import nvfp4 as _nvfp4
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
 
 try:
@@ -150,18 +151,19 @@ if triton is not None:
         amax (0 -> (1, 0))."""
         if R == DS_TILE_C:  # one tile: scalar scales
             amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(G_NUM_C, amax))
-            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, s_enc))
+            s_enc = tl.where(amax < AMAX_FLUSH, 1.0, tl.math.div_rn(G_NUM_C, amax))
+            g_dec = tl.where(amax < AMAX_FLUSH, 0.0, tl.math.div_rn(1.0, s_enc))
         else:
             rmax = tl.max(tl.abs(x), axis=1)  # [R]
             band = tl.max(tl.reshape(rmax, [R // DS_TILE_C, DS_TILE_C]), axis=1)  # [R / DS_TILE]
             amax = tl.reshape(tl.broadcast_to(band[:, None], [R // DS_TILE_C, DS_TILE_C]), [R, 1])
-            s_enc = tl.where(amax == 0.0, 1.0, tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax))
-            g_dec = tl.where(amax == 0.0, 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc))
+            s_enc = tl.where(amax < AMAX_FLUSH, 1.0, tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax))
+            g_dec = tl.where(amax < AMAX_FLUSH, 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc))
         return s_enc, g_dec
 
     DS_TILE_C = tl.constexpr(DS_TILE)
     G_NUM_C = tl.constexpr(G_NUM)
+    AMAX_FLUSH = tl.constexpr(_nvfp4.AMAX_FLUSH)
     P_GLOBAL_C = tl.constexpr(P_GLOBAL)
 
     @triton.jit
@@ -222,8 +224,8 @@ if triton is not None:
         if (pid_t * BT < T) & (pid_bh < NBH):
             ip = tl.arange(0, NP2)
             amax_t = tl.max(tl.load(part_ptr + ip, mask=ip < NP, other=0.0), axis=0)
-            s_enc = tl.where(amax_t == 0.0, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
-            g_dec = tl.where(amax_t == 0.0, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
+            s_enc = tl.where(amax_t < AMAX_FLUSH, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
+            g_dec = tl.where(amax_t < AMAX_FLUSH, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
             if (pid_t == 0) & (pid_bh == 0):
                 tl.store(gdec_ptr, g_dec)
             b = pid_bh // H

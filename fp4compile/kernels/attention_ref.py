@@ -155,7 +155,7 @@ def tile_scales(x: Tensor, tile: int = DS_TILE) -> tuple[Tensor, Tensor]:
     xp = _pad_to(_pad_to(x.abs().to(torch.float32), -2, tile), -1, tile)
     t = xp.unflatten(-1, (-1, tile)).unflatten(-3, (-1, tile)).amax(dim=(-3, -1), keepdim=True)
     t = t.expand(*t.shape[:-4], t.shape[-4], tile, t.shape[-2], tile).flatten(-4, -3).flatten(-2)[..., :M, :N]
-    zero = t == 0
+    zero = t < nvfp4.AMAX_FLUSH
     s_enc = torch.where(zero, torch.ones_like(t), torch.full_like(t, G_NUM) / t)
     g_dec = torch.where(zero, torch.zeros_like(t), 1.0 / s_enc)
     return s_enc, g_dec

@@ -31,8 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import block_max_targets, global_numerator
+
+#: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
+AMAX_FLUSH = tl.constexpr(_AMAX_FLUSH_PY)
 
 _ROUNDING_ID = {"rtn": 0, "sr": 1, "ms_eden": 2}
 
@@ -347,7 +351,7 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
 
     amax = tl.load(amax_ptr)
-    zero = amax == 0
+    zero = amax < AMAX_FLUSH
     s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
     gs = tl.where(zero, 0.0, tl.math.div_rn(1.0, s_enc))
 
@@ -562,7 +566,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
                                 BR, BC)
     amax = tl.load(amax_ptr)
-    zero = amax == 0
+    zero = amax < AMAX_FLUSH
     s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
     gs = tl.where(zero, 0.0, tl.math.div_rn(1.0, s_enc))
 

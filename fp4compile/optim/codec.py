@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..formats.nvfp4 import E4M3_MAX, e2m1_rne_codes, e4m3_rne, pack_nibbles, tree_sum, unpack_nibbles
+from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH, E4M3_MAX, e2m1_rne_codes, e4m3_rne, pack_nibbles, tree_sum, unpack_nibbles
 
 M32 = 0xFFFFFFFF
 
@@ -167,7 +167,7 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
     if chunk is not None and chunk % 16:
         raise ValueError(f"chunk must be a multiple of 16, got {chunk}")
     amax = chunk_amax(x, chunk)
-    zero = amax == 0
+    zero = amax < _AMAX_FLUSH
     numer = 6.0 * 256.0 if four_over_six else 6.0 * E4M3_MAX
     # tensor / tensor (``float / tensor`` is reciprocal-then-multiply in torch and would differ by an ulp)
     s_enc = torch.where(zero, torch.ones_like(amax),

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.quantize import _e2m1_rne, _e2m1_value, _e4m3_code, _e4m3_value, _fwht
+from ..kernels.quantize import AMAX_FLUSH, _e2m1_rne, _e2m1_value, _e4m3_code, _e4m3_value, _fwht
 from . import qadamw as _qa
 
 CH = _qa.SCALE_CHUNK
@@ -203,7 +203,7 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
     xb = tl.reshape(y, (NB, 16))
     ab = tl.max(tl.abs(xb), axis=1)
     amax = tl.max(ab, axis=0)  # the run's amax from the block amaxes (max is exact: same value)
-    zero = amax == 0
+    zero = amax < AMAX_FLUSH
     if FOS:
         numer = 1536.0
     else:
