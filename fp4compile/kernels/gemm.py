@@ -196,6 +196,17 @@ if triton is not None:
     _DEQUANT_ASM_CONST = tl.constexpr(_DEQUANT_ASM)
 
     @triton.jit
+    def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row-tiles in a row share their
+        B column-tiles in L2."""
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
     def _dequant_tile(codes, scales, BR: tl.constexpr, BK: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """codes u8 [BR, BK/2], scales u8 (E4M3 bytes) [BR, BK/16] -> bf16 [BR, BK] equal to q*S*2^-8."""
         s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 332306998946228968225951765070086144.0
@@ -226,13 +237,7 @@ if triton is not None:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        # grouped ordering: GROUP_M row-tiles share their B column-tiles in L2
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         # rows beyond M/N wrap around (loads stay in bounds, no mask); the store is masked
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
@@ -298,12 +303,7 @@ if triton is not None:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
@@ -369,12 +369,7 @@ if triton is not None:
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
 
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
@@ -449,12 +444,7 @@ if triton is not None:
     def _tma_tile(a_desc, b_desc, c_desc, alpha, tile_id, num_pid_m, num_pid_n, k_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   EPI_SUBTILE: tl.constexpr, INTERP: tl.constexpr):
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M
         offs_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
