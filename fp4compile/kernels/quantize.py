@@ -321,6 +321,21 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _eden_scale_sr(num, den, sf):
+    """MS-EDEN's scale step (``formats.schemes``): the E4M3 scale ``sf`` corrected by ||v||^2 / <v, q> (1 for a
+    zero block), clamped at 448, and its stochastic rounding between E4M3 neighbours: (the lower neighbour's
+    code, the probability of taking the upper one)."""
+    c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
+    s_corr = tl.minimum(sf * c, 448.0)
+    rc = _e4m3_code(s_corr)
+    lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
+    lo = _e4m3_value(lo_code)
+    hi = tl.where(lo == s_corr, lo, _e4m3_value(lo_code + 1))
+    p = tl.where(hi > lo, tl.math.div_rn(s_corr - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+    return lo_code, p
+
+
+@triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
                  HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
                  BR: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
@@ -406,13 +421,7 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
-        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
-        s_corr = tl.minimum(sf * c, 448.0)
-        rc = _e4m3_code(s_corr)
-        lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
-        lo = _e4m3_value(lo_code)
-        hi = tl.where(lo == s_corr, lo, _e4m3_value(lo_code + 1))
-        p = tl.where(hi > lo, tl.math.div_rn(s_corr - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
+        lo_code, p = _eden_scale_sr(num, den, sf)
         k0, k1 = _seed_keys(seed_ptr)
         brow = rows
         if BLOCK2D:
@@ -628,13 +637,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         if BLOCK2D:
             num = _tile_rows(num, BR, NB)
             den = _tile_rows(den, BR, NB)
-        c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
-        s_corr = tl.minimum(sf * c, 448.0)
-        rc = _e4m3_code(s_corr)
-        lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
-        slo = _e4m3_value(lo_code)
-        shi = tl.where(slo == s_corr, slo, _e4m3_value(lo_code + 1))
-        p = tl.where(shi > slo, tl.math.div_rn(s_corr - slo, tl.where(shi > slo, shi - slo, 1.0)), 0.0)
+        lo_code, p = _eden_scale_sr(num, den, sf)
         k0, k1 = _seed_keys(seed_ptr)
         brow = rows
         if BLOCK2D:
