@@ -424,6 +424,17 @@ if triton is not None:
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
+    def _ds_dot(ds, other, acc, FP4: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+        """``acc + dS · other`` for a dS tile [R, C]: in NVFP4 (rows quantized along C, one two-level scale per
+        DS_TILE-row band, the decode scale applied to the product) or in BF16."""
+        if FP4:
+            s_enc, g_dec = _band_scales(ds, R, C)
+            acc = acc + _mma(_to_bf16(_fq_rows(ds, s_enc, g_dec, R, C)), other) * g_dec
+        else:
+            acc = _mma_acc(_to_bf16(ds), other, acc)
+        return acc
+
+    @triton.jit
     def _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n, mn, lo, hi,
                     sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
                     MASKED: tl.constexpr, MASK_N: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
@@ -474,11 +485,7 @@ if triton is not None:
                 q2 = q
             else:
                 q2 = _ld(q2_ptr, offs_m, mm, sq2t, D, MASKED)
-            if DSQ_FP4:
-                s_enc, g_dec = _band_scales(dsT, BN, BM)  # rows: keys; one scale per 64-key band
-                dk += _mma(_to_bf16(_fq_rows(dsT, s_enc, g_dec, BN, BM)), q2) * g_dec
-            else:
-                dk = _mma_acc(_to_bf16(dsT), q2, dk)
+            dk = _ds_dot(dsT, q2, dk, DSQ_FP4, BN, BM)  # rows: keys; one scale per 64-key band
         return dk, dv
 
     @triton.jit
@@ -583,11 +590,7 @@ if triton is not None:
                 k2 = k
             else:
                 k2 = _ld(k2_ptr, offs_n, mn, sk2t, D, MASKED)
-            if DSK_FP4:
-                s_enc, g_dec = _band_scales(ds, BM, BN)  # rows: queries; one scale per 64-query band
-                dq += _mma(_to_bf16(_fq_rows(ds, s_enc, g_dec, BM, BN)), k2) * g_dec
-            else:
-                dq = _mma_acc(_to_bf16(ds), k2, dq)
+            dq = _ds_dot(ds, k2, dq, DSK_FP4, BM, BN)  # rows: queries; one scale per 64-query band
         return dq
 
     @triton.jit
