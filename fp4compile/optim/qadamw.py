@@ -410,6 +410,21 @@ def resolve_compile(flag, params) -> bool:
 
 
 
+def init_and_run_fused(opt, gi: int, group: dict, params: list) -> list:
+    """Shared first half of QAdamW's and QRoot's (AdamW part) step for the parameters of group ``gi`` that
+    have gradients: create missing states (which invalidates the fused kernels' cached tables), then run the
+    fused kernels where they apply. Returns the parameters left for the per-parameter step."""
+    for p in params:
+        state = opt.state[p]
+        if not state:
+            init_state(p, group, state, opt._param_index(p))
+            opt._plan_version += 1
+    if use_fused(opt._fused_flag, params[0]):
+        lr = opt._lr_bufs.get(gi, group["lr"], params[0].device)
+        params = _fused().run_group(opt, gi, group, params, lr, opt._plans, opt._plan_version)
+    return params
+
+
 def invalidate_plans(opt) -> None:
     """Drop the fused kernels' cached pointer tables of ``opt`` (QAdamW or QRoot): states were replaced."""
     opt._plan_version += 1
@@ -479,14 +494,7 @@ class QAdamW(Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    init_state(p, group, state, self._param_index(p))
-                    self._plan_version += 1
-            if use_fused(self._fused_flag, params[0]):
-                lr = self._lr_bufs.get(gi, group["lr"], params[0].device)
-                params = _fused().run_group(self, gi, group, params, lr, self._plans, self._plan_version)
+            params = init_and_run_fused(self, gi, group, params)
             for p in params:
                 if use_compile is None:
                     use_compile = resolve_compile(self._compile_flag, [p])

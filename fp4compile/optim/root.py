@@ -381,14 +381,7 @@ class QRoot(Optimizer):
 
     def _adamw_update(self, params, group, gi):
         ag = self._adamw_group(group)
-        for p in params:
-            state = self.state[p]
-            if not state:
-                _qa.init_state(p, ag, state, self._param_index(p))
-                self._plan_version += 1
-        if _qa.use_fused(self._fused_flag, params[0]):
-            lr = self._lr_bufs.get(gi, group["lr"], params[0].device)
-            params = _qa._fused().run_group(self, gi, ag, params, lr, self._plans, self._plan_version)
+        params = _qa.init_and_run_fused(self, gi, ag, params)
         for p in params:
             use_compile = _qa.resolve_compile(self._compile_flag, [p])
             _qa.run_adamw_update(p, self.state[p], ag, gi, self._lr_bufs, use_compile)
