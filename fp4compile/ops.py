@@ -1,8 +1,15 @@
 """torch.library custom ops of fp4compile: schema, fake (meta) kernel, CPU reference, CUDA -> kernels/.
 
-Ops are opaque to Inductor (``torch.library.custom_op``, not ``triton_op``; see ARCHITECTURE.md). Every op
-has a torch reference implementation registered for all devices; the CUDA kernels in
-``fp4compile/kernels/`` override it on CUDA when Triton is available.
+Ops are opaque to Inductor (not ``triton_op``; see ARCHITECTURE.md). Every op has a torch reference
+implementation registered for all devices; the CUDA kernels in ``fp4compile/kernels/`` override it on CUDA
+when Triton is available (:func:`register_cuda`).
+
+The non-differentiable ops (quantize, dequantize, gemm, dequantize_blocks, mm_f32) are defined straight on
+the dispatcher (:func:`_define`: schema inferred from the reference's annotations, the reference as the
+``CompositeExplicitAutograd`` kernel, a fake kernel), not through ``torch.library.custom_op``: a compiled
+training step calls them ~600 times, and custom_op routes every call through Python autograd, backend and
+dynamo-disable wrappers (45 us per call on the H200, more than the Triton launch itself). The differentiable
+Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
 
     fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
         -> (codes uint8 [R, C/2], scales uint8 [R, C/16], global_scale fp32 [])
@@ -38,6 +45,30 @@ from .formats.hadamard import inverse_rht
 
 Tensor = torch.Tensor
 
+#: the dispatcher fragment holding the non-differentiable fp4compile ops and their CUDA kernels
+_LIB = torch.library.Library("fp4compile", "FRAGMENT")
+
+
+def _define(name: str, reference, fake, tags=()):
+    """Define ``fp4compile::<name>`` on the dispatcher and return its ``OpOverload``.
+
+    The schema is inferred from ``reference``'s annotations (as ``custom_op`` would); ``reference`` is the
+    kernel for every device (``CompositeExplicitAutograd``) until :func:`register_cuda` overrides CUDA;
+    ``fake`` computes output shapes for fake/meta tensors. No autograd kernel (the outputs are codes, scales
+    and GEMM results consumed inside compiled graphs): the reference runs under ``torch.no_grad()``, so its
+    outputs never carry a ``grad_fn``, as with ``custom_op``.
+    """
+    _LIB.define(name + torch.library.infer_schema(reference, mutates_args=()), tags=tags)
+    _LIB.impl(name, torch.no_grad()(reference), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fp4compile::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fp4compile, name).default
+
+
+def register_cuda(name: str, fn) -> None:
+    """Make ``fn`` the CUDA kernel of ``fp4compile::<name>`` (one of the ops made by :func:`_define`):
+    registered directly at the ``CUDA`` dispatch key, so a call costs the dispatcher plus ``fn`` itself."""
+    _LIB.impl(name, fn, "CUDA")
+
 
 def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: bool, hadamard: int,
                         signs: Optional[Tensor], seed: Optional[Tensor], transpose: bool):
@@ -67,15 +98,14 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
             t.global_scale.to(dev))
 
 
-@torch.library.custom_op("fp4compile::quantize", mutates_args=())
-def quantize(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
+def _quantize_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
              hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
              transpose: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
 
 
-@quantize.register_fake
-def _(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None, transpose=False):
+def _quantize_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
+                   transpose=False):
     torch._check(x.dim() == 2, lambda: f"fp4compile::quantize takes a 2D tensor, got {x.dim()}D")
     rows, cols = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     torch._check(cols % 16 == 0, lambda: f"quantized dim must be a multiple of 16, got {cols}")
@@ -84,8 +114,10 @@ def _(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=N
     return codes, scales, x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("fp4compile::dequantize", mutates_args=())
-def dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
+quantize = _define("quantize", _quantize_op, _quantize_fake)
+
+
+def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
                signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
@@ -95,9 +127,11 @@ def dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: in
     return vals.to(dtype)
 
 
-@dequantize.register_fake
-def _(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16):
+def _dequantize_fake(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16):
     return codes.new_empty((*codes.shape[:-1], codes.shape[-1] * 2), dtype=dtype)
+
+
+dequantize = _define("dequantize", _dequantize_op, _dequantize_fake)
 
 
 def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
@@ -107,20 +141,20 @@ def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, ou
     return ((a @ b.t()) * (a_global.float() * b_global.float())).to(out_dtype)
 
 
-@torch.library.custom_op("fp4compile::gemm", mutates_args=())
-def gemm(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b_scales: Tensor,
+def _gemm_op(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b_scales: Tensor,
          b_global: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     return _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
 
 
-@gemm.register_fake
-def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
+def _gemm_fake(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
     torch._check(a_codes.shape[-1] == b_codes.shape[-1], lambda: "gemm: K mismatch")
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("fp4compile::dequantize_blocks", mutates_args=())
-def dequantize_blocks(codes: Tensor, scales: Tensor) -> Tensor:
+gemm = _define("gemm", _gemm_op, _gemm_fake)
+
+
+def _dequantize_blocks_op(codes: Tensor, scales: Tensor) -> Tensor:
     """Packed NVFP4 ``[R, K/2]`` codes + ``[R, K/16]`` E4M3 bytes -> bf16 ``q * S`` (no global scale).
 
     Exact: an E2M1 value times an E4M3 scale has at most 6 significant bits and lies in [2^-10, 2688], so
@@ -131,15 +165,16 @@ def dequantize_blocks(codes: Tensor, scales: Tensor) -> Tensor:
     return nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), one).to(torch.bfloat16)
 
 
-@dequantize_blocks.register_fake
-def _(codes, scales):
+def _dequantize_blocks_fake(codes, scales):
     torch._check(codes.dim() == 2 and scales.dim() == 2, lambda: "dequantize_blocks takes 2D codes and scales")
     torch._check(scales.shape[1] * 8 == codes.shape[1], lambda: "dequantize_blocks: scales must be [R, K/16]")
     return codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fp4compile::mm_f32", mutates_args=())
-def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+dequantize_blocks = _define("dequantize_blocks", _dequantize_blocks_op, _dequantize_blocks_fake)
+
+
+def _mm_f32_op(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b.T`` of bf16 ``a [M, K]`` and ``b [N, K]`` with FP32 accumulation and an FP32 result (no
     rounding to bf16). CUDA: cuBLAS (``torch.mm(..., out_dtype=torch.float32)``); elsewhere FP32 matmul of
     the upcast operands (exact products of bf16 values, FP32 sums)."""
@@ -147,15 +182,18 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float().t()
 
 
-@mm_f32.register_fake
-def _(a, b):
+def _mm_f32_fake(a, b):
     torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], lambda: "mm_f32: need [M, K], [N, K]")
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
 
 
-@mm_f32.register_kernel("cuda")
-def _(a, b):
+@torch.no_grad()
+def _mm_f32_cuda(a, b):
     return torch.mm(a, b.t(), out_dtype=torch.float32)
+
+
+mm_f32 = _define("mm_f32", _mm_f32_op, _mm_f32_fake)
+register_cuda("mm_f32", _mm_f32_cuda)
 
 
 def _register_cuda_kernels():

@@ -71,6 +71,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
+from .launch import launch
 
 try:
     import triton
@@ -918,8 +919,8 @@ def dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, *, dequant: Optio
     br, bk = (64, 128) if a_codes.is_cuda else (16, 32)
     nblk_a = triton.cdiv(RA, br)
     grid = (nblk_a + triton.cdiv(RB, br), triton.cdiv(2 * KH, bk))
-    _dequant2_kernel[grid](a_codes, a_scales, a16, RA, b_codes, b_scales, b16, RB, KH, nblk_a,
-                           BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
+    launch(_dequant2_kernel, grid, a_codes, a_scales, a16, RA, b_codes, b_scales, b16, RB, KH, nblk_a,
+           BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
     return a16, b16
 
 def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
@@ -935,8 +936,8 @@ def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
         dequant = DEFAULT_DEQUANT if codes.is_cuda else "fp32"
     br, bk = (64, 128) if codes.is_cuda else (16, 32)
     grid = (triton.cdiv(R, br), triton.cdiv(2 * KH, bk))
-    _dequant_kernel[grid](codes, scales, out, R, KH, codes.stride(0), scales.stride(0), out.stride(0),
-                          BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
+    launch(_dequant_kernel, grid, codes, scales, out, R, KH, codes.stride(0), scales.stride(0), out.stride(0),
+           BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
     return out
 
 
@@ -956,7 +957,7 @@ def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     return nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
 
 
-torch.library.register_kernel("fp4compile::gemm", "cuda", _gemm_cuda)
+_ops.register_cuda("gemm", _gemm_cuda)
 
 
 def _dequantize_blocks_cuda(codes, scales):
@@ -965,4 +966,4 @@ def _dequantize_blocks_cuda(codes, scales):
     return dequantize_bf16(codes.contiguous(), scales.contiguous())
 
 
-torch.library.register_kernel("fp4compile::dequantize_blocks", "cuda", _dequantize_blocks_cuda)
+_ops.register_cuda("dequantize_blocks", _dequantize_blocks_cuda)

@@ -929,8 +929,8 @@ def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=
 def _register():
     from .. import ops  # noqa: F401  (defines the ops; idempotent)
 
-    torch.library.register_kernel("fp4compile::quantize", "cuda", _quantize_cuda)
-    torch.library.register_kernel("fp4compile::dequantize", "cuda", _dequantize_cuda)
+    ops.register_cuda("quantize", _quantize_cuda)
+    ops.register_cuda("dequantize", _dequantize_cuda)
 
 
 _register()

@@ -41,6 +41,7 @@ from ..policy import NVFP4, Precision
 from .assign import SITE_KEY
 from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
 from .reuse import QSpec, QuantCache
+from ..ops import _define
 
 GEMM = torch.ops.fp4compile.gemm.default
 DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
@@ -73,16 +74,17 @@ def choose_lowering(M: int, N: int, K: int) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # fresh RHT signs inside the graph
-@torch.library.custom_op("fp4compile::rht_signs", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def rht_signs(like: torch.Tensor, d: int) -> torch.Tensor:
+def _rht_signs_op(like: torch.Tensor, d: int) -> torch.Tensor:
     """A fresh Rademacher vector (float32 ±1, length ``d``) on ``like``'s device. ``like`` only orders the
     draw (after the tensor it rotates is computed, e.g. in the backward for a gradient)."""
-    return (torch.randint(0, 2, (d,), device=like.device) * 2 - 1).to(torch.float32)
+    return torch.randint(0, 2, (d,), device=like.device, dtype=torch.float32).mul_(2.0).sub_(1.0)
 
 
-@rht_signs.register_fake
-def _(like, d):
+def _rht_signs_fake(like, d):
     return like.new_empty((d,), dtype=torch.float32)
+
+
+rht_signs = _define("rht_signs", _rht_signs_op, _rht_signs_fake, tags=(torch.Tag.nondeterministic_seeded,))
 
 
 RHT_SIGNS = torch.ops.fp4compile.rht_signs.default

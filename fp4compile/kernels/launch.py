@@ -1,0 +1,107 @@
+"""Low-overhead launches of plain ``@triton.jit`` kernels on CUDA.
+
+A compiled training step launches ~1300 of fp4compile's Triton kernels. Triton 3.6's ``fn[grid](...)``
+costs ~17 us of host time per launch on the H200 machine (binding every argument, computing the cache key,
+checking globals, building launch metadata); at that rate the default (non-CUDA-graph) step is bound by
+the host. :func:`launch` keeps Triton's compiled kernels but replaces the per-call bookkeeping with one
+dictionary lookup keyed on exactly what Triton specializes a compiled kernel on:
+
+* every tensor argument: its dtype and whether its address is 16-byte aligned;
+* every int argument: whether it equals 1 and whether it is divisible by 16, and whether it fits int32;
+* every float / bool / None argument: its kind;
+* the constexpr and launch-option keyword arguments, by value;
+* the current device.
+
+The first call of each key goes through ``fn[grid](...)`` (which compiles if needed and returns the
+``CompiledKernel``); later calls hand the same argument list to the compiled kernel's launcher directly.
+Launch hooks (profilers that set ``triton.knobs.runtime.launch_enter_hook``) still get their metadata.
+
+Not used on CPU (``TRITON_INTERPRET=1`` has no compiled kernels): there :func:`launch` is ``fn[grid](...)``.
+If the installed Triton's ``CompiledKernel`` lacks the launcher attributes this relies on, the fast path
+switches itself off for the process (:data:`FAST`) and every launch goes through ``fn[grid](...)``.
+Only for kernels that are not autotuned and take no host-side tensor descriptors.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - Triton is a dependency on Linux
+    triton = None
+    _knobs = None
+
+#: the fast path is on (set FP4COMPILE_FAST_LAUNCH=0 to launch every kernel through ``fn[grid](...)``)
+FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+_CACHE: dict = {}
+_PARAMS: dict = {}
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31)
+    if isinstance(a, float):
+        return "f"
+    if a is None:
+        return None
+    return (type(a), a)  # anything else: keyed by value (e.g. a dtype)
+
+
+def _params(fn):
+    """(names of fn's parameters in order, {name: default})."""
+    p = _PARAMS.get(fn)
+    if p is None:
+        names = list(fn.arg_names)
+        defaults = {q.name: q.default for q in fn.params if q.has_default}
+        p = _PARAMS[fn] = (names, defaults)
+    return p
+
+
+def launch(fn, grid, *args, **meta):
+    """``fn[grid](*args, **meta)`` with less host work per call on CUDA (see the module docstring).
+
+    ``args``: the kernel's runtime arguments, positionally, in signature order (the first one a tensor: its
+    device picks the path); ``meta``: constexprs and
+    launch options (``num_warps``, ``enable_fp_fusion``, ...) by keyword. ``grid``: a tuple of 1-3 ints.
+    """
+    global FAST
+    if not FAST or not args[0].is_cuda:
+        return fn[grid](*args, **meta)
+    dev = torch.cuda.current_device()
+    key = (fn, dev, tuple(meta.items()), tuple(_arg_key(a) for a in args))
+    hit = _CACHE.get(key)
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    if hit is None:
+        kernel = fn[grid](*args, **meta)
+        names, defaults = _params(fn)
+        tail = []
+        for name in names[len(args):]:
+            if name in meta:
+                tail.append(meta[name])
+            elif name in defaults:
+                tail.append(defaults[name])
+            else:
+                raise TypeError(f"{fn.__name__}: missing argument {name!r}")
+        try:
+            kernel._init_handles()
+            hit = (kernel, kernel.function, kernel.packed_metadata, tuple(tail))
+        except AttributeError:  # a Triton without this launcher API: Triton's own path from now on
+            FAST = False
+            return kernel
+        _CACHE[key] = hit
+        return kernel
+    kernel, function, packed, tail = hit
+    stream = torch._C._cuda_getCurrentRawStream(dev)  # what Triton itself launches on
+    full = args + tail
+    enter = _knobs.runtime.launch_enter_hook
+    md = kernel.launch_metadata(g, stream, *full) if enter is not None else None
+    kernel.run(g[0], g[1], g[2], stream, function, packed, md, enter, _knobs.runtime.launch_exit_hook, *full)
+    return kernel
