@@ -34,6 +34,7 @@ import triton.language as tl
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import block_max_targets, global_numerator
+from .launch import launch
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
 AMAX_FLUSH = tl.constexpr(_AMAX_FLUSH_PY)
@@ -728,6 +729,8 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
 
 
 def _config(device, config: Optional[dict]) -> dict:
+    if config is None and device.type != "cpu":
+        return CONFIG  # read-only use by the launchers: no per-call copy
     cfg = dict(CONFIG)
     if device.type == "cpu":
         # TRITON_INTERPRET=1: the interpreter runs tl.reduce combine functions (used by tl.flip) in Python,
@@ -785,7 +788,7 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
         R, K, srow, scol, tload = K, R, scol, srow, False
     pre = "ah" if hadamard else "a"
     br, bc = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16)
-    _amax_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
+    launch(_amax_kernel, (triton.cdiv(R, br), triton.cdiv(K, bc)),
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
         TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
         num_warps=cfg[pre + "_warps"],
@@ -798,7 +801,7 @@ def _transpose(x, cfg, want_amax: bool):
     M, N = x.shape
     xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
     am = torch.zeros((), dtype=torch.float32, device=x.device)
-    _transpose_kernel[(triton.cdiv(M, cfg["p_rows"]), triton.cdiv(N, cfg["p_cols"]))](
+    launch(_transpose_kernel, (triton.cdiv(M, cfg["p_rows"]), triton.cdiv(N, cfg["p_cols"])),
         x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
         num_warps=cfg["p_warps"])
     return xt, (am if want_amax else None)
@@ -887,7 +890,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if cfg["q_impl"] == 0:
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
     else:
-        _quantize_kernel[grid](x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales, gscale,
+        launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales, gscale,
                                MAGIC_PACK=_MAGIC_PACK, **args)
     return codes, scales, gscale
 
@@ -909,7 +912,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     if out.numel() == 0:
         return out
     bc = max(cfg["d_cols"], hadamard or 16)
-    _dequantize_kernel[(triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc))](
+    launch(_dequantize_kernel, (triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc)),
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
         HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
         BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))
