@@ -642,6 +642,9 @@ def _get_tma_kernel():
 
 
 _SMS: dict = {}
+#: the autotuner's choice per (M, N, K, out dtype, device, warp_specialize, flatten) of the TMA GEMM: later
+#: calls launch that config directly, skipping the autotuner's per-call work (same kernel, same numerics)
+_TMA_BEST: dict = {}
 
 
 def _num_sms(device) -> int:
@@ -687,6 +690,9 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     on_cuda = a.is_cuda
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
+    tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
+    if config is None:
+        config = _TMA_BEST.get(tuned_key)  # autotuned before: launch its config directly (no autotuner pass)
     dummy = [1, 1]
     if config is not None:
         c = dict(config)
@@ -697,19 +703,23 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
         cd = TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn])
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
-        _bf16_tma_gemm_kernel[(nsm,)](ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
-                                      WARP_SPEC=warp_specialize, FLATTEN=flatten,
-                                      OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else triton.cdiv(K, bk),
-                                      num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
+        launch(_bf16_tma_gemm_kernel, (nsm,), ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn,
+               BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
+               WARP_SPEC=warp_specialize, FLATTEN=flatten,
+               OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else triton.cdiv(K, bk),
+               num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
         return out
     ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
     bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
     cd = TensorDescriptor(out, out.shape, out.stride(), dummy)
     nsm = _num_sms(a.device)
     grid = lambda meta: (min(nsm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
-    _get_tma_kernel()[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
-                            FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
+    kern = _get_tma_kernel()
+    kern[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
+               FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
+    if not torch.cuda.is_current_stream_capturing():
+        best = kern.best_config
+        _TMA_BEST[tuned_key] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
     return out
 
 
@@ -942,15 +952,14 @@ def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
 
 
 def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
-    """Baseline: dequantize both operands to exact bf16 (``dequantize_bf16``), then cuBLAS BF16 GEMM with
-    FP32 output (``torch.mm(..., out_dtype=torch.float32)``), then ``* a_global * b_global`` and the cast.
+    """Baseline: dequantize both operands to exact bf16 (one :func:`dequantize_pair_bf16` launch), then
+    cuBLAS BF16 GEMM with FP32 output (``torch.mm(..., out_dtype=torch.float32)``), then ``* a_global *
+    b_global`` (in place) and the cast.
     Same numerics as :func:`nvfp4_gemm`; costs two bf16 operand copies and an FP32 [M, N] round trip."""
     _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
-    a = dequantize_bf16(a_codes, a_scales)
-    b = dequantize_bf16(b_codes, b_scales)
+    a, b = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
-    return (acc * alpha).to(out_dtype)
+    return acc.mul_(a_global.reshape(()).float() * b_global.reshape(()).float()).to(out_dtype)
 
 
 def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):

@@ -9,6 +9,7 @@ dictionary lookup keyed on exactly what Triton specializes a compiled kernel on:
 * every tensor argument: its dtype and whether its address is 16-byte aligned;
 * every int argument: whether it equals 1 and whether it is divisible by 16, and whether it fits int32;
 * every float / bool / None argument: its kind;
+* every host-side ``TensorDescriptor`` (TMA): its element type, block shape, padding and rank;
 * the constexpr and launch-option keyword arguments, by value;
 * the current device.
 
@@ -19,7 +20,7 @@ Launch hooks (profilers that set ``triton.knobs.runtime.launch_enter_hook``) sti
 Not used on CPU (``TRITON_INTERPRET=1`` has no compiled kernels): there :func:`launch` is ``fn[grid](...)``.
 If the installed Triton's ``CompiledKernel`` lacks the launcher attributes this relies on, the fast path
 switches itself off for the process (:data:`FAST`) and every launch goes through ``fn[grid](...)``.
-Only for kernels that are not autotuned and take no host-side tensor descriptors.
+Only for kernels that are not autotuned (call the chosen config's kernel directly instead).
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def _arg_key(a):
         return "f"
     if a is None:
         return None
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor):  # a host-side TMA TensorDescriptor: compiled per dtype, block, padding
+        return ("desc", base.dtype, tuple(a.block_shape), a.padding, len(a.shape))
     return (type(a), a)  # anything else: keyed by value (e.g. a dtype)
 
 
