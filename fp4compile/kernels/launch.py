@@ -72,12 +72,13 @@ def _params(fn):
 def launch(fn, grid, *args, **meta):
     """``fn[grid](*args, **meta)`` with less host work per call on CUDA (see the module docstring).
 
-    ``args``: the kernel's runtime arguments, positionally, in signature order (the first one a tensor: its
-    device picks the path); ``meta``: constexprs and
+    ``args``: the kernel's runtime arguments, positionally, in signature order (the first one a tensor or a
+    TMA descriptor: its device picks the path); ``meta``: constexprs and
     launch options (``num_warps``, ``enable_fp_fusion``, ...) by keyword. ``grid``: a tuple of 1-3 ints.
     """
     global FAST
-    if not FAST or not args[0].is_cuda:
+    first = args[0]
+    if not FAST or not getattr(first, "base", first).is_cuda:
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
     key = (fn, dev, tuple(meta.items()), tuple(_arg_key(a) for a in args))
