@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from ..formats import nvfp4 as _nvfp4
+from .launch import cdiv
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
 
 try:
@@ -700,7 +701,7 @@ def quantize_many(xs, dequantized) -> list:
     _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
     BT = 32
     tens = [t for s in slots for t in s[:5]]
-    _quant2d_kernel[(triton.cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
+    _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
         *tens, part, NP, *T_, *H_, *N_, *strides, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
         WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], num_warps=4)
     return outs
@@ -744,11 +745,11 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         delta = torch.empty((B, H, T), dtype=torch.float32, device=dev)
         dargs = (do, out, delta)
         st = (do.stride(0), do.stride(1), do.stride(2), out.stride(0), out.stride(1), out.stride(2))
-        n0 = triton.cdiv(T, BT) * B * H
+        n0 = cdiv(T, BT) * B * H
     else:
         delta, B, H, T, n0 = None, 1, 1, 0, 0
         dargs, st = (dummy, dummy, dummy), (0,) * 6
-    nx = max([n0] + [triton.cdiv(sl[3], BT) for sl in slots])
+    nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
     _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, num_warps=4)
     return delta, deqs
 
@@ -848,7 +849,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mas
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, q.device)
     cfg = _fwd_config(D, bool(mask & PV), config)
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
-    grid = (B * H, triton.cdiv(Tq, BM))
+    grid = (B * H, cdiv(Tq, BM))
     _attn_fwd_kernel[grid](qa, ka, va, views.q_global, views.k_global, views.v_global, bias, o, lse,
                            *_st(qa), *_st(ka), *_st(va), *_st(o), *sb, float(scale), H, H // Hkv, Tq, Tk,
                            QK_FP4=bool(mask & QK), PV_FP4=bool(mask & PV), CAUSAL=bool(is_causal),
@@ -899,12 +900,12 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     G = (views.q_global, views.k_global, views.v_global, g_do)
     flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias, D=D)
     tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
-    _attn_bwd_dkdv_kernel[(B * Hkv, triton.cdiv(Tk, BN1))](
+    _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(Tk, BN1))](
         q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,
         *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *tail,
         PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), MASK_M=Tq % BM1 != 0, MASK_N=Tk % BN1 != 0,
         BM=BM1, BN=BN1, **flags, **c1)
-    _attn_bwd_dq_kernel[(B * H, triton.cdiv(Tq, BM2))](
+    _attn_bwd_dq_kernel[(B * H, cdiv(Tq, BM2))](
         q_qk, k_qk, k_ds, v_dov, do_dov, *G, bias, lse, delta, dq,
         *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *tail,
         DSK_FP4=bool(mask & DSK), MASK_M=Tq % BM2 != 0, BM=BM2, BN=BN2, **flags, **c2)

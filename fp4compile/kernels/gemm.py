@@ -71,7 +71,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
-from .launch import launch
+from .launch import cdiv, launch
 
 try:
     import triton
@@ -701,19 +701,19 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
         ad = TensorDescriptor.from_tensor(a, [bm, bk])
         bd = TensorDescriptor.from_tensor(b, [bn, bk])
         cd = TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn])
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        tiles = cdiv(M, bm) * cdiv(N, bn)
         nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
         launch(_bf16_tma_gemm_kernel, (nsm,), ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn,
                BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
                WARP_SPEC=warp_specialize, FLATTEN=flatten,
-               OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else triton.cdiv(K, bk),
+               OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else cdiv(K, bk),
                num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
         return out
     ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
     bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
     cd = TensorDescriptor(out, out.shape, out.stride(), dummy)
     nsm = _num_sms(a.device)
-    grid = lambda meta: (min(nsm, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
+    grid = lambda meta: (min(nsm, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
     kern = _get_tma_kernel()
     kern[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
                FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
@@ -759,16 +759,16 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
     if K == 0 or M == 0 or N == 0:
         return torch.zeros((M, N), device=a.device, dtype=out_dtype)
-    k_tiles = triton.cdiv(K, bk)
+    k_tiles = cdiv(K, bk)
     if split_k is None:
         split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))
     split_k = max(1, min(int(split_k), k_tiles))
-    per = triton.cdiv(k_tiles, split_k)
-    split_k = triton.cdiv(k_tiles, per)                  # no empty split
+    per = cdiv(k_tiles, split_k)
+    split_k = cdiv(k_tiles, per)                  # no empty split
     ws = torch.empty((split_k, M, N), device=a.device, dtype=torch.float32)
     ad = TensorDescriptor.from_tensor(a, [bm, bk])
     bd = TensorDescriptor.from_tensor(b, [bn, bk])
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split_k)
+    grid = (cdiv(M, bm) * cdiv(N, bn), split_k)
     _bf16_tma_splitk_kernel[grid](ad, bd, ws, M, N, per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                   K_ITERS=0 if on_cuda else per, num_warps=c["num_warps"],
                                   num_stages=c["num_stages"])
@@ -878,12 +878,12 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         nw, ns, gm = c.pop("num_warps", 4), c.pop("num_stages", 3), c.pop("GROUP_M", 8)
         if impl == "full":
             c.pop("PREFETCH_S", None)  # the full kernel has no scale prefetch
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        grid = (cdiv(M, bm) * cdiv(N, bn),)
         kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EVEN_K=K % bk == 0,
-                     num_warps=nw, num_stages=ns, K_ITERS=0 if on_cuda else triton.cdiv(K, bk), **c, **flags)
+                     num_warps=nw, num_stages=ns, K_ITERS=0 if on_cuda else cdiv(K, bk), **c, **flags)
         return out
     kern = _get_tuned_kernel(impl)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     # every tuned BLOCK_K divides 128: K % 128 == 0 is EVEN for all of them; otherwise the masked variant
     kern[grid](*args, EVEN_K=K % 128 == 0, **flags)
     return out
@@ -927,8 +927,8 @@ def dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, *, dequant: Optio
     if dequant is None:
         dequant = DEFAULT_DEQUANT if a_codes.is_cuda else "fp32"
     br, bk = (64, 128) if a_codes.is_cuda else (16, 32)
-    nblk_a = triton.cdiv(RA, br)
-    grid = (nblk_a + triton.cdiv(RB, br), triton.cdiv(2 * KH, bk))
+    nblk_a = cdiv(RA, br)
+    grid = (nblk_a + cdiv(RB, br), cdiv(2 * KH, bk))
     launch(_dequant2_kernel, grid, a_codes, a_scales, a16, RA, b_codes, b_scales, b16, RB, KH, nblk_a,
            BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
     return a16, b16
@@ -945,7 +945,7 @@ def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
     if dequant is None:
         dequant = DEFAULT_DEQUANT if codes.is_cuda else "fp32"
     br, bk = (64, 128) if codes.is_cuda else (16, 32)
-    grid = (triton.cdiv(R, br), triton.cdiv(2 * KH, bk))
+    grid = (cdiv(R, br), cdiv(2 * KH, bk))
     launch(_dequant_kernel, grid, codes, scales, out, R, KH, codes.stride(0), scales.stride(0), out.stride(0),
            BLOCK_R=br, BLOCK_K=bk, DEQUANT_ASM=dequant == "asm", num_warps=4)
     return out

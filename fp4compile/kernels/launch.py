@@ -39,24 +39,34 @@ except ImportError:  # pragma: no cover - Triton is a dependency on Linux
 FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 _CACHE: dict = {}
+_I32 = 2 ** 31
 _PARAMS: dict = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints. (``triton.cdiv`` is a Triton constexpr function: called from Python it
+    unwraps its arguments through Triton's machinery, several microseconds per call on a launch path.)"""
+    return -(-a // b)
+
+
 def _arg_key(a):
+    t = type(a)
+    if t is int:
+        return (a == 1, a % 16 == 0, -_I32 <= a < _I32)
+    if t is bool:
+        return ("b", a)
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("b", a)
-    if isinstance(a, int):
-        return ("i", a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31)
-    if isinstance(a, float):
+    if t is float:
         return "f"
     if a is None:
         return None
+    if isinstance(a, int):  # an int subclass: keyed like an int
+        return (int(a) == 1, int(a) % 16 == 0, -_I32 <= int(a) < _I32)
     base = getattr(a, "base", None)
     if isinstance(base, torch.Tensor):  # a host-side TMA TensorDescriptor: compiled per dtype, block, padding
         return ("desc", base.dtype, tuple(a.block_shape), a.padding, len(a.shape))
-    return (type(a), a)  # anything else: keyed by value (e.g. a dtype)
+    return (t, a)  # anything else: keyed by value (e.g. a dtype)
 
 
 def _params(fn):
@@ -81,7 +91,7 @@ def launch(fn, grid, *args, **meta):
     if not FAST or not getattr(first, "base", first).is_cuda:
         return fn[grid](*args, **meta)
     dev = torch.cuda.current_device()
-    key = (fn, dev, tuple(meta.items()), tuple(_arg_key(a) for a in args))
+    key = (fn, dev, tuple(meta.items()), tuple(map(_arg_key, args)))
     hit = _CACHE.get(key)
     g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if hit is None:

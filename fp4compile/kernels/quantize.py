@@ -34,7 +34,7 @@ import triton.language as tl
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import block_max_targets, global_numerator
-from .launch import launch
+from .launch import cdiv, launch
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
 AMAX_FLUSH = tl.constexpr(_AMAX_FLUSH_PY)
@@ -788,7 +788,7 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
         R, K, srow, scol, tload = K, R, scol, srow, False
     pre = "ah" if hadamard else "a"
     br, bc = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16)
-    launch(_amax_kernel, (triton.cdiv(R, br), triton.cdiv(K, bc)),
+    launch(_amax_kernel, (cdiv(R, br), cdiv(K, bc)),
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
         TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
         num_warps=cfg[pre + "_warps"],
@@ -801,7 +801,7 @@ def _transpose(x, cfg, want_amax: bool):
     M, N = x.shape
     xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
     am = torch.zeros((), dtype=torch.float32, device=x.device)
-    launch(_transpose_kernel, (triton.cdiv(M, cfg["p_rows"]), triton.cdiv(N, cfg["p_cols"])),
+    launch(_transpose_kernel, (cdiv(M, cfg["p_rows"]), cdiv(N, cfg["p_cols"])),
         x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
         num_warps=cfg["p_warps"])
     return xt, (am if want_amax else None)
@@ -886,7 +886,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
                 ROUNDING=_ROUNDING_ID[rounding], FOUR_SIX=bool(four_over_six), BLOCK2D=bool(block2d),
                 HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=warps,
                 **opts)
-    grid = (triton.cdiv(R, br), triton.cdiv(K, bc))
+    grid = (cdiv(R, br), cdiv(K, bc))
     if cfg["q_impl"] == 0:
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
     else:
@@ -912,7 +912,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     if out.numel() == 0:
         return out
     bc = max(cfg["d_cols"], hadamard or 16)
-    launch(_dequantize_kernel, (triton.cdiv(R, cfg["d_rows"]), triton.cdiv(K, bc)),
+    launch(_dequantize_kernel, (cdiv(R, cfg["d_rows"]), cdiv(K, bc)),
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
         HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
         BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))

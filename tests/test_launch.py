@@ -1,0 +1,64 @@
+"""kernels.launch: the cached fast launch path keys every compiled-kernel specialization Triton makes."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from fp4compile.kernels import launch as L
+
+
+@given(st.integers(0, 2 ** 40), st.integers(1, 2 ** 20))
+def test_cdiv_is_ceiling_division(a, b):
+    q = L.cdiv(a, b)
+    assert q * b >= a and (q - 1) * b < a
+
+
+def test_arg_key_separates_what_triton_specializes_on():
+    k = L._arg_key
+    assert k(1) != k(17)                      # == 1
+    assert k(16) != k(17) and k(32) == k(48)  # divisibility by 16
+    assert k(2 ** 31 + 16) != k(16)           # int32 vs int64
+    assert k(True) != k(1)
+    x = torch.zeros(64, dtype=torch.uint8)
+    assert k(x) != k(x[1:])                   # 16-byte alignment of the address
+    assert k(x) != k(x.view(torch.int32))     # dtype
+    assert k(x) == k(torch.zeros(64, dtype=torch.uint8))
+    assert k(0.5) == k(2.0) and k(None) is None
+
+
+def test_cpu_tensors_take_tritons_own_path(monkeypatch):
+    calls = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+
+    L.launch(Fake(), (2, 3), torch.zeros(4), 5, BLOCK=16)
+    assert calls == [((2, 3), (calls[0][1][0], 5), {"BLOCK": 16})]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fast_launch_matches_triton_launch():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _axpb(x_ptr, y_ptr, n, a, B: tl.constexpr, ADD: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        m = i < n
+        v = tl.load(x_ptr + i, mask=m) * a
+        if ADD:
+            v = v + 1.0
+        tl.store(y_ptr + i, v, mask=m)
+
+    x = torch.randn(1000, device="cuda")
+    for n, add, off in [(1000, True, 0), (999, False, 1), (1, True, 0), (1000, True, 3)]:
+        xs = x[off:]
+        ref = torch.empty_like(xs)
+        _axpb[(L.cdiv(n, 128),)](xs, ref, n, 2.5, B=128, ADD=add)
+        for _ in range(3):  # the first call compiles through Triton, the next ones take the cached path
+            out = torch.full_like(xs, float("nan"))
+            L.launch(_axpb, (L.cdiv(n, 128),), xs, out, n, 2.5, B=128, ADD=add)
+            torch.testing.assert_close(out[:n], ref[:n], rtol=0, atol=0)
+    keys = [k for k in L._CACHE if k[0] is _axpb]
+    assert len(keys) >= 3  # n = 1 / unaligned offset / ADD each compiled and cached separately
