@@ -153,6 +153,7 @@ BENCH_CASES = [
     ("RTN + RHT128", dict(rounding="rtn", hadamard=128)),
     ("MS-EDEN (no RHT)", dict(rounding="ms_eden")),
     ("MS-EDEN + RHT128", dict(rounding="ms_eden", hadamard=128)),
+    ("MS-EDEN + RHT128, e_impl 0 (block/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 0})),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
     ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
@@ -162,7 +163,7 @@ BENCH_CASES = [
 ]
 #: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
 REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN (no RHT)", "MS-EDEN + RHT128",
-           "RTN, transposed", "MS-EDEN + RHT128, transposed")
+           "MS-EDEN + RHT128, e_impl 0 (block/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
 def run_case(x, case, config=None):
@@ -197,8 +198,10 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
                 (128, 512, 16, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
-               [{}] + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in
-                       [(8, 256, 2), (32, 256, 8), (16, 512, 8), (16, 128, 2), (32, 128, 4)]]
+               [{}] + [dict(c_rows=r, c_cols=c, c_warps=w) for r, c, w in
+                       [(16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8), (16, 1024, 4)]]
+               + [dict(e_impl=0, e_rows=r, e_cols=c, e_warps=w) for r, c, w in
+                  [(16, 256, 4), (8, 256, 2), (32, 256, 8), (16, 128, 2)]]
                + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4), (64, 64, 8)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
@@ -277,8 +280,14 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
     p2 = lambda: K._eden_pass2_kernel[(triton.cdiv(R, cfg["f_rows"]), triton.cdiv(nbk, cfg["f_cols"]))](  # noqa
         scratch, smax, seed, scales, g, R, nbk, BLOCK2D=False, BR=cfg["f_rows"], BN=cfg["f_cols"],
         num_warps=cfg["f_warps"], **K._launch_opts(x.device))
+    cb, cc = cfg["c_rows"], cfg["c_cols"]
+    p1c = lambda: K._eden_pass1_chunk_kernel[(triton.cdiv(R, cb), triton.cdiv(Kd, cc))](  # noqa: E731
+        x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
+        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=cb, BC=cc, MAGIC_PACK=K._MAGIC_PACK,
+        num_warps=cfg["c_warps"], **K._launch_opts(x.device))
     ne = x.numel()
-    for name, fn, nbytes in [(f"MS-EDEN+RHT{hadamard} pass 1 only", p1, ne * 2 + ne // 2 + ne // 4),
+    for name, fn, nbytes in [(f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 0)", p1, ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 1)", p1c, ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 2 only", p2, ne // 4 + ne // 16)]:
         ms = bench_ms(fn)
         rows.append({"shape": list(x.shape), "case": name, "us": ms * 1e3,
@@ -295,7 +304,7 @@ def bench(rows, copy_bw, eager=True, only=None):
             if only and name not in only:
                 continue
             try:
-                ms = bench_ms(run_case(x, case))
+                ms = bench_ms(run_case(x, case, case.get("config")))
             except Exception as e:  # noqa: BLE001 (a failing case is logged; the table goes on)
                 log(f"{shape} {name}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue

@@ -112,6 +112,9 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("heavy", (40, 96), "ms_eden", False, False, 32, False, {"e_rows": 32, "e_cols": 64, "f_rows": 16, "f_cols": 4}),
     ("floor", (16, 64), "ms_eden", False, False, 0, False),
     ("tinylive", (16, 64), "ms_eden", False, False, 0, False),
+    # MS-EDEN + RHT-128 pass 1: a block per thread (e_impl 0) and a 128-chunk per thread (1) with partial tiles
+    ("heavy", (16, 256), "ms_eden", False, False, 128, False, {"e_impl": 0}),
+    ("floor", (24, 384), "ms_eden", False, False, 128, False, {"e_impl": 1, "c_rows": 8, "c_cols": 256, "c_warps": 2}),
 ]
 
 
@@ -189,6 +192,20 @@ def test_gpu_bit_exact_large(case):
     x = data("heavy", (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
     got, ref = run_both(x, r, f46, b2, h, tr)
     assert_same(got, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2}], ids=str)
+def test_gpu_ms_eden_pass1_variants(cfg):
+    """Both MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread) on ragged shapes."""
+    from fp4compile.kernels import quantize as K
+
+    for shape, dt in [((1000, 1920), torch.bfloat16), ((77, 3072), torch.bfloat16)]:
+        x = data("heavy", shape, seed=5).to(dt)
+        got = K.quantize(x.cuda(), "ms_eden", hadamard=128, signs=SIGNS.cuda(), seed=SEED.cuda(), config=cfg)
+        ref = ops._quantize_reference(x, "ms_eden", False, False, 128, SIGNS, SEED, False)
+        assert_same([g.cpu() for g in got], ref, (cfg, shape, dt))
 
 
 @pytest.mark.gpu

@@ -692,6 +692,138 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
 
 
 @triton.jit
+def _c_half(x_ptr, base, j: tl.constexpr, mask, signs_ptr, C: tl.constexpr):
+    """Half-block ``j`` (elements 8j..8j+7) of every 128-chunk, [C, 8] FP32 (16 contiguous bytes per thread),
+    with the signs and the butterfly stages h = 1, 2, 4 applied in registers (as :func:`_rht_halves`)."""
+    y = tl.load(x_ptr + base[:, None] + (j * 8 + tl.arange(0, 8))[None, :], mask=mask, other=0.0).to(tl.float32)
+    sa, sb = tl.split(tl.reshape(tl.load(signs_ptr + j * 8 + tl.arange(0, 8)), (4, 2)))
+    a, b = tl.split(tl.reshape(y, (C, 4, 2)))
+    p = a * sa[None, :]
+    y = tl.reshape(tl.join(tl.fma(b, sb[None, :], p), tl.fma(b, -sb[None, :], p)), (C, 8))
+    y = tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 2), (C, 8))
+    return tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 4), (C, 8))
+
+
+@triton.jit
+def _bf(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _c_block(lo, hi, VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr, C: tl.constexpr,
+             MAGIC_PACK: tl.constexpr):
+    """The per-block MS-EDEN pass-1 math of :func:`_eden_pass1_kernel` for one 16-block held as two [C, 8]
+    halves: (low word, high word, S') per chunk."""
+    a_z = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    a_y = a_z * NORM
+    live = a_y >= AMAX_FLUSH
+    enc = tl.where(live, tl.math.div_rn(VAL_MAX, tl.where(live, a_z, 1.0)), 0.0)
+    alo = tl.reshape(tl.abs(lo) * enc[:, None], (C, 1, 8))
+    ahi = tl.reshape(tl.abs(hi) * enc[:, None], (C, 1, 8))
+    mlo = _e2m1_mag_magic_le7(alo)
+    mhi = _e2m1_mag_magic_le7(ahi)
+    num = tl.reshape(_tree2(alo * alo, ahi * ahi, C, 1), (C,))
+    den = tl.reshape(_tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), C, 1), (C,))
+    c = tl.where(live, tl.math.div_rn(num, tl.where(live, den, 1.0)), 0.0)
+    wlo = tl.reshape(_pack_magic(mlo, tl.reshape(lo, (C, 1, 8)), MAGIC_PACK), (C,))
+    whi = tl.reshape(_pack_magic(mhi, tl.reshape(hi, (C, 1, 8)), MAGIC_PACK), (C,))
+    return tl.where(live, wlo, 0), tl.where(live, whi, 0), c * (a_y * INV_VAL_MAX)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, C: tl.constexpr):
+    """Eight [C] tensors -> [C, 8] (column k = vk), by joins (in registers) and one permute."""
+    t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    return tl.reshape(tl.permute(t, (0, 3, 2, 1)), (C, 8))
+
+
+@triton.jit
+def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+                             VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
+                             BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """:func:`_eden_pass1_kernel` for RHT-128 on contiguous rows (``CONFIG["e_impl"] = 1``), 1x16 blocks: one
+    thread per 128-element chunk held as 16 separate [C, 8] half-blocks, so the butterfly stages across halves
+    and blocks (h = 8 ... 64) are plain register ops between tensors, no warp shuffles (a shuffle issues at a
+    quarter of the FP32 rate). Same arithmetic in the same order as the reference, same bytes."""
+    CPR: tl.constexpr = BC // 128
+    C: tl.constexpr = BR * CPR
+    f = tl.arange(0, C)
+    rows = tl.program_id(0) * BR + f // CPR
+    col0 = tl.program_id(1) * BC + (f % CPR) * 128
+    live_c = (rows < R) & (col0 < K)
+    base = rows.to(tl.int64) * srow + col0
+    mask = live_c[:, None]
+    h0 = _c_half(x_ptr, base, 0, mask, signs_ptr, C)
+    h1 = _c_half(x_ptr, base, 1, mask, signs_ptr, C)
+    h2 = _c_half(x_ptr, base, 2, mask, signs_ptr, C)
+    h3 = _c_half(x_ptr, base, 3, mask, signs_ptr, C)
+    h4 = _c_half(x_ptr, base, 4, mask, signs_ptr, C)
+    h5 = _c_half(x_ptr, base, 5, mask, signs_ptr, C)
+    h6 = _c_half(x_ptr, base, 6, mask, signs_ptr, C)
+    h7 = _c_half(x_ptr, base, 7, mask, signs_ptr, C)
+    h8 = _c_half(x_ptr, base, 8, mask, signs_ptr, C)
+    h9 = _c_half(x_ptr, base, 9, mask, signs_ptr, C)
+    h10 = _c_half(x_ptr, base, 10, mask, signs_ptr, C)
+    h11 = _c_half(x_ptr, base, 11, mask, signs_ptr, C)
+    h12 = _c_half(x_ptr, base, 12, mask, signs_ptr, C)
+    h13 = _c_half(x_ptr, base, 13, mask, signs_ptr, C)
+    h14 = _c_half(x_ptr, base, 14, mask, signs_ptr, C)
+    h15 = _c_half(x_ptr, base, 15, mask, signs_ptr, C)
+    # butterfly stage h = 8: half j with half j ^ 1
+    h0, h1 = _bf(h0, h1)
+    h2, h3 = _bf(h2, h3)
+    h4, h5 = _bf(h4, h5)
+    h6, h7 = _bf(h6, h7)
+    h8, h9 = _bf(h8, h9)
+    h10, h11 = _bf(h10, h11)
+    h12, h13 = _bf(h12, h13)
+    h14, h15 = _bf(h14, h15)
+    # butterfly stage h = 16: half j with half j ^ 2
+    h0, h2 = _bf(h0, h2)
+    h1, h3 = _bf(h1, h3)
+    h4, h6 = _bf(h4, h6)
+    h5, h7 = _bf(h5, h7)
+    h8, h10 = _bf(h8, h10)
+    h9, h11 = _bf(h9, h11)
+    h12, h14 = _bf(h12, h14)
+    h13, h15 = _bf(h13, h15)
+    # butterfly stage h = 32: half j with half j ^ 4
+    h0, h4 = _bf(h0, h4)
+    h1, h5 = _bf(h1, h5)
+    h2, h6 = _bf(h2, h6)
+    h3, h7 = _bf(h3, h7)
+    h8, h12 = _bf(h8, h12)
+    h9, h13 = _bf(h9, h13)
+    h10, h14 = _bf(h10, h14)
+    h11, h15 = _bf(h11, h15)
+    # butterfly stage h = 64: half j with half j ^ 8
+    h0, h8 = _bf(h0, h8)
+    h1, h9 = _bf(h1, h9)
+    h2, h10 = _bf(h2, h10)
+    h3, h11 = _bf(h3, h11)
+    h4, h12 = _bf(h4, h12)
+    h5, h13 = _bf(h5, h13)
+    h6, h14 = _bf(h6, h14)
+    h7, h15 = _bf(h7, h15)
+    w0, w1, s0 = _c_block(h0, h1, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w2, w3, s1 = _c_block(h2, h3, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w4, w5, s2 = _c_block(h4, h5, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w6, w7, s3 = _c_block(h6, h7, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w8, w9, s4 = _c_block(h8, h9, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w10, w11, s5 = _c_block(h10, h11, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w12, w13, s6 = _c_block(h12, h13, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w14, w15, s7 = _c_block(h14, h15, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w = tl.join(_join8(w0, w1, w2, w3, w4, w5, w6, w7, C), _join8(w8, w9, w10, w11, w12, w13, w14, w15, C))
+    w = tl.reshape(tl.permute(w, (0, 2, 1)), (C, 16))  # word 2b + half of block b
+    sc = _join8(s0, s1, s2, s3, s4, s5, s6, s7, C)
+    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 16)[None, :], w,
+             mask=mask)
+    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 8)[None, :], sc,
+             mask=mask)
+    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+
+
+@triton.jit
 def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, R, NBK,
                        BLOCK2D: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on a [BR, BN] tile of the [R, K/16] scales:
@@ -786,12 +918,18 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
 #: MS-EDEN (post hoc range alignment, :func:`_quantize_eden`): ``e_*`` pass 1 over x (16x256, 4 warps, the tile
 #: of the former RHT quantize kernel; ``t_*`` for the in-kernel transposed paths), ``f_*`` pass 2 over the
-#: [R, K/16] FP32 block scales. ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN.
+#: [R, K/16] FP32 block scales. ``e_impl`` 1: for RHT-128 on contiguous rows with 1x16 blocks, pass 1 gives each
+#: thread a whole 128-chunk (:func:`_eden_pass1_chunk_kernel`, tiles ``c_*``: rows x columns, c_rows * c_cols / 128
+#: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
+#: between lanes). Chosen from the SASS of both compiled for sm_90 (16384x8192 not yet timed when set): e_impl 1
+#: 35 instructions per element and no SHFL (254 registers, no spills), e_impl 0 48 per element incl. 3.3 SHFL.
+#: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
+          "e_impl": 1, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
@@ -980,10 +1118,17 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
     if block2d:
         br = max(16, br // 16 * 16)
     opts = _launch_opts(dev)
-    _eden_pass1_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
-        x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
-        INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
-        RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, num_warps=warps, **opts)
+    if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1:
+        br, bc = cfg["c_rows"], cfg["c_cols"]
+        _eden_pass1_chunk_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
+            x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
+            INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK,
+            num_warps=cfg["c_warps"], **opts)
+    else:
+        _eden_pass1_kernel[(triton.cdiv(R, br), triton.cdiv(K, bc))](
+            x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
+            INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
+            RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, num_warps=warps, **opts)
     nbk = K // 16
     _eden_pass2_kernel[(triton.cdiv(R, cfg["f_rows"]), triton.cdiv(nbk, cfg["f_cols"]))](
         scratch, smax, seed, scales, gscale, R, nbk, BLOCK2D=bool(block2d), BR=cfg["f_rows"], BN=cfg["f_cols"],
