@@ -153,7 +153,7 @@ BENCH_CASES = [
     ("RTN + RHT128", dict(rounding="rtn", hadamard=128)),
     ("MS-EDEN (no RHT)", dict(rounding="ms_eden")),
     ("MS-EDEN + RHT128", dict(rounding="ms_eden", hadamard=128)),
-    ("MS-EDEN + RHT128, e_impl 0 (block/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 0})),
+    ("MS-EDEN + RHT128, e_impl 1 (chunk/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 1})),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
     ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
@@ -163,7 +163,7 @@ BENCH_CASES = [
 ]
 #: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
 REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN (no RHT)", "MS-EDEN + RHT128",
-           "MS-EDEN + RHT128, e_impl 0 (block/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
+           "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
 def run_case(x, case, config=None):
@@ -198,11 +198,13 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
                 (128, 512, 16, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
-               [{}] + [dict(c_rows=r, c_cols=c, c_warps=w) for r, c, w in
-                       [(16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8), (16, 1024, 4)]]
-               + [dict(e_impl=0, e_rows=r, e_cols=c, e_warps=w) for r, c, w in
-                  [(16, 256, 4), (8, 256, 2), (32, 256, 8), (16, 128, 2)]]
+               [{}] + [dict(e_impl=1, c_rows=r, c_cols=c, c_warps=w) for r, c, w in
+                       [(32, 512, 4), (16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8)]]
                + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4), (64, 64, 8)]]),
+    "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
+                [{}] + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in [(8, 256, 2), (32, 256, 8), (16, 128, 2),
+                                                                            (16, 512, 8)]]
+                + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
                    + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),

@@ -839,17 +839,21 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
     live = m > 0
     gs = tl.where(live, m * 0.00390625, 0.0)
     r = tl.math.div_rn(s, tl.where(live, gs, 1.0))
+    # lower E4M3 neighbour (r truncated), its code and 1 / (hi - lo), from r's bit pattern: r >= 2^-6 keeps the
+    # exponent and 3 mantissa bits (step 2^(e - 3), its reciprocal's bits 0x7F000000 - step's bits); below, the
+    # subnormal grid of 2^-9 (r * 512 is exact). Both branches are exact.
     bits = r.to(tl.int32, bitcast=True)
-    code = tl.where(r < 0.015625, (r * 512.0).to(tl.int32), (bits >> 20) - 960)
-    lo = _e4m3_value(code)
-    step = _e4m3_value(code + 1) - lo
-    inv_step = (0x7F000000 - step.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    normal = r >= 0.015625
+    code = tl.where(normal, (bits >> 20) - 960, (r * 512.0).to(tl.int32))
+    lo = tl.where(normal, (bits & -1048576).to(tl.float32, bitcast=True), code.to(tl.float32) * 0.001953125)
+    inv_step = tl.where(normal, (0x7F000000 - ((bits & 0x7F800000) - 0x1800000)).to(tl.float32, bitcast=True), 512.0)
     p = (r - lo) * inv_step
     k0, k1 = _seed_keys(seed_ptr)
     brow = rows
     if BLOCK2D:
         brow = rows - rows % 16
-    u = _uniform(k0, k1, brow.to(tl.int64)[:, None] * NBK + cols[None, :])
+    # the flat block index mod 2^32 (int32 wrap-around, reinterpreted as uint32)
+    u = _uniform32(k0, k1, (brow[:, None] * NBK + cols[None, :]).to(tl.uint32, bitcast=True))
     code = tl.where(u < p, code + 1, code)
     tl.store(scales_ptr + off, code.to(tl.uint8), mask=mask)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -921,15 +925,16 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: [R, K/16] FP32 block scales. ``e_impl`` 1: for RHT-128 on contiguous rows with 1x16 blocks, pass 1 gives each
 #: thread a whole 128-chunk (:func:`_eden_pass1_chunk_kernel`, tiles ``c_*``: rows x columns, c_rows * c_cols / 128
 #: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
-#: between lanes). Chosen from the SASS of both compiled for sm_90 (16384x8192 not yet timed when set): e_impl 1
-#: 35 instructions per element and no SHFL (254 registers, no spills), e_impl 0 48 per element incl. 3.3 SHFL.
+#: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
+#: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
+#: 254 registers per thread (8 warps per SM) against 96.
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
-          "e_impl": 1, "c_rows": 32, "c_cols": 512, "c_warps": 4,
+          "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
