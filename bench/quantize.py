@@ -340,7 +340,8 @@ def bench(rows, copy_bw, eager=True, only=None):
 
 
 def table(rows):
-    log("\n| shape | case | us | fraction of copy BW (logical bytes) | (actual bytes: + amax pass, scratch, transposing copy) |")
+    log("\n| shape | case | us | fraction of copy BW (logical bytes) "
+        "| (actual bytes: + amax pass, scratch, transposing copy) |")
     log("|---|---|---|---|---|")
     for r in rows:
         act = f"{r['frac_copy_actual']:.2f}" if "frac_copy_actual" in r else "-"
