@@ -8,7 +8,10 @@
           bandwidth measured in the same run. Kernel times come from CUDA-graph replay
           (``triton.testing.do_bench_cudagraph``: no Python launch overhead). Bytes counted two ways:
             logical = read x once (2 B/elem) + write codes (0.5 B/elem) + scales (1/16 B/elem);
-            actual  = logical + the second read of x by the amax pass (the global scale needs max|x| first).
+            actual  = logical + what the implementation moves on top: RTN/SR the second read of x by the amax
+                      pass (the global scale needs max|x| first); MS-EDEN the FP32 block-scale scratch written
+                      by pass 1 and read back by pass 2 (4 + 4 B per 16 elements); transposed (t_impl 2) the
+                      transposing copy (read x + write x.T; it also carries the amax of RTN/SR without RHT).
           The copy reference moves 2x the bytes of x (read + write). Also the naive torch-eager reference
           (``fp4compile.formats.nvfp4.quantize`` on the GPU) for contrast.
 --sweep   try a few tile configurations of the quantize kernel and use the fastest.
@@ -55,7 +58,8 @@ QUICK_CASES = [("rtn", False, False, 0, False), ("rtn", True, False, 0, False), 
                ("rtn", False, True, 0, False), ("rtn", False, False, 16, False), ("rtn", False, False, 128, True),
                ("rtn", False, False, 0, True), ("sr", False, False, 0, False), ("sr", True, True, 16, False),
                ("sr", False, False, 0, True), ("ms_eden", False, False, 128, False),
-               ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True)]
+               ("ms_eden", False, True, 128, True), ("ms_eden", False, False, 128, True),
+               ("ms_eden", False, False, 0, False), ("ms_eden", False, True, 16, False)]
 #: configs checked beside the default on the quick list (each only where it changes the code path)
 QUICK_CONFIGS = [None, {"t_impl": 0}, {"t_impl": 1}, {"q_cols": 256, "s_cols": 512}]
 
@@ -106,7 +110,7 @@ def check(out_rows, quick=False, configs=(None,)):
                          "mismatches": nmis})
         if not ok:
             log(f"MISMATCH quantize {shape} {kind} {r} 4/6={f} 2d={b2} had={h} T={tr} config={cfg}: {nmis}")
-    for r, h in [("rtn", 0), ("ms_eden", 128)]:  # the single-pass mode with the true amax = the default
+    for r, h in [("rtn", 0), ("sr", 128)]:  # the single-pass mode with the true amax = the default
         x = make_input(CHECK_SHAPE, "heavy").to(DEV)
         sg = signs[:h].to(DEV) if h else None
         got = K.quantize(x, r, hadamard=h, signs=sg, seed=seed.to(DEV), amax=K.amax(x, h, sg))
@@ -146,14 +150,20 @@ BENCH_CASES = [
     ("RTN + RHT16", dict(rounding="rtn", hadamard=16)),
     ("SR", dict(rounding="sr")),
     ("SR 4/6", dict(rounding="sr", four_over_six=True)),
+    ("RTN + RHT128", dict(rounding="rtn", hadamard=128)),
+    ("MS-EDEN (no RHT)", dict(rounding="ms_eden")),
     ("MS-EDEN + RHT128", dict(rounding="ms_eden", hadamard=128)),
+    ("MS-EDEN + RHT128, e_impl 1 (chunk/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 1})),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
     ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
     # single pass with a given global amax (delayed scaling): not the default op's number, a separate row
     ("RTN, given amax (1 pass)", dict(rounding="rtn", given_amax=True)),
-    ("MS-EDEN + RHT128, given amax (1 pass)", dict(rounding="ms_eden", hadamard=128, given_amax=True)),
+    ("RTN + RHT128, given amax (1 pass)", dict(rounding="rtn", hadamard=128, given_amax=True)),
 ]
+#: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
+REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN (no RHT)", "MS-EDEN + RHT128",
+           "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
 def run_case(x, case, config=None):
@@ -168,8 +178,17 @@ def run_case(x, case, config=None):
 
 
 def case_bytes(ne, case):
+    """(logical, actual) bytes of one quantize (module docstring)."""
     logical = ne * 2 + ne // 2 + ne // 16
-    return logical, logical + (0 if case.get("given_amax") else ne * 2)
+    extra = 0
+    tr = case.get("transpose", False) and K.CONFIG["t_impl"] == 2
+    if tr:
+        extra += 4 * ne                      # transposing copy: read x, write x.T
+    if case.get("rounding") == "ms_eden":
+        extra += ne // 2                     # FP32 S' scratch: 4 B written + 4 B read per 16 elements
+    elif not case.get("given_amax") and not (tr and not case.get("hadamard")):
+        extra += 2 * ne                      # the amax pass reads x again
+    return logical, logical + extra
 
 
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
@@ -179,10 +198,13 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
                 (128, 512, 16, 2)]]),
     "had128": (dict(rounding="ms_eden", hadamard=128),
-               [{}, dict(q_impl=0, a_impl=0)]
-               + [dict(r_rows=r, r_cols=c, r_warps=w, ah_rows=ar, ah_cols=ac, ah_warps=aw)
-                  for r, c, w, ar, ac, aw in [(16, 256, 4, 16, 512, 4), (16, 256, 4, 32, 512, 8),
-                                              (16, 256, 4, 64, 256, 8), (8, 256, 2, 32, 256, 4)]]),
+               [{}] + [dict(e_impl=1, c_rows=r, c_cols=c, c_warps=w) for r, c, w in
+                       [(32, 512, 4), (16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8)]]
+               + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4), (64, 64, 8)]]),
+    "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
+                [{}] + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in [(8, 256, 2), (32, 256, 8), (16, 128, 2),
+                                                                            (16, 512, 8)]]
+                + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
                    + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
@@ -209,7 +231,8 @@ def sweep(x, copy_bw, rows, only=None, save=lambda: None):
                 ms = bench_ms(run_case(x, case, cfg), rep=25)
                 h = case.get("hadamard", 0)
                 sg = torch.ones(h, device=DEV) if h else None
-                ms_a = bench_ms(lambda: K.amax(x, h, sg, case.get("transpose", False), config=cfg), rep=15)
+                ms_a = 0.0 if case.get("rounding") == "ms_eden" else bench_ms(  # MS-EDEN has no amax pass
+                    lambda: K.amax(x, h, sg, case.get("transpose", False), config=cfg), rep=15)
             except Exception as e:  # noqa: BLE001 (a config that does not compile is just skipped)
                 log(f"sweep {name} {cfg}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue
@@ -236,13 +259,54 @@ def copy_bandwidth():
     return copy_bw
 
 
-def bench(rows, copy_bw, eager=True):
+def eden_passes(rows, x, copy_bw, hadamard=128):
+    """Pass 1 (x -> codes + FP32 scratch + max) and pass 2 (scratch -> E4M3 scales) of MS-EDEN timed apart."""
+    import triton
+
+    R, Kd = x.shape
+    cfg = K._config(x.device, None)
+    sg = (torch.randint(0, 2, (hadamard,), device=DEV) * 2 - 1).float() if hadamard else K._dummy("signs", DEV)
+    seed = torch.tensor(7, dtype=torch.int64, device=DEV)
+    codes = torch.empty((R, Kd // 2), dtype=torch.uint8, device=DEV)
+    scales = torch.empty((R, Kd // 16), dtype=torch.uint8, device=DEV)
+    g = torch.empty((), dtype=torch.float32, device=DEV)
+    scratch = torch.empty((R, Kd // 16), dtype=torch.float32, device=DEV)
+    smax = torch.zeros((), dtype=torch.float32, device=DEV)
+    br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
+    p1 = lambda: K._eden_pass1_kernel[(triton.cdiv(R, br), triton.cdiv(Kd, bc))](  # noqa: E731
+        x, x.stride(0), x.stride(1), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
+        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard, NORM=K._norm(hadamard),
+        RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br, BC=bc, MAGIC_PACK=K._MAGIC_PACK, num_warps=cfg["e_warps"],
+        **K._launch_opts(x.device))
+    nbk = Kd // 16
+    p2 = lambda: K._eden_pass2_kernel[(triton.cdiv(R, cfg["f_rows"]), triton.cdiv(nbk, cfg["f_cols"]))](  # noqa
+        scratch, smax, seed, scales, g, R, nbk, BLOCK2D=False, BR=cfg["f_rows"], BN=cfg["f_cols"],
+        num_warps=cfg["f_warps"], **K._launch_opts(x.device))
+    cb, cc = cfg["c_rows"], cfg["c_cols"]
+    p1c = lambda: K._eden_pass1_chunk_kernel[(triton.cdiv(R, cb), triton.cdiv(Kd, cc))](  # noqa: E731
+        x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
+        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=cb, BC=cc, MAGIC_PACK=K._MAGIC_PACK,
+        num_warps=cfg["c_warps"], **K._launch_opts(x.device))
+    ne = x.numel()
+    for name, fn, nbytes in [(f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 0)", p1, ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 1)", p1c, ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 2 only", p2, ne // 4 + ne // 16)]:
+        ms = bench_ms(fn)
+        rows.append({"shape": list(x.shape), "case": name, "us": ms * 1e3,
+                     "frac_copy_logical": nbytes / ms / 1e6 / copy_bw})
+        log(f"{tuple(x.shape)} {name:40s} {ms * 1e3:8.1f} us  its own bytes {rows[-1]['frac_copy_logical']:.2f} "
+            f"of copy BW")
+
+
+def bench(rows, copy_bw, eager=True, only=None):
     for shape in BENCH_SHAPES:
         x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
         ne = x.numel()
         for name, case in BENCH_CASES:
+            if only and name not in only:
+                continue
             try:
-                ms = bench_ms(run_case(x, case))
+                ms = bench_ms(run_case(x, case, case.get("config")))
             except Exception as e:  # noqa: BLE001 (a failing case is logged; the table goes on)
                 log(f"{shape} {name}: failed {type(e).__name__}: {str(e)[:300]}")
                 continue
@@ -253,6 +317,10 @@ def bench(rows, copy_bw, eager=True):
             rows.append(row)
             log(f"{shape} {name:40s} {ms * 1e3:8.1f} us  logical {row['frac_copy_logical']:.2f}  "
                 f"actual {row['frac_copy_actual']:.2f} of copy BW")
+        try:
+            eden_passes(rows, x, copy_bw)
+        except Exception as e:  # noqa: BLE001
+            log(f"{shape} MS-EDEN pass breakdown: failed {type(e).__name__}: {str(e)[:300]}")
         if not eager:
             continue
         import triton.testing
@@ -272,7 +340,8 @@ def bench(rows, copy_bw, eager=True):
 
 
 def table(rows):
-    log("\n| shape | case | us | fraction of copy BW (logical bytes) | (actual bytes incl. amax pass) |")
+    log("\n| shape | case | us | fraction of copy BW (logical bytes) "
+        "| (actual bytes: + amax pass, scratch, transposing copy) |")
     log("|---|---|---|---|---|")
     for r in rows:
         act = f"{r['frac_copy_actual']:.2f}" if "frac_copy_actual" in r else "-"
@@ -286,6 +355,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweeps", default="", help="comma-separated subset of the sweeps (default: all)")
     ap.add_argument("--no-eager", action="store_true", help="skip the torch-eager reference rows")
+    ap.add_argument("--reduced", action="store_true", help="bench only the REDUCED rows (MS-EDEN and RTN)")
     ap.add_argument("--quick", action="store_true", help="check a subset of cases, under each QUICK_CONFIGS entry")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -311,7 +381,10 @@ def main():
         result["copy_GBps"] = copy_bw
     if args.bench:
         result["bench"] = []
-        bench(result["bench"], copy_bw, eager=not args.no_eager)
+        if args.reduced:  # the large shape first: a timeout still leaves the number that matters
+            global BENCH_SHAPES
+            BENCH_SHAPES = sorted(BENCH_SHAPES, key=lambda sh: -sh[0] * sh[1])
+        bench(result["bench"], copy_bw, eager=not args.no_eager, only=REDUCED if args.reduced else None)
         save()
         table(result["bench"])
     if args.sweep:

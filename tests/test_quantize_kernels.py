@@ -33,6 +33,17 @@ def data(kind, shape, seed=0):
         x = torch.zeros(shape)
         x[-1, -1] = 1.401298464324817e-45
         x[0, 0] = -7e-31
+    elif kind == "floor":  # MS-EDEN's per-block floor: blocks just below / at / above AMAX_FLUSH, subnormals
+        x[0, :16] = 7e-31
+        x[1, :16] = 2.0 ** -100
+        x[2, :16] = 1e-29
+        x[3, 16:32] = 1.401298464324817e-45
+        x[4, :] = 0.0
+    elif kind == "tinylive":  # one live block at the floor's edge sets max S': global ~2^-111, still normal
+        x = torch.zeros(shape)
+        x[0, :16] = 2.0 ** -99 * torch.randn(16, generator=g)
+        x[0, 3] = 2.0 ** -99
+        x[5, 16:32] = 1e-44
     elif kind == "special":  # zero blocks, -0.0, an underflowing block, exact E2M1 midpoints
         x[0, :16] = 0.0
         x[1, :16] = -0.0
@@ -84,7 +95,7 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     # the first kernel version (q_impl=0), kept for comparison
     ("heavy", (32, 256), "rtn", True, True, 16, False, {"q_impl": 0}),
     ("gauss", (32, 256), "sr", True, False, 0, False, {"q_impl": 0}),
-    ("heavy", (128, 32), "ms_eden", False, False, 128, True, {"q_impl": 0, "t_impl": 1}),
+    ("heavy", (128, 32), "sr", False, False, 128, True, {"q_impl": 0, "t_impl": 1}),
     # tiles with partial edges; the transposed-path tiles
     ("wide", (40, 80), "rtn", False, False, 0, False, {"q_rows": 32, "q_cols": 128}),
     ("wide", (48, 256), "sr", False, False, 0, False, {"a_impl": 2, "a_rows": 32}),  # amax pass on halves
@@ -94,6 +105,16 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("wide", (64, 48), "rtn", True, False, 0, True, {"t_impl": 0}),
     ("wide", (96, 80), "rtn", True, False, 0, True, {"t_impl": 2, "p_rows": 32, "p_cols": 64}),
     ("heavy", (128, 48), "ms_eden", False, False, 128, True, {"t_impl": 2, "p_rows": 64, "p_cols": 32}),
+    # MS-EDEN: no RHT, 2D tiles with RHT-16 and the flip butterfly, partial tiles of both passes, and
+    # blocks below the AMAX_FLUSH floor beside live ones ("special" row 2 is 1e-30: live, tiny E4M3 scales)
+    ("wide", (32, 256), "ms_eden", False, False, 0, False),
+    ("heavy", (32, 128), "ms_eden", False, True, 16, False, {"rht_impl": 1}),
+    ("heavy", (40, 96), "ms_eden", False, False, 32, False, {"e_rows": 32, "e_cols": 64, "f_rows": 16, "f_cols": 4}),
+    ("floor", (16, 64), "ms_eden", False, False, 0, False),
+    ("tinylive", (16, 64), "ms_eden", False, False, 0, False),
+    # MS-EDEN + RHT-128 pass 1: a block per thread (e_impl 0) and a 128-chunk per thread (1) with partial tiles
+    ("heavy", (16, 256), "ms_eden", False, False, 128, False, {"e_impl": 0}),
+    ("floor", (24, 384), "ms_eden", False, False, 128, False, {"e_impl": 1, "c_rows": 8, "c_cols": 256, "c_warps": 2}),
 ]
 
 
@@ -149,6 +170,8 @@ def test_launcher_errors():
         K.quantize(torch.ones(16, 48), hadamard=32)
     with pytest.raises(TypeError):
         K.quantize(torch.ones(16, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="amax"):
+        K.quantize(torch.ones(16, 32), "ms_eden", amax=torch.ones(()))
     with pytest.raises(ValueError, match="signs"):
         K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8),
                      torch.ones(()), hadamard=16)
@@ -169,6 +192,20 @@ def test_gpu_bit_exact_large(case):
     x = data("heavy", (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
     got, ref = run_both(x, r, f46, b2, h, tr)
     assert_same(got, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2}], ids=str)
+def test_gpu_ms_eden_pass1_variants(cfg):
+    """Both MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread) on ragged shapes."""
+    from fp4compile.kernels import quantize as K
+
+    for shape, dt in [((1000, 1920), torch.bfloat16), ((77, 3072), torch.bfloat16)]:
+        x = data("heavy", shape, seed=5).to(dt)
+        got = K.quantize(x.cuda(), "ms_eden", hadamard=128, signs=SIGNS.cuda(), seed=SEED.cuda(), config=cfg)
+        ref = ops._quantize_reference(x, "ms_eden", False, False, 128, SIGNS, SEED, False)
+        assert_same([g.cpu() for g in got], ref, (cfg, shape, dt))
 
 
 @pytest.mark.gpu

@@ -25,16 +25,37 @@ Notation: ``amax`` = max|x| over the tensor (after the rotation, if any), ``amax
              4/6 picks per block the candidate with the lower *expected* SR error sum (|v|-lo)(hi-|v|)*S_b^2
              (FP32, fixed tree; in units of global^2, the factor both candidates share), a deterministic
              function of x, so the choice does not bias the result.
-``ms_eden``  Quartet II's MS-EDEN (notes §10), per 1x16 block (16x16 tile for 2D blocks):
-             val_max = 6/((17/16)*0.93), G = 256*val_max, M = val_max; RTN elements q = e2m1_rne_sat(v);
-             EDEN correction c = sum(v^2) / sum(v*q)  (FP32 sums, fixed tree; c = 1 if the denominator is 0);
-             S' = min(S_b * c, 448) (FP32) stochastically rounded to one of its neighbouring E4M3 codes
-             (u = uniform(seed, flat block index); for 2D tiles the index of the tile's top-row block), so
-             E[S_stored] = S'. Unbiased over the random rotation (pass ``hadamard``); the caller's ``hadamard``
-             argument applies the RHT (signs first). 4/6 is not defined for MS-EDEN (raises).
+``ms_eden``  Quartet II's MS-EDEN in its CUDA form, "post hoc range alignment" (notes §10): the block scales are
+             computed first, from each block alone, and the FP32 global scale is fixed afterwards from their max.
+             That needs no global amax before the blocks, so a kernel reads x once (pass 1 over x, pass 2 over
+             the per-block scales only). val_max = 6/((17/16)*0.93) (FP32), INV_VAL_MAX = fp32(1/val_max),
+             per 1x16 block (16x16 tile for 2D blocks; tile statistics are the fixed-tree sums of its rows'):
+               z      = fwht(x * signs)  (the *unnormalized* butterfly; z = x without ``hadamard``)
+               a_z    = max|z| over the block;  a_y = a_z * fp32(1/sqrt(d))  (= the block max of the normalized
+                        rotation rht(x): rounding is monotone; a_y = a_z without ``hadamard``)
+               live   = a_y >= AMAX_FLUSH  (else the block encodes as zeros: codes 0, S' = 0)
+               enc    = val_max / a_z    (live: a_z >= a_y >= 2^-100, so enc is finite and normal)
+               a      = |z| * enc        (<= val_max * (1 + 2^-22) < 7: the E2M1 map never needs saturation)
+               q      = e2m1_rne(a), sign bit of z   (the code of the block max is 6)
+               c      = sum(a^2) / sum(a * |q|)      (FP32 sums, fixed tree; the denominator >= 36 when live)
+               S'     = c * (a_y * INV_VAL_MAX)      (the EDEN-corrected scale in units of the normalized
+                        rotation: the 1/sqrt(d) is folded into this per-block product, not into every element)
+             then over the tensor:
+               M      = max S'; global = M * 2^-8 (exact; 0 if M = 0); r = S' / global (<= 256, = 256 at the max)
+               stored = r stochastically rounded to one of its neighbouring E4M3 codes lo <= r <= hi:
+                        hi iff u < (r - lo)/(hi - lo), u = uniform(seed, flat block index) (2D tiles: the index of
+                        the tile's top-row block), so E[stored * global] = S' (r is an E4M3 value: stored = r).
+             Decode q * stored * global = q * S' in expectation over the scale draw; over the random rotation the
+             EDEN factor c makes the estimator unbiased (pass ``hadamard`` with fresh signs). The E4M3 scale may
+             land in the subnormal range (r < 2^-6) or round to 0: SR between 0 and 2^-9 is still unbiased, so
+             unlike RTN/SR there is no relative floor, only the absolute block floor AMAX_FLUSH. A tensor whose
+             (rotated) amax is below AMAX_FLUSH has no live block and encodes as all zeros (global 0). Nothing
+             divides by a subnormal: a_z >= 2^-100, the denominator of c >= 36, global >= 2^-112 when M > 0.
+             Inputs whose unnormalized rotation overflows FP32 (|x| > ~FLT_MAX/d) are out of range (as in rht).
+             4/6 is not defined for MS-EDEN (raises).
 
-Known limits: blocks whose scale underflows E4M3 (amax_b < ~2^-10 * amax / 448 of the global range) encode
-as zeros in every scheme, so SR/MS-EDEN are unbiased only above that floor.
+Known limits: RTN/SR blocks whose scale underflows E4M3 (amax_b < ~2^-10 * amax / 448 of the global range) encode
+as zeros, so SR is unbiased only above that floor (MS-EDEN: see above).
 """
 from __future__ import annotations
 
@@ -42,7 +63,7 @@ from typing import Optional
 
 import torch
 
-from .hadamard import random_signs, rht
+from .hadamard import fwht, random_signs, rht
 from .nvfp4 import (AMAX_FLUSH, E4M3_MAX, NVFP4Tensor, _block_amax, _tile_sum, e2m1_decode, e2m1_rne_codes, e4m3_rne,
                     pack_nibbles, quantize_rtn_, tree_sum)
 from .random import draw_seed, uniform
@@ -50,6 +71,8 @@ from .random import draw_seed, uniform
 SR_HEADROOM = 16.0 / 17.0
 EDEN_VAL_MAX = 6.0 / ((17.0 / 16.0) * 0.93)
 EDEN_SCALE_CEIL = 256.0
+#: fp32(1 / val_max), the per-block factor of MS-EDEN's scale (a Python float holding the FP32 value)
+EDEN_INV_VAL_MAX = float(torch.tensor(1.0 / EDEN_VAL_MAX, dtype=torch.float32))
 
 
 def global_numerator(rounding: str, four_over_six: bool) -> float:
@@ -160,32 +183,60 @@ def e4m3_neighbours(s: torch.Tensor):
     return lo, hi
 
 
-def _quantize_eden(x2: torch.Tensor, block2d: bool, seed: torch.Tensor):
+def eden_block_scales(x2: torch.Tensor, block2d: bool, signs: Optional[torch.Tensor]):
+    """Pass 1 of MS-EDEN (module docstring): per block the RTN codes against the block's own scale and the
+    EDEN-corrected FP32 scale S' (in units of the normalized rotation). Returns (codes uint8 [R, K/16, 16]
+    with the sign in bit 3, S' FP32 [R, K/16]; for 2D tiles S' is replicated over the tile's 16 rows)."""
     R, K = x2.shape
     nb = K // 16
-    amax = x2.abs().amax().to(torch.float32)
-    s_enc, gscale = _global(amax, global_numerator("ms_eden", False))
-    amax_b = _block_amax(x2, block2d)
-    xb = x2.unflatten(-1, (nb, 16))
-    stored, enc = _scale_and_enc(amax_b, EDEN_VAL_MAX, s_enc, gscale)
-    v = xb * enc.unsqueeze(-1)
-    q = e2m1_rne_codes(v)
-    num = tree_sum(v * v)  # FP32, fixed order: |v| <= ~6.4, so no range issue
-    den = tree_sum(v * e2m1_decode(q))
+    dev = x2.device
+    if signs is not None:
+        d = signs.numel()
+        z = fwht(x2.unflatten(-1, (K // d, d)) * signs.to(dev, torch.float32)).flatten(-2)
+        a_z = _block_amax(z, block2d)
+        a_y = a_z * _f32(1.0 / d ** 0.5, dev)
+    else:
+        z = x2
+        a_z = a_y = _block_amax(z, block2d)
+    live = a_y >= AMAX_FLUSH
+    enc = torch.where(live, _f32(EDEN_VAL_MAX, dev) / torch.where(live, a_z, torch.ones_like(a_z)),
+                      torch.zeros_like(a_z))
+    zb = z.unflatten(-1, (nb, 16))
+    a = zb.abs() * enc.unsqueeze(-1)
+    q = e2m1_rne_codes(a)                           # a >= 0: magnitude codes
+    num = tree_sum(a * a)
+    den = tree_sum(a * e2m1_decode(q))
     if block2d:
         num, den = _tile_sum(num), _tile_sum(den)
-    c = torch.where(den == 0, torch.ones_like(num), num / torch.where(den == 0, torch.ones_like(den), den))
-    s_corr = torch.clamp(stored.to(torch.float32) * c, max=E4M3_MAX)
-    lo, hi = e4m3_neighbours(s_corr)
-    p = torch.where(hi > lo, (s_corr - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(lo))
-    rows = torch.arange(R, device=x2.device, dtype=torch.int64)
+    c = torch.where(live, num / torch.where(live, den, torch.ones_like(den)), torch.zeros_like(num))
+    s_corr = c * (a_y * _f32(EDEN_INV_VAL_MAX, dev))
+    q = torch.where(live.unsqueeze(-1), q | (torch.signbit(zb).to(torch.uint8) << 3), torch.zeros_like(q))
+    return q, s_corr
+
+
+def eden_align_scales(s_corr: torch.Tensor, block2d: bool, seed: torch.Tensor):
+    """Pass 2 of MS-EDEN: the global decode scale max(S') / 256 and the E4M3 scales, S' / global stochastically
+    rounded between E4M3 neighbours (module docstring). Returns (scales float8_e4m3fn [R, K/16], global FP32)."""
+    R, nb = s_corr.shape
+    dev = s_corr.device
+    m = s_corr.max()
+    live = m > 0
+    gscale = torch.where(live, m * _f32(2.0 ** -8, dev), torch.zeros_like(m))
+    r = s_corr / torch.where(live, gscale, torch.ones_like(gscale))   # all S' are 0 when M is 0
+    lo, hi = e4m3_neighbours(r)
+    p = torch.where(hi > lo, (r - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(lo))
+    rows = torch.arange(R, device=dev, dtype=torch.int64)
     if block2d:
         rows = rows - rows % 16
-    bidx = rows[:, None] * nb + torch.arange(nb, device=x2.device, dtype=torch.int64)[None, :]
+    bidx = rows[:, None] * nb + torch.arange(nb, device=dev, dtype=torch.int64)[None, :]
     u = uniform(seed, bidx)
-    final = torch.where(u < p, hi, lo).to(torch.float8_e4m3fn)
-    q = torch.where(amax < AMAX_FLUSH, torch.zeros_like(q), q)
-    return pack_nibbles(q.flatten(-2)), final, gscale
+    return torch.where(u < p, hi, lo).to(torch.float8_e4m3fn), gscale
+
+
+def _quantize_eden(x2: torch.Tensor, block2d: bool, seed: torch.Tensor, signs: Optional[torch.Tensor]):
+    q, s_corr = eden_block_scales(x2, block2d, signs)
+    scales, gscale = eden_align_scales(s_corr, block2d, seed)
+    return pack_nibbles(q.flatten(-2)), scales, gscale
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -199,14 +250,15 @@ def quantize_fp32(x: torch.Tensor, *, rounding: str, block, four_over_six: bool,
     """
     shape = x.shape
     x32 = x.to(torch.float32)
+    block2d = block == (16, 16)
     if hadamard is not None:
         if signs is None:
             signs = random_signs(hadamard, generator, device=x.device)
         elif signs.numel() != hadamard:
             raise ValueError(f"signs has {signs.numel()} entries, expected {hadamard}")
         signs = signs.to(device=x.device, dtype=torch.float32)
-        x32 = rht(x32, signs)
-    block2d = block == (16, 16)
+        if rounding != "ms_eden" or x32.numel() == 0:  # MS-EDEN rotates inside (unnormalized, see above)
+            x32 = rht(x32, signs)
     if rounding == "rtn":
         codes, scales, g = quantize_rtn_(x32, block2d, four_over_six)
     else:
@@ -224,7 +276,7 @@ def quantize_fp32(x: torch.Tensor, *, rounding: str, block, four_over_six: bool,
             if rounding == "sr":
                 codes, scales, g = _quantize_sr(x2, block2d, four_over_six, seed)
             elif rounding == "ms_eden":
-                codes, scales, g = _quantize_eden(x2, block2d, seed)
+                codes, scales, g = _quantize_eden(x2, block2d, seed, signs if hadamard is not None else None)
             else:
                 raise ValueError(f"unknown rounding {rounding!r}")
             codes = codes.reshape(*shape[:-1], K // 2)

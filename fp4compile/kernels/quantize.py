@@ -6,20 +6,25 @@ floating-point step of the reference is reproduced here in the same order and pr
 * divisions use ``tl.math.div_rn`` (correctly rounded, like torch's FP32 ``/``);
 * kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA;
 * sums (4/6 errors, EDEN statistics) are FP32 in the same fixed pairwise tree (:func:`_tree_last`);
-* the RHT is the same butterfly (signs first, stages h = 1, 2, 4, ..., then x fp32(1/sqrt(d)), then + 0.0);
+* the RHT is the same butterfly (signs first, stages h = 1, 2, 4, ..., then x fp32(1/sqrt(d)), then + 0.0;
+  MS-EDEN stops after the butterfly and folds 1/sqrt(d) into its per-block scales);
 * E4M3 rounding is done on the FP32 bit pattern (RNE, identical to ``.to(torch.float8_e4m3fn)`` on [0, 448]);
 * random bits come from the same counter-based hash of (seed, flat index).
 
-Two launches per quantize, no host synchronization: ``_amax_kernel`` reduces max|x| (of the rotated tensor
-when an RHT is fused) into a device scalar with ``atomic_max``; ``_quantize_kernel`` reads it, derives the
-global scale, and writes codes, scale bytes and (program 0) the global decode scale.
+Two launches per quantize, no host synchronization. RTN / SR: ``_amax_kernel`` reduces max|x| (of the rotated
+tensor when an RHT is fused) into a device scalar with ``atomic_max``; ``_quantize_kernel`` reads it, derives
+the global scale, and writes codes, scale bytes and (program 0) the global decode scale. MS-EDEN ("post hoc
+range alignment", Quartet II's CUDA form): ``_eden_pass1_kernel`` reads x once and writes the codes, the
+EDEN-corrected FP32 block scales into a [R, K/16] scratch and their max (``atomic_max``);
+``_eden_pass2_kernel`` reads only the scratch (1/16 of the elements, 4 B each) and writes the E4M3 scales and
+the global decode scale.
 ``transpose=True`` quantizes ``x.T``: by default (``CONFIG["t_impl"] = 2``) through one transposing copy of x
 and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel through swapped strides
 (strided, or coalesced + ``tl.trans``), no copy, but slower layouts (see :data:`CONFIG`).
 
 Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
 maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
-``amax=`` (optional) skips the amax pass: a single pass with a given global amax (delayed scaling).
+``amax=`` (optional, RTN/SR) skips the amax pass: a single pass with a given global amax (delayed scaling).
 
 The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
 """
@@ -33,7 +38,7 @@ import triton.language as tl
 
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
-from ..formats.schemes import block_max_targets, global_numerator
+from ..formats.schemes import EDEN_INV_VAL_MAX, EDEN_VAL_MAX, block_max_targets, global_numerator
 from .launch import cdiv, launch
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
@@ -186,10 +191,20 @@ def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
 
 @triton.jit
 def _mag_value_magic(m):
-    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`): code = m - MAGIC (exact),
-    value = max(c/2, c - 2, 2c - 8), all exact in FP32."""
-    c = m - 12582912.0
-    return tl.maximum(tl.maximum(c * 0.5, c - 2.0), tl.fma(c, 2.0, -8.0))
+    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`): with c = m - MAGIC, value =
+    max(c/2, c - 2, 2c - 8), each piece one op on m with the MAGIC folded into the constant (m/2, 2m and the
+    differences are exact in FP32: m < 2^24 is an integer)."""
+    return tl.maximum(tl.maximum(tl.fma(m, 0.5, -6291456.0), m - 12582914.0), tl.fma(m, 2.0, -25165832.0))
+
+
+@triton.jit
+def _e2m1_mag_magic_le7(a):
+    """:func:`_e2m1_mag_magic` for 0 <= a < 7, where rne(a/2) + 4 <= 7 already, so the clamp at code 7 is dropped
+    (MS-EDEN's scaled magnitudes are <= val_max * (1 + 2^-22) < 6.08)."""
+    t1 = tl.fma(a, 2.0, 12582912.0)
+    t2 = a + 12582914.0
+    t3 = tl.fma(a, 0.5, 12582916.0)
+    return tl.minimum(tl.minimum(t1, t2), t3)
 
 
 @triton.jit
@@ -322,27 +337,12 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _eden_scale_sr(num, den, sf):
-    """MS-EDEN's scale step (``formats.schemes``): the E4M3 scale ``sf`` corrected by ||v||^2 / <v, q> (1 for a
-    zero block), clamped at 448, and its stochastic rounding between E4M3 neighbours: (the lower neighbour's
-    code, the probability of taking the upper one)."""
-    c = tl.where(den == 0, 1.0, tl.math.div_rn(num, tl.where(den == 0, 1.0, den)))
-    s_corr = tl.minimum(sf * c, 448.0)
-    rc = _e4m3_code(s_corr)
-    lo_code = tl.where(_e4m3_value(rc) > s_corr, rc - 1, rc)
-    lo = _e4m3_value(lo_code)
-    hi = tl.where(lo == s_corr, lo, _e4m3_value(lo_code + 1))
-    p = tl.where(hi > lo, tl.math.div_rn(s_corr - lo, tl.where(hi > lo, hi - lo, 1.0)), 0.0)
-    return lo_code, p
-
-
-@triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
                  HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
                  BR: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
     if HALVES:  # the quantize kernel's block-per-thread load and RHT (_load_halves)
         lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), signs_ptr, HAD,
-                                    NORM, RHT_IMPL, TLOAD, BR, BC)
+                                    NORM, RHT_IMPL, TLOAD, BR, BC, True)
         m = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=2), axis=1), tl.max(tl.max(tl.abs(hi), axis=2), axis=1))
         tl.atomic_max(amax_ptr, tl.max(m, axis=0))
     else:
@@ -414,22 +414,6 @@ def _quantize_kernel_v0(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         p = tl.math.div_rn(a - lo, step)
         mag = c + (u < p).to(tl.int32)
         q = mag | ((v.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << 3)
-    else:
-        v = xb * enc[:, :, None]
-        q = _e2m1_rne(v)
-        num = _tree_last(v * v, BR, NB, 16)
-        den = _tree_last(v * _e2m1_value(q), BR, NB, 16)
-        if BLOCK2D:
-            num = _tile_rows(num, BR, NB)
-            den = _tile_rows(den, BR, NB)
-        lo_code, p = _eden_scale_sr(num, den, sf)
-        k0, k1 = _seed_keys(seed_ptr)
-        brow = rows
-        if BLOCK2D:
-            brow = rows - rows % 16
-        bcol = pid_c * NB + tl.arange(0, NB)
-        u = _uniform(k0, k1, brow.to(tl.int64)[:, None] * (K // 16) + bcol.to(tl.int64)[None, :])
-        code = tl.where(u < p, lo_code + 1, lo_code)
 
     q = tl.where(zero, 0, q)
     q2 = tl.reshape(q, (BR, BC // 2, 2))
@@ -470,17 +454,30 @@ def _stage_blocks(y, A: tl.constexpr, NB: tl.constexpr, H: tl.constexpr, IMPL: t
 
 
 @triton.jit
+def _stage1_signed(y, sg, A: tl.constexpr, B: tl.constexpr):
+    """Signs times the butterfly stage h = 1 inside [A, B, 8] halves, with the signs ``sg`` [B, 8] (+-1):
+    (a, b) -> (a*sa + b*sb, a*sa - b*sb) as p = a*sa, fma(b, sb, p), fma(b, -sb, p). The products by +-1 are
+    exact, so each output is the reference's single rounding of (x * s)[j] +- (x * s)[j + 1], signed zeros
+    included (1 multiply + 2 FMAs per pair instead of 2 multiplies + 2 adds)."""
+    a, b = tl.split(tl.reshape(y, (A, B, 4, 2)))
+    sa, sb = tl.split(tl.reshape(sg, (B, 4, 2)))
+    p = a * sa[None, :, :]
+    return tl.reshape(tl.join(tl.fma(b, sb[None, :, :], p), tl.fma(b, -sb[None, :, :], p)), (A, B, 8))
+
+
+@triton.jit
 def _rht_halves(lo, hi, signs_ptr, BR: tl.constexpr, NB: tl.constexpr, HAD: tl.constexpr, NORM: tl.constexpr,
-                IMPL: tl.constexpr):
+                IMPL: tl.constexpr, NORMALIZE: tl.constexpr):
     """formats.hadamard.rht on 16-blocks held as halves: signs, stages h = 1, 2, 4 inside each half, h = 8
     between the halves (both in registers), h = 16, 32, 64 across blocks (lanes), x fp32(1/sqrt(d)), + 0.0.
-    Every output is the reference's FP32 op on the same operands, in the same stage order."""
+    Every output is the reference's FP32 op on the same operands, in the same stage order. ``NORMALIZE=False``
+    stops after the butterfly: formats.hadamard.fwht(x * signs) (MS-EDEN folds 1/sqrt(d) into its scales)."""
     HB: tl.constexpr = HAD // 16
     sidx = ((tl.arange(0, NB) % HB) * 16)[:, None] + tl.arange(0, 8)[None, :]
-    lo = lo * tl.load(signs_ptr + sidx)[None, :, :]
-    hi = hi * tl.load(signs_ptr + sidx + 8)[None, :, :]
-    lo = _stage8(_stage8(_stage8(lo, BR, NB, 1), BR, NB, 2), BR, NB, 4)
-    hi = _stage8(_stage8(_stage8(hi, BR, NB, 1), BR, NB, 2), BR, NB, 4)
+    lo = _stage1_signed(lo, tl.load(signs_ptr + sidx), BR, NB)
+    hi = _stage1_signed(hi, tl.load(signs_ptr + sidx + 8), BR, NB)
+    lo = _stage8(_stage8(lo, BR, NB, 2), BR, NB, 4)
+    hi = _stage8(_stage8(hi, BR, NB, 2), BR, NB, 4)
     lo, hi = lo + hi, lo - hi
     if HB >= 2:
         lo = _stage_blocks(lo, BR, NB, 1, IMPL)
@@ -491,20 +488,24 @@ def _rht_halves(lo, hi, signs_ptr, BR: tl.constexpr, NB: tl.constexpr, HAD: tl.c
     if HB >= 8:
         lo = _stage_blocks(lo, BR, NB, 4, IMPL)
         hi = _stage_blocks(hi, BR, NB, 4, IMPL)
-    # fma(y, NORM, +0.0) rounds y * NORM once and turns -0 into +0: the reference's (y * NORM) + 0.0
-    return tl.fma(lo, NORM, 0.0), tl.fma(hi, NORM, 0.0)
+    if NORMALIZE:
+        # fma(y, NORM, +0.0) rounds y * NORM once and turns -0 into +0: the reference's (y * NORM) + 0.0
+        lo = tl.fma(lo, NORM, 0.0)
+        hi = tl.fma(hi, NORM, 0.0)
+    return lo, hi
 
 
 @triton.jit
 def _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD: tl.constexpr, NORM: tl.constexpr,
-                 RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                 RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                 NORMALIZE: tl.constexpr):
     """The [BR, BC] tile as two FP32 halves [BR, BC/16, 8]: elements 0..7 and 8..15 of every 16-block.
 
     Without RHT or transposition the halves are two loads of 16 contiguous bytes (bf16) per block, so one
     thread holds a whole block: the block max and the per-block scale math need no shuffles and are not
     replicated across threads (a single [BR, BC] load gives each thread 8 elements, i.e. half a block).
     The transposed path (TLOAD or strided) loads the [BR, BC] tile as before and splits it in registers.
-    Under RHT the rotation is applied to the halves (:func:`_rht_halves`).
+    Under RHT the rotation is applied to the halves (:func:`_rht_halves`; unnormalized if not ``NORMALIZE``).
     """
     NB: tl.constexpr = BC // 16
     rows = pid_r * BR + tl.arange(0, BR)
@@ -521,7 +522,7 @@ def _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD: tl.const
         x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, pid_r, pid_c, BR, BC, TLOAD)
         lo, hi = tl.split(tl.permute(tl.reshape(x, (BR, NB, 2, 8)), (0, 1, 3, 2)))
     if HAD > 0:
-        lo, hi = _rht_halves(lo, hi, signs_ptr, BR, NB, HAD, NORM, RHT_IMPL)
+        lo, hi = _rht_halves(lo, hi, signs_ptr, BR, NB, HAD, NORM, RHT_IMPL, NORMALIZE)
     return lo, hi, rows
 
 
@@ -574,7 +575,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
-                                BR, BC)
+                                BR, BC, True)
     amax = tl.load(amax_ptr)
     zero = amax < AMAX_FLUSH
     s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
@@ -625,29 +626,6 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         i0 = rows.to(tl.uint32)[:, None, None] * K.to(tl.uint32) + c0
         wlo = _pack8(_sr_half(lo * e3, _uniform32(k0, k1, i0)))
         whi = _pack8(_sr_half(hi * e3, _uniform32(k0, k1, i0 + 8)))
-    else:
-        vlo = lo * e3
-        vhi = hi * e3
-        alo = tl.abs(vlo)
-        ahi = tl.abs(vhi)
-        mlo = _e2m1_mag_magic(alo)
-        mhi = _e2m1_mag_magic(ahi)
-        num = _tree2(vlo * vlo, vhi * vhi, BR, NB)
-        # v * decode(q) = |v| * |decode(q)| bit for bit (q carries v's sign; IEEE products are sign-symmetric)
-        den = _tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), BR, NB)
-        if BLOCK2D:
-            num = _tile_rows(num, BR, NB)
-            den = _tile_rows(den, BR, NB)
-        lo_code, p = _eden_scale_sr(num, den, sf)
-        k0, k1 = _seed_keys(seed_ptr)
-        brow = rows
-        if BLOCK2D:
-            brow = rows - rows % 16
-        bcol = (pid_c * NB + tl.arange(0, NB)).to(tl.uint32)
-        u = _uniform32(k0, k1, brow.to(tl.uint32)[:, None] * (K // 16).to(tl.uint32) + bcol[None, :])
-        code = tl.where(u < p, lo_code + 1, lo_code)
-        wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
-        whi = _pack_magic(mhi, vhi, MAGIC_PACK)
 
     w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
     w = tl.where(zero, 0, w)
@@ -660,6 +638,228 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
              mask=rmask & (blk < K // 16)[None, :])
     if (pid_r == 0) & (pid_c == 0):
         tl.store(gscale_ptr, gs)
+
+
+@triton.jit
+def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+                       VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, BLOCK2D: tl.constexpr,
+                       HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
+                       BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """MS-EDEN pass 1 (``formats.schemes.eden_block_scales``) on one [BR, BC] tile: reads x once, writes the
+    packed codes, the EDEN-corrected FP32 block scales S' into ``scratch`` [R, K/16], and max S' into
+    ``smax`` (``atomic_max``). No global scale is needed: each block is scaled by its own max.
+
+    Per element: the unnormalized butterfly (1/sqrt(d) is folded into the per-block S'), |z| * enc, the E2M1
+    code as MAGIC + code (:func:`_e2m1_mag_magic_le7`), the two EDEN sums, the packing. Per block: two correctly
+    rounded divisions (enc = val_max / a_z and c = num / den)."""
+    NB: tl.constexpr = BC // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
+                                BR, BC, False)
+    a_z = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    if BLOCK2D:
+        a_z = _tile_max(a_z, BR, NB)
+    if HAD > 0:
+        a_y = a_z * NORM
+    else:
+        a_y = a_z
+    live = a_y >= AMAX_FLUSH
+    enc = tl.where(live, tl.math.div_rn(VAL_MAX, tl.where(live, a_z, 1.0)), 0.0)
+    e3 = enc[:, :, None]
+    alo = tl.abs(lo) * e3
+    ahi = tl.abs(hi) * e3
+    mlo = _e2m1_mag_magic_le7(alo)
+    mhi = _e2m1_mag_magic_le7(ahi)
+    num = _tree2(alo * alo, ahi * ahi, BR, NB)
+    den = _tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), BR, NB)
+    if BLOCK2D:
+        num = _tile_rows(num, BR, NB)
+        den = _tile_rows(den, BR, NB)
+    c = tl.where(live, tl.math.div_rn(num, tl.where(live, den, 1.0)), 0.0)
+    s_corr = c * (a_y * INV_VAL_MAX)
+    wlo = tl.where(live, _pack_magic(mlo, lo, MAGIC_PACK), 0)  # sign bits from z
+    whi = tl.where(live, _pack_magic(mhi, hi, MAGIC_PACK), 0)
+    w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
+    rmask = (rows < R)[:, None]
+    blk = pid_c * NB + tl.arange(0, NB)
+    wcol = pid_c * (2 * NB) + tl.arange(0, 2 * NB)
+    tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 8) + wcol[None, :], w,
+             mask=rmask & (wcol < K // 8)[None, :])
+    tl.store(scratch_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blk[None, :], s_corr,
+             mask=rmask & (blk < K // 16)[None, :])
+    # rows past R hold zeros (masked loads), so their S' is 0 and cannot raise the max
+    tl.atomic_max(smax_ptr, tl.max(tl.max(s_corr, axis=1), axis=0))
+
+
+@triton.jit
+def _c_half(x_ptr, base, j: tl.constexpr, mask, signs_ptr, C: tl.constexpr):
+    """Half-block ``j`` (elements 8j..8j+7) of every 128-chunk, [C, 8] FP32 (16 contiguous bytes per thread),
+    with the signs and the butterfly stages h = 1, 2, 4 applied in registers (as :func:`_rht_halves`)."""
+    y = tl.load(x_ptr + base[:, None] + (j * 8 + tl.arange(0, 8))[None, :], mask=mask, other=0.0).to(tl.float32)
+    sa, sb = tl.split(tl.reshape(tl.load(signs_ptr + j * 8 + tl.arange(0, 8)), (4, 2)))
+    a, b = tl.split(tl.reshape(y, (C, 4, 2)))
+    p = a * sa[None, :]
+    y = tl.reshape(tl.join(tl.fma(b, sb[None, :], p), tl.fma(b, -sb[None, :], p)), (C, 8))
+    y = tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 2), (C, 8))
+    return tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 4), (C, 8))
+
+
+@triton.jit
+def _bf(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _c_block(lo, hi, VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr, C: tl.constexpr,
+             MAGIC_PACK: tl.constexpr):
+    """The per-block MS-EDEN pass-1 math of :func:`_eden_pass1_kernel` for one 16-block held as two [C, 8]
+    halves: (low word, high word, S') per chunk."""
+    a_z = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    a_y = a_z * NORM
+    live = a_y >= AMAX_FLUSH
+    enc = tl.where(live, tl.math.div_rn(VAL_MAX, tl.where(live, a_z, 1.0)), 0.0)
+    alo = tl.reshape(tl.abs(lo) * enc[:, None], (C, 1, 8))
+    ahi = tl.reshape(tl.abs(hi) * enc[:, None], (C, 1, 8))
+    mlo = _e2m1_mag_magic_le7(alo)
+    mhi = _e2m1_mag_magic_le7(ahi)
+    num = tl.reshape(_tree2(alo * alo, ahi * ahi, C, 1), (C,))
+    den = tl.reshape(_tree2(alo * _mag_value_magic(mlo), ahi * _mag_value_magic(mhi), C, 1), (C,))
+    c = tl.where(live, tl.math.div_rn(num, tl.where(live, den, 1.0)), 0.0)
+    wlo = tl.reshape(_pack_magic(mlo, tl.reshape(lo, (C, 1, 8)), MAGIC_PACK), (C,))
+    whi = tl.reshape(_pack_magic(mhi, tl.reshape(hi, (C, 1, 8)), MAGIC_PACK), (C,))
+    return tl.where(live, wlo, 0), tl.where(live, whi, 0), c * (a_y * INV_VAL_MAX)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, C: tl.constexpr):
+    """Eight [C] tensors -> [C, 8] (column k = vk), by joins (in registers) and one permute."""
+    t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    return tl.reshape(tl.permute(t, (0, 3, 2, 1)), (C, 8))
+
+
+@triton.jit
+def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+                             VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
+                             BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """:func:`_eden_pass1_kernel` for RHT-128 on contiguous rows (``CONFIG["e_impl"] = 1``), 1x16 blocks: one
+    thread per 128-element chunk held as 16 separate [C, 8] half-blocks, so the butterfly stages across halves
+    and blocks (h = 8 ... 64) are plain register ops between tensors, no warp shuffles (a shuffle issues at a
+    quarter of the FP32 rate). Same arithmetic in the same order as the reference, same bytes."""
+    CPR: tl.constexpr = BC // 128
+    C: tl.constexpr = BR * CPR
+    f = tl.arange(0, C)
+    rows = tl.program_id(0) * BR + f // CPR
+    col0 = tl.program_id(1) * BC + (f % CPR) * 128
+    live_c = (rows < R) & (col0 < K)
+    base = rows.to(tl.int64) * srow + col0
+    mask = live_c[:, None]
+    h0 = _c_half(x_ptr, base, 0, mask, signs_ptr, C)
+    h1 = _c_half(x_ptr, base, 1, mask, signs_ptr, C)
+    h2 = _c_half(x_ptr, base, 2, mask, signs_ptr, C)
+    h3 = _c_half(x_ptr, base, 3, mask, signs_ptr, C)
+    h4 = _c_half(x_ptr, base, 4, mask, signs_ptr, C)
+    h5 = _c_half(x_ptr, base, 5, mask, signs_ptr, C)
+    h6 = _c_half(x_ptr, base, 6, mask, signs_ptr, C)
+    h7 = _c_half(x_ptr, base, 7, mask, signs_ptr, C)
+    h8 = _c_half(x_ptr, base, 8, mask, signs_ptr, C)
+    h9 = _c_half(x_ptr, base, 9, mask, signs_ptr, C)
+    h10 = _c_half(x_ptr, base, 10, mask, signs_ptr, C)
+    h11 = _c_half(x_ptr, base, 11, mask, signs_ptr, C)
+    h12 = _c_half(x_ptr, base, 12, mask, signs_ptr, C)
+    h13 = _c_half(x_ptr, base, 13, mask, signs_ptr, C)
+    h14 = _c_half(x_ptr, base, 14, mask, signs_ptr, C)
+    h15 = _c_half(x_ptr, base, 15, mask, signs_ptr, C)
+    # butterfly stage h = 8: half j with half j ^ 1
+    h0, h1 = _bf(h0, h1)
+    h2, h3 = _bf(h2, h3)
+    h4, h5 = _bf(h4, h5)
+    h6, h7 = _bf(h6, h7)
+    h8, h9 = _bf(h8, h9)
+    h10, h11 = _bf(h10, h11)
+    h12, h13 = _bf(h12, h13)
+    h14, h15 = _bf(h14, h15)
+    # butterfly stage h = 16: half j with half j ^ 2
+    h0, h2 = _bf(h0, h2)
+    h1, h3 = _bf(h1, h3)
+    h4, h6 = _bf(h4, h6)
+    h5, h7 = _bf(h5, h7)
+    h8, h10 = _bf(h8, h10)
+    h9, h11 = _bf(h9, h11)
+    h12, h14 = _bf(h12, h14)
+    h13, h15 = _bf(h13, h15)
+    # butterfly stage h = 32: half j with half j ^ 4
+    h0, h4 = _bf(h0, h4)
+    h1, h5 = _bf(h1, h5)
+    h2, h6 = _bf(h2, h6)
+    h3, h7 = _bf(h3, h7)
+    h8, h12 = _bf(h8, h12)
+    h9, h13 = _bf(h9, h13)
+    h10, h14 = _bf(h10, h14)
+    h11, h15 = _bf(h11, h15)
+    # butterfly stage h = 64: half j with half j ^ 8
+    h0, h8 = _bf(h0, h8)
+    h1, h9 = _bf(h1, h9)
+    h2, h10 = _bf(h2, h10)
+    h3, h11 = _bf(h3, h11)
+    h4, h12 = _bf(h4, h12)
+    h5, h13 = _bf(h5, h13)
+    h6, h14 = _bf(h6, h14)
+    h7, h15 = _bf(h7, h15)
+    w0, w1, s0 = _c_block(h0, h1, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w2, w3, s1 = _c_block(h2, h3, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w4, w5, s2 = _c_block(h4, h5, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w6, w7, s3 = _c_block(h6, h7, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w8, w9, s4 = _c_block(h8, h9, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w10, w11, s5 = _c_block(h10, h11, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w12, w13, s6 = _c_block(h12, h13, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w14, w15, s7 = _c_block(h14, h15, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w = tl.join(_join8(w0, w1, w2, w3, w4, w5, w6, w7, C), _join8(w8, w9, w10, w11, w12, w13, w14, w15, C))
+    w = tl.reshape(tl.permute(w, (0, 2, 1)), (C, 16))  # word 2b + half of block b
+    sc = _join8(s0, s1, s2, s3, s4, s5, s6, s7, C)
+    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 16)[None, :], w,
+             mask=mask)
+    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 8)[None, :], sc,
+             mask=mask)
+    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+
+
+@triton.jit
+def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, R, NBK,
+                       BLOCK2D: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on a [BR, BN] tile of the [R, K/16] scales:
+    global = max S' / 256, r = S' / global, stochastically rounded to an E4M3 neighbour. The lower neighbour
+    is r truncated to E4M3 (its bit pattern: exponent and top 3 mantissa bits; r * 512 below 2^-6), the step
+    hi - lo a power of two, so p = (r - lo) * (1 / step) is the reference's exact (r - lo) / (hi - lo)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rows < R)[:, None] & (cols < NBK)[None, :]
+    off = rows.to(tl.int64)[:, None] * NBK + cols[None, :]
+    s = tl.load(scratch_ptr + off, mask=mask, other=0.0)
+    m = tl.load(smax_ptr)
+    live = m > 0
+    gs = tl.where(live, m * 0.00390625, 0.0)
+    r = tl.math.div_rn(s, tl.where(live, gs, 1.0))
+    # lower E4M3 neighbour (r truncated), its code and 1 / (hi - lo), from r's bit pattern: r >= 2^-6 keeps the
+    # exponent and 3 mantissa bits (step 2^(e - 3), its reciprocal's bits 0x7F000000 - step's bits); below, the
+    # subnormal grid of 2^-9 (r * 512 is exact). Both branches are exact.
+    bits = r.to(tl.int32, bitcast=True)
+    normal = r >= 0.015625
+    code = tl.where(normal, (bits >> 20) - 960, (r * 512.0).to(tl.int32))
+    lo = tl.where(normal, (bits & -1048576).to(tl.float32, bitcast=True), code.to(tl.float32) * 0.001953125)
+    inv_step = tl.where(normal, (0x7F000000 - ((bits & 0x7F800000) - 0x1800000)).to(tl.float32, bitcast=True), 512.0)
+    p = (r - lo) * inv_step
+    k0, k1 = _seed_keys(seed_ptr)
+    brow = rows
+    if BLOCK2D:
+        brow = rows - rows % 16
+    # the flat block index mod 2^32 (int32 wrap-around, reinterpreted as uint32)
+    u = _uniform32(k0, k1, (brow[:, None] * NBK + cols[None, :]).to(tl.uint32, bitcast=True))
+    code = tl.where(u < p, code + 1, code)
+    tl.store(scales_ptr + off, code.to(tl.uint8), mask=mask)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(gscale_ptr, gs)
+
 
 
 @triton.jit
@@ -721,10 +921,21 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: 2 = one Triton transposing copy (tiles ``p_*``, 128x128, 8 warps; fused with the amax pass without RHT), then
 #: the row-wise kernels (MS-EDEN+RHT128 477 us, RTN 231 us); 0 = strided loads through the swapped strides (717
 #: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
+#: MS-EDEN (post hoc range alignment, :func:`_quantize_eden`): ``e_*`` pass 1 over x (16x256, 4 warps, the tile
+#: of the former RHT quantize kernel; ``t_*`` for the in-kernel transposed paths), ``f_*`` pass 2 over the
+#: [R, K/16] FP32 block scales. ``e_impl`` 1: for RHT-128 on contiguous rows with 1x16 blocks, pass 1 gives each
+#: thread a whole 128-chunk (:func:`_eden_pass1_chunk_kernel`, tiles ``c_*``: rows x columns, c_rows * c_cols / 128
+#: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
+#: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
+#: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
+#: 254 registers per thread (8 warps per SM) against 96.
+#: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
+          "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
+          "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
 
 
@@ -800,7 +1011,8 @@ def _transpose(x, cfg, want_amax: bool):
     """(x.T contiguous, max|x| as an FP32 device scalar or None) from one Triton pass over x."""
     M, N = x.shape
     xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
-    am = torch.zeros((), dtype=torch.float32, device=x.device)
+    # the amax slot is zero-filled only when reduced into (a fill is one more launch); otherwise a placeholder
+    am = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else _dummy("signs", x.device)
     launch(_transpose_kernel, (cdiv(M, cfg["p_rows"]), cdiv(N, cfg["p_cols"])),
         x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
         num_warps=cfg["p_warps"])
@@ -829,11 +1041,12 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
     NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
 
-    ``amax``: optional FP32 0-dim device tensor used as the global amax instead of measuring max|x| (of the
-    rotated tensor under RHT): one pass over x instead of two, e.g. for delayed scaling (the previous step's
-    amax, as in Transformer Engine's FP8 recipe). The result equals the two-pass one only when ``amax`` is
-    the true max; a smaller value saturates the top block scales at 448 (RTN/MS-EDEN codes saturate at 6;
+    ``amax`` (RTN / SR only): optional FP32 0-dim device tensor used as the global amax instead of measuring
+    max|x| (of the rotated tensor under RHT): one pass over x instead of two, e.g. for delayed scaling (the
+    previous step's amax, as in Transformer Engine's FP8 recipe). The result equals the two-pass one only when
+    ``amax`` is the true max; a smaller value saturates the top block scales at 448 (RTN codes saturate at 6;
     SR's no-saturation guarantee is lost). Not used by the op / the backend (their default measures amax).
+    MS-EDEN reads x once anyway (its global scale is aligned after the block scales) and rejects ``amax``.
     """
     cfg = _config(x.device, config)
     if x.dim() != 2:
@@ -844,8 +1057,11 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
     if rounding == "ms_eden" and four_over_six:
         raise ValueError("four_over_six is not defined for rounding='ms_eden'")
+    if rounding == "ms_eden" and amax is not None:
+        raise ValueError("rounding='ms_eden' takes no amax: its block scales come first and the global scale is "
+                         "aligned to their max afterwards (formats.schemes)")
     if transpose and cfg["t_impl"] == 2 and x.numel():  # one transposing copy, then the row-wise kernels
-        x, a = _transpose(x, cfg, amax is None and not hadamard)
+        x, a = _transpose(x, cfg, amax is None and not hadamard and rounding != "ms_eden")
         transpose = False
         amax = a if a is not None else amax
     R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
@@ -869,6 +1085,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         gscale.zero_()
         return codes, scales, gscale
     tload = bool(transpose and cfg["t_impl"])
+    if rounding == "ms_eden":
+        _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
+                       gscale)
+        return codes, scales, gscale
     if amax is None:
         amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
     else:
@@ -890,9 +1110,38 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if cfg["q_impl"] == 0:
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
     else:
-        launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales, gscale,
-                               MAGIC_PACK=_MAGIC_PACK, **args)
+        launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
+               gscale, MAGIC_PACK=_MAGIC_PACK, **args)
     return codes, scales, gscale
+
+
+def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
+                   gscale):
+    """MS-EDEN: pass 1 over x (codes + FP32 block scales S' in a [R, K/16] scratch + max S'), pass 2 over the
+    scratch only (E4M3 scales + global decode scale); see ``formats.schemes`` for the arithmetic."""
+    dev = x.device
+    scratch = torch.empty((R, K // 16), dtype=torch.float32, device=dev)
+    smax = torch.zeros((), dtype=torch.float32, device=dev)
+    pre = "t" if transpose else "e"
+    br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
+    if block2d:
+        br = max(16, br // 16 * 16)
+    opts = _launch_opts(dev)
+    if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1:
+        br, bc = cfg["c_rows"], cfg["c_cols"]
+        launch(_eden_pass1_chunk_kernel, (cdiv(R, br), cdiv(K, bc)),
+            x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
+            INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK,
+            num_warps=cfg["c_warps"], **opts)
+    else:
+        launch(_eden_pass1_kernel, (cdiv(R, br), cdiv(K, bc)),
+            x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
+            INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
+            RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, num_warps=warps, **opts)
+    nbk = K // 16
+    launch(_eden_pass2_kernel, (cdiv(R, cfg["f_rows"]), cdiv(nbk, cfg["f_cols"])),
+        scratch, smax, seed, scales, gscale, R, nbk, BLOCK2D=bool(block2d), BR=cfg["f_rows"], BN=cfg["f_cols"],
+        num_warps=cfg["f_warps"], **opts)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, hadamard: int = 0,
