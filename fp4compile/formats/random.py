@@ -15,6 +15,12 @@ x *= 0x846ca68b; x ^= x>>16), a bijection on uint32 with good avalanche. ``seed`
 32-bit halves key the stream. Indices are taken modulo 2^32 (streams repeat only for tensors of more than
 4 Gi elements or blocks).
 
+For a fixed seed, ``bits`` is a bijection of the index (mod 2^32): each 32-bit word occurs exactly once. The
+index that gets the word 0 (u = 0, so an SR draw always rounds up there) is ``seed_hi`` itself, because
+``lowbias32(i ^ k0) == k1`` exactly when ``i == seed_hi``. With the random 64-bit seeds the ops draw
+(``draw_seed``), that index is uniform and the marginal law of every u is unchanged; a fixed seed with
+``seed_hi = 0`` (small test seeds) pins it at element 0, which statistical tests must not rely on.
+
 torch has no uint32 arithmetic, so the torch version works on int64 tensors holding values in [0, 2^32)
 and splits every multiply into 16-bit halves so no intermediate exceeds 2^49 (no int64 overflow).
 The Triton version (``fp4compile/kernels/quantize.py::_uniform``) uses native uint32 wrap-around.
