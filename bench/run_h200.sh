@@ -24,19 +24,21 @@ phase2)
   step dist_ddp 160 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --json "$OUT/dist_ddp.json"
   step dist_fsdp2 160 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 --json "$OUT/dist_fsdp2.json" ;;
 final)
-  # the whole measurement of main on an nvidia-h200-x2: GPU tests, every benchmark, FSDP2 (about 9 minutes)
+  # the whole measurement of main on an nvidia-h200-x2: GPU tests, the benchmarks, FSDP2 and DDP (~7 minutes;
+  # the attention table is not re-run: bench/attention.py --phase table separately)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
   ( export CUDA_VISIBLE_DEVICES=0
-    step gpu_tests 170 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py
-    step train_step 250 python bench/train_step.py --steps 10 --warmup 3 --profile --json "$OUT/train_step.jsonl" ) &
+    step train_step 250 python bench/train_step.py --steps 10 --warmup 3 --profile --json "$OUT/train_step.jsonl"
+    step host_overhead 30 python bench/host_overhead.py
+    step dist_1gpu 90 python bench/distributed.py --model 124m --parallel none --json "$OUT/dist_none.json" ) &
   ( export CUDA_VISIBLE_DEVICES=1
-    step attention 110 bash -c 'python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py \
-        && python bench/attention.py --phase checks && python bench/attention.py --phase table --json "$OUT/attention.json"'
+    step gpu_tests 180 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py
     step quantize 60 python bench/quantize.py --bench --quick --out "$OUT"
     step optim 130 python bench/optim.py --out "$OUT/optim.json"
-    step dist_1gpu 90 python bench/distributed.py --model 124m --parallel none --json "$OUT/dist_none.json" ) &
+    step attention_tests 100 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py ) &
   wait
   step dist_fsdp2 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 --json "$OUT/dist_fsdp2.json"
+  step dist_ddp 120 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --json "$OUT/dist_ddp.json"
   cat "$OUT/steps.txt"
   for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; tail -n 12 "$f"; done 2>/dev/null | tail -c 10000
   # the device returns at most 8 files: pack everything into one
