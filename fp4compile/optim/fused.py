@@ -47,6 +47,9 @@ KERNEL = int(os.environ.get("FP4COMPILE_QADAMW_KERNEL", "2"))
 NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
+#: kernel 2, timing ablations only (bit mask; results are NOT the reference's): 1 approximate sqrt/divisions in the
+#: update, 2 no SR hash (constant uniform). 0 (default) is the exact kernel.
+PROF = int(os.environ.get("FP4COMPILE_QADAMW_PROF", "0"))
 #: butterfly implementation of ``kernels.quantize._fwht`` (0: permute/split/join, 1: flip; 1 measured faster on the
 #: H200: 7.06 vs 7.93 ms on the 124M set)
 RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
@@ -507,7 +510,7 @@ def _q_uniform(idx0, K: tl.constexpr, seed):
 @triton.jit
 def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
                     NB: tl.constexpr, FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr,
-                    REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr):
+                    REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr):
     """``codec.encode`` of one run held as quarters (its own second-level scale) -> stores the packed codes
     (two int32 words per block), the scale bytes and the global decode scale."""
     a0 = tl.abs(x0)
@@ -542,7 +545,12 @@ def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr
         code = tl.where(pick4, code4, code)
         enc = tl.where(pick4, enc4, enc)
     e2 = enc[:, None]
-    if SR:
+    if SR and (PROF & 2):  # timing only: no hash (a constant uniform)
+        m0 = _q_sr_mag(a0 * e2, 0.5)
+        m1 = _q_sr_mag(a1 * e2, 0.5)
+        m2 = _q_sr_mag(a2 * e2, 0.5)
+        m3 = _q_sr_mag(a3 * e2, 0.5)
+    elif SR:
         m0 = _q_sr_mag(a0 * e2, _q_uniform(idx0, 0, seed))
         m1 = _q_sr_mag(a1 * e2, _q_uniform(idx0, 1, seed))
         m2 = _q_sr_mag(a2 * e2, _q_uniform(idx0, 2, seed))
@@ -571,7 +579,8 @@ def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr
 
 
 @triton.jit
-def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE: tl.constexpr):
+def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE: tl.constexpr,
+              PROF: tl.constexpr):
     """The AdamW arithmetic of ``qadamw.q_adamw_step`` on one quarter -> (m, sqrt(v), p32)."""
     if MAXIMIZE:
         g = g * -1.0  # not -g (0 - g): keeps torch's -0
@@ -585,19 +594,23 @@ def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE:
     si = tl.where(big, 1.8446744073709552e19, tl.where(small, 5.421010862427522e-20, 1.0))
     a = a * s
     b = b * s
-    r = tl.sqrt_rn(a * a + b * b) * si
-    denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
-    p32 = p * decay - step_size * tl.math.div_rn(m, denom)
+    if PROF & 1:  # timing only: approximate sqrt / divisions (not the reference's numerics)
+        r = tl.sqrt(a * a + b * b) * si
+        p32 = p * decay - step_size * (m / (r / bc2s + eps))
+    else:
+        r = tl.sqrt_rn(a * a + b * b) * si
+        denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
+        p32 = p * decay - step_size * tl.math.div_rn(m, denom)
     return m, r, p32
 
 
 @triton.jit
 def _q_quarter(m, r, p_ptr, g_ptr, comp_addr, o, bm, b1c, sb2, sb2c, bc2s, eps, decay, step_size, base_seed,
-               step_f, MAXIMIZE: tl.constexpr, MASTER: tl.constexpr):
+               step_f, MAXIMIZE: tl.constexpr, MASTER: tl.constexpr, PROF: tl.constexpr):
     """Load g and p of one quarter, update, write the parameter; -> (m, sqrt(v)) zeroed outside the tensor."""
     g = tl.load(g_ptr + o, mask=bm, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + o, mask=bm, other=0.0).to(tl.float32)
-    m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE)
+    m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE, PROF)
     _write_param(p_ptr, comp_addr, p32, o, bm, base_seed, step_f, MASTER)
     return tl.where(bm, m, 0.0), tl.where(bm, r, 0.0)
 
@@ -608,7 +621,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
                    MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
                    V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                    MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, SSE64: tl.constexpr, REUSE: tl.constexpr,
-                   MAGIC_PACK: tl.constexpr):
+                   MAGIC_PACK: tl.constexpr, PROF: tl.constexpr = 0):
     """One run of N elements of one tensor: decode m and sqrt(v), AdamW, re-encode, write p (block per thread;
     same arithmetic, bit for bit, as :func:`_qadamw_kernel_v1` and the torch reference)."""
     NB: tl.constexpr = N // 16
@@ -658,20 +671,20 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
 
     # ---- the AdamW update, one quarter at a time (the parameter is written right away)
     m0, r0 = _q_quarter(m0, tl.maximum(y0 + mu, lo), p_ptr, g_ptr, comp_addr, o0, bm, b1c, sb2, sb2c, bc2s,
-                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER)
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
     m1, r1 = _q_quarter(m1, tl.maximum(y1 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 4, bm, b1c, sb2, sb2c, bc2s,
-                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER)
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
     m2, r2 = _q_quarter(m2, tl.maximum(y2 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 8, bm, b1c, sb2, sb2c, bc2s,
-                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER)
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
     m3, r3 = _q_quarter(m3, tl.maximum(y3 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 12, bm, b1c, sb2, sb2c,
-                        bc2s, eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER)
+                        bc2s, eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
 
     # ---- re-encode m
     idx0 = (base & 0xFFFFFFFF).to(tl.uint32) + (blk * 16).to(tl.uint32)  # hash index mod 2^32
     if MH > 0:
         m0, m1, m2, m3 = _q_rht(m0, m1, m2, m3, m_signs, NB, MH, MNORM)
     _q_encode_store(m0, m1, m2, m3, idx0, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c,
-                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK)
+                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF)
 
     # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
     sb = (_q_tree(r0, NB) + _q_tree(r1, NB)) + (_q_tree(r2, NB) + _q_tree(r3, NB))
@@ -694,7 +707,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if VH > 0:
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
     _q_encode_store(r0, r1, r2, r3, idx0, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c,
-                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK)
+                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF)
 
 
 @triton.jit
@@ -873,7 +886,7 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
                 _qadamw_kernel_v1[(b.nprog,)](*args, **kw, IMPL=RHT_IMPL, num_warps=NUM_WARPS or 4,
                                               **_launch_opts(dev))
             else:
-                _qadamw_kernel[(b.nprog,)](*args, **kw, REUSE=bool(REUSE), MAGIC_PACK=_MAGIC_PACK,
+                _qadamw_kernel[(b.nprog,)](*args, **kw, REUSE=bool(REUSE), MAGIC_PACK=_MAGIC_PACK, PROF=PROF,
                                            num_warps=NUM_WARPS or 2, **_launch_opts(dev))
         else:
             _adamw_kernel[(b.nprog,)](
