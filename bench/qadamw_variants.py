@@ -32,14 +32,14 @@ VARIANTS = [
     ("k2 default (2 warps, reuse 4/6 codes)", dict(), {}),
     ("k1 (first version, 4 warps)", dict(KERNEL=1), {}),
     ("k2 1 warp", dict(NUM_WARPS=1), {}),
-    ("k2 4 warps", dict(NUM_WARPS=4), {}),
-    ("k2 no reuse of 4/6 codes", dict(REUSE=0), {}),
     ("k2 no 4/6", dict(), NO46),
-    ("k2 no RHT", dict(), NORHT),
-    ("k2 RTN m", dict(), dict(m_rounding="rtn")),
-    ("k2 no 4/6, no RHT, RTN m", dict(), {**NO46, **NORHT, "m_rounding": "rtn"}),
     ("k2 PROF=1 approx sqrt/div (timing only)", dict(PROF=1), {}),
     ("k2 PROF=2 no SR hash (timing only)", dict(PROF=2), {}),
+    ("k2 no RHT", dict(), NORHT),
+    ("k2 RTN m", dict(), dict(m_rounding="rtn")),
+    ("k2 no reuse of 4/6 codes", dict(REUSE=0), {}),
+    ("k2 no 4/6, no RHT, RTN m", dict(), {**NO46, **NORHT, "m_rounding": "rtn"}),
+    ("k2 4 warps", dict(NUM_WARPS=4), {}),
 ]
 
 
