@@ -109,7 +109,7 @@ def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, q
             torch.cuda.empty_cache()
     if warps:
         from fp4compile.optim import fused
-        fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
+        fused.NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
         fused.RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
         qadamw.SSE64_4OVER6 = sse64_default
         rows.append(dict(section="QAdamW config", set=name, warps=warps, rht_impl=impl,
@@ -276,8 +276,9 @@ def main(argv=None):
         # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, all off
         no46 = dict(m_four_over_six=False, v_four_over_six=False)
         norht = dict(m_hadamard=None, v_hadamard=None)
-        configs = [(4, 1, None, True), (8, 1, None, None), (4, 1, no46, None), (4, 1, norht, None),
-                   (4, 1, dict(m_rounding="rtn"), None), (4, 1, {**no46, **norht, "m_rounding": "rtn"}, None)]
+        # (warps 2 = the block-per-thread kernel's default; bench/qadamw_variants.py compares kernels and options)
+        configs = [(2, 1, None, True), (1, 1, None, None), (2, 1, no46, None), (2, 1, norht, None),
+                   (2, 1, dict(m_rounding="rtn"), None), (2, 1, {**no46, **norht, "m_rounding": "rtn"}, None)]
         jobs += [(f"config warps={w} rht_impl={i} sse64={e} {q or ''}", lambda w=w, i=i, q=q, e=e: bench_adamw(
             "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q, sse64=e))
             for w, i, q, e in configs]

@@ -27,6 +27,8 @@ CASES = {
     "bf16-kahan": dict(dtype=torch.bfloat16, kw=dict(bf16_master="kahan")),
     "bf16-rtn": dict(dtype=torch.bfloat16, kw=dict(bf16_master="rtn")),
     "qroot-adamw": dict(dtype=torch.float32, kw={}, root=True),
+    # the first parameter 4 bytes off 16-byte alignment: the kernels (16-byte vector loads) must leave it to torch
+    "fp32-unaligned": dict(dtype=torch.float32, kw={}, unaligned=True),
 }
 
 
@@ -42,6 +44,10 @@ def run(case, fused, device, steps=3):
     cfg = CASES[case]
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s).mul_(0.1).to(device, cfg["dtype"])) for s in SHAPES]
+    if cfg.get("unaligned"):
+        buf = torch.empty(ps[0].numel() + 1, device=device, dtype=cfg["dtype"])
+        ps[0] = torch.nn.Parameter(buf[1:].view(ps[0].shape).copy_(ps[0].detach()))
+        assert ps[0].data_ptr() % 16
     if cfg.get("root"):  # QRoot's AdamW part (use_root=False group) through the same kernels
         from fp4compile.optim import QRoot
 

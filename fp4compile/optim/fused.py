@@ -17,6 +17,18 @@ torch ops for the step counters), however many tensors the group has:
   mixes, the decode floor) lives inside a run;
 * ``lr`` is a device tensor and the step counters stay on the device: no host synchronization.
 
+Layout (kernel 2, the default; ``KERNEL``): a program of 2 warps holds its run's 64 16-element blocks one per
+thread, each as four 16-byte "quarters" ([64, 4] tensors, ``_q_*`` helpers), so the block max, the E4M3
+scales, the 4/6 search, the error trees and the 16-point Hadamard never leave the thread's registers and no
+per-block work is replicated. E2M1 codes come from FP adds/mins (``_e2m1_mag_magic``), the 4/6 search works on
+magnitudes and RTN reuses the winning candidate's codes, codes are unpacked from and packed into int32 words
+(8 codes each) in registers. Static sm_90 SASS of the default configuration: 4432 instructions per thread of
+16 elements (~280 per element; 128 registers, no spills) vs 6712 per thread of 8 (~840) for the first
+version (``_qadamw_kernel_v1``, [N] / [N/16, 16] tiles spread over 4 warps with shuffles and shared-memory
+exchanges, kept for comparison; ``bench/qadamw_sass.py`` counts them on a machine without a GPU). Parameters and
+gradients must be 16-byte aligned (else the torch step runs). H200, 124M set: 1.48 ms per step vs 6.17 ms for
+the first version and 1.06 ms for ``torch.optim.AdamW(fused=True)`` (docs/BENCHMARKS.md).
+
 Bit-exactness: the kernels reproduce the torch reference steps bit for bit (same operations in the same
 order: ``div_rn``/``sqrt_rn``, no FMA contraction (``enable_fp_fusion=False``), the same butterfly Hadamard,
 pairwise tree sums and counter-based hash for the random bits); per-tensor scalars (bias corrections,
@@ -33,17 +45,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.quantize import AMAX_FLUSH, _e2m1_rne, _e2m1_value, _e4m3_code, _e4m3_value, _fwht
+from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
+                                _e4m3_value, _fwht, _mag_value_magic)
 from . import qadamw as _qa
 
 CH = _qa.SCALE_CHUNK
-#: Triton warps per program (1024 elements each): 4 is the fastest of 1, 2, 4, 8 on the H200 (124M set: 22.7, 11.1,
-#: 7.1-7.8, 9.0 ms; ``bench/optim.py``, docs/BENCHMARKS.md)
-NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "4"))
+#: which Q-AdamW kernel runs: 2 = :func:`_qadamw_kernel` (block per thread, default), 1 = :func:`_qadamw_kernel_v1`
+#: (the first version: [N] / [N/16, 16] tiles spread over threads; kept for comparison, same results bit for bit)
+KERNEL = int(os.environ.get("FP4COMPILE_QADAMW_KERNEL", "2"))
+#: Triton warps per program (1024 elements each) of the Q-AdamW kernel; 0 = the kernel's default: 2 for kernel 2
+#: (64 threads, one 16-block each; 1.48 ms on the 124M set on the H200 vs 1.62 ms with 1 warp, two blocks per
+#: thread; ``bench/qadamw_variants.py``), 4 for kernel 1 (fastest of 1, 2, 4, 8 for it: 22.7, 11.1, 7.1-7.8, 9.0 ms)
+NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
+#: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
+REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
+#: kernel 2, timing ablations only (bit mask; results are NOT the reference's): 1 approximate sqrt/divisions in the
+#: update, 2 no SR hash (constant uniform). 0 (default) is the exact kernel.
+PROF = int(os.environ.get("FP4COMPILE_QADAMW_PROF", "0"))
 #: butterfly implementation of ``kernels.quantize._fwht`` (0: permute/split/join, 1: flip; 1 measured faster on the
 #: H200: 7.06 vs 7.93 ms on the 124M set)
 RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FTYPES = tl.constexpr((tl.float32, tl.bfloat16, tl.float16))  # Triton element type of each _KIND
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # pointer-table columns
@@ -253,7 +276,7 @@ def _write_param(p_ptr, comp_addr, p32, offs, mask, base_seed, step_f, MASTER: t
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
+def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
                    N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
                    MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
                    V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
@@ -336,6 +359,378 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     _write_param(p_ptr, tl.load(row + 11), p32, offs, mask, base_seed, step_f, MASTER)
 
 
+# ---------------------------------------------------------------------------------------------- block-per-thread
+# The default Q-AdamW kernel holds every 16-element block of its run in ONE thread, as four "quarters"
+# [NB, 4] (elements 4k..4k+3 of each block, k = 0..3; each a 16-byte load of FP32): the block max, the E4M3
+# scale math, the 4/6 choice, the error sums and the 16-point Hadamard are register-only (no shuffles, no
+# per-block work replicated over threads). Only what spans several blocks goes across threads: the run's amax,
+# tile means over tile > 16 elements, Hadamard sizes > 16 and the decode floor over their groups.
+@triton.jit
+def _q_h1(x, NB: tl.constexpr):
+    """Butterfly stage h = 1 inside a quarter: (x0, x1), (x2, x3) -> (a + b, a - b)."""
+    a, b = tl.split(tl.reshape(x, (NB, 2, 2)))
+    return tl.reshape(tl.join(a + b, a - b), (NB, 4))
+
+
+@triton.jit
+def _q_h2(x, NB: tl.constexpr):
+    """Butterfly stage h = 2 inside a quarter: (x0, x2), (x1, x3)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (NB, 2, 2)), (0, 2, 1)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (NB, 4))
+
+
+@triton.jit
+def _q_hblk(x, NB: tl.constexpr, H: tl.constexpr):
+    """Butterfly stage h = 16 H across blocks: block b pairs with block b ^ H (partner via ``tl.flip``)."""
+    v = tl.reshape(x, (NB // (2 * H), 2, H, 4))
+    p = tl.flip(v, 1)
+    sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+    return tl.reshape(tl.fma(v, sgn[None, :, None, None], p), (NB, 4))  # exact +-v + p: one rounding
+
+
+@triton.jit
+def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr):
+    """Unnormalized Walsh-Hadamard butterflies over runs of D (>= 16) elements held as quarters: stages
+    h = 1, 2 inside each quarter, h = 4, 8 between quarters, h >= 16 across blocks (the reference's order)."""
+    x0 = _q_h2(_q_h1(x0, NB), NB)
+    x1 = _q_h2(_q_h1(x1, NB), NB)
+    x2 = _q_h2(_q_h1(x2, NB), NB)
+    x3 = _q_h2(_q_h1(x3, NB), NB)
+    x0, x1 = x0 + x1, x0 - x1
+    x2, x3 = x2 + x3, x2 - x3
+    x0, x2 = x0 + x2, x0 - x2
+    x1, x3 = x1 + x3, x1 - x3
+    if D >= 32:
+        x0, x1, x2, x3 = _q_hblk(x0, NB, 1), _q_hblk(x1, NB, 1), _q_hblk(x2, NB, 1), _q_hblk(x3, NB, 1)
+    if D >= 64:
+        x0, x1, x2, x3 = _q_hblk(x0, NB, 2), _q_hblk(x1, NB, 2), _q_hblk(x2, NB, 2), _q_hblk(x3, NB, 2)
+    if D >= 128:
+        x0, x1, x2, x3 = _q_hblk(x0, NB, 4), _q_hblk(x1, NB, 4), _q_hblk(x2, NB, 4), _q_hblk(x3, NB, 4)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _q_signs(s_ptr, k: tl.constexpr, NB: tl.constexpr, D: tl.constexpr):
+    """The RHT signs of quarter k: [1, 4] (D = 16) or [NB, 4] (block b uses signs (b mod D/16) * 16 + ...)."""
+    j = 4 * k + tl.arange(0, 4)
+    if D == 16:
+        s = tl.load(s_ptr + j)[None, :]
+    else:
+        s = tl.load(s_ptr + ((tl.arange(0, NB) % (D // 16)) * 16)[:, None] + j[None, :])
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _q_rht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """``codec.rht``: (x * s) H_D * (1 / sqrt(D))."""
+    x0, x1, x2, x3 = _q_fwht(x0 * _q_signs(s_ptr, 0, NB, D), x1 * _q_signs(s_ptr, 1, NB, D),
+                             x2 * _q_signs(s_ptr, 2, NB, D), x3 * _q_signs(s_ptr, 3, NB, D), NB, D)
+    return x0 * NORM, x1 * NORM, x2 * NORM, x3 * NORM
+
+
+@triton.jit
+def _q_irht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """``codec.inverse_rht``: (y H_D * (1 / sqrt(D))) * s, as one product y H_D * (s / sqrt(D)) (s = +-1: the same
+    bits, signed zeros included)."""
+    x0, x1, x2, x3 = _q_fwht(x0, x1, x2, x3, NB, D)
+    return (x0 * (_q_signs(s_ptr, 0, NB, D) * NORM), x1 * (_q_signs(s_ptr, 1, NB, D) * NORM),
+            x2 * (_q_signs(s_ptr, 2, NB, D) * NORM), x3 * (_q_signs(s_ptr, 3, NB, D) * NORM))
+
+
+@triton.jit
+def _q_tree(t, NB: tl.constexpr):
+    """[NB, 4] -> [NB]: ((t0 + t1) + (t2 + t3)), the adjacent-pair tree of one quarter."""
+    a, b = tl.split(tl.reshape(t, (NB, 2, 2)))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
+def _q_mag_value(m):
+    """E2M1 magnitude value from ``m`` = MAGIC + code (a float in [2^23, 2^23 + 7]): max(c/2, c - 2, 2c - 8) as
+    three exact single-rounding ops on m itself (m/2 and 2m are exact; so are the differences), one op fewer
+    than :func:`_mag_value_magic`."""
+    return tl.maximum(tl.maximum(tl.fma(m, 0.5, -6291456.0), m - 12582914.0), tl.fma(m, 2.0, -25165832.0))
+
+
+@triton.jit
+def _q_decode_quarter(w, SH: tl.constexpr, s):
+    """4 E2M1 codes (nibbles SH/4 .. SH/4 + 3 of the int32 words ``w`` [NB]) -> value * s (``codec.decode``).
+    The magnitude comes through the magic-number float (:func:`_q_mag_value`: FP ops, no int->float
+    conversion); the sign bit is OR-ed in (code 8 decodes to -0, as the reference)."""
+    sh = SH + 4 * tl.arange(0, 4)
+    q = w[:, None] >> sh[None, :]
+    m = ((q & 7) | 0x4B400000).to(tl.float32, bitcast=True)
+    v = _q_mag_value(m).to(tl.int32, bitcast=True) | ((q & 8) << 28)
+    return v.to(tl.float32, bitcast=True) * s[:, None]
+
+
+@triton.jit
+def _q_decode(codes_ptr, scales_ptr, g, base, bmask, NB: tl.constexpr):
+    """``codec.decode`` of one run as quarters, plus the per-block decode scale (E4M3 scale * global).
+    ``codes_ptr``: the packed codes as int32 words (8 codes each, element 8i + j in bits 4j..4j+3)."""
+    blk = tl.arange(0, NB)
+    wi = base // 8 + 2 * blk
+    w0 = tl.load(codes_ptr + wi, mask=bmask, other=0)
+    w1 = tl.load(codes_ptr + wi + 1, mask=bmask, other=0)
+    sf = _e4m3_value(tl.load(scales_ptr + base // 16 + blk, mask=bmask, other=0).to(tl.int32))
+    s = sf * g
+    return (_q_decode_quarter(w0, 0, s), _q_decode_quarter(w0, 16, s), _q_decode_quarter(w1, 0, s),
+            _q_decode_quarter(w1, 16, s), s)
+
+
+@triton.jit
+def _q_sse(a, enc6, enc4, qs6, qs4, NB: tl.constexpr, SSE64: tl.constexpr):
+    """One quarter's share of both 4/6 candidates' squared errors (``codec.encode``'s ``sse``) from |x|:
+    x - q = sign(x) (|x| - |q|) exactly (q carries x's sign), so the sums are those of the signed values.
+    Returns (tree sums 6, 4; the candidates' MAGIC + code floats, for reuse by RTN)."""
+    m6 = _e2m1_mag_magic(a * enc6[:, None])
+    m4 = _e2m1_mag_magic(a * enc4[:, None])
+    q6 = _q_mag_value(m6) * qs6[:, None]
+    q4 = _q_mag_value(m4) * qs4[:, None]
+    if SSE64:
+        d6 = a.to(tl.float64) - q6.to(tl.float64)
+        d4 = a.to(tl.float64) - q4.to(tl.float64)
+    else:
+        d6 = a - q6
+        d4 = a - q4
+    return _q_tree(d6 * d6, NB), _q_tree(d4 * d4, NB), m6, m4
+
+
+@triton.jit
+def _q_sr_mag(t, u):
+    """``codec.e2m1_sr_codes`` magnitude of t = |x| * enc as MAGIC + code (FP32). With a = min(t, 6), the
+    step 2^-1/2^0/2^1 and s = a / step (exact), floor(s) + {0, 2, 4} is the code of the lower grid point lo
+    and s - floor(s) = (a - lo) / step exactly (Sterbenz), the reference's round-up probability."""
+    a = tl.minimum(t, 6.0)
+    lt2 = a < 2.0
+    lt4 = a < 4.0
+    s = a * tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
+    fl = tl.floor(s)
+    off = tl.where(lt2, 12582912.0, tl.where(lt4, 12582914.0, 12582916.0))
+    return (fl + off) + tl.where(u < s - fl, 1.0, 0.0)
+
+
+@triton.jit
+def _q_pack(m, x, SH: tl.constexpr):
+    """4 codes (MAGIC + magnitude floats ``m``, signs from ``x``) shifted to nibbles SH/4.. of a word, plus
+    MAGIC's bits shifted alike (the caller subtracts ``_MAGIC_PACK`` once per word; see ``_pack_magic``)."""
+    sh = (SH + 4 * tl.arange(0, 4)).to(tl.uint32)[None, :]
+    mb = m.to(tl.uint32, bitcast=True)
+    sgn = (x.to(tl.uint32, bitcast=True) >> (28 - sh)) & (8 << sh)
+    return tl.sum((mb << sh) | sgn, axis=1)
+
+
+@triton.jit
+def _q_uniform(idx0, K: tl.constexpr, seed):
+    """``codec.uniform_hash`` of quarter K (uint32 element indices idx0 + 4K + j, mod 2^32)."""
+    i = idx0[:, None] + (4 * K + tl.arange(0, 4)).to(tl.uint32)[None, :]
+    return (_hash(i, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
+                    NB: tl.constexpr, FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr,
+                    REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr):
+    """``codec.encode`` of one run held as quarters (its own second-level scale) -> stores the packed codes
+    (two int32 words per block), the scale bytes and the global decode scale."""
+    a0 = tl.abs(x0)
+    a1 = tl.abs(x1)
+    a2 = tl.abs(x2)
+    a3 = tl.abs(x3)
+    ab = tl.maximum(tl.maximum(tl.max(a0, axis=1), tl.max(a1, axis=1)),
+                    tl.maximum(tl.max(a2, axis=1), tl.max(a3, axis=1)))
+    amax = tl.max(ab, axis=0)
+    zero = amax < AMAX_FLUSH
+    if FOS:
+        numer = 1536.0
+    else:
+        numer = 2688.0
+    one = tl.full([], 1.0, tl.float32)
+    s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
+    gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
+    code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
+    if FOS:
+        # ab / 4 == ab * 0.25 bit for bit (both round the same real number), no division needed
+        v4 = tl.minimum((ab * 0.25) * s_enc, 448.0)
+        code4 = _e4m3_code(v4)
+        sf4 = _e4m3_value(code4)
+        enc4 = tl.where(sf4 == 0, 0.0, tl.math.div_rn(tl.full(sf4.shape, 1.0, tl.float32), sf4 * gs))
+        qs6 = sf * gs
+        qs4 = sf4 * gs
+        e6a, e4a, m6a, m4a = _q_sse(a0, enc, enc4, qs6, qs4, NB, SSE64)
+        e6b, e4b, m6b, m4b = _q_sse(a1, enc, enc4, qs6, qs4, NB, SSE64)
+        e6c, e4c, m6c, m4c = _q_sse(a2, enc, enc4, qs6, qs4, NB, SSE64)
+        e6d, e4d, m6d, m4d = _q_sse(a3, enc, enc4, qs6, qs4, NB, SSE64)
+        pick4 = ((e4a + e4b) + (e4c + e4d)) < ((e6a + e6b) + (e6c + e6d))
+        code = tl.where(pick4, code4, code)
+        enc = tl.where(pick4, enc4, enc)
+    e2 = enc[:, None]
+    if SR and (PROF & 2):  # timing only: no hash (a constant uniform)
+        m0 = _q_sr_mag(a0 * e2, 0.5)
+        m1 = _q_sr_mag(a1 * e2, 0.5)
+        m2 = _q_sr_mag(a2 * e2, 0.5)
+        m3 = _q_sr_mag(a3 * e2, 0.5)
+    elif SR:
+        m0 = _q_sr_mag(a0 * e2, _q_uniform(idx0, 0, seed))
+        m1 = _q_sr_mag(a1 * e2, _q_uniform(idx0, 1, seed))
+        m2 = _q_sr_mag(a2 * e2, _q_uniform(idx0, 2, seed))
+        m3 = _q_sr_mag(a3 * e2, _q_uniform(idx0, 3, seed))
+    elif FOS and REUSE:
+        p4 = pick4[:, None]
+        m0 = tl.where(p4, m4a, m6a)
+        m1 = tl.where(p4, m4b, m6b)
+        m2 = tl.where(p4, m4c, m6c)
+        m3 = tl.where(p4, m4d, m6d)
+    else:
+        m0 = _e2m1_mag_magic(a0 * e2)
+        m1 = _e2m1_mag_magic(a1 * e2)
+        m2 = _e2m1_mag_magic(a2 * e2)
+        m3 = _e2m1_mag_magic(a3 * e2)
+    w0 = ((_q_pack(m0, x0, 0) + _q_pack(m1, x1, 16)) - MAGIC_PACK).to(tl.int32, bitcast=True)
+    w1 = ((_q_pack(m2, x2, 0) + _q_pack(m3, x3, 16)) - MAGIC_PACK).to(tl.int32, bitcast=True)
+    w0 = tl.where(zero, 0, w0)
+    w1 = tl.where(zero, 0, w1)
+    blk = tl.arange(0, NB)
+    wi = base // 8 + 2 * blk
+    tl.store(codes_ptr + wi, w0, mask=bmask)
+    tl.store(codes_ptr + wi + 1, w1, mask=bmask)
+    tl.store(scales_ptr + base // 16 + blk, code.to(tl.uint8), mask=bmask)
+    tl.store(gbits_ptr + c, gs)
+
+
+@triton.jit
+def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE: tl.constexpr,
+              PROF: tl.constexpr):
+    """The AdamW arithmetic of ``qadamw.q_adamw_step`` on one quarter -> (m, sqrt(v), p32)."""
+    if MAXIMIZE:
+        g = g * -1.0  # not -g (0 - g): keeps torch's -0
+    m = m + (g - m) * b1c
+    a = r * sb2
+    b = tl.abs(g) * sb2c
+    mx = tl.maximum(a, b)
+    big = mx > 1.152921504606847e18
+    small = mx < 8.673617379884035e-19
+    s = tl.where(big, 5.421010862427522e-20, tl.where(small, 1.8446744073709552e19, 1.0))
+    si = tl.where(big, 1.8446744073709552e19, tl.where(small, 5.421010862427522e-20, 1.0))
+    a = a * s
+    b = b * s
+    if PROF & 1:  # timing only: approximate sqrt / divisions (not the reference's numerics)
+        r = tl.sqrt(a * a + b * b) * si
+        p32 = p * decay - step_size * (m / (r / bc2s + eps))
+    else:
+        r = tl.sqrt_rn(a * a + b * b) * si
+        denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
+        p32 = p * decay - step_size * tl.math.div_rn(m, denom)
+    return m, r, p32
+
+
+@triton.jit
+def _q_quarter(m, r, p_ptr, g_ptr, comp_addr, o, bm, b1c, sb2, sb2c, bc2s, eps, decay, step_size, base_seed,
+               step_f, MAXIMIZE: tl.constexpr, MASTER: tl.constexpr, PROF: tl.constexpr):
+    """Load g and p of one quarter, update, write the parameter; -> (m, sqrt(v)) zeroed outside the tensor."""
+    g = tl.load(g_ptr + o, mask=bm, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + o, mask=bm, other=0.0).to(tl.float32)
+    m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE, PROF)
+    _write_param(p_ptr, comp_addr, p32, o, bm, base_seed, step_f, MASTER)
+    return tl.where(bm, m, 0.0), tl.where(bm, r, 0.0)
+
+
+@triton.jit
+def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
+                   N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
+                   MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
+                   V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, SSE64: tl.constexpr, REUSE: tl.constexpr,
+                   MAGIC_PACK: tl.constexpr, PROF: tl.constexpr = 0):
+    """One run of N elements of one tensor: decode m and sqrt(v), AdamW, re-encode, write p (block per thread;
+    same arithmetic, bit for bit, as :func:`_qadamw_kernel_v1` and the torch reference)."""
+    NB: tl.constexpr = N // 16
+    pid = tl.program_id(0)
+    t = tl.load(chunks + 2 * pid)
+    c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
+    row = qtab + t * NQ
+    n = tl.load(row + 0)
+    base = c * N
+    blk = tl.arange(0, NB)
+    boff = base + blk * 16
+    bmask = boff < n  # n is a multiple of the tile (>= 16): whole blocks are in or out
+    bm = tl.broadcast_to(bmask[:, None], (NB, 4))
+    o0 = boff[:, None] + tl.arange(0, 4)[None, :]
+    decay = tl.load(coef + t)
+    step_size = tl.load(coef + coef_stride + t)
+    bc2s = tl.load(coef + 2 * coef_stride + t)
+    step_f = tl.load(coef + 3 * coef_stride + t)
+    base_seed = tl.load(tl.load(row + 10).to(tl.pointer_type(tl.int64)))
+    m_codes = tl.load(row + 1).to(tl.pointer_type(tl.int32))  # 8 codes per int32 word
+    m_scales = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    m_gbits = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    v_codes = tl.load(row + 4).to(tl.pointer_type(tl.int32))
+    v_scales = tl.load(row + 5).to(tl.pointer_type(tl.uint8))
+    v_gbits = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    v_mean = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
+    m_signs = tl.load(row + 8).to(tl.pointer_type(tl.int8))
+    v_signs = tl.load(row + 9).to(tl.pointer_type(tl.int8))
+    comp_addr = tl.load(row + 11)
+    # parameter and gradient are 16-byte aligned (``_eligible`` / ``FusedPlan.still_valid``): vector loads
+    p_ptr = tl.multiple_of(tl.load(ptab + 2 * t).to(tl.pointer_type(_FTYPES[P_KIND])), 16)
+    g_ptr = tl.multiple_of(tl.load(ptab + 2 * t + 1).to(tl.pointer_type(_FTYPES[G_KIND])), 16)
+
+    # ---- decode m and sqrt(v)
+    m0, m1, m2, m3, _s = _q_decode(m_codes, m_scales, tl.load(m_gbits + c), base, bmask, NB)
+    if MH > 0:
+        m0, m1, m2, m3 = _q_irht(m0, m1, m2, m3, m_signs, NB, MH, MNORM)
+    y0, y1, y2, y3, vs = _q_decode(v_codes, v_scales, tl.load(v_gbits + c), base, bmask, NB)
+    if VH > 0:
+        y0, y1, y2, y3 = _q_irht(y0, y1, y2, y3, v_signs, NB, VH, VNORM)
+    mu = tl.load(v_mean + boff // TILE, mask=bmask, other=0.0).to(tl.float32)[:, None]
+    lo = vs * 0.25
+    if VH > 16:  # the floor is the max over the blocks of one Hadamard group
+        lg = tl.max(tl.reshape(lo, (NB // (VH // 16), VH // 16)), axis=1)
+        lo = tl.reshape(tl.broadcast_to(lg[:, None], (NB // (VH // 16), VH // 16)), (NB,))
+    lo = lo[:, None]
+
+    # ---- the AdamW update, one quarter at a time (the parameter is written right away)
+    m0, r0 = _q_quarter(m0, tl.maximum(y0 + mu, lo), p_ptr, g_ptr, comp_addr, o0, bm, b1c, sb2, sb2c, bc2s,
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
+    m1, r1 = _q_quarter(m1, tl.maximum(y1 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 4, bm, b1c, sb2, sb2c, bc2s,
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
+    m2, r2 = _q_quarter(m2, tl.maximum(y2 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 8, bm, b1c, sb2, sb2c, bc2s,
+                        eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
+    m3, r3 = _q_quarter(m3, tl.maximum(y3 + mu, lo), p_ptr, g_ptr, comp_addr, o0 + 12, bm, b1c, sb2, sb2c,
+                        bc2s, eps, decay, step_size, base_seed, step_f, MAXIMIZE, MASTER, PROF)
+
+    # ---- re-encode m
+    idx0 = (base & 0xFFFFFFFF).to(tl.uint32) + (blk * 16).to(tl.uint32)  # hash index mod 2^32
+    if MH > 0:
+        m0, m1, m2, m3 = _q_rht(m0, m1, m2, m3, m_signs, NB, MH, MNORM)
+    _q_encode_store(m0, m1, m2, m3, idx0, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c,
+                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF)
+
+    # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
+    sb = (_q_tree(r0, NB) + _q_tree(r1, NB)) + (_q_tree(r2, NB) + _q_tree(r3, NB))
+    KT: tl.constexpr = TILE // 16
+    if KT > 1:
+        ts = _tree_rows(tl.reshape(sb, (NB // KT, KT)), NB // KT, KT)
+    else:
+        ts = sb
+    mu_t = _bf16_rne(ts * (1.0 / TILE))
+    ot = base // TILE + tl.arange(0, NB // KT)
+    tl.store(v_mean + ot, mu_t, mask=ot < n // TILE)
+    mub = mu_t.to(tl.float32)
+    if KT > 1:
+        mub = tl.reshape(tl.broadcast_to(mub[:, None], (NB // KT, KT)), (NB,))
+    mub = mub[:, None]
+    r0 = tl.where(bm, r0 - mub, 0.0)
+    r1 = tl.where(bm, r1 - mub, 0.0)
+    r2 = tl.where(bm, r2 - mub, 0.0)
+    r3 = tl.where(bm, r3 - mub, 0.0)
+    if VH > 0:
+        r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
+    _q_encode_store(r0, r1, r2, r3, idx0, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c,
+                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF)
+
+
 @triton.jit
 def _adamw_kernel(ftab, ptab, coef, coef_stride, chunks, b1c, b2, b2c, eps,
                   N: tl.constexpr, NF: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
@@ -392,9 +787,12 @@ def _eligible(p: torch.Tensor, st: dict, group: dict) -> bool:
         return False
     if not (p.is_contiguous() and g.is_contiguous() and g.device == p.device and g.shape == p.shape):
         return False
+    if p.data_ptr() % 16 or g.data_ptr() % 16:  # the kernels load 16-byte vectors
+        return False
     if st["step"].device != p.device or st["seed"].device != p.device:
         return False
-    if "comp" in st and not (st["comp"].dtype == torch.bfloat16 and st["comp"].is_contiguous()):
+    if "comp" in st and not (st["comp"].dtype == torch.bfloat16 and st["comp"].is_contiguous()
+                             and st["comp"].data_ptr() % 16 == 0):
         return False
     if "m_codes" in st:
         tile = group["tile"]
@@ -459,10 +857,11 @@ class FusedPlan:
         self.grad_dtypes = [(p, p.grad.dtype) for b in self.buckets for p in b.params]
 
     def still_valid(self) -> bool:
-        """Cheap per-step check: every gradient still has the dtype/layout the plan was built for."""
+        """Cheap per-step check: every gradient still has the dtype/layout the plan was built for and every
+        parameter and gradient is 16-byte aligned (a view into a shared buffer may not be)."""
         for p, dt in self.grad_dtypes:
             g = p.grad
-            if g.dtype != dt or not g.is_contiguous():
+            if g.dtype != dt or not g.is_contiguous() or g.data_ptr() % 16 or p.data_ptr() % 16:
                 return False
         return True
 
@@ -498,18 +897,22 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
         cslice = coef.reshape(-1)[t0:]
         if b.kind == "q":
             mh, vh = group["m_hadamard"] or 0, group["v_hadamard"] or 0
-            _qadamw_kernel[(b.nprog,)](
-                b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, math.sqrt(beta2), math.sqrt(1 - beta2), eps,
-                N=CH, NQ=len(_Q_COLS), TILE=group["tile"], MH=mh, VH=vh,
-                MNORM=1.0 / math.sqrt(mh) if mh else 1.0, VNORM=1.0 / math.sqrt(vh) if vh else 1.0,
-                M_SR=group["m_rounding"] == "sr", M_FOS=bool(group["m_four_over_six"]),
-                V_SR=group["v_rounding"] == "sr", V_FOS=bool(group["v_four_over_six"]),
-                P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize, IMPL=RHT_IMPL, SSE64=_qa.SSE64_4OVER6,
-                num_warps=NUM_WARPS, **_launch_opts(dev))
+            args = (b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, math.sqrt(beta2), math.sqrt(1 - beta2), eps)
+            kw = dict(N=CH, NQ=len(_Q_COLS), TILE=group["tile"], MH=mh, VH=vh,
+                      MNORM=1.0 / math.sqrt(mh) if mh else 1.0, VNORM=1.0 / math.sqrt(vh) if vh else 1.0,
+                      M_SR=group["m_rounding"] == "sr", M_FOS=bool(group["m_four_over_six"]),
+                      V_SR=group["v_rounding"] == "sr", V_FOS=bool(group["v_four_over_six"]),
+                      P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize, SSE64=_qa.SSE64_4OVER6)
+            if KERNEL == 1:
+                _qadamw_kernel_v1[(b.nprog,)](*args, **kw, IMPL=RHT_IMPL, num_warps=NUM_WARPS or 4,
+                                              **_launch_opts(dev))
+            else:
+                _qadamw_kernel[(b.nprog,)](*args, **kw, REUSE=bool(REUSE), MAGIC_PACK=_MAGIC_PACK, PROF=PROF,
+                                           num_warps=NUM_WARPS or 2, **_launch_opts(dev))
         else:
             _adamw_kernel[(b.nprog,)](
                 b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, beta2, 1 - beta2, eps,
                 N=CH, NF=len(_F_COLS), P_KIND=pk, G_KIND=gk, MASTER=master, MAXIMIZE=maximize,
-                num_warps=NUM_WARPS, **_launch_opts(dev))
+                num_warps=4, **_launch_opts(dev))
         t0 += len(b.params)
     return plan.rest

@@ -1,0 +1,109 @@
+"""Static sm_90 SASS of the fused Q-AdamW kernels, on a machine without a GPU: compiles the kernel through
+Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin with the bundled ptxas) and counts the SASS
+instructions (nvdisasm), registers and spills (cuobjdump). A CPU-side proxy for the kernel's ALU cost (the
+kernel is issue-bound: ~1 warp instruction per cycle per SM sub-partition), used to choose between exact
+formulations before a GPU window.
+
+    python bench/qadamw_sass.py                       # default configuration, kernels 2 and 1
+    python bench/qadamw_sass.py '{"M_FOS": false, "V_FOS": false}' '{"MH": 0, "VH": 0}'   # options (kernel 2)
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton._C.libtriton import ir  # noqa: E402
+
+from fp4compile.kernels.quantize import _MAGIC_PACK  # noqa: E402
+from fp4compile.optim import fused as F  # noqa: E402
+
+_SIG = {"qtab": "*i64", "ptab": "*i64", "coef": "*fp32", "coef_stride": "i32", "chunks": "*i32", "b1c": "fp32",
+        "sb2": "fp32", "sb2c": "fp32", "eps": "fp32"}
+#: the default QAdamW group (tile 32, RHT-16 on both moments, SR + 4/6 for m, RTN + 4/6 for v, FP32 params)
+DEFAULT = dict(N=1024, NQ=12, TILE=32, MH=16, VH=16, MNORM=0.25, VNORM=0.25, M_SR=True, M_FOS=True, V_SR=False,
+               V_FOS=True, P_KIND=0, G_KIND=0, MASTER=0, MAXIMIZE=False, SSE64=False)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def cubin(kernel=2, num_warps=None, **over):
+    """The sm_90 cubin bytes of the Q-AdamW kernel (``kernel`` 2 or 1) for the given constexpr overrides."""
+    const = dict(DEFAULT)
+    if kernel == 2:
+        const.update(REUSE=True, MAGIC_PACK=_MAGIC_PACK, PROF=0)
+        fn = F._qadamw_kernel
+        num_warps = num_warps or 2
+    else:
+        fn = F._qadamw_kernel_v1
+        const.update(IMPL=1)
+        num_warps = num_warps or 4
+    const.update(over)
+    sig = dict(_SIG, **{k: "constexpr" for k in const})
+    src = ASTSource(fn, sig, constexprs=const)
+    target = GPUTarget("cuda", 90, 32)
+    be = CUDABackend(target)
+    opts = be.parse_options({"num_warps": num_warps, "enable_fp_fusion": False})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    be.load_dialects(ctx)
+    mod = src.make_ir(target, opts, be.get_codegen_implementation(opts), be.get_module_map(), ctx)
+    stages = {}
+    be.add_stages(stages, opts, src.language)
+    md = {}
+    for name in ("ttir", "ttgir", "llir", "ptx", "cubin"):
+        mod = stages[name](mod, md)
+    return mod, num_warps
+
+
+def stats(blob):
+    """(instruction count, Counter of opcodes, registers, spill stores) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(blob)
+    try:
+        sass = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(2)] += 1
+    regs = re.search(r"REG:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
+    return sum(ops.values()), ops, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
+
+
+def report(kernel=2, num_warps=None, **over):
+    blob, w = cubin(kernel, num_warps, **over)
+    n, ops, regs, local = stats(blob)
+    per_thread = F.CH // (32 * w)
+    print(f"kernel {kernel} warps {w} {over or ''}: {n} SASS instructions per thread of {per_thread} elements "
+          f"({n / per_thread:.0f} per element), {regs} registers, {local} B local; top: "
+          + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)), flush=True)
+    return n, per_thread
+
+
+def main(argv):
+    if not argv:
+        report(2)
+        report(1)
+    for spec in argv:
+        kw = json.loads(spec)
+        report(kw.pop("kernel", 2), kw.pop("num_warps", None), **kw)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
