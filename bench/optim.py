@@ -258,6 +258,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,profile,warps,peak,root")
+    ap.add_argument("--root-sets", default="124M", help="comma list of parameter sets for the Q-Root section "
+                    f"(of {','.join(SETS)}; --tiny: tiny)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -286,9 +288,10 @@ def main(argv=None):
         jobs.append(("peak", lambda: bench_peak_memory(device, args.tiny, rows)))
         jobs.append(("peak batch 1", lambda: bench_peak_memory(device, args.tiny, rows, batch=1)))
     if "root" not in skip:
-        k = "tiny" if args.tiny else "124M"
-        jobs.append(("root " + k, lambda: bench_root(k, (TINY if args.tiny else SETS)[k], device, 5 if not args.tiny
-                                                     else 2, 1, rows, budget_s=20.0)))
+        for k in (["tiny"] if args.tiny else [k for k in args.root_sets.split(",") if k]):
+            cfg = (TINY if args.tiny else SETS)[k]
+            jobs.append(("root " + k, lambda k=k, cfg=cfg: bench_root(k, cfg, device, 5 if not args.tiny else 2, 1,
+                                                                      rows, budget_s=20.0)))
     def fmt(r):
         return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
 

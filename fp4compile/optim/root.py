@@ -13,12 +13,34 @@ Root update of a matrix parameter W (m x n), per step (ROOT's official example, 
     W  <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(m, n)) * O
 
 NS runs on the short side (X is transposed when m > n), X0 = B / (||B||_F + 1e-7) in BF16, and per step
-A = X Xᵀ, B = b A + c A², X <- a X + B X. Under an NVFP4 ``optim.ns`` spec each of the three products is
-``torch.ops.fp4compile.quantize`` (both operands along that product's contraction dim) +
-``torch.ops.fp4compile.gemm``: X row-wise for X Xᵀ, A row-wise for A·A (A symmetric, so one copy serves
-both operands), B row-wise and X column-wise (``transpose=True``) for B·X. Same-shaped matrices are
-stacked and orthogonalized together (one bmm per product in BF16; the quantize op is 2-D, so the NVFP4 path
-loops over the stack for the GEMMs).
+A = X Xᵀ, B = b A + c A², X <- a X + B X. Same-shaped matrices are stacked ([S, m, n]) and orthogonalized
+together: one bmm per product in BF16, and under an NVFP4 ``optim.ns`` spec (:func:`_ns_nvfp4_stack`) one
+``torch.ops.fp4compile.quantize`` per operand per product for the whole stack plus one batched product:
+
+- Quantization of a stack: the op is 2-D, so the stack [S, r, K] is quantized as its 2-D view [S·r, K] along
+  the product's contraction dim K (the last dim of every operand: X along n for X Xᵀ, A along m for A·A —
+  A is symmetric so one copy serves both operands —, B along m, and X column-wise for B·X, i.e. Xᵀ made
+  contiguous in torch ([S, n, m]) and quantized row-wise). Stacking only concatenates rows, so every 1x16
+  block, 16x16 block (r is a multiple of 16) and Hadamard rotation (along K, the same signs for all) is
+  exactly the one of the per-matrix quantization; the one thing that changes is the FP32 global scale,
+  which now spans the stack (amax over all S matrices). NS iterates are Frobenius-normalized, so the S
+  ranges match to within a small factor, and a per-stack global only costs precision where a block scale of
+  some matrix would fall below E4M3's normal range (2^-6 of 448, a spread of 2^15 in block amax); within
+  that range E4M3 scales have the same 3-bit relative precision at any magnitude. Measured (H200, GPT-124M
+  stacks, error vs an FP64 NS; docs/BENCHMARKS.md "Q-Root batched NVFP4 Newton–Schulz"): per-stack and
+  per-matrix globals agree to within 0.7 % of the error, with both signs.
+- Product with exact NVFP4 semantics (:func:`_bgemm_nvfp4`): ``torch.ops.fp4compile.dequantize_blocks``
+  (exact bf16 q·S, no global) of both stacked operands, one ``torch.bmm`` with FP32 accumulation and FP32
+  output (``out_dtype=torch.float32`` on CUDA; FP32 bmm of the upcast operands elsewhere — exact products
+  of bf16 values, FP32 sums), then × both global scales in FP32 and one rounding to BF16: what
+  ``fp4compile::gemm`` computes per matrix (its reference is the same formula: bit-exact on CPU, where both
+  are the FP32 matmul of the same values; its CUDA kernel may sum in another order, so the tests require
+  FP32 summation-order tolerance there — measured bit-exact on the GPT-124M stacks on the H200).
+- SR seeds: one seed per stacked quantize (``seed + i``); the counter-based hash is keyed by position, so
+  the S matrices get independent rounding noise.
+
+:func:`_ns_nvfp4_one` (per matrix, per-matrix global scales, ``fp4compile::gemm``) is kept as the reference
+the tests and the error study compare against.
 
 Other parameters (1-D, embeddings, heads; ``use_root=False`` groups) get (Q-)AdamW with the group's
 ``betas``/``eps``/``weight_decay`` and the Q-AdamW storage settings (``adamw="qadamw"`` default, or
@@ -157,7 +179,10 @@ def _qgemm(qa, qb) -> torch.Tensor:
 
 
 def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> torch.Tensor:
-    """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below)."""
+    """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below).
+
+    The per-matrix reference of :func:`_ns_nvfp4_stack` (per-matrix global scales, ``fp4compile::gemm``);
+    :func:`newton_schulz` runs the batched path."""
     si = 0
 
     def seed():
@@ -191,6 +216,101 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> tor
     return x
 
 
+def _q_stack(x: torch.Tensor, spec, signs, seed=None):
+    """Quantize a stack ``x`` [S, r, K] along K as its 2-D view [S·r, K] (one op call, one global scale for
+    the stack) -> (codes [S, r, K/2], scales [S, r, K/16], global fp32 [])."""
+    S, r, k = x.shape
+    codes, scales, g = _q(x.reshape(S * r, k), spec, signs, seed=seed)
+    return codes.view(S, r, k // 2), scales.view(S, r, k // 16), g
+
+
+_BMM_OUT_DTYPE = {}  # device type -> whether torch.bmm(..., out_dtype=torch.float32) runs there
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.mT`` of bf16 stacks a [S, M, K], b [S, N, K] with FP32 accumulation and an FP32 result:
+    ``torch.bmm(..., out_dtype=torch.float32)`` (cuBLAS) where the device has it, else the FP32 bmm of the
+    upcast operands (exact products of bf16 values, FP32 sums; CPU)."""
+    dev = a.device.type
+    if _BMM_OUT_DTYPE.get(dev, True):
+        try:
+            out = torch.bmm(a, b.mT, out_dtype=torch.float32)
+            _BMM_OUT_DTYPE[dev] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _BMM_OUT_DTYPE[dev] = False
+    return torch.bmm(a.float(), b.float().mT)
+
+
+def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Batched NVFP4 product of two quantized stacks (as from :func:`_q_stack`, both along K): qa [S, M, ·],
+    qb [S, N, ·] -> [S, M, N] = (qa·qbᵀ) * (a_global * b_global) in FP32, one rounding to ``out_dtype``.
+
+    Exact NVFP4 semantics, as ``fp4compile::gemm`` per matrix: ``dequantize_blocks`` gives the exact bf16
+    q·S of each operand (one call per operand for the whole stack; once when ``qa is qb``), one bmm with FP32
+    accumulation, the global scales applied in FP32 after it."""
+    ac, asc, ag = qa
+    S, M, hk = ac.shape
+    a = torch.ops.fp4compile.dequantize_blocks(ac.reshape(S * M, hk), asc.reshape(S * M, -1)).view(S, M, 2 * hk)
+    if qb is qa:
+        b = a
+    else:
+        bc, bsc, bg = qb
+        if bc.shape[0] != S or bc.shape[2] != hk:
+            raise ValueError(f"_bgemm_nvfp4: stacks {tuple(ac.shape)} and {tuple(bc.shape)} do not match")
+        N = bc.shape[1]
+        b = torch.ops.fp4compile.dequantize_blocks(bc.reshape(S * N, hk), bsc.reshape(S * N, -1)).view(S, N, 2 * hk)
+    return (_bmm_f32(a, b) * (ag.float() * qb[2].float())).to(out_dtype)
+
+
+def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Reference for :func:`_bgemm_nvfp4`: the same quantized stacks, one ``fp4compile::gemm`` per matrix."""
+    return torch.stack([torch.ops.fp4compile.gemm(qa[0][i], qa[1][i], qa[2], qb[0][i], qb[1][i], qb[2],
+                                                  out_dtype=out_dtype) for i in range(qa[0].shape[0])])
+
+
+def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4) -> torch.Tensor:
+    """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
+    stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
+
+    ``product``: :func:`_bgemm_nvfp4` (default) or :func:`_loop_gemm_nvfp4` (the per-matrix reference on the
+    same quantized operands). ``guard``: as in :func:`_ns_nvfp4_one`, per matrix (batched power iteration).
+    """
+    S, m, _ = X.shape
+    si = 0
+
+    def seed():
+        nonlocal si
+        if seeds is None:
+            return None
+        si += 1
+        return seeds + si
+
+    for a, b, c in coeffs:
+        qx = _q_stack(X, spec, signs, seed())                # along n: X Xᵀ contracts over the long dim
+        A = product(qx, qx)                                  # [S, m, m]
+        if guard is not None:
+            # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
+            # once half-way (normalizing is only a scale; with lambda_max(A) of an NS iterate in ~[1e-4, 10] no
+            # FP32 under/overflow), then the Rayleigh quotient v'Av / v'v
+            A32 = A.float()
+            v = torch.full((S, m, 1), 1.0 / math.sqrt(m), device=A32.device)
+            for i in range(6):
+                v = torch.bmm(A32, v)
+                if i == 2:
+                    v = v / (v.norm(dim=1, keepdim=True) + 1e-30)
+            lam = torch.bmm(v.mT, torch.bmm(A32, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
+            s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
+            A = (A32 * s).to(A.dtype)
+            X = (X.float() * s.sqrt()).to(X.dtype)
+        qA = _q_stack(A, spec, signs, seed())                # along m; A symmetric: A·A = A·Aᵀ
+        B = b * A + c * product(qA, qA)
+        qB = _q_stack(B, spec, signs, seed())                # rows of B along m
+        qxt = _q_stack(X.mT.contiguous(), spec, signs, seed())  # Xᵀ [S, n, m], rows along m
+        X = a * X + product(qB, qxt)                         # B·X = qB · qxtᵀ  [S, m, n]
+    return X
+
+
 def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
                   eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0) -> torch.Tensor:
     """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
@@ -216,8 +336,7 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
                       f"multiples of 16)", stacklevel=2)
         use_fp4 = False
     if use_fp4:
-        X = X.contiguous()
-        X = torch.stack([_ns_nvfp4_one(X[i], coeffs, spec, signs, seed, guard) for i in range(X.shape[0])])
+        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard)
     else:
         for a, b, c in coeffs:
             A = X @ X.mT
