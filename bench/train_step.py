@@ -104,7 +104,8 @@ def _kernel_table(prof, steps, top=25):
     for t, c, k in rows:
         n = k.lower()
         f = ("nvfp4 gemm (triton)" if any(x in n for x in ("_nvfp4", "_bf16_tma", "_bf16_nvfp4")) else
-             "nvfp4 quantize" if any(x in n for x in ("_quantize_kernel", "_amax_kernel")) else
+             "nvfp4 quantize" if any(x in n for x in ("_quantize_kernel", "_amax_kernel", "_eden_pass",
+                                                      "_transpose_kernel")) else
              "nvfp4 dequantize" if "dequant" in n else
              "attention" if any(x in n for x in ("flash", "fmha", "cudnn", "attention", "sdpa")) else
              "cuBLAS gemm" if any(x in n for x in ("gemm", "nvjet", "xmma", "cutlass", "sm90")) else
