@@ -186,6 +186,21 @@ def _decode(codes_ptr, scales_ptr, g, base, n, N: tl.constexpr):
 
 
 @triton.jit
+def _run_global(amax, FOS: tl.constexpr):
+    """The run's second-level scale from its amax: (all-zero flag, s_enc = G / amax, decode scale 1 / s_enc),
+    G = 6 * 448 (6 * 256 with 4/6); an amax below AMAX_FLUSH encodes the run as zeros."""
+    zero = amax < AMAX_FLUSH
+    if FOS:
+        numer = 1536.0
+    else:
+        numer = 2688.0
+    one = tl.full([], 1.0, tl.float32)
+    s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
+    gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
+    return zero, s_enc, gs
+
+
+@triton.jit
 def _scale_for(ab, M: tl.constexpr, s_enc, gs):
     v = tl.minimum(tl.math.div_rn(ab, tl.full(ab.shape, M, tl.float32)) * s_enc, 448.0)
     code = _e4m3_code(v)
@@ -226,14 +241,7 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
     xb = tl.reshape(y, (NB, 16))
     ab = tl.max(tl.abs(xb), axis=1)
     amax = tl.max(ab, axis=0)  # the run's amax from the block amaxes (max is exact: same value)
-    zero = amax < AMAX_FLUSH
-    if FOS:
-        numer = 1536.0
-    else:
-        numer = 2688.0
-    one = tl.full([], 1.0, tl.float32)
-    s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
-    gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
+    zero, s_enc, gs = _run_global(amax, FOS)
     code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
     if FOS:
         code4, sf4, enc4 = _scale_for(ab, 4.0, s_enc, gs)
@@ -541,14 +549,7 @@ def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr
     ab = tl.maximum(tl.maximum(tl.max(a0, axis=1), tl.max(a1, axis=1)),
                     tl.maximum(tl.max(a2, axis=1), tl.max(a3, axis=1)))
     amax = tl.max(ab, axis=0)
-    zero = amax < AMAX_FLUSH
-    if FOS:
-        numer = 1536.0
-    else:
-        numer = 2688.0
-    one = tl.full([], 1.0, tl.float32)
-    s_enc = tl.where(zero, one, tl.math.div_rn(tl.full([], numer, tl.float32), tl.where(zero, one, amax)))
-    gs = tl.where(zero, 0.0, tl.math.div_rn(one, s_enc))
+    zero, s_enc, gs = _run_global(amax, FOS)
     code, sf, enc = _scale_for(ab, 6.0, s_enc, gs)
     if FOS:
         # ab / 4 == ab * 0.25 bit for bit (both round the same real number), no division needed

@@ -178,19 +178,24 @@ def _qgemm(qa, qb) -> torch.Tensor:
     return torch.ops.fp4compile.gemm(qa[0], qa[1], qa[2], qb[0], qb[1], qb[2], out_dtype=torch.bfloat16)
 
 
+def _seed_stream(seeds):
+    """A callable giving ``seeds + 1``, ``seeds + 2``, ... (one SR seed per quantize), or always None."""
+    count = [0]
+
+    def seed():
+        if seeds is None:
+            return None
+        count[0] += 1
+        return seeds + count[0]
+    return seed
+
+
 def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> torch.Tensor:
     """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below).
 
     The per-matrix reference of :func:`_ns_nvfp4_stack` (per-matrix global scales, ``fp4compile::gemm``);
     :func:`newton_schulz` runs the batched path."""
-    si = 0
-
-    def seed():
-        nonlocal si
-        if seeds is None:
-            return None
-        si += 1
-        return seeds + si
+    seed = _seed_stream(seeds)
 
     for a, b, c in coeffs:
         qx = _q(x, spec, signs, seed=seed())                 # along n: X Xᵀ contracts over the long dim
@@ -277,14 +282,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     same quantized operands). ``guard``: as in :func:`_ns_nvfp4_one`, per matrix (batched power iteration).
     """
     S, m, _ = X.shape
-    si = 0
-
-    def seed():
-        nonlocal si
-        if seeds is None:
-            return None
-        si += 1
-        return seeds + si
+    seed = _seed_stream(seeds)
 
     for a, b, c in coeffs:
         qx = _q_stack(X, spec, signs, seed())                # along n: X Xᵀ contracts over the long dim
