@@ -15,10 +15,13 @@ HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _interp(cases, steps, device="cpu"):
+def _interp(cases, steps, device="cpu", kernel=None):
     """The worker in a fresh process: on CPU it selects the Triton interpreter before importing triton (an
-    in-process import cannot switch an already imported triton), on CUDA it runs the compiled kernels."""
+    in-process import cannot switch an already imported triton), on CUDA it runs the compiled kernels.
+    ``kernel``: ``FP4COMPILE_QADAMW_KERNEL`` for the worker (default: the module's default kernel)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
+    if kernel is not None:
+        env["FP4COMPILE_QADAMW_KERNEL"] = str(kernel)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.join(ROOT, "tests", "_optim_fused_worker.py"), "--device", device, "--steps",
            str(steps)] + (["--cases", ",".join(cases)] if cases else [])
@@ -40,6 +43,12 @@ def test_interpreter_bit_exact_default():
     _assert_exact(_interp(["fp32-default"], 2))
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines; the gpu test covers CUDA")
+def test_interpreter_bit_exact_first_kernel():
+    """The first kernel version (kept for comparison, ``FP4COMPILE_QADAMW_KERNEL=1``) stays exact too."""
+    _assert_exact(_interp(["fp32-default"], 2, kernel=1))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines; the gpu test covers CUDA")
 def test_interpreter_bit_exact_variants():
@@ -50,6 +59,7 @@ def test_interpreter_bit_exact_variants():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_bit_exact():
     _assert_exact(_interp(None, 3, device="cuda"))
+    _assert_exact(_interp(["fp32-default", "bf16-sr"], 2, device="cuda", kernel=1))
 
 
 def test_legacy_per_tensor_global_scale_loads():

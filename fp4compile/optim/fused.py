@@ -330,24 +330,10 @@ def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps
         lo = tl.reshape(tl.broadcast_to(lg[:, None], (N // VH, VH // 16)), (N // 16,))
     r = tl.maximum(r, tl.reshape(tl.broadcast_to(lo[:, None], (N // 16, 16)), (N,)))
 
-    # ---- the AdamW update
+    # ---- the AdamW update (the same arithmetic as the default kernel's, :func:`_q_update`)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = g * -1.0  # not -g (0 - g): keeps torch's -0
-    m = m + (g - m) * b1c
-    a = r * sb2
-    b = tl.abs(g) * sb2c
-    mx = tl.maximum(a, b)
-    s = tl.where(mx > 1.152921504606847e18, 5.421010862427522e-20, tl.where(mx < 8.673617379884035e-19,
-                                                                            1.8446744073709552e19, 1.0))
-    si = tl.where(mx > 1.152921504606847e18, 1.8446744073709552e19, tl.where(mx < 8.673617379884035e-19,
-                                                                             5.421010862427522e-20, 1.0))
-    a = a * s
-    b = b * s
-    r = tl.sqrt_rn(a * a + b * b) * si
-    denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
-    p32 = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
-    p32 = p32 - step_size * tl.math.div_rn(m, denom)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE, 0)
 
     # ---- re-encode m and sqrt(v); write the parameter
     m = tl.where(mask, m, 0.0)
