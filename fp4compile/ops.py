@@ -4,11 +4,12 @@ Ops are opaque to Inductor (not ``triton_op``; see ARCHITECTURE.md). Every op ha
 implementation registered for all devices; the CUDA kernels in ``fp4compile/kernels/`` override it on CUDA
 when Triton is available (:func:`register_cuda`).
 
-The non-differentiable ops (quantize, dequantize, gemm, dequantize_blocks, mm_f32) are defined straight on
-the dispatcher (:func:`_define`: schema inferred from the reference's annotations, the reference as the
-``CompositeExplicitAutograd`` kernel, a fake kernel), not through ``torch.library.custom_op``: a compiled
-training step calls them ~600 times, and custom_op routes every call through Python autograd, backend and
-dynamo-disable wrappers (45 us per call on the H200, more than the Triton launch itself). The differentiable
+The non-differentiable ops (quantize, dequantize, gemm, dequantize_blocks, mm_f32; rht_signs in
+``passes/linear.py``) are defined straight on the dispatcher (:func:`_define`: schema inferred from the
+reference's annotations, the reference as the ``CompositeExplicitAutograd`` kernel, a fake kernel), not through
+``torch.library.custom_op``: a compiled training step calls them ~600 times, and custom_op routes every call
+through Python autograd, backend and dynamo-disable wrappers (dispatch 20.6 us per call against 2.7 us this way
+on the H200 machine, ``bench/host_overhead.py``). The differentiable
 Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
 
     fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
@@ -99,8 +100,8 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
 
 
 def _quantize_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
-             hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-             transpose: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                 hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+                 transpose: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
 
 
@@ -118,7 +119,7 @@ quantize = _define("quantize", _quantize_op, _quantize_fake)
 
 
 def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
-               signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                   signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
@@ -142,7 +143,7 @@ def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, ou
 
 
 def _gemm_op(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b_scales: Tensor,
-         b_global: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+             b_global: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     return _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
 
 
