@@ -384,13 +384,18 @@ def _qoptim(runs):
 
 
 def test_qroot_fsdp2_whole_matrix_ns_matches_single_process_and_reshards(runs):
-    """QRoot with NVFP4 Newton–Schulz: momenta are DTensor shards, NS runs on whole matrices (all-to-all);
-    the FSDP2 curve equals the 1-process curve (same micro-batches); its checkpoint (DTensor momenta)
-    resumes exactly on 2 ranks and on 1 process."""
+    """QRoot with NVFP4 Newton–Schulz: momenta are DTensor shards, NS runs on whole matrices (all-to-all).
+
+    The NVFP4 NS is batched over each rank's stack of same-shaped matrices, with one global scale per stack
+    (optim/root.py); a rank stacks only the matrices it orthogonalizes, so FSDP2 on 2 ranks and 1 process
+    quantize with different global scales: the curves agree at step 0 and stay within NVFP4_RTOL after
+    (measured 8e-5 over 4 steps), like the shard-local QAdamW below. The checkpoint (DTensor momenta) resumes
+    exactly on 2 ranks (same stacks) and within NVFP4_RTOL on 1 process."""
     two, one, res = _qoptim(runs)
-    _close(two["qroot"]["losses"], one["qroot"]["losses"], FP32_RTOL)
+    _close(two["qroot"]["losses"][:1], one["qroot"]["losses"][:1], 1e-6)
+    _close(two["qroot"]["losses"], one["qroot"]["losses"], NVFP4_RTOL)
     _close(two["qroot"]["resumed"], two["qroot"]["losses"][2:], FP32_RTOL)
-    _close(res["qroot"]["resumed"], two["qroot"]["losses"][2:], FP32_RTOL)
+    _close(res["qroot"]["resumed"], two["qroot"]["losses"][2:], NVFP4_RTOL)
 
 
 def test_qadamw_fsdp2_shard_local(runs):
