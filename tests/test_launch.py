@@ -62,3 +62,19 @@ def test_gpu_fast_launch_matches_triton_launch():
             torch.testing.assert_close(out[:n], ref[:n], rtol=0, atol=0)
     keys = [k for k in L._CACHE if k[0] is _axpb]
     assert len(keys) >= 3  # n = 1 / unaligned offset / ADD each compiled and cached separately
+
+
+def test_host_overhead_bench_runs_on_cpu(capsys):
+    """bench/host_overhead.py (the host-cost table of docs/BENCHMARKS.md) runs on CPU: its first two rows."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "host_overhead.py")
+    spec = importlib.util.spec_from_file_location("host_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA rows are run by the benchmark itself")
+    mod.main()
+    out = capsys.readouterr().out
+    assert "op dispatch" in out and "host ceiling division" in out
