@@ -284,33 +284,43 @@ def _write_param(p_ptr, comp_addr, p32, offs, mask, base_seed, step_f, MASTER: t
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
-                   N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
-                   MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
-                   V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
-                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, IMPL: tl.constexpr, SSE64: tl.constexpr):
+def _run_start(qtab, coef, coef_stride, chunks, N: tl.constexpr, NQ: tl.constexpr):
+    """This program's run from the chunk table -> (tensor t, run c, its pointer-table row, numel n, first
+    element base, the tensor's coefficients decay / step size / sqrt(bias correction 2) / step, base seed)."""
     pid = tl.program_id(0)
     t = tl.load(chunks + 2 * pid)
     c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
     row = qtab + t * NQ
     n = tl.load(row + 0)
-    base = c * N
-    offs = base + tl.arange(0, N)
-    mask = offs < n
     decay = tl.load(coef + t)
     step_size = tl.load(coef + coef_stride + t)
     bc2s = tl.load(coef + 2 * coef_stride + t)
     step_f = tl.load(coef + 3 * coef_stride + t)
     base_seed = tl.load(tl.load(row + 10).to(tl.pointer_type(tl.int64)))
-    m_codes = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
-    m_scales = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    m_gbits = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    v_codes = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    v_scales = tl.load(row + 5).to(tl.pointer_type(tl.uint8))
-    v_gbits = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-    v_mean = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
-    m_signs = tl.load(row + 8).to(tl.pointer_type(tl.int8))
-    v_signs = tl.load(row + 9).to(tl.pointer_type(tl.int8))
+    return t, c, row, n, c * N, decay, step_size, bc2s, step_f, base_seed
+
+
+@triton.jit
+def _state_ptrs(row, CODE_T: tl.constexpr):
+    """The NVFP4 state addresses of a pointer-table row (columns of ``_Q_COLS``), codes read as ``CODE_T``."""
+    return (tl.load(row + 1).to(tl.pointer_type(CODE_T)), tl.load(row + 2).to(tl.pointer_type(tl.uint8)),
+            tl.load(row + 3).to(tl.pointer_type(tl.float32)), tl.load(row + 4).to(tl.pointer_type(CODE_T)),
+            tl.load(row + 5).to(tl.pointer_type(tl.uint8)), tl.load(row + 6).to(tl.pointer_type(tl.float32)),
+            tl.load(row + 7).to(tl.pointer_type(tl.bfloat16)), tl.load(row + 8).to(tl.pointer_type(tl.int8)),
+            tl.load(row + 9).to(tl.pointer_type(tl.int8)))
+
+
+@triton.jit
+def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
+                   N: tl.constexpr, NQ: tl.constexpr, TILE: tl.constexpr, MH: tl.constexpr, VH: tl.constexpr,
+                   MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
+                   V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                   MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, IMPL: tl.constexpr, SSE64: tl.constexpr):
+    t, c, row, n, base, decay, step_size, bc2s, step_f, base_seed = _run_start(qtab, coef, coef_stride, chunks,
+                                                                                N, NQ)
+    offs = base + tl.arange(0, N)
+    mask = offs < n
+    m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v_mean, m_signs, v_signs = _state_ptrs(row, tl.uint8)
     p_ptr = _fptr(tl.load(ptab + 2 * t), P_KIND)
     g_ptr = _fptr(tl.load(ptab + 2 * t + 1), G_KIND)
 
@@ -633,31 +643,15 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     """One run of N elements of one tensor: decode m and sqrt(v), AdamW, re-encode, write p (block per thread;
     same arithmetic, bit for bit, as :func:`_qadamw_kernel_v1` and the torch reference)."""
     NB: tl.constexpr = N // 16
-    pid = tl.program_id(0)
-    t = tl.load(chunks + 2 * pid)
-    c = tl.load(chunks + 2 * pid + 1).to(tl.int64)
-    row = qtab + t * NQ
-    n = tl.load(row + 0)
-    base = c * N
+    t, c, row, n, base, decay, step_size, bc2s, step_f, base_seed = _run_start(qtab, coef, coef_stride, chunks,
+                                                                                N, NQ)
     blk = tl.arange(0, NB)
     boff = base + blk * 16
     bmask = boff < n  # n is a multiple of the tile (>= 16): whole blocks are in or out
     bm = tl.broadcast_to(bmask[:, None], (NB, 4))
     o0 = boff[:, None] + tl.arange(0, 4)[None, :]
-    decay = tl.load(coef + t)
-    step_size = tl.load(coef + coef_stride + t)
-    bc2s = tl.load(coef + 2 * coef_stride + t)
-    step_f = tl.load(coef + 3 * coef_stride + t)
-    base_seed = tl.load(tl.load(row + 10).to(tl.pointer_type(tl.int64)))
-    m_codes = tl.load(row + 1).to(tl.pointer_type(tl.int32))  # 8 codes per int32 word
-    m_scales = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    m_gbits = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    v_codes = tl.load(row + 4).to(tl.pointer_type(tl.int32))
-    v_scales = tl.load(row + 5).to(tl.pointer_type(tl.uint8))
-    v_gbits = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-    v_mean = tl.load(row + 7).to(tl.pointer_type(tl.bfloat16))
-    m_signs = tl.load(row + 8).to(tl.pointer_type(tl.int8))
-    v_signs = tl.load(row + 9).to(tl.pointer_type(tl.int8))
+    # 8 codes per int32 word
+    m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v_mean, m_signs, v_signs = _state_ptrs(row, tl.int32)
     comp_addr = tl.load(row + 11)
     # parameter and gradient are 16-byte aligned (``_eligible`` / ``FusedPlan.still_valid``): vector loads
     p_ptr = tl.multiple_of(tl.load(ptab + 2 * t).to(tl.pointer_type(_FTYPES[P_KIND])), 16)
