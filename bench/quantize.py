@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fp4compile import ops  # noqa: E402,F401  (registers the ops and their CUDA kernels)
 from fp4compile.formats import nvfp4  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
+from fp4compile.kernels.launch import placeholder  # noqa: E402
 
 
 #: device and sizes (a CPU dry run under TRITON_INTERPRET=1 overrides them: tests/test_quantize_kernels.py)
@@ -265,7 +266,7 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
 
     R, Kd = x.shape
     cfg = K._config(x.device, None)
-    sg = (torch.randint(0, 2, (hadamard,), device=DEV) * 2 - 1).float() if hadamard else K._dummy("signs", DEV)
+    sg = (torch.randint(0, 2, (hadamard,), device=DEV) * 2 - 1).float() if hadamard else placeholder(DEV, torch.float32)
     seed = torch.tensor(7, dtype=torch.int64, device=DEV)
     codes = torch.empty((R, Kd // 2), dtype=torch.uint8, device=DEV)
     scales = torch.empty((R, Kd // 16), dtype=torch.uint8, device=DEV)

@@ -385,11 +385,12 @@ def _qattn_fwd_cuda(q, k, v, attn_mask, is_causal, scale, fp4_roles):
 def _qattn_bwd_cuda(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
                 v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
     from .kernels import attention as _attn
+    from .kernels.launch import placeholder
 
     views = [q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global]
     dev = grad_out.device
     # copies that were not saved are never read by the kernels (their roles are BF16): placeholders
-    g0, c0 = _attn._dummy(dev, torch.float32), _attn._dummy(dev, torch.uint8)
+    g0, c0 = placeholder(dev, torch.float32), placeholder(dev, torch.uint8)
     views = _aref.QuantizedQKV(*[t if t is not None else (g0 if i % 3 == 2 else c0)
                                  for i, t in enumerate(views)])
     return _attn.attention_bwd(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles)

@@ -78,3 +78,10 @@ def test_host_overhead_bench_runs_on_cpu(capsys):
     mod.main()
     out = capsys.readouterr().out
     assert "op dispatch" in out and "host ceiling division" in out
+
+
+def test_placeholder_is_cached_per_device_and_dtype():
+    a = L.placeholder("cpu", torch.float32)
+    assert a is L.placeholder(torch.device("cpu"), torch.float32) and a.numel() == 1
+    b = L.placeholder("cpu", torch.uint8)
+    assert b is not a and b.dtype == torch.uint8

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..formats import nvfp4 as _nvfp4
-from .launch import cdiv
+from .launch import cdiv, placeholder
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
 
 try:
@@ -737,7 +737,7 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
         deqs.append(y)
         slots.append((c, s, y, c.numel() // (D // 2)))
-    dummy, c0 = _dummy(dev), _dummy(dev, torch.uint8)
+    dummy, c0 = placeholder(dev, torch.bfloat16), placeholder(dev, torch.uint8)
     while len(slots) < 2:  # unused slot (R = 0): never read, but typed like a real one (the kernel bitcasts)
         slots.append((c0, c0, dummy, 0))
     if do is not None:
@@ -761,24 +761,13 @@ def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
 
 def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
     if attn_mask is None:
-        return _dummy(device, torch.float32), (0, 0, 0, 0), False
+        return placeholder(device, torch.float32), (0, 0, 0, 0), False
     if attn_mask.dtype == torch.bool:
         bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=device).masked_fill(~attn_mask, -math.inf)
     else:
         bias = attn_mask.to(torch.float32)
     bias = bias.expand(B, H, Tq, Tk)
     return bias, tuple(bias.stride()), True
-
-
-_DUMMIES: dict = {}
-
-
-def _dummy(device, dtype=torch.bfloat16):
-    key = (device, dtype)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
-    return t
 
 
 def _st(t: Tensor):

@@ -43,6 +43,23 @@ _I32 = 2 ** 31
 _PARAMS: dict = {}
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
+    """A cached one-element tensor for kernel arguments that a launch never reads (the signs without an RHT,
+    RTN's seed, an unused attention slot): no allocation and fill launch per call. Not cached while the
+    current stream is capturing a CUDA graph (the tensor would belong to the graph's private memory pool)."""
+    device = torch.device(device)
+    key = (device, dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(1, dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _PLACEHOLDERS[key] = t
+    return t
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of host ints. (``triton.cdiv`` is a Triton constexpr function: called from Python it
     unwraps its arguments through Triton's machinery, several microseconds per call on a launch path.)"""

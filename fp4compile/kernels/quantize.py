@@ -39,7 +39,7 @@ import triton.language as tl
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import EDEN_INV_VAL_MAX, EDEN_VAL_MAX, block_max_targets, global_numerator
-from .launch import cdiv, launch
+from .launch import cdiv, launch, placeholder
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
 AMAX_FLUSH = tl.constexpr(_AMAX_FLUSH_PY)
@@ -961,29 +961,11 @@ def _launch_opts(device):
     return {"enable_fp_fusion": False}
 
 
-_DUMMIES: dict = {}
-
-
-def _dummy(kind: str, device) -> torch.Tensor:
-    """A per-device placeholder argument that the kernels never read (the signs without RHT, the seed of
-    RTN): cached so a quantize call does not allocate and fill one each time (a fill is a kernel launch).
-    Not cached while a CUDA graph is being captured (the tensor would live in the graph's private pool)."""
-    device = torch.device(device)
-    key = (kind, device)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = torch.zeros((1,) if kind == "signs" else (), dtype=torch.float32 if kind == "signs" else torch.int64,
-                        device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _DUMMIES[key] = t
-    return t
-
-
 def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch.Tensor:
     """The +-1 sign vector as a contiguous FP32 device tensor (random if ``signs`` is None; a cached
     placeholder when ``hadamard`` is 0)."""
     if not hadamard:
-        return _dummy("signs", device)
+        return placeholder(device, torch.float32)
     if signs is None:
         from ..formats.hadamard import random_signs
         return random_signs(hadamard, device=device).contiguous()
@@ -1012,7 +994,7 @@ def _transpose(x, cfg, want_amax: bool):
     M, N = x.shape
     xt = torch.empty((N, M), dtype=x.dtype, device=x.device)
     # the amax slot is zero-filled only when reduced into (a fill is one more launch); otherwise a placeholder
-    am = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else _dummy("signs", x.device)
+    am = torch.zeros((), dtype=torch.float32, device=x.device) if want_amax else placeholder(x.device, torch.float32)
     launch(_transpose_kernel, (cdiv(M, cfg["p_rows"]), cdiv(N, cfg["p_cols"])),
         x, xt, M, N, x.stride(0), x.stride(1), am, AMAX=bool(want_amax), BM=cfg["p_rows"], BN=cfg["p_cols"],
         num_warps=cfg["p_warps"])
@@ -1077,7 +1059,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if rounding != "rtn":
         seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
     else:
-        seed = _dummy("seed", dev)
+        seed = placeholder(dev, torch.int64)
     codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
     scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
     gscale = torch.empty((), dtype=torch.float32, device=dev)
