@@ -656,6 +656,21 @@ def _num_sms(device) -> int:
     return n
 
 
+def _output(M: int, N: int, K: int, device, out_dtype):
+    """The [M, N] result tensor, and whether it is already final: an empty product, or K = 0 (zeros)."""
+    out = torch.empty((M, N), device=device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out, True
+    if K == 0:
+        return out.zero_(), True
+    return out, False
+
+
+def _f32_scalar(t: torch.Tensor) -> torch.Tensor:
+    """A 1-element global scale as an FP32 0-dim tensor (no copy when it already is one)."""
+    return t.reshape(()).to(torch.float32)
+
+
 def tma_ok(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> bool:
     """Whether the TMA GEMM can take the shape: descriptor row strides must be multiples of 16 bytes."""
     return K % 8 == 0 and (N * out_dtype.itemsize) % 16 == 0
@@ -680,13 +695,10 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     N = b.shape[0]
     if not tma_ok(M, N, K, out_dtype):
         raise ValueError(f"bf16_gemm_scaled: N={N}, K={K} break the TMA 16-byte row alignment for {out_dtype}")
-    out = torch.empty((M, N), device=a.device, dtype=out_dtype)
-    if M == 0 or N == 0:
+    out, done = _output(M, N, K, a.device, out_dtype)
+    if done:
         return out
-    if K == 0:
-        return out.zero_()
-    a_global = a_global.reshape(()).to(torch.float32)
-    b_global = b_global.reshape(()).to(torch.float32)
+    a_global, b_global = _f32_scalar(a_global), _f32_scalar(b_global)
     on_cuda = a.is_cuda
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
@@ -756,9 +768,9 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     on_cuda = a.is_cuda
     c = dict(config or (SPLITK_CONFIG if on_cuda else _cfg(32, 32, 32, 4, 1)))
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    alpha = a_global.reshape(()).float() * b_global.reshape(()).float()
+    alpha = _f32_scalar(a_global) * _f32_scalar(b_global)
     if K == 0 or M == 0 or N == 0:
-        return torch.zeros((M, N), device=a.device, dtype=out_dtype)
+        return _output(M, N, K, a.device, out_dtype)[0]
     k_tiles = cdiv(K, bk)
     if split_k is None:
         split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))
@@ -831,13 +843,10 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         if impl == "dq_splitk":
             return bf16_gemm_splitk(a16, b16, a_global, b_global, out_dtype, config=config)
         return bf16_gemm_scaled(a16, b16, a_global, b_global, out_dtype, config=config)
-    out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
-    if M == 0 or N == 0:
+    out, done = _output(M, N, K, a_codes.device, out_dtype)
+    if done:
         return out
-    if K == 0:
-        return out.zero_()
-    a_global = a_global.reshape(()).to(torch.float32)
-    b_global = b_global.reshape(()).to(torch.float32)
+    a_global, b_global = _f32_scalar(a_global), _f32_scalar(b_global)
     extra = {}
     if impl == "full":
         args = (a_codes, a_scales, a_global, b_codes, b_scales, b_global, out, M, N, K,
@@ -959,7 +968,7 @@ def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global
     _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     a, b = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-    return acc.mul_(a_global.reshape(()).float() * b_global.reshape(()).float()).to(out_dtype)
+    return acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)).to(out_dtype)
 
 
 def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
