@@ -269,15 +269,7 @@ def host_overhead(results):
     for name, pair in fns.items():  # host time first, for every impl (the profiler below comes last)
         row = out.setdefault(name, {})
         for lab, fn in pair:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            n = 30
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            row[lab + " host us"] = (time.perf_counter() - t) / n * 1e6
-            torch.cuda.synchronize()
+            row[lab + " host us"] = _host_us(fn, 30)
     for name, pair in fns.items():
         row = out[name]
         for lab, fn in pair:
@@ -291,6 +283,19 @@ def host_overhead(results):
                 row[lab + " kernels"] = f"n/a ({type(e).__name__})"
         say(f"host T{T} d{D} {name}: " + ", ".join(f"{a} {b:.0f}" if isinstance(b, float) else f"{a} {b}"
                                                    for a, b in row.items()))
+
+
+def _host_us(fn, n: int) -> float:
+    """Host microseconds per call of ``fn`` (5 warm-up calls; no sync inside the timed loop: launches queue)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def host_breakdown(results, T=1024, D=64):
@@ -323,16 +328,7 @@ def host_breakdown(results, T=1024, D=64):
     with torch.no_grad():
         for name, fn in pieces.items():
             try:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize()
-                n = 40
-                t = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                us = (time.perf_counter() - t) / n * 1e6
-                torch.cuda.synchronize()
-                out[name] = us
+                us = out[name] = _host_us(fn, 40)
                 say(f"host us/call T{T} d{D}: {name}: {us:.1f}")
             except Exception as ex:
                 say(f"host {name} failed: {type(ex).__name__}: {str(ex)[:200]}")
