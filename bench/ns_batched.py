@@ -164,7 +164,7 @@ def section_time(stacks, spec, rows, device, iters, loop_iters):
     rows.append(dict(section="NS time ms (sum of shapes)", **{k: v for k, v in tot.items() if v},
                      batched_vs_bf16=tot["bf16"] / tot["batched"],
                      **({"batched_vs_loop": tot["loop"] / tot["batched"]} if tot["loop"] else {}),
-                     bmm_out_dtype_f32=_root._BMM_OUT_DTYPE.get(device.type)))
+                     bmm_out_dtype_f32=device.type == "cuda"))
 
 
 def main(argv=None):
