@@ -18,11 +18,7 @@ from torch.fx import Graph
 
 from ..policy import NVFP4
 from .common import GEMMS
-from .linear import site_of
-
-GEMM = torch.ops.fp4compile.gemm.default
-MM_F32 = torch.ops.fp4compile.mm_f32.default
-DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
+from .linear import DEQUANT_BLOCKS, GEMM, MM_F32, site_of
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:

@@ -217,9 +217,12 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
 
 def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op") -> Node:
     """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
-    before ``before``; returns the node holding the ``out_dtype`` result (see :data:`LOWERINGS`)."""
+    before ``before`` (every new node takes its partitioner / module / stack metadata); returns the node
+    holding the ``out_dtype`` result (see :data:`LOWERINGS`)."""
     if lowering == "op":
-        return add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
+        out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
+        _copy_meta(before, out)
+        return out
     if lowering != "dequant_mm":
         raise ValueError(f"gemm_lowering must be one of {LOWERINGS}, got {lowering!r}")
     aten = torch.ops.aten
@@ -277,7 +280,7 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
         cache.recompute(d)                       # transient bf16 operand copies: never saved for backward
     if n.target is torch.ops.aten.addmm.default:
         out = add_call(graph, torch.ops.aten.add.Tensor, (out, n.args[0]), before=n, anchor=n)
-    _copy_meta(n, out)
+        _copy_meta(n, out)
     out.meta["fp4"] = rec
     rec["node"] = out.name
     n.replace_all_uses_with(out)
