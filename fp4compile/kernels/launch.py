@@ -29,10 +29,8 @@ import os
 import torch
 
 try:
-    import triton
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - Triton is a dependency on Linux
-    triton = None
     _knobs = None
 
 #: the fast path is on (set FP4COMPILE_FAST_LAUNCH=0 to launch every kernel through ``fn[grid](...)``)
@@ -40,7 +38,6 @@ FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("
 
 _CACHE: dict = {}
 _I32 = 2 ** 31
-_PARAMS: dict = {}
 
 
 _PLACEHOLDERS: dict = {}
@@ -86,16 +83,6 @@ def _arg_key(a):
     return (t, a)  # anything else: keyed by value (e.g. a dtype)
 
 
-def _params(fn):
-    """(names of fn's parameters in order, {name: default})."""
-    p = _PARAMS.get(fn)
-    if p is None:
-        names = list(fn.arg_names)
-        defaults = {q.name: q.default for q in fn.params if q.has_default}
-        p = _PARAMS[fn] = (names, defaults)
-    return p
-
-
 def launch(fn, grid, *args, **meta):
     """``fn[grid](*args, **meta)`` with less host work per call on CUDA (see the module docstring).
 
@@ -110,18 +97,17 @@ def launch(fn, grid, *args, **meta):
     dev = torch.cuda.current_device()
     key = (fn, dev, tuple(meta.items()), tuple(map(_arg_key, args)))
     hit = _CACHE.get(key)
-    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     if hit is None:
         kernel = fn[grid](*args, **meta)
-        names, defaults = _params(fn)
+        # the compiled launcher takes every parameter in signature order, constexprs included
         tail = []
-        for name in names[len(args):]:
-            if name in meta:
-                tail.append(meta[name])
-            elif name in defaults:
-                tail.append(defaults[name])
+        for p in fn.params[len(args):]:
+            if p.name in meta:
+                tail.append(meta[p.name])
+            elif p.has_default:
+                tail.append(p.default)
             else:
-                raise TypeError(f"{fn.__name__}: missing argument {name!r}")
+                raise TypeError(f"{fn.__name__}: missing argument {p.name!r}")
         try:
             kernel._init_handles()
             hit = (kernel, kernel.function, kernel.packed_metadata, tuple(tail))
@@ -131,6 +117,7 @@ def launch(fn, grid, *args, **meta):
         _CACHE[key] = hit
         return kernel
     kernel, function, packed, tail = hit
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
     stream = torch._C._cuda_getCurrentRawStream(dev)  # what Triton itself launches on
     full = args + tail
     enter = _knobs.runtime.launch_enter_hook

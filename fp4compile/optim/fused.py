@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
-                                _e4m3_value, _fwht, _mag_value_magic)
+                                _e4m3_value, _fwht)
 from . import qadamw as _qa
 
 CH = _qa.SCALE_CHUNK

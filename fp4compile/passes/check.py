@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-import torch
 from torch.fx import Graph
 
 from ..policy import NVFP4
