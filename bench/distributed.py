@@ -4,6 +4,9 @@
     python bench/distributed.py --model 124m --parallel none
     torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp
     torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2
+    # the same with CUDA graphs (1 GPU and DDP; FSDP2 re-gathers parameters, so it has none)
+    python bench/distributed.py --model 124m --parallel none --mode reduce-overhead
+    torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --mode reduce-overhead
     # CPU smoke test (gloo): the same code path on a tiny model
     torchrun --nproc-per-node 2 bench/distributed.py --tiny --parallel fsdp2
     # Newton–Schulz on FSDP2 shards: all_to_all (whole matrices per rank) vs gather (all on every rank)
@@ -122,6 +125,8 @@ def main(argv=None):
                    help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP gradient bucket size (default 25)")
     p.add_argument("--ns", action="store_true", help="benchmark distributed Newton–Schulz strategies instead")
+    p.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
+                   help="torch.compile mode (reduce-overhead = CUDA graphs; not with fsdp2)")
     p.add_argument("--json", default=None, help="write the result row here (rank 0)")
     args = p.parse_args(argv)
     dflt = dict(micro_batch=4, seq=64, vocab=384, warmup=2, steps=3) if args.tiny else \
@@ -140,14 +145,20 @@ def main(argv=None):
         return ns_bench(args, env, config_from_preset("tiny" if args.tiny else args.model))
     model, cfg = build_model(args, dev)
     n_params = sum(p.numel() for p in model.parameters())
+    mode = None if args.mode == "default" else args.mode
+    if mode is not None and args.parallel == "fsdp2":
+        p.error("--mode reduce-overhead does not combine with --parallel fsdp2")
     options = {"policy": args.policy} if args.backend == "fullstack_fp4" else None
+    if options is not None and mode is not None:
+        options["mode"] = mode
     mp = None
     if args.bf16_params and args.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     wrapped = D.wrap_model(model, args.parallel, backend=args.backend, options=options, mp_policy=mp,
-                           bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)
+                           bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None,
+                           mode=mode if options is None else None)
     opt = build_optimizer(model, args.optim)
     if args.parallel == "fsdp2":
         D.adapt_optimizer(opt)            # QAdamW on local shards (no-op for torch.optim.AdamW)
@@ -157,6 +168,8 @@ def main(argv=None):
 
     def step():
         idx = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), generator=g).to(dev)
+        if mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast:
             loss = wrapped(idx[:, :-1], idx[:, 1:])
         loss.backward()
@@ -192,7 +205,7 @@ def main(argv=None):
     last = D.reduce_metrics({"loss": loss})["loss"]
     row = {"parallel": args.parallel, "world_size": env.world_size, "model": "tiny" if args.tiny else args.model,
            "params_M": n_params / 1e6, "backend": args.backend, "policy": args.policy if options else None,
-           "optim": args.optim, "micro_batch": args.micro_batch, "seq": args.seq,
+           "optim": args.optim, "mode": args.mode, "micro_batch": args.micro_batch, "seq": args.seq,
            "global_batch": args.micro_batch * env.world_size, "tokens_per_s": tokens / dt,
            "ms_per_step": 1e3 * dt / args.steps, "first_step_s": first_s, "peak_mem_gib_per_rank": mems,
            "final_loss": last, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

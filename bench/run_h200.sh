@@ -44,5 +44,28 @@ final)
   # the device returns at most 8 files: pack everything into one
   ( cd "$OUT" && tar czf /tmp/final.tgz . && find . -mindepth 1 -delete && mv /tmp/final.tgz . )
   exit 0 ;;
+study)
+  # one call of the 30M quality study (docs/RESULTS.md) on an nvidia-h200-x2, carry [".data/corpus",
+  # ".data/gpt2.tiktoken"]: bash bench/run_h200.sh study ARMS_GPU0 ARMS_GPU1 TOKENS BUDGET_S [tests]
+  # (arms comma-separated; the same command again, while the machine is warm, continues every arm)
+  arms0=$2 arms1=$3 tokens=$4 budget=$5
+  step data 150 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0
+    if [ "${6:-}" = tests ]; then
+      step cg_tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_train_loop.py tests/test_backend.py
+    fi
+    step study_gpu0 $((budget - SECONDS)) python bench/study.py --size 30m --arms "$arms0" --tokens "$tokens" \
+        --skip-data --time-budget $((budget - SECONDS - 20)) ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step study_gpu1 $((budget - SECONDS)) python bench/study.py --size 30m --arms "$arms1" --tokens "$tokens" \
+        --skip-data --time-budget $((budget - SECONDS - 20)) ) &
+  wait
+  python bench/study.py --size 30m --tokens "$tokens" --report --export "$OUT/study" ;;
+dist_cg)
+  # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
+  CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
+      --mode reduce-overhead --json "$OUT/dist_none_cg.json"
+  step dist_ddp_cg 150 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp \
+      --mode reduce-overhead --json "$OUT/dist_ddp_cg.json" ;;
 esac
 for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; tail -n 25 "$f"; done 2>/dev/null | tail -c 11000

@@ -51,15 +51,29 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)", "full": "full stack"}
 
 
+def _tokenize_shard(path: str):
+    from fp4compile.train import data as D
+
+    return D.tokenize_files([Path(path)], D.get_tokenizer("gpt2"))
+
+
 def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
-    """Tokenize carried ``.xz`` shards into ``train.bin``/``val.bin``/``brown.bin`` (skipped if present)."""
+    """Tokenize carried ``.xz`` shards into ``train.bin``/``val.bin``/``brown.bin`` (skipped if present).
+
+    The train shards are tokenized in parallel, one process per shard, and concatenated in shard order (the
+    same tokens as tokenizing them in one pass: every document ends with its own EOT)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
+
     from fp4compile.train import data as D
 
     corpus = data_dir / "corpus"
     if (data_dir / "gpt2.tiktoken").is_file():
-        os.environ.setdefault("FP4COMPILE_GPT2", str(data_dir / "gpt2.tiktoken"))
+        os.environ.setdefault("FP4COMPILE_GPT2", str((data_dir / "gpt2.tiktoken").resolve()))
     jobs = [("train.bin", sorted(corpus.glob("train-*.txt.xz")), max_tokens),
             ("val.bin", [corpus / "val.txt.xz"], None), ("brown.bin", [corpus / "brown.txt.xz"], None)]
+    tok = None
     for name, files, cap in jobs:
         out = data_dir / name
         if out.is_file():
@@ -68,8 +82,14 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
         if not files:
             raise SystemExit(f"{out} is missing and there are no shards in {corpus} to tokenize")
         t0 = time.time()
-        tok = D.get_tokenizer("gpt2")
-        meta = D.write_bin(D.tokenize_files(files, tok, cap), out, tok, [str(f) for f in files])
+        tok = tok or D.get_tokenizer("gpt2")
+        if len(files) > 1:
+            with ProcessPoolExecutor(min(len(files), os.cpu_count() or 1)) as pool:
+                arr = np.concatenate(list(pool.map(_tokenize_shard, [str(f) for f in files])))
+            arr = arr[:cap] if cap is not None else arr
+        else:
+            arr = D.tokenize_files(files, tok, cap)
+        meta = D.write_bin(arr, out, tok, [str(f) for f in files])
         print(f"[study] tokenized {name}: {meta['n_tokens']:,} tokens in {time.time() - t0:.0f}s", flush=True)
 
 
@@ -107,17 +127,17 @@ def report(out: Path, arms, size: str) -> str:
         return f"{100 * (s[arm][key] - base[key]) / base[key]:+.2f} %"
 
     lines = [f"| arm ({size}) | status | tokens | train loss | val loss | Brown loss | gap train | gap val | "
-             "gap Brown | tokens/s | peak GiB |", "|" + "---|" * 11]
+             "gap Brown | tokens/s | peak GiB | compile mode |", "|" + "---|" * 12]
     for arm in arms:
         if arm not in s:
-            lines.append(f"| {LABELS[arm]} | not run | | | | | | | | | |")
+            lines.append(f"| {LABELS[arm]} | not run | | | | | | | | | | |")
             continue
         r = s[arm]
         f = lambda k: "—" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
         lines.append(f"| {LABELS[arm]} | {r['status']} ({r['step']}/{r['steps']}) | {r['tokens'] / 1e6:.0f}M | "
                      f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | {r['tok_per_s']:,.0f} | "
-                     f"{r['peak_mem_mib'] / 1024:.1f} |")
+                     f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
     return "\n".join(lines)
 
 
@@ -152,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--export", default=None, help="write table, plot and metrics tarball here (e.g. $OUT)")
     ap.add_argument("--report", action="store_true", help="only write the table/plot from what exists")
     ap.add_argument("--print-commands", action="store_true")
+    ap.add_argument("--data-only", action="store_true", help="only tokenize the carried shards into DATA_DIR")
     ap.add_argument("--skip-data", action="store_true", help="do not tokenize .data/ (data given in extra flags)")
     ap.add_argument("extra", nargs="*", help="extra flags for `fp4compile train` after --")
     args = ap.parse_args(argv)
@@ -170,6 +191,9 @@ def main(argv=None) -> int:
     warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
     out = Path(args.out) / args.size
 
+    if args.data_only:
+        prepare_data(Path(args.data_dir), args.max_train_tokens)
+        return 0
     if args.print_commands:
         for arm in arms:
             print(" ".join(arm_command(args.size, arm, out, steps, None, args.extra, warmup)))
@@ -182,6 +206,7 @@ def main(argv=None) -> int:
                    PYTHONUNBUFFERED="1")
         if (Path(args.data_dir) / "gpt2.tiktoken").is_file():
             env.setdefault("FP4COMPILE_GPT2", str(Path(args.data_dir) / "gpt2.tiktoken"))
+        cuda_graphs = base.compile_mode == "reduce-overhead" and "--compile-mode" not in args.extra
         for arm in arms:
             done = summaries(out, [arm]).get(arm)
             if done and done["status"] == "done" and done["steps"] == steps:
@@ -193,6 +218,14 @@ def main(argv=None) -> int:
             cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+            if rc != 0 and cuda_graphs and not (out / arm / "checkpoint").exists():
+                # nothing lost: the arm made no checkpoint; run it once more without CUDA graphs
+                left = args.time_budget - (time.time() - t_start)
+                print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
+                      f"--compile-mode default ({left:.0f}s left)", flush=True)
+                cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + ["--compile-mode", "default"],
+                                  warmup)
+                rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             s = summaries(out, [arm]).get(arm, {})
             if rc != 0:
                 print(f"[study] {arm} failed with exit code {rc}; continuing with the next arm", flush=True)

@@ -367,6 +367,32 @@ def test_quartet2_backward_is_unbiased_statistically():
         assert 0.02 < single < 0.3 and mean < 0.45 * single, (single, mean)
 
 
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased():
+    """The same statistics under CUDA graphs (``mode="reduce-overhead"``): the seeds and Hadamard signs are
+    drawn on the GPU inside the captured graph, so every replay must draw new ones (a graph that froze its
+    first draw would give 16 identical gradients, whose mean is no better than one of them)."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = nn.Linear(256, 256, bias=False, device=dev)
+    bwd = Policy.quartet2().resolve("x", "linear.dgrad")
+    policy = Policy((), "bwd-only").override("*", bwd, role="linear.dgrad").override("*", bwd, role="linear.wgrad")
+    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "mode": "reduce-overhead"})
+    x = torch.randn(256, 256, device=dev, requires_grad=True)
+    dy = torch.randn(256, 256, device=dev)
+    exact_w = (dy.double().t() @ x.detach().double()).float()
+    gw = []
+    for _ in range(16):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        (compiled(x) * dy).sum().backward()
+        gw.append(model.weight.grad.clone())
+    assert not any(torch.equal(gw[i], gw[i + 1]) for i in range(len(gw) - 1))
+    single = sum(rel(a, exact_w) for a in gw) / len(gw)
+    mean = rel(torch.stack(gw).mean(0), exact_w)
+    assert 0.02 < single < 0.3 and mean < 0.45 * single, (single, mean)
+
+
 def test_bad_options_give_clear_errors():
     model, x = Stack(), torch.randn(48, 64)
     for opts, msg in [({"polcy": "bf16"}, r"unknown option\(s\) \['polcy'\]"),

@@ -57,3 +57,25 @@ def test_report_and_export(study, tmp_path):
     assert files == ["study_30m.md", "study_30m.png", "study_30m_metrics.tar.gz"]
     with tarfile.open(tmp_path / "export" / "study_30m_metrics.tar.gz") as tar:
         assert "30m/quartet2/metrics.jsonl" in tar.getnames()
+
+
+def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_path, monkeypatch, capsys):
+    """The study configs run with CUDA graphs; an arm that fails before its first checkpoint is run once
+    more with ``--compile-mode default`` (a warning says so) instead of being lost."""
+    calls = []
+
+    class Done:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return Done(0 if "default" in cmd else 1)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    assert study.main(["--arms", "bf16", "--tokens", "6553600", "--skip-data", "--out", str(tmp_path),
+                       "--time-budget", "1000"]) == 0
+    assert len(calls) == 2
+    assert "--compile-mode" not in calls[0]
+    assert calls[1][-2:] == ["--compile-mode", "default"]
+    assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out

@@ -238,10 +238,12 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _compile_inplace(module: nn.Module, backend, options) -> None:
+def _compile_inplace(module: nn.Module, backend, options, mode: Optional[str] = None) -> None:
     kw: dict[str, Any] = {"backend": backend}
     if options:
         kw["options"] = dict(options)
+    if mode is not None:
+        kw["mode"] = mode
     module.compile(**kw)
 
 
@@ -250,7 +252,7 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
                mesh=None, mp_policy=None, reshard_after_forward: bool = True,
                bucket_cap_mb: Optional[float] = None, compile: bool = True,
                find_unused_parameters: bool = False,
-               regions: Optional[Iterable[str]] = None) -> nn.Module:
+               regions: Optional[Iterable[str]] = None, mode: Optional[str] = None) -> nn.Module:
     """Compile ``model`` with ``backend`` and wrap it for data parallelism.
 
     parallel:
@@ -268,7 +270,10 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
         the LM head and the loss. Returns ``model`` (sharded in place).
 
     ``compile=False`` skips compilation (eager reference runs with identical wrapping). ``options`` are the
-    backend's options (e.g. ``{"policy": ...}``).
+    backend's options (e.g. ``{"policy": ...}``; the fullstack_fp4 backend takes its torch.compile mode there,
+    ``{"mode": "reduce-overhead"}``). ``mode``: torch.compile's mode for a backend without options (e.g.
+    ``"reduce-overhead"`` for Inductor's CUDA graphs); "none" and "ddp" only (FSDP2 re-gathers the parameters
+    that CUDA graphs would capture).
     """
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
@@ -277,14 +282,17 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
     rank, world = _rank_world()
     if parallel != "none" and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"parallel={parallel!r} needs an initialised process group: call setup() under torchrun")
+    if mode is not None and (options or parallel == "fsdp2"):
+        raise ValueError("wrap_model: mode= is for backends without options under 'none'/'ddp'; give the "
+                         "fullstack_fp4 backend its mode inside options, and FSDP2 none")
     if parallel == "none":
         if compile:
-            _compile_inplace(model, backend, options)
+            _compile_inplace(model, backend, options, mode)
         return model
 
     if parallel == "ddp":
         if compile:
-            _compile_inplace(model, backend, options)
+            _compile_inplace(model, backend, options, mode)
         dev = next(model.parameters()).device
         kw: dict[str, Any] = {"find_unused_parameters": find_unused_parameters}
         if bucket_cap_mb is not None:
@@ -836,9 +844,11 @@ def whole_matrix(root_cls: type) -> type:
 # --------------------------------------------------------------------------------------------------------
 # hooks for fp4compile.train.loop (``fp4compile train --parallel ddp|fsdp2``)
 # --------------------------------------------------------------------------------------------------------
-def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None) -> nn.Module:
+def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None,
+                      mode: Optional[str] = None) -> nn.Module:
     """The training loop's backend names mapped onto :func:`wrap_model`: "none" = no compilation,
-    "fullstack_fp4" gets ``options={"policy": policy}``, anything else is a plain Dynamo backend name."""
+    "fullstack_fp4" gets ``options={"policy": policy}`` (plus ``"mode"``), anything else is a plain Dynamo
+    backend name (with ``mode=``). ``mode``: None or a torch.compile mode such as "reduce-overhead"."""
     if backend == "none":
         return wrap_model(model, parallel, compile=False)
     options = None
@@ -848,8 +858,11 @@ def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None
         from ..backend import fullstack_fp4
 
         backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
-        options = {"policy": policy} if policy is not None else None
-    return wrap_model(model, parallel, backend=backend, options=options)
+        options = {"policy": policy} if policy is not None else {}
+        if mode is not None:
+            options["mode"] = mode
+        return wrap_model(model, parallel, backend=backend, options=options or None)
+    return wrap_model(model, parallel, backend=backend, mode=mode)
 
 
 TRAIN_DCP_FORMAT = "fp4compile-train-dcp-v1"

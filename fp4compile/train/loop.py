@@ -47,6 +47,7 @@ BACKENDS = ("fullstack_fp4", "inductor", "aot_eager", "eager", "none")
 OPTIMIZERS = ("adamw", "qadamw", "qroot", "qroot+adamw")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16-autocast", "bf16")
+COMPILE_MODES = ("default", "reduce-overhead")
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ class TrainConfig:
     backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
     policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
     backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
+    compile_mode: str = "default"             # default | reduce-overhead (CUDA graphs; CUDA only, see compile_model)
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
     lora_rank: Optional[int] = None           # None: prepare()'s default
@@ -114,6 +116,17 @@ class TrainConfig:
         one_of("schedule", SCHEDULES)
         one_of("dtype", DTYPES)
         one_of("parallel", ("none", "ddp", "fsdp2"))
+        one_of("compile_mode", COMPILE_MODES)
+        if self.compile_mode == "reduce-overhead" and self.parallel == "fsdp2":
+            raise ValueError("compile_mode='reduce-overhead' (CUDA graphs) does not combine with parallel='fsdp2': "
+                             "FSDP2 frees and re-gathers the parameters the graphs would capture; use 'default'")
+        if self.compile_mode == "reduce-overhead" and self.grad_accum > 1:
+            raise ValueError("compile_mode='reduce-overhead' needs grad_accum=1: the CUDA-graph backward writes "
+                             "each micro-batch's gradients into the same graph-owned buffers; raise "
+                             "batch_size instead, or use compile_mode='default'")
+        if self.compile_mode == "reduce-overhead" and self.backend in ("eager", "aot_eager", "none"):
+            raise ValueError(f"compile_mode='reduce-overhead' needs a compiling backend (inductor or "
+                             f"fullstack_fp4), not {self.backend!r}")
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -338,9 +351,13 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
     """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
 
     ``dynamic=False``: a run has one batch shape (evaluation reuses it), and static shapes keep Dynamo from
-    handing symbolic sizes to the backend when several runs share a process (tests, ``demo --in-process``)."""
+    handing symbolic sizes to the backend when several runs share a process (tests, ``demo --in-process``).
+    ``cfg.compile_mode="reduce-overhead"`` replays the compiled forward and backward as CUDA graphs (the
+    loop marks each step with ``torch.compiler.cudagraph_mark_step_begin``); on CPU Inductor skips the
+    graphs and runs as in the default mode."""
     if cfg.backend == "none":
         return model
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.backend == "fullstack_fp4":
         try:
             from ..backend import fullstack_fp4
@@ -350,9 +367,23 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
         from torch._dynamo.backends.registry import list_backends
 
         backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
-        options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {})}
+        options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {}),
+                   **({"mode": mode} if mode else {})}
         return torch.compile(model, backend=backend, options=options, dynamic=False)
-    return torch.compile(model, backend=cfg.backend, dynamic=False)
+    return torch.compile(model, backend=cfg.backend, mode=mode, dynamic=False)
+
+
+def _marking_steps(model_fn):
+    """Calls ``model_fn`` after ``torch.compiler.cudagraph_mark_step_begin()``: under CUDA graphs every
+    training forward and every evaluation forward starts a new replay generation (the previous outputs,
+    already consumed by the loop, may then be overwritten)."""
+    mark = torch.compiler.cudagraph_mark_step_begin
+
+    def run(*args, **kwargs):
+        mark()
+        return model_fn(*args, **kwargs)
+
+    return run
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -597,7 +628,8 @@ def train(cfg: TrainConfig) -> RunResult:
         policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
     model_fn = None
     if denv is not None:                          # FSDP2 swaps parameters for DTensors: wrap before the optimizer
-        model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy)
+        model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy,
+                                        None if cfg.compile_mode == "default" else cfg.compile_mode)
     optimizer = build_optimizer(model, cfg, policy, device)
     if denv is not None and cfg.parallel == "fsdp2":
         DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
@@ -636,6 +668,8 @@ def train(cfg: TrainConfig) -> RunResult:
     # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
     if model_fn is None:
         model_fn = compile_model(model, cfg, policy)
+    if cfg.compile_mode == "reduce-overhead":
+        model_fn = _marking_steps(model_fn)
     if dtype == "bf16-autocast":
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)   # noqa: E731
     else:
@@ -765,6 +799,7 @@ def train(cfg: TrainConfig) -> RunResult:
         "params": model.num_params(),
         "backend": cfg.backend,
         "backend_debug": cfg.backend_debug,
+        "compile_mode": cfg.compile_mode,
         "policy": cfg.policy if policy is not None else None,
         "optimizer": cfg.optimizer,
         "lora": cfg.lora,
