@@ -44,11 +44,14 @@ ARMS = {
     "qattn": dict(backend="fullstack_fp4", policy="full_stack", optimizer="adamw", lora=True),
     "qadamw": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qadamw", lora=True),
     "qroot": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
+    # the optimizer-matched baseline of the qroot arm: BF16 with Root (BF16 Newton–Schulz) + AdamW
+    "bf16root": dict(backend="inductor", policy="bf16", optimizer="qroot+adamw", lora=False),
     # the 124M comparison: BF16 vs the full stack
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
 }
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD", "qattn": "+ Q-Attn",
-          "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)", "full": "full stack"}
+          "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
+          "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack"}
 
 
 def _tokenize_shard(path: str):
@@ -218,8 +221,9 @@ def main(argv=None) -> int:
             cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-            if rc != 0 and cuda_graphs and not (out / arm / "checkpoint").exists():
-                # nothing lost: the arm made no checkpoint; run it once more without CUDA graphs
+            if rc != 0 and cuda_graphs:
+                # once more without CUDA graphs, from the arm's last checkpoint if it has one (the compile
+                # mode is not part of a checkpoint: resuming in another mode continues the same run)
                 left = args.time_budget - (time.time() - t_start)
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)

@@ -371,7 +371,12 @@ def test_quartet2_backward_is_unbiased_statistically():
 def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased():
     """The same statistics under CUDA graphs (``mode="reduce-overhead"``): the seeds and Hadamard signs are
     drawn on the GPU inside the captured graph, so every replay must draw new ones (a graph that froze its
-    first draw would give 16 identical gradients, whose mean is no better than one of them)."""
+    first draw would give 16 identical gradients, whose mean is no better than one of them). The kernels'
+    cached placeholders are dropped first, so they are created during the graphs' warmup (they must not land
+    in the graph pool: fp4compile.devcache)."""
+    from fp4compile.kernels import launch
+
+    launch._PLACEHOLDERS.clear()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = nn.Linear(256, 256, bias=False, device=dev)
@@ -385,6 +390,7 @@ def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased():
     for _ in range(16):
         torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
+        x.grad = None                        # a graph output: the next replay overwrites it, never accumulate
         (compiled(x) * dy).sum().backward()
         gw.append(model.weight.grad.clone())
     assert not any(torch.equal(gw[i], gw[i + 1]) for i in range(len(gw) - 1))

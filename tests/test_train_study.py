@@ -60,8 +60,8 @@ def test_report_and_export(study, tmp_path):
 
 
 def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_path, monkeypatch, capsys):
-    """The study configs run with CUDA graphs; an arm that fails before its first checkpoint is run once
-    more with ``--compile-mode default`` (a warning says so) instead of being lost."""
+    """The study configs run with CUDA graphs; an arm that fails under them is run once more (resuming its
+    last checkpoint, if any) with ``--compile-mode default`` (a warning says so) instead of being lost."""
     calls = []
 
     class Done:

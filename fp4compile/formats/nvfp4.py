@@ -28,6 +28,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..devcache import persistent
+
 # ----------------------------------------------------------------------------------------------
 # constants
 E2M1_MAX = 6.0
@@ -65,8 +67,12 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     lut = _E2M1_LUT_CACHE.get(key)
     if lut is None:
         vals = list(E2M1_VALUES) + [-v for v in E2M1_VALUES]
-        lut = torch.tensor(vals, dtype=torch.float32, device=codes.device)
-        _E2M1_LUT_CACHE[key] = lut
+        make = lambda: torch.tensor(vals, dtype=torch.float32, device=codes.device)  # noqa: E731
+        lut = persistent(make, codes.device)           # outside CUDA-graph pools (fp4compile.devcache)
+        if lut is None:                                # capturing a CUDA graph: not cached
+            lut = make()
+        else:
+            _E2M1_LUT_CACHE[key] = lut
     return lut[codes.long()]
 
 

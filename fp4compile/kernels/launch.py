@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from ..devcache import persistent
+
 try:
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - Triton is a dependency on Linux
@@ -45,15 +47,15 @@ _PLACEHOLDERS: dict = {}
 
 def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
     """A cached one-element tensor for kernel arguments that a launch never reads (the signs without an RHT,
-    RTN's seed, an unused attention slot): no allocation and fill launch per call. Not cached while the
-    current stream is capturing a CUDA graph (the tensor would belong to the graph's private memory pool)."""
-    device = torch.device(device)
-    key = (device, dtype)
+    RTN's seed, an unused attention slot): no allocation and fill launch per call. Built outside CUDA-graph
+    memory pools and not cached while a CUDA graph is being captured (``fp4compile.devcache.persistent``)."""
+    key = (torch.device(device), dtype)
     t = _PLACEHOLDERS.get(key)
     if t is None:
-        t = torch.zeros(1, dtype=dtype, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _PLACEHOLDERS[key] = t
+        t = persistent(lambda: torch.zeros(1, dtype=dtype, device=key[0]), key[0])
+        if t is None:                                   # capturing: an uncached tensor of the graph
+            return torch.zeros(1, dtype=dtype, device=key[0])
+        _PLACEHOLDERS[key] = t
     return t
 
 
