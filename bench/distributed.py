@@ -156,7 +156,7 @@ def main(argv=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = D.wrap_model(model, args.parallel, backend=args.backend, options=options, mp_policy=mp,
+    wrapped = D.wrap_model(model, args.parallel, backend=D.resolve_backend(args.backend), options=options, mp_policy=mp,
                            bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None,
                            mode=mode if options is None else None)
     opt = build_optimizer(model, args.optim)

@@ -382,7 +382,9 @@ def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased():
     model = nn.Linear(256, 256, bias=False, device=dev)
     bwd = Policy.quartet2().resolve("x", "linear.dgrad")
     policy = Policy((), "bwd-only").override("*", bwd, role="linear.dgrad").override("*", bwd, role="linear.wgrad")
-    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "mode": "reduce-overhead"})
+    from fp4compile.backend import fullstack_fp4
+
+    compiled = torch.compile(model, backend=fullstack_fp4, options={"policy": policy, "mode": "reduce-overhead"})
     x = torch.randn(256, 256, device=dev, requires_grad=True)
     dy = torch.randn(256, 256, device=dev)
     exact_w = (dy.double().t() @ x.detach().double()).float()

@@ -219,6 +219,34 @@ def test_qroot_bf16_equals_plain_root():
         assert float((d1 - d2).norm() / d1.norm()) < 0.03
 
 
+def test_ns_seed_and_signs_are_drawn_or_cached_on_the_update_device(monkeypatch):
+    """An SR + RHT NS spec: every orthogonalize gets a fresh seed and the same cached signs, both on the
+    parameters' device (a CPU seed or sign vector would be copied to the GPU, with a stream sync, by every
+    quantize call of the NS)."""
+    import fp4compile.optim.root as R
+
+    seen = []
+    real = R.newton_schulz
+
+    def spy(G, coeffs, **kw):
+        seen.append((G.device, kw["signs"], kw["seed"]))
+        return real(G, coeffs, **kw)
+
+    monkeypatch.setattr(R, "newton_schulz", spy)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(2)]
+    opt = QRoot(ps, lr=1e-2, precision=NVFP4("sr", hadamard=16))
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert len(seen) == 2
+    (d0, s0, k0), (d1, s1, k1) = seen
+    assert s0 is s1 and s0.device == d0 and torch.equal(s0.abs(), torch.ones(16))
+    assert k0.device == d0 and k0.dtype == torch.int64 and k0.dim() == 0 and not torch.equal(k0, k1)
+    assert all(torch.isfinite(p).all() for p in ps)
+
+
 def test_param_groups_for_and_adamw_part():
     m = torch.nn.ModuleDict(dict(wte=torch.nn.Embedding(64, 32), fc=torch.nn.Linear(32, 64),
                                  lm_head=torch.nn.Linear(32, 64, bias=False)))

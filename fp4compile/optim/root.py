@@ -405,6 +405,7 @@ class QRoot(Optimizer):
         if spec.name == "nvfp4" and spec.hadamard:
             gen = torch.Generator().manual_seed(0x5EED)
             self._ns_signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float()
+        self._signs_by_device = {}   # _ns_signs copied once per device (orthogonalize)
         for g in self.param_groups:
             self._check_group(g)
         self._compile_flag = compile
@@ -502,10 +503,17 @@ class QRoot(Optimizer):
         Bc = torch.maximum(torch.minimum(U, eps.view(-1, 1, 1)), -eps.view(-1, 1, 1))
         coeffs = ns_coefficients(U.shape, group["ns_steps"], group["ns_schedule"])
         norm_scale = 1.01 if group["ns_schedule"] == "polar_express" else 1.0
+        # the seed and the RHT signs live on U's device: a CPU tensor would be copied to the GPU by every
+        # quantize call, and a blocking host-to-device copy synchronizes the stream (~20 per NS stack)
         seed = None
         if self.ns_spec.name == "nvfp4" and self.ns_spec.rounding != "rtn":
-            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64)
-        return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=self._ns_signs, seed=seed,
+            seed = torch.randint(0, 2 ** 31 - 1, (), dtype=torch.int64, device=U.device)
+        signs = None
+        if self._ns_signs is not None:
+            signs = self._signs_by_device.get(U.device)
+            if signs is None:
+                signs = self._signs_by_device[U.device] = self._ns_signs.to(U.device)
+        return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
                              norm_scale=norm_scale, guard=group["ns_guard"])
 
     def _root_update(self, params, group):
@@ -548,6 +556,7 @@ class QRoot(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         _qa.restore_plan_fields(self)
+        self.__dict__.setdefault("_signs_by_device", {})
 
 
 def _check_root_state(p, st, where):

@@ -58,7 +58,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint",
     "distributed_newton_schulz", "distributed_orthogonalize",
     "shard_local", "whole_matrix", "adapt_optimizer",
-    "wrap_for_training", "save_train_checkpoint", "load_train_checkpoint",
+    "wrap_for_training", "resolve_backend", "save_train_checkpoint", "load_train_checkpoint",
 ]
 
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
@@ -844,6 +844,18 @@ def whole_matrix(root_cls: type) -> type:
 # --------------------------------------------------------------------------------------------------------
 # hooks for fp4compile.train.loop (``fp4compile train --parallel ddp|fsdp2``)
 # --------------------------------------------------------------------------------------------------------
+def resolve_backend(name):
+    """A Dynamo backend name as ``torch.compile`` accepts it: "fullstack_fp4" is registered by the package's
+    entry point when fp4compile is installed; from a plain checkout (``PYTHONPATH=.``) it is the function."""
+    if name != "fullstack_fp4":
+        return name
+    from torch._dynamo.backends.registry import list_backends
+
+    from ..backend import fullstack_fp4
+
+    return name if name in list_backends(exclude_tags=()) else fullstack_fp4
+
+
 def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None,
                       mode: Optional[str] = None) -> nn.Module:
     """The training loop's backend names mapped onto :func:`wrap_model`: "none" = no compilation,
@@ -853,11 +865,7 @@ def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None
         return wrap_model(model, parallel, compile=False)
     options = None
     if backend == "fullstack_fp4":
-        from torch._dynamo.backends.registry import list_backends
-
-        from ..backend import fullstack_fp4
-
-        backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
+        backend = resolve_backend(backend)
         options = {"policy": policy} if policy is not None else {}
         if mode is not None:
             options["mode"] = mode

@@ -359,14 +359,13 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
         return model
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.backend == "fullstack_fp4":
+        from .distributed import resolve_backend
+
         try:
-            from ..backend import fullstack_fp4
+            backend = resolve_backend("fullstack_fp4")
         except ImportError as e:
             raise FeatureUnavailable("the fullstack_fp4 backend is not available in this checkout "
                                f"({e}); it is built by the backend issue. Use --backend inductor for BF16.") from e
-        from torch._dynamo.backends.registry import list_backends
-
-        backend = "fullstack_fp4" if "fullstack_fp4" in list_backends(exclude_tags=()) else fullstack_fp4
         options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {}),
                    **({"mode": mode} if mode else {})}
         return torch.compile(model, backend=backend, options=options, dynamic=False)
