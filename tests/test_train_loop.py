@@ -247,6 +247,32 @@ def test_missing_features_give_clear_errors(tmp_path, monkeypatch):
         L.train(tiny_cfg(tmp_path, "b", lora=True))
 
 
+def test_evaluation_frees_each_batch_graph_before_the_next_forward():
+    """Evaluation runs the training graph with autograd on: a batch's loss carries the saved activations,
+    so it must be gone before the next batch's forward (holding it doubled the evaluation's peak memory)."""
+    import contextlib
+    import weakref
+
+    import numpy as np
+
+    from fp4compile.train import data as D
+
+    torch.manual_seed(0)
+    model = GPT(config_from_preset("tiny", vocab_size=256, max_seq_len=32))
+    refs = []
+
+    def fn(x, y):
+        assert all(r() is None for r in refs), "an earlier batch's loss (and its graph) is still alive"
+        loss = model(x, y)
+        assert loss.grad_fn is not None
+        refs.append(weakref.ref(loss))
+        return loss
+
+    batches = D.TokenBatches(np.arange(4096, dtype=np.uint16) % 256, 32, shuffle=False, name="t")
+    v = L.evaluate(fn, batches, 3, 4, 0, 1, torch.device("cpu"), contextlib.nullcontext)
+    assert len(refs) == 3 and math.isfinite(v)
+
+
 def test_metrics_log_contents(tmp_path):
     r = L.train(tiny_cfg(tmp_path, steps=4, eval_interval=2))
     recs = L.read_metrics(tmp_path / "run")
