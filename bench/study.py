@@ -8,12 +8,14 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     qattn      + Q-Attn (policy full_stack)                              AdamW
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
+    bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
+               stack's optimizer-matched baseline (ROOT alone moves the loss far more than any precision)
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
 
     mkdir -p .data/corpus && cp /work/shared/data/corpus/*.xz .data/corpus/ \
         && cp /work/shared/data/gpt2.tiktoken .data/          # here, once; .data/ is git-ignored
-    # each call (carry [".data", ".study"] is not needed for .study: it lives on the warm machine):
+    # each call, carry [".data/corpus", ".data/gpt2.tiktoken"] (.study lives on the warm machine):
     python bench/study.py --size 30m --arms bf16,quartet2 --tokens 100e6 --time-budget 540 --export $OUT
 
 A call trains the arms in order until its time budget is spent, leaving checkpoints in ``.study/<size>/<arm>``;
@@ -165,7 +167,7 @@ def export(out: Path, arms, size: str, dest: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="30m", choices=["30m", "124m"])
-    ap.add_argument("--arms", default=None, help="comma list (default: all six for 30m, bf16,full for 124m)")
+    ap.add_argument("--arms", default=None, help="comma list (default: all seven for 30m, bf16,bf16root,full for 124m)")
     ap.add_argument("--tokens", type=float, default=None, help="training tokens per arm (default: the config's)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per arm (overrides --tokens)")
     ap.add_argument("--out", default=".study", help="run directories go to OUT/SIZE/ARM")
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
     from fp4compile.train.loop import TrainConfig
 
     arms = args.arms.split(",") if args.arms else (
-        ["bf16", "quartet2", "lora", "qattn", "qadamw", "qroot"] if args.size == "30m" else ["bf16", "full"])
+        ["bf16", "quartet2", "lora", "qattn", "qadamw", "qroot", "bf16root"] if args.size == "30m"
+        else ["bf16", "bf16root", "full"])
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise SystemExit(f"unknown arms {bad}; arms are {list(ARMS)}")

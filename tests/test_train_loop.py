@@ -110,6 +110,13 @@ def test_config_validation_and_sections():
     for bad in (dict(parallel="fsdp2"), dict(grad_accum=2), dict(backend="aot_eager")):
         with pytest.raises(ValueError, match="reduce-overhead"):
             L.TrainConfig(compile_mode="reduce-overhead", backend=bad.pop("backend", "inductor"), **bad).validate()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = L.TrainConfig(backend="fullstack_fp4")
+    assert auto.compile_mode == "auto" and auto.resolve_compile_mode(cuda) == "reduce-overhead"
+    assert auto.resolve_compile_mode(cpu) == "default"
+    for other in (dict(parallel="ddp"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True)):
+        assert dataclasses.replace(auto, **other).resolve_compile_mode(cuda) == "default", other
+    assert L.TrainConfig(compile_mode="default").resolve_compile_mode(cuda) == "default"
     cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})
     assert (cfg.model, cfg.lr, cfg.grad_accum) == ("tiny", 0.5, 2)
 
@@ -342,7 +349,7 @@ def test_gpu_cuda_graph_runs_match_default_mode(tmp_path, backend, policy):
     kw = dict(device="cuda", dtype="bf16-autocast", backend=backend, policy=policy, steps=8, eval_interval=4,
               val_data="stdlib:val")
     cg = L.train(tiny_cfg(tmp_path, "cg", compile_mode="reduce-overhead", **kw))
-    ref = L.train(tiny_cfg(tmp_path, "default", **kw))
+    ref = L.train(tiny_cfg(tmp_path, "default", compile_mode="default", **kw))
     a, b = losses(tmp_path / "default"), losses(tmp_path / "cg")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
     tol = 1e-3 if backend == "inductor" else 0.03

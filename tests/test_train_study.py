@@ -20,13 +20,14 @@ def study():
 def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     assert study.main(["--print-commands", "--tokens", "6553600"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6
+    assert len(lines) == 7
     assert all("--steps 100 " in ln and "--resume" in ln and "--warmup-steps 5" in ln for ln in lines)
     assert "--backend inductor --policy bf16 --optimizer adamw --no-lora" in lines[0]
     assert "--backend fullstack_fp4 --policy quartet2 --optimizer adamw --no-lora" in lines[1]
     assert "--policy quartet2 --optimizer adamw --lora" in lines[2]
     assert "--policy full_stack --optimizer adamw --lora" in lines[3]
     assert "--optimizer qadamw --lora" in lines[4] and "--optimizer qroot --lora" in lines[5]
+    assert "--backend inductor --policy bf16 --optimizer qroot+adamw --no-lora" in lines[6]   # Q-Root's baseline
     # the configs parse and validate
     from fp4compile.train.cli import load_config_file
     from fp4compile.train.loop import TrainConfig

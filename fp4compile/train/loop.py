@@ -47,7 +47,7 @@ BACKENDS = ("fullstack_fp4", "inductor", "aot_eager", "eager", "none")
 OPTIMIZERS = ("adamw", "qadamw", "qroot", "qroot+adamw")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("auto", "fp32", "bf16-autocast", "bf16")
-COMPILE_MODES = ("default", "reduce-overhead")
+COMPILE_MODES = ("auto", "default", "reduce-overhead")
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ class TrainConfig:
     backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
     policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
     backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
-    compile_mode: str = "default"             # default | reduce-overhead (CUDA graphs; CUDA only, see compile_model)
+    compile_mode: str = "auto"                # auto | default | reduce-overhead (CUDA graphs), see resolve_compile_mode
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
     lora_rank: Optional[int] = None           # None: prepare()'s default
@@ -132,6 +132,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or not 0 <= self.decay_frac <= 1:
             raise ValueError("warmup_steps must be >= 0 and decay_frac in [0, 1]")
+
+    def resolve_compile_mode(self, device: torch.device) -> str:
+        """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
+        CUDA graphs ("reduce-overhead") for a single-process CUDA run of a compiling backend with
+        ``grad_accum=1`` (where they were validated, and where a launched-eagerly step is host-bound), else
+        "default" (CPU, DDP/FSDP2, gradient accumulation, eager backends, the backend's debug variant)."""
+        if self.compile_mode != "auto":
+            return self.compile_mode
+        graphs = (device.type == "cuda" and self.parallel == "none" and self.grad_accum == 1
+                  and self.backend in ("inductor", "fullstack_fp4") and not self.backend_debug)
+        return "reduce-overhead" if graphs else "default"
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
@@ -594,6 +605,7 @@ def train(cfg: TrainConfig) -> RunResult:
         raise CheckpointError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
                               "or choose another --out-dir")
     device = denv.device if denv is not None else resolve_device(cfg.device)
+    cfg = dataclasses.replace(cfg, compile_mode=cfg.resolve_compile_mode(device))   # "auto" -> what runs
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
