@@ -61,6 +61,18 @@ study)
         --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
   python bench/study.py --size 30m --tokens "$tokens" --report --export "$OUT/study" ;;
+next)
+  # what session 4 left open, one call on an nvidia-h200-x2 (~9 min; carry .data/corpus, .data/gpt2.tiktoken):
+  # GPU tests (incl. the CUDA-graph ones), the 30M LoRA-SVD arm with realignment inside the run (compare with
+  # docs/RESULTS.md's quartet2 / lora rows: same seed and data order), then 1 GPU vs DDP with CUDA graphs
+  step data 60 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0
+    step lora_realign 330 python bench/study.py --size 30m --arms lora --out .study_realign --tokens 100e6 \
+        --skip-data --time-budget 320 --export "$OUT/realign" -- --lora-realign-every 300 ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step gpu_tests 300 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py ) &
+  wait
+  bash "$0" dist_cg ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
