@@ -197,9 +197,12 @@ def bench_peak_memory(device, tiny, rows, batch=None):
 def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
     shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]  # hidden matrices (Root's part)
     res = {}
-    for prec in ("bf16", "nvfp4"):
+    variants = [("bf16", False), ("nvfp4", False)]
+    if device.type == "cuda":                       # QRoot(cuda_graphs=True): NS replayed from CUDA graphs
+        variants += [("bf16", True), ("nvfp4", True)]
+    for prec, graphs in variants:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=prec)
+        opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=prec, cuda_graphs=graphs)
         t0 = time.perf_counter()
         opt.step()  # warm-up (fits coefficients for unseen shapes, builds kernels)
         sync(device)
@@ -213,15 +216,21 @@ def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
         g = opt.param_groups[0]
         sync(device)
         t1 = time.perf_counter()
+        ortho = opt.orthogonalize_graphed if graphs else opt.orthogonalize
         for st in stacks.values():
-            opt.orthogonalize(torch.stack(st), g)
+            ortho(torch.stack(st), g)
         sync(device)
         ns_ms = (time.perf_counter() - t1) * 1e3
-        res[prec] = (ms, ns_ms)
+        res[prec, graphs] = (ms, ns_ms)
         del opt, ps
-    (tb, nb), (tq, nq) = res["bf16"], res["nvfp4"]
-    rows.append(dict(section="QRoot step", set=name, bf16_ns_ms=tb, nvfp4_ns_ms=tq, speedup=tb / tq,
-                     ns_share_bf16=min(1.0, nb / tb), ns_share_nvfp4=min(1.0, nq / tq)))
+    (tb, nb), (tq, nq) = res["bf16", False], res["nvfp4", False]
+    row = dict(section="QRoot step", set=name, bf16_ns_ms=tb, nvfp4_ns_ms=tq, speedup=tb / tq,
+               ns_share_bf16=min(1.0, nb / tb), ns_share_nvfp4=min(1.0, nq / tq))
+    if ("nvfp4", True) in res:
+        (tbg, _), (tqg, _) = res["bf16", True], res["nvfp4", True]
+        row.update(bf16_graphs_ms=tbg, nvfp4_graphs_ms=tqg, speedup_graphs=tbg / tqg,
+                   nvfp4_graphs_vs_eager_bf16=tb / tqg)
+    rows.append(row)
 
 
 def check_fused(device, rows):

@@ -62,17 +62,23 @@ study)
   wait
   python bench/study.py --size 30m --tokens "$tokens" --report --export "$OUT/study" ;;
 next)
-  # what session 4 left open, one call on an nvidia-h200-x2 (~9 min; carry .data/corpus, .data/gpt2.tiktoken):
-  # GPU tests (incl. the CUDA-graph ones), the 30M LoRA-SVD arm with realignment inside the run (compare with
-  # docs/RESULTS.md's quartet2 / lora rows: same seed and data order), then 1 GPU vs DDP with CUDA graphs
+  # what session 4 left open, one call on an nvidia-h200-x2 (~7 min; carry .data/corpus, .data/gpt2.tiktoken):
+  # GPU 0: the 30M LoRA-SVD arm with realignment inside the run (compare with docs/RESULTS.md's quartet2 / lora
+  # rows: same seed and data order), then the 30M full stack with Q-Root's NS replayed from CUDA graphs;
+  # GPU 1: the GPU tests (incl. the CUDA-graph ones), then the Q-Root step with and without CUDA graphs.
+  # Then, as its own call: bash bench/run_h200.sh dist_cg
   step data 60 python bench/study.py --data-only
   ( export CUDA_VISIBLE_DEVICES=0
-    step lora_realign 330 python bench/study.py --size 30m --arms lora --out .study_realign --tokens 100e6 \
-        --skip-data --time-budget 320 --export "$OUT/realign" -- --lora-realign-every 300 ) &
+    step lora_realign 300 python bench/study.py --size 30m --arms lora --out .study_realign --tokens 100e6 \
+        --skip-data --time-budget 290 --export "$OUT/realign" -- --lora-realign-every 300
+    step full_optim_graphs 110 python -m fp4compile train --config configs/study_30m.toml --no-progress \
+        --eval-batches 1 --eval-interval 0 --backend fullstack_fp4 --policy full_stack --optimizer qroot --lora \
+        --optim-cuda-graphs --steps 150 --out-dir /tmp/full_og ) &
   ( export CUDA_VISIBLE_DEVICES=1
-    step gpu_tests 300 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py ) &
-  wait
-  bash "$0" dist_cg ;;
+    step gpu_tests 300 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py
+    step optim_root 100 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M \
+        --out "$OUT/optim_root.json" ) &
+  wait ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \

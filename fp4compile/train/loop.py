@@ -78,6 +78,7 @@ class TrainConfig:
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
+    optim_cuda_graphs: bool = False           # QRoot(cuda_graphs=True): its Newton–Schulz replayed as CUDA graphs
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -316,7 +317,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
                "weight_decay": cfg.weight_decay},
               {"params": vectors, "use_root": False, "weight_decay": 0.0}]
     return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
-                           adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw", **adam_kw)
+                           adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
+                           cuda_graphs=cfg.optim_cuda_graphs or None, **adam_kw)
 
 
 class LRSchedule:
