@@ -126,10 +126,10 @@ def report(out: Path, arms, size: str) -> str:
     s = summaries(out, arms)
     base = s.get("bf16")
 
-    def gap(arm, key):
-        if base is None or arm == "bf16" or s[arm].get(key) is None or base.get(key) is None:
+    def gap(arm, key, ref=base, ref_arm="bf16"):
+        if ref is None or arm == ref_arm or s[arm].get(key) is None or ref.get(key) is None:
             return "—"
-        return f"{100 * (s[arm][key] - base[key]) / base[key]:+.2f} %"
+        return f"{100 * (s[arm][key] - ref[key]) / ref[key]:+.2f} %"
 
     lines = [f"| arm ({size}) | status | tokens | train loss | val loss | Brown loss | gap train | gap val | "
              "gap Brown | tokens/s | peak GiB | compile mode |", "|" + "---|" * 12]
@@ -143,6 +143,14 @@ def report(out: Path, arms, size: str) -> str:
                      f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | {r['tok_per_s']:,.0f} | "
                      f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
+    # the Q-Root arms against BF16 trained with the same optimizer: ROOT alone moves the loss more than
+    # any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
+    matched = s.get("bf16root")
+    for arm in ("qroot", "full"):
+        if matched is not None and arm in s:
+            lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
+                         f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
+                         f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
     return "\n".join(lines)
 
 

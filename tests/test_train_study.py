@@ -40,7 +40,7 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
 
 def test_report_and_export(study, tmp_path):
     out = tmp_path / "30m"
-    rows = {"bf16": 3.00, "quartet2": 3.06}
+    rows = {"bf16": 3.00, "quartet2": 3.06, "qroot": 2.94, "bf16root": 2.80}
     for arm, loss in rows.items():
         d = out / arm
         d.mkdir(parents=True)
@@ -49,10 +49,12 @@ def test_report_and_export(study, tmp_path):
         (d / "summary.json").write_text(json.dumps(summary))
         (d / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, tokens=s * 65536, loss=loss + 1 / s)) + "\n"
                                                  for s in range(1, 11)))
-    table = study.report(out, ["bf16", "quartet2", "lora"], "30m")
+    table = study.report(out, ["bf16", "quartet2", "lora", "qroot", "bf16root"], "30m")
     assert "| BF16 | done (10/10) | 1M | 3.0000 | 3.1000 | 4.0000 | — |" in table
     assert "+2.00 %" in table                                      # (3.06 - 3.00) / 3.00
     assert "| + LoRA-SVD | not run |" in table
+    # the Q-Root arm is also compared with the optimizer-matched BF16 arm: (2.94 - 2.80) / 2.80
+    assert "| **+ Q-Root (full stack) vs BF16 + Root (BF16 NS) + AdamW** | | | | | | **+5.00 %** |" in table
     study.export(out, ["bf16", "quartet2", "lora"], "30m", tmp_path / "export")
     files = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert files == ["study_30m.md", "study_30m.png", "study_30m_metrics.tar.gz"]
