@@ -85,3 +85,18 @@ def test_placeholder_is_cached_per_device_and_dtype():
     assert a is L.placeholder(torch.device("cpu"), torch.float32) and a.numel() == 1
     b = L.placeholder("cpu", torch.uint8)
     assert b is not a and b.dtype == torch.uint8
+
+
+def test_devcache_builds_each_entry_once():
+    """``devcache.cached`` calls ``make`` once per key and hands back the same tensor afterwards."""
+    from fp4compile.devcache import cached
+
+    cache, calls = {}, []
+
+    def make():
+        calls.append(1)
+        return torch.arange(3.0)
+
+    a = cached(cache, "k", "cpu", make)
+    b = cached(cache, "k", "cpu", make)
+    assert a is b and len(calls) == 1 and torch.equal(a, torch.arange(3.0))

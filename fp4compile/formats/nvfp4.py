@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..devcache import persistent
+from ..devcache import cached
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -59,20 +59,13 @@ def e2m1_rne_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 _E2M1_LUT_CACHE: dict = {}
+_E2M1_SIGNED = tuple(E2M1_VALUES) + tuple(-v for v in E2M1_VALUES)   # code -> value, sign bit 3
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8 in [0, 15]) -> FP32 values."""
-    key = codes.device
-    lut = _E2M1_LUT_CACHE.get(key)
-    if lut is None:
-        vals = list(E2M1_VALUES) + [-v for v in E2M1_VALUES]
-        make = lambda: torch.tensor(vals, dtype=torch.float32, device=codes.device)  # noqa: E731
-        lut = persistent(make, codes.device)           # outside CUDA-graph pools (fp4compile.devcache)
-        if lut is None:                                # capturing a CUDA graph: not cached
-            lut = make()
-        else:
-            _E2M1_LUT_CACHE[key] = lut
+    lut = cached(_E2M1_LUT_CACHE, codes.device, codes.device,       # outside CUDA-graph pools (devcache)
+                 lambda: torch.tensor(_E2M1_SIGNED, dtype=torch.float32, device=codes.device))
     return lut[codes.long()]
 
 

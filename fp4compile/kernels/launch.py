@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..devcache import persistent
+from ..devcache import cached
 
 try:
     from triton import knobs as _knobs
@@ -40,23 +40,15 @@ FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("
 
 _CACHE: dict = {}
 _I32 = 2 ** 31
-
-
 _PLACEHOLDERS: dict = {}
 
 
 def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
     """A cached one-element tensor for kernel arguments that a launch never reads (the signs without an RHT,
     RTN's seed, an unused attention slot): no allocation and fill launch per call. Built outside CUDA-graph
-    memory pools and not cached while a CUDA graph is being captured (``fp4compile.devcache.persistent``)."""
-    key = (torch.device(device), dtype)
-    t = _PLACEHOLDERS.get(key)
-    if t is None:
-        t = persistent(lambda: torch.zeros(1, dtype=dtype, device=key[0]), key[0])
-        if t is None:                                   # capturing: an uncached tensor of the graph
-            return torch.zeros(1, dtype=dtype, device=key[0])
-        _PLACEHOLDERS[key] = t
-    return t
+    memory pools, and not cached while a CUDA graph is being captured (``fp4compile.devcache.cached``)."""
+    device = torch.device(device)
+    return cached(_PLACEHOLDERS, (device, dtype), device, lambda: torch.zeros(1, dtype=dtype, device=device))
 
 
 def cdiv(a: int, b: int) -> int:
