@@ -36,6 +36,7 @@ import fp4compile.ops  # noqa: E402,F401
 from fp4compile.kernels import attention as A  # noqa: E402
 from fp4compile.kernels import attention_ref as R  # noqa: E402
 from fp4compile.passes.attention import qattn_sdpa  # noqa: E402
+from bench.timing import host_us  # noqa: E402
 
 CEILING = 790.0
 LOG = []
@@ -269,7 +270,7 @@ def host_overhead(results):
     for name, pair in fns.items():  # host time first, for every impl (the profiler below comes last)
         row = out.setdefault(name, {})
         for lab, fn in pair:
-            row[lab + " host us"] = _host_us(fn, 30)
+            row[lab + " host us"] = host_us(fn, 30)
     for name, pair in fns.items():
         row = out[name]
         for lab, fn in pair:
@@ -283,19 +284,6 @@ def host_overhead(results):
                 row[lab + " kernels"] = f"n/a ({type(e).__name__})"
         say(f"host T{T} d{D} {name}: " + ", ".join(f"{a} {b:.0f}" if isinstance(b, float) else f"{a} {b}"
                                                    for a, b in row.items()))
-
-
-def _host_us(fn, n: int) -> float:
-    """Host microseconds per call of ``fn`` (5 warm-up calls; no sync inside the timed loop: launches queue)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def host_breakdown(results, T=1024, D=64):
@@ -328,7 +316,7 @@ def host_breakdown(results, T=1024, D=64):
     with torch.no_grad():
         for name, fn in pieces.items():
             try:
-                us = out[name] = _host_us(fn, 40)
+                us = out[name] = host_us(fn, 40)
                 say(f"host us/call T{T} d{D}: {name}: {us:.1f}")
             except Exception as ex:
                 say(f"host {name} failed: {type(ex).__name__}: {str(ex)[:200]}")

@@ -148,17 +148,14 @@ def main(argv=None):
     mode = None if args.mode == "default" else args.mode
     if mode is not None and args.parallel == "fsdp2":
         p.error("--mode reduce-overhead does not combine with --parallel fsdp2")
-    options = {"policy": args.policy} if args.backend == "fullstack_fp4" else None
-    if options is not None and mode is not None:
-        options["mode"] = mode
+    fp4 = args.backend == "fullstack_fp4"
     mp = None
     if args.bf16_params and args.parallel == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = D.wrap_model(model, args.parallel, backend=D.resolve_backend(args.backend), options=options, mp_policy=mp,
-                           bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None,
-                           mode=mode if options is None else None)
+    wrapped = D.wrap_for_training(model, args.parallel, args.backend, args.policy if fp4 else None, mode,
+                                  mp_policy=mp, bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)
     opt = build_optimizer(model, args.optim)
     if args.parallel == "fsdp2":
         D.adapt_optimizer(opt)            # QAdamW on local shards (no-op for torch.optim.AdamW)
@@ -204,7 +201,7 @@ def main(argv=None):
         torch.distributed.all_gather_object(mems, mem)
     last = D.reduce_metrics({"loss": loss})["loss"]
     row = {"parallel": args.parallel, "world_size": env.world_size, "model": "tiny" if args.tiny else args.model,
-           "params_M": n_params / 1e6, "backend": args.backend, "policy": args.policy if options else None,
+           "params_M": n_params / 1e6, "backend": args.backend, "policy": args.policy if fp4 else None,
            "optim": args.optim, "mode": args.mode, "micro_batch": args.micro_batch, "seq": args.seq,
            "global_batch": args.micro_batch * env.world_size, "tokens_per_s": tokens / dt,
            "ms_per_step": 1e3 * dt / args.steps, "first_step_s": first_s, "peak_mem_gib_per_rank": mems,

@@ -37,6 +37,7 @@ from triton.testing import do_bench  # noqa: E402
 from fp4compile.formats import nvfp4  # noqa: E402
 from fp4compile.kernels import gemm as G  # noqa: E402
 from fp4compile.ops import _gemm_reference  # noqa: E402
+from bench.timing import host_us  # noqa: E402
 
 TOKENS = 16 * 1024
 VARIANT_SHAPES = [("square", 8192, 8192, 8192), ("124M fc1.fprop", TOKENS, 3072, 768),
@@ -425,14 +426,7 @@ def host_overhead(n=200):
         row = []
         for k, fn in fns.items():
             try:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                host = 1e6 * (time.perf_counter() - t0) / n
-                torch.cuda.synchronize()
+                host = host_us(fn, n, warmup=3)
                 from triton.testing import do_bench_cudagraph
                 gpu = 1e3 * do_bench_cudagraph(fn, rep=10, return_mode="median")
                 row.append(f"{k} {host:.0f} | {gpu:.0f}")

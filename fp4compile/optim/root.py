@@ -375,7 +375,7 @@ class QRoot(Optimizer):
         compile: torch.compile the AdamW part's per-parameter torch steps where they run (None: on CUDA).
         cuda_graphs: for CUDA parameters, capture the orthogonalization of each shape stack as a CUDA graph
             on its first step (after one eager warm-up run) and replay it afterwards
-            (:meth:`orthogonalize_graphed`): the NVFP4 Newton–Schulz issues ~300 ops per stack and step, and
+            (:meth:`orthogonalize_graphed`): the NVFP4 Newton–Schulz issues ~470 ops per stack and step, and
             launched eagerly it is bound by the host. Off by default (not yet measured on a GPU).
     """
 

@@ -857,20 +857,19 @@ def resolve_backend(name):
 
 
 def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None,
-                      mode: Optional[str] = None) -> nn.Module:
+                      mode: Optional[str] = None, **wrap_kw) -> nn.Module:
     """The training loop's backend names mapped onto :func:`wrap_model`: "none" = no compilation,
     "fullstack_fp4" gets ``options={"policy": policy}`` (plus ``"mode"``), anything else is a plain Dynamo
-    backend name (with ``mode=``). ``mode``: None or a torch.compile mode such as "reduce-overhead"."""
+    backend name (with ``mode=``). ``mode``: None or a torch.compile mode such as "reduce-overhead";
+    ``wrap_kw``: further :func:`wrap_model` arguments (``mp_policy``, ``bucket_cap_mb``, ...)."""
     if backend == "none":
-        return wrap_model(model, parallel, compile=False)
-    options = None
+        return wrap_model(model, parallel, compile=False, **wrap_kw)
     if backend == "fullstack_fp4":
-        backend = resolve_backend(backend)
         options = {"policy": policy} if policy is not None else {}
         if mode is not None:
             options["mode"] = mode
-        return wrap_model(model, parallel, backend=backend, options=options or None)
-    return wrap_model(model, parallel, backend=backend, mode=mode)
+        return wrap_model(model, parallel, backend=resolve_backend(backend), options=options or None, **wrap_kw)
+    return wrap_model(model, parallel, backend=backend, mode=mode, **wrap_kw)
 
 
 TRAIN_DCP_FORMAT = "fp4compile-train-dcp-v1"

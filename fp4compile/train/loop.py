@@ -118,31 +118,35 @@ class TrainConfig:
         one_of("dtype", DTYPES)
         one_of("parallel", ("none", "ddp", "fsdp2"))
         one_of("compile_mode", COMPILE_MODES)
-        if self.compile_mode == "reduce-overhead" and self.parallel == "fsdp2":
-            raise ValueError("compile_mode='reduce-overhead' (CUDA graphs) does not combine with parallel='fsdp2': "
-                             "FSDP2 frees and re-gathers the parameters the graphs would capture; use 'default'")
-        if self.compile_mode == "reduce-overhead" and self.grad_accum > 1:
-            raise ValueError("compile_mode='reduce-overhead' needs grad_accum=1: the CUDA-graph backward writes "
-                             "each micro-batch's gradients into the same graph-owned buffers; raise "
-                             "batch_size instead, or use compile_mode='default'")
-        if self.compile_mode == "reduce-overhead" and self.backend in ("eager", "aot_eager", "none"):
-            raise ValueError(f"compile_mode='reduce-overhead' needs a compiling backend (inductor or "
-                             f"fullstack_fp4), not {self.backend!r}")
+        why = self._cuda_graphs_excluded()
+        if self.compile_mode == "reduce-overhead" and why:
+            raise ValueError(f"compile_mode='reduce-overhead' (CUDA graphs): {why}; use compile_mode='default'")
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or not 0 <= self.decay_frac <= 1:
             raise ValueError("warmup_steps must be >= 0 and decay_frac in [0, 1]")
 
+    def _cuda_graphs_excluded(self) -> Optional[str]:
+        """Why this run cannot use CUDA graphs at all, or None."""
+        if self.parallel == "fsdp2":
+            return "FSDP2 frees and re-gathers the parameters the graphs would capture"
+        if self.grad_accum > 1:
+            return ("the graph's backward writes each micro-batch's gradients into the same graph-owned buffers, "
+                    "so it needs grad_accum=1 (raise batch_size instead)")
+        if self.backend in ("eager", "aot_eager", "none"):
+            return f"it needs a compiling backend (inductor or fullstack_fp4), not {self.backend!r}"
+        return None
+
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
-        CUDA graphs ("reduce-overhead") for a single-process CUDA run of a compiling backend with
-        ``grad_accum=1`` (where they were validated, and where a launched-eagerly step is host-bound), else
-        "default" (CPU, DDP/FSDP2, gradient accumulation, eager backends, the backend's debug variant)."""
+        CUDA graphs ("reduce-overhead") for a single-process CUDA run that can use them (where they were
+        validated, and where a launched-eagerly step is host-bound), else "default" (CPU, DDP/FSDP2, gradient
+        accumulation, eager backends, the backend's debug variant)."""
         if self.compile_mode != "auto":
             return self.compile_mode
-        graphs = (device.type == "cuda" and self.parallel == "none" and self.grad_accum == 1
-                  and self.backend in ("inductor", "fullstack_fp4") and not self.backend_debug)
+        graphs = (device.type == "cuda" and self.parallel == "none" and not self.backend_debug
+                  and self._cuda_graphs_excluded() is None)
         return "reduce-overhead" if graphs else "default"
 
     @classmethod
