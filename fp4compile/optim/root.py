@@ -526,24 +526,29 @@ class QRoot(Optimizer):
         return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
                              norm_scale=norm_scale, guard=group["ns_guard"])
 
-    def orthogonalize_graphed(self, U: torch.Tensor, group: dict) -> torch.Tensor:
+    def orthogonalize_graphed(self, U, group: dict) -> torch.Tensor:
         """:meth:`orthogonalize` of a CUDA stack, replayed from a CUDA graph.
 
-        One graph per (stack shape, dtype, device, NS hyper-parameters), captured on first use after an eager
-        warm-up run on a side stream (which fits the NS coefficients, compiles the kernels and fills the cached
-        tensors, none of which may happen during a capture); later calls copy ``U`` into the graph's static
-        input and replay. The result is the graph's static output: valid until the same graph is replayed
-        again (``_root_update`` consumes it first). Stochastic-rounding seeds are drawn inside the graph from
-        the CUDA generator, which advances on every replay, so each step still rounds with fresh randomness.
-        All the graphs share one memory pool: they are replayed one after another on the same stream.
+        ``U``: the stack [S, m, n], or its S matrices as a list (stacked straight into the graph's static
+        input: no separate stack tensor and copy per step). One graph per (stack shape, dtype, device, NS
+        hyper-parameters), captured on first use after an eager warm-up run on a side stream (which fits the NS
+        coefficients, compiles the kernels and fills the cached tensors, none of which may happen during a
+        capture); later calls fill the static input and replay. The result is the graph's static output: valid
+        until the same graph is replayed again (``_root_update`` consumes it first). Stochastic-rounding seeds
+        are drawn inside the graph from the CUDA generator, which advances on every replay, so each step still
+        rounds with fresh randomness. All the graphs share one memory pool: they are replayed one after another
+        on the same stream.
         """
-        key = (tuple(U.shape), U.dtype, U.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
+        mats = None if isinstance(U, torch.Tensor) else list(U)
+        first = U if mats is None else mats[0]
+        shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
+        key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
                group["ns_guard"])
         entry = self._graphs.get(key)
         if entry is None:
-            static_in = U.clone()
-            cur = torch.cuda.current_stream(U.device)
-            side = torch.cuda.Stream(U.device)
+            static_in = U.clone() if mats is None else torch.stack(mats)
+            cur = torch.cuda.current_stream(first.device)
+            side = torch.cuda.Stream(first.device)
             side.wait_stream(cur)
             with torch.cuda.stream(side):
                 self.orthogonalize(static_in, group)
@@ -554,8 +559,13 @@ class QRoot(Optimizer):
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 static_out = self.orthogonalize(static_in, group)
             entry = self._graphs[key] = (graph, static_in, static_out)
-        graph, static_in, static_out = entry
-        static_in.copy_(U)
+        else:
+            static_in = entry[1]
+            if mats is None:
+                static_in.copy_(U)
+            else:
+                torch.stack(mats, out=static_in)
+        graph, _, static_out = entry
         graph.replay()
         return static_out
 
@@ -575,9 +585,9 @@ class QRoot(Optimizer):
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
             by_shape.setdefault((tuple(p.shape), p.device, p.dtype), []).append((p, u))
         for (shape, dev, _), items in by_shape.items():
-            U = torch.stack([u for _, u in items])
-            O = self.orthogonalize_graphed(U, group) if self._cuda_graphs and dev.type == "cuda" else \
-                self.orthogonalize(U, group)
+            us = [u for _, u in items]
+            O = self.orthogonalize_graphed(us, group) if self._cuda_graphs and dev.type == "cuda" else \
+                self.orthogonalize(torch.stack(us), group)
             scale = group["update_scale"] * math.sqrt(max(shape))
             for (p, _), o in zip(items, O):
                 p.mul_(1 - lr * wd)
