@@ -87,7 +87,8 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
         if not files:
             raise SystemExit(f"{out} is missing and there are no shards in {corpus} to tokenize")
         t0 = time.time()
-        tok = tok or D.get_tokenizer("gpt2")
+        if tok is None:
+            tok = D.get_tokenizer("gpt2")
         if len(files) > 1:
             with ProcessPoolExecutor(min(len(files), os.cpu_count() or 1)) as pool:
                 arr = np.concatenate(list(pool.map(_tokenize_shard, [str(f) for f in files])))
