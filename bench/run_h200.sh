@@ -87,3 +87,5 @@ dist_cg)
       --mode reduce-overhead --json "$OUT/dist_ddp_cg.json" ;;
 esac
 for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; tail -n 25 "$f"; done 2>/dev/null | tail -c 11000
+# the device returns at most 8 files: pack everything into one
+( cd "$OUT" && tar czf /tmp/out.tgz . && find . -mindepth 1 -delete && mv /tmp/out.tgz . )

@@ -203,6 +203,17 @@ def test_resume_without_checkpoint_starts_fresh_and_warns_on_soft_changes(tmp_pa
     assert r.step == 3
 
 
+def test_time_budget_does_not_count_compile_steps_as_step_time():
+    # a 70 s compile step must not stop a 250 s budget after one step (the session-5 LoRA realign run did)
+    assert not L.out_of_time(71.0, [70.0], 250.0)
+    assert not L.out_of_time(80.0, [70.0, 9.0], 250.0)
+    assert L.out_of_time(225.0, [70.0, 9.0], 250.0)           # the compile steps alone used the budget
+    # steady steps: room for three more plus 30 s of checkpoint
+    assert not L.out_of_time(100.0, [70.0, 9.0, 1.0, 1.0], 250.0)
+    assert L.out_of_time(218.0, [70.0, 9.0, 1.0, 1.0], 250.0)  # 218 + 3 + 30 > 250
+    assert not L.out_of_time(216.0, [70.0, 9.0, 1.0, 1.0], 250.0)
+
+
 def test_time_budget_checkpoints_and_resumes(tmp_path):
     cfg = tiny_cfg(tmp_path, steps=50, val_data="", max_seconds=1e-3)
     r = L.train(cfg)

@@ -595,6 +595,20 @@ def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int,
     return float(total / n)
 
 
+
+def out_of_time(elapsed: float, step_times: list[float], max_seconds: float) -> bool:
+    """Whether a run ``elapsed`` seconds in, with these per-step times so far, must stop to keep ``max_seconds``.
+
+    It keeps room for three more steps and 30 s for the checkpoint. The step time is the mean of the steps after
+    the first two, which compile (and, with CUDA graphs, warm up and capture): those two only count against the
+    budget through ``elapsed``, or one compile-length step would stop a short budget before it trained at all.
+    """
+    if len(step_times) <= 2:
+        return elapsed + 30 > max_seconds
+    steady = step_times[2:]           # host times; on CUDA the log-step syncs amortize
+    return elapsed + 3 * sum(steady) / len(steady) + 30 > max_seconds
+
+
 def train(cfg: TrainConfig) -> RunResult:
     """Run (or resume) one training run as configured; see the module docstring for what it writes."""
     cfg.validate()
@@ -788,13 +802,10 @@ def train(cfg: TrainConfig) -> RunResult:
             if cfg.stop_after is not None and step >= cfg.stop_after and step < cfg.steps:
                 status = "stopped"
                 break
-            if cfg.max_seconds is not None and step < cfg.steps:
-                elapsed = time.perf_counter() - t_start
-                steady = step_times[2:] or step_times    # host times; on CUDA the log-step syncs amortize
-                typical = sum(steady) / len(steady)
-                if elapsed + 3 * typical + 30 > cfg.max_seconds:   # room for one more step + checkpoint
-                    status = "time_budget"
-                    break
+            if cfg.max_seconds is not None and step < cfg.steps and \
+                    out_of_time(time.perf_counter() - t_start, step_times, cfg.max_seconds):
+                status = "time_budget"
+                break
         flush_pending()
         if bar is not None:
             bar.close()
