@@ -7,6 +7,8 @@
     # the same with CUDA graphs (1 GPU and DDP; FSDP2 re-gathers parameters, so it has none)
     python bench/distributed.py --model 124m --parallel none --mode reduce-overhead
     torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --mode reduce-overhead
+    # FSDP2 variants: keep gathered blocks from forward to backward; gather BF16 parameters; profile
+    torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 --no-reshard --bf16-params --profile
     # CPU smoke test (gloo): the same code path on a tiny model
     torchrun --nproc-per-node 2 bench/distributed.py --tiny --parallel fsdp2
     # Newton–Schulz on FSDP2 shards: all_to_all (whole matrices per rank) vs gather (all on every rank)
@@ -123,10 +125,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     p.add_argument("--bf16-params", action="store_true",
                    help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of autocast")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="FSDP2 reshard_after_forward=False: keep each block's gathered parameters from forward to "
+                        "backward (one all-gather per block per step instead of two; more memory)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP gradient bucket size (default 25)")
     p.add_argument("--ns", action="store_true", help="benchmark distributed Newton–Schulz strategies instead")
     p.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
                    help="torch.compile mode (reduce-overhead = CUDA graphs; not with fsdp2)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 3 more (every rank) and print rank 0's CUDA-kernel table "
+                        "and top host ops: kernel time per step against ms/step shows whether a mode is host-bound")
     p.add_argument("--json", default=None, help="write the result row here (rank 0)")
     args = p.parse_args(argv)
     dflt = dict(micro_batch=4, seq=64, vocab=384, warmup=2, steps=3) if args.tiny else \
@@ -154,8 +162,12 @@ def main(argv=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = D.wrap_for_training(model, args.parallel, args.backend, args.policy if fp4 else None, mode,
-                                  mp_policy=mp, bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)
+    if args.no_reshard and args.parallel != "fsdp2":
+        p.error("--no-reshard is an FSDP2 option")
+    kw = dict(mp_policy=mp, bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)
+    if args.no_reshard:
+        kw["reshard_after_forward"] = False
+    wrapped = D.wrap_for_training(model, args.parallel, args.backend, args.policy if fp4 else None, mode, **kw)
     opt = build_optimizer(model, args.optim)
     if args.parallel == "fsdp2":
         D.adapt_optimizer(opt)            # QAdamW on local shards (no-op for torch.optim.AdamW)
@@ -206,7 +218,7 @@ def main(argv=None):
            "global_batch": args.micro_batch * env.world_size, "tokens_per_s": tokens / dt,
            "ms_per_step": 1e3 * dt / args.steps, "first_step_s": first_s, "peak_mem_gib_per_rank": mems,
            "final_loss": last, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__}
+           "torch": torch.__version__, "reshard_after_forward": not args.no_reshard, "bf16_params": args.bf16_params}
     if env.is_main:
         print("parallel  ranks  params(M)  tokens/s     ms/step  first(s)  peak GiB/rank  loss")
         print(f"{args.parallel:8s}  {env.world_size:5d}  {n_params / 1e6:9.1f}  {row['tokens_per_s']:11.0f}  "
@@ -214,6 +226,22 @@ def main(argv=None):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
+    if args.profile and dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        from bench.timing import kernel_table
+
+        n = 3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            sync()
+            wall = time.perf_counter() - t0
+        if env.is_main:
+            print(f"\n== profile, rank 0, {n} steps: {1e3 * wall / n:.1f} ms/step under the profiler ==")
+            print(kernel_table(prof, n, top=15))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
     D.teardown()
     return row
 

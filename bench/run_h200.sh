@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device session on an H200 machine (2 GPUs for phase 2). Every step is time-boxed and logged to $OUT;
-# a failing step does not stop the others. Usage: bash bench/run_h200.sh phase1|phase2|final
+# One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
+# a failing step does not stop the others; $OUT comes back as one tgz.
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|fsdp_sweep|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -61,24 +62,28 @@ study)
         --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
   python bench/study.py --size 30m --tokens "$tokens" --report --export "$OUT/study" ;;
-next)
-  # what session 4 left open, one call on an nvidia-h200-x2 (~7 min; carry .data/corpus, .data/gpt2.tiktoken):
-  # GPU 0: the 30M LoRA-SVD arm with realignment inside the run (compare with docs/RESULTS.md's quartet2 / lora
-  # rows: same seed and data order), then the 30M full stack with Q-Root's NS replayed from CUDA graphs;
-  # GPU 1: the GPU tests (incl. the CUDA-graph ones), then the Q-Root step with and without CUDA graphs.
-  # Then, as its own call: bash bench/run_h200.sh dist_cg
+realign)
+  # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
+  # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
+  # data order); GPU 1: the same arm realigning every 100 steps, then the attention GPU tests
   step data 60 python bench/study.py --data-only
   ( export CUDA_VISIBLE_DEVICES=0
-    step lora_realign 300 python bench/study.py --size 30m --arms lora --out .study_realign --tokens 100e6 \
-        --skip-data --time-budget 290 --export "$OUT/realign" -- --lora-realign-every 300
-    step full_optim_graphs 110 python -m fp4compile train --config configs/study_30m.toml --no-progress \
-        --eval-batches 1 --eval-interval 0 --backend fullstack_fp4 --policy full_stack --optimizer qroot --lora \
-        --optim-cuda-graphs --steps 150 --out-dir /tmp/full_og ) &
+    step lora_realign 480 python bench/study.py --size 30m --arms lora --out .study_realign --tokens 100e6 \
+        --skip-data --time-budget 470 --export "$OUT/realign" -- --lora-realign-every 300 ) &
   ( export CUDA_VISIBLE_DEVICES=1
-    step gpu_tests 300 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py
-    step optim_root 100 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M \
-        --out "$OUT/optim_root.json" ) &
+    step lora_realign100 410 python bench/study.py --size 30m --arms lora --out .study_realign100 --tokens 100e6 \
+        --skip-data --time-budget 400 --export "$OUT/realign100" -- --lora-realign-every 100
+    step attention_tests 140 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py ) &
   wait ;;
+fsdp_sweep)
+  # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): the 1-GPU baseline, then FSDP2 as is,
+  # without resharding after forward, with BF16 parameter all-gathers, and both (each profiled on rank 0)
+  CUDA_VISIBLE_DEVICES=0 step dist_1gpu 100 python bench/distributed.py --model 124m --parallel none --profile \
+      --json "$OUT/dist_none.json"
+  for v in "base:" "noreshard:--no-reshard" "bf16:--bf16-params" "both:--no-reshard --bf16-params"; do
+    step "fsdp2_${v%%:*}" 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
+        ${v#*:} --profile --json "$OUT/fsdp2_${v%%:*}.json"
+  done ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
