@@ -76,14 +76,22 @@ realign)
     step attention_tests 140 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py ) &
   wait ;;
 fsdp_sweep)
-  # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): the 1-GPU baseline, then FSDP2 as is,
-  # without resharding after forward, with BF16 parameter all-gathers, and both (each profiled on rank 0)
+  # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
+  # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,
+  # with BF16 parameter all-gathers, and both (each profiled on rank 0); with MB given, also DDP
+  mb=${2:-16}
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu 100 python bench/distributed.py --model 124m --parallel none --profile \
-      --json "$OUT/dist_none.json"
-  for v in "base:" "noreshard:--no-reshard" "bf16:--bf16-params" "both:--no-reshard --bf16-params"; do
+      --micro-batch "$mb" --json "$OUT/dist_none.json"
+  variants=("base:" "noreshard:--no-reshard" "bf16:--bf16-params" "both:--no-reshard --bf16-params")
+  [ -n "${2:-}" ] && variants=("base:" "both:--no-reshard --bf16-params")
+  for v in "${variants[@]}"; do
     step "fsdp2_${v%%:*}" 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
-        ${v#*:} --profile --json "$OUT/fsdp2_${v%%:*}.json"
-  done ;;
+        ${v#*:} --profile --micro-batch "$mb" --json "$OUT/fsdp2_${v%%:*}.json"
+  done
+  if [ -n "${2:-}" ]; then
+    step ddp 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --profile \
+        --micro-batch "$mb" --json "$OUT/ddp.json"
+  fi ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
