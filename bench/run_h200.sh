@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|fsdp_sweep|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -92,6 +92,15 @@ fsdp_sweep)
     step ddp 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel ddp --profile \
         --micro-batch "$mb" --json "$OUT/ddp.json"
   fi ;;
+fsdp_optim)
+  # issue 8's optimizer side, one call on an nvidia-h200-x2 (~4 min): distributed Newton–Schulz (1 GPU, then
+  # all_to_all vs gather on 2), then QAdamW on 1 GPU vs FSDP2 (micro-batch 64, no reshard, BF16 gathers)
+  CUDA_VISIBLE_DEVICES=0 step ns_1gpu 60 python bench/distributed.py --model 124m --ns --json "$OUT/ns_1gpu.json"
+  step ns_2gpu 80 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --ns --json "$OUT/ns_2gpu.json"
+  CUDA_VISIBLE_DEVICES=0 step qadamw_1gpu 100 python bench/distributed.py --model 124m --parallel none \
+      --optim qadamw --micro-batch 64 --json "$OUT/qadamw_none.json"
+  step qadamw_fsdp2 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
+      --optim qadamw --micro-batch 64 --no-reshard --bf16-params --json "$OUT/qadamw_fsdp2.json" ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
