@@ -81,18 +81,21 @@ def ns_bench(args, env, cfg):
 
     d, h, L = cfg.d_model, cfg.hidden, cfg.n_layer
     shapes = [(3 * d, d), (d, d), (2 * h, d), (d, h)] * L
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
     torch.manual_seed(0)
-    mats = [distribute_tensor(torch.randn(s, device=env.device), mesh, [Shard(0)]) for s in shapes]
+    mats = [torch.randn(s, device=env.device) for s in shapes]
+    if env.distributed:
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mats = [distribute_tensor(m, mesh, [Shard(0)]) for m in mats]
     rows = []
-    for strategy in ("all_to_all", "gather"):
+    # one process: no mesh, the whole matrices (both strategies reduce to NS of every matrix): the 1-GPU baseline
+    for strategy in ("all_to_all", "gather") if env.distributed else ("1 process",):
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 D.barrier()
                 t0 = time.perf_counter()
-            D.distributed_newton_schulz(mats, muon_ns, strategy=strategy)
+            D.distributed_newton_schulz(mats, muon_ns, strategy=strategy if env.distributed else "all_to_all")
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         D.barrier()
