@@ -117,6 +117,13 @@ def test_config_validation_and_sections():
     for other in (dict(parallel="ddp"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True)):
         assert dataclasses.replace(auto, **other).resolve_compile_mode(cuda) == "default", other
     assert L.TrainConfig(compile_mode="default").resolve_compile_mode(cuda) == "default"
+    # QRoot's NS follows the step into CUDA graphs unless set explicitly
+    assert auto.resolved(cuda).optim_cuda_graphs is True and auto.resolved(cpu).optim_cuda_graphs is False
+    assert dataclasses.replace(auto, compile_mode="default").resolved(cuda).optim_cuda_graphs is False
+    assert dataclasses.replace(auto, optim_cuda_graphs=False).resolved(cuda).optim_cuda_graphs is False
+    assert dataclasses.replace(auto, parallel="ddp").resolved(cuda).optim_cuda_graphs is False
+    with pytest.raises(ValueError, match="optim_cuda_graphs"):
+        L.TrainConfig(parallel="fsdp2", optim_cuda_graphs=True).validate()
     cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})
     assert (cfg.model, cfg.lr, cfg.grad_accum) == ("tiny", 0.5, 2)
 

@@ -78,7 +78,8 @@ class TrainConfig:
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
-    optim_cuda_graphs: bool = False           # QRoot(cuda_graphs=True): its Newton–Schulz replayed as CUDA graphs
+    optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
+                                              # None: on when the model's step runs as CUDA graphs (see train())
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -121,6 +122,9 @@ class TrainConfig:
         why = self._cuda_graphs_excluded()
         if self.compile_mode == "reduce-overhead" and why:
             raise ValueError(f"compile_mode='reduce-overhead' (CUDA graphs): {why}; use compile_mode='default'")
+        if self.optim_cuda_graphs and self.parallel != "none":
+            raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
+                             f"with parallel={self.parallel!r} leave it unset")
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -148,6 +152,15 @@ class TrainConfig:
         graphs = (device.type == "cuda" and self.parallel == "none" and not self.backend_debug
                   and self._cuda_graphs_excluded() is None)
         return "reduce-overhead" if graphs else "default"
+
+    def resolved(self, device: torch.device) -> "TrainConfig":
+        """This config with what a run on ``device`` uses in place of its automatic choices: ``compile_mode``
+        from :meth:`resolve_compile_mode`, and ``optim_cuda_graphs=None`` -> True exactly when that mode is
+        CUDA graphs (QRoot's NS is then graphed like the step; 30M full stack on the H200: 248k -> 414k
+        tokens/s, ``docs/BENCHMARKS.md``)."""
+        mode = self.resolve_compile_mode(device)
+        graphs = self.optim_cuda_graphs if self.optim_cuda_graphs is not None else mode == "reduce-overhead"
+        return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
@@ -322,7 +335,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
               {"params": vectors, "use_root": False, "weight_decay": 0.0}]
     return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
                            adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
-                           cuda_graphs=cfg.optim_cuda_graphs or None, **adam_kw)
+                           cuda_graphs=bool(cfg.optim_cuda_graphs) or None, **adam_kw)
 
 
 class LRSchedule:
@@ -625,7 +638,7 @@ def train(cfg: TrainConfig) -> RunResult:
         raise CheckpointError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, "
                               "or choose another --out-dir")
     device = denv.device if denv is not None else resolve_device(cfg.device)
-    cfg = dataclasses.replace(cfg, compile_mode=cfg.resolve_compile_mode(device))   # "auto" -> what runs
+    cfg = cfg.resolved(device)      # "auto" compile mode and optim_cuda_graphs=None -> what runs
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
