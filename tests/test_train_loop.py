@@ -114,7 +114,8 @@ def test_config_validation_and_sections():
     auto = L.TrainConfig(backend="fullstack_fp4")
     assert auto.compile_mode == "auto" and auto.resolve_compile_mode(cuda) == "reduce-overhead"
     assert auto.resolve_compile_mode(cpu) == "default"
-    for other in (dict(parallel="ddp"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True)):
+    assert dataclasses.replace(auto, parallel="ddp").resolve_compile_mode(cuda) == "reduce-overhead"
+    for other in (dict(parallel="fsdp2"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True)):
         assert dataclasses.replace(auto, **other).resolve_compile_mode(cuda) == "default", other
     assert L.TrainConfig(compile_mode="default").resolve_compile_mode(cuda) == "default"
     # QRoot's NS follows the step into CUDA graphs unless set explicitly

@@ -144,22 +144,24 @@ class TrainConfig:
 
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
-        CUDA graphs ("reduce-overhead") for a single-process CUDA run that can use them (where they were
-        validated, and where a launched-eagerly step is host-bound), else "default" (CPU, DDP/FSDP2, gradient
-        accumulation, eager backends, the backend's debug variant)."""
+        CUDA graphs ("reduce-overhead") for a CUDA run, in one process or under DDP, that can use them (where
+        they were validated, and where a launched-eagerly step is host-bound: 124M full stack on 2 H200s, DDP
+        1.86x one GPU with graphs), else "default" (CPU, FSDP2, gradient accumulation, eager backends, the
+        backend's debug variant)."""
         if self.compile_mode != "auto":
             return self.compile_mode
-        graphs = (device.type == "cuda" and self.parallel == "none" and not self.backend_debug
+        graphs = (device.type == "cuda" and self.parallel in ("none", "ddp") and not self.backend_debug
                   and self._cuda_graphs_excluded() is None)
         return "reduce-overhead" if graphs else "default"
 
     def resolved(self, device: torch.device) -> "TrainConfig":
         """This config with what a run on ``device`` uses in place of its automatic choices: ``compile_mode``
         from :meth:`resolve_compile_mode`, and ``optim_cuda_graphs=None`` -> True exactly when that mode is
-        CUDA graphs (QRoot's NS is then graphed like the step; 30M full stack on the H200: 248k -> 414k
+        CUDA graphs in one process (QRoot's NS is then graphed like the step; 30M full stack on the H200: 248k -> 414k
         tokens/s, ``docs/BENCHMARKS.md``)."""
         mode = self.resolve_compile_mode(device)
-        graphs = self.optim_cuda_graphs if self.optim_cuda_graphs is not None else mode == "reduce-overhead"
+        graphs = self.optim_cuda_graphs if self.optim_cuda_graphs is not None else \
+            mode == "reduce-overhead" and self.parallel == "none"
         return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs)
 
     @classmethod
