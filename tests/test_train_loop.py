@@ -324,6 +324,16 @@ def test_bit_exact_resume_with_lora_realignment(tmp_path):
     # realignment changes the run (so the equality above is not vacuous)
     L.train(tiny_cfg(tmp_path, "norealign", **{**kw, "lora_realign_every": 0}))
     assert losses(tmp_path / "norealign")[-1] != losses(tmp_path / "straight")[-1]
+    # every realignment is a metrics event with its function-preservation check
+    ev = [r for r in L.read_metrics(tmp_path / "straight") if r.get("event") == "lora_realign"]
+    assert [r["step"] for r in ev] == [3, 6] and [r["realignments"] for r in ev] == [1, 2]
+    assert all(r["layers"] > 0 and 0 <= r["max_rel_change"] < 1e-5 for r in ev), ev
+    # the optimizer-state rule is a config choice: resetting the factors' moments gives another run
+    L.train(tiny_cfg(tmp_path, "reset", lora_state_remap="reset", **kw))
+    a, b = losses(tmp_path / "reset"), losses(tmp_path / "straight")
+    assert a[:1] == b[:1] and a[-1] != b[-1]
+    with pytest.raises(ValueError, match="state_remap"):
+        L.train(tiny_cfg(tmp_path, "bad", lora_state_remap="rotate", **kw))
 
 
 

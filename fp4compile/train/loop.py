@@ -74,6 +74,7 @@ class TrainConfig:
     lora_rank: Optional[int] = None           # None: prepare()'s default
     lora_beta: Optional[float] = None
     lora_realign_every: Optional[int] = None
+    lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
@@ -287,7 +288,7 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
     """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
-                           realign_every=cfg.lora_realign_every, seed=cfg.seed)
+                           realign_every=cfg.lora_realign_every, state_remap=cfg.lora_state_remap, seed=cfg.seed)
 
 
 def lora_state(handle) -> dict:
@@ -783,9 +784,15 @@ def train(cfg: TrainConfig) -> RunResult:
                 loss_sum += loss.detach().float()
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            realigned = lora_handle.realignments if lora_handle is not None else 0
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if lora_handle is not None and lora_handle.realignments != realigned:
+                # the realignment ran in the optimizer's post-hook: its function check goes into the metrics
+                rel = list(getattr(lora_handle, "last_realign", {}).values())
+                log.write(step=step, event="lora_realign", realignments=lora_handle.realignments, layers=len(rel),
+                          max_rel_change=max(rel, default=0.0))
             pending.append((step, loss_sum / cfg.grad_accum, lr))
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 flush_pending()
