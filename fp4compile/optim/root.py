@@ -376,7 +376,8 @@ class QRoot(Optimizer):
         cuda_graphs: for CUDA parameters, capture the orthogonalization of each shape stack as a CUDA graph
             on its first step (after one eager warm-up run) and replay it afterwards
             (:meth:`orthogonalize_graphed`): the NVFP4 Newton–Schulz issues ~470 ops per stack and step, and
-            launched eagerly it is bound by the host. Off by default (not yet measured on a GPU).
+            launched eagerly it is bound by the host (H200, 124M: 28.1 ms graphed vs 44.5 ms eager per step).
+            Off by default for the class; ``fp4compile train`` turns it on when the model runs as CUDA graphs.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, *, policy=None, precision=None,
