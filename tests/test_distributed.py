@@ -376,6 +376,32 @@ def test_cli_fsdp2_matches_one_process_and_resumes_on_one(tmp_path):
     _close(a, b, FP32_RTOL)
 
 
+def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path):
+    """`fp4compile train --parallel ddp --lora` realigning every 2 steps: 2 ranks x 4 sequences give the curve of
+    1 process x 8 sequences (fp32; the constrained backward is linear in the gradient, so projecting each rank's
+    gradient before DDP averages them equals projecting the average), and both log the same realignments."""
+    common = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--log-interval", "1", "--no-progress",
+              "--warmup-steps", "2", "--steps", "5", "--backend", "none", "--val-data", "", "--lora",
+              "--lora-rank", "8", "--lora-realign-every", "2"]
+    kw = dict(env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                            f"--master-port={_free_port()}", "--master-addr=127.0.0.1", "-m", "fp4compile", "train",
+                            "--parallel", "ddp", "--batch-size", "4", "--out-dir", str(run), *common], **kw)
+    one = subprocess.Popen([sys.executable, "-m", "fp4compile", "train", "--batch-size", "8", "--out-dir", str(ref),
+                            *common], **kw)
+    _wait(one, "1-process fp4compile train --lora")
+    _wait(two, "torchrun fp4compile train --parallel ddp --lora")
+    a, b = _train_losses(run), _train_losses(ref)
+    assert len(b) == 5 and b[-1] < b[0], b
+    _close(a, b, FP32_RTOL)
+
+    def events(d):
+        return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()
+                if '"lora_realign"' in ln]
+    assert [e["step"] for e in events(run)] == [e["step"] for e in events(ref)] == [2, 4]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # QAdamW / QRoot under FSDP2
 # ---------------------------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ def test_config_validation_and_sections():
     assert dataclasses.replace(auto, compile_mode="default").resolved(cuda).optim_cuda_graphs is False
     assert dataclasses.replace(auto, optim_cuda_graphs=False).resolved(cuda).optim_cuda_graphs is False
     assert dataclasses.replace(auto, parallel="ddp").resolved(cuda).optim_cuda_graphs is False
+    with pytest.raises(ValueError, match="FSDP2"):
+        L.TrainConfig(parallel="fsdp2", lora=True).validate()
     with pytest.raises(ValueError, match="optim_cuda_graphs"):
         L.TrainConfig(parallel="fsdp2", optim_cuda_graphs=True).validate()
     cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})

@@ -123,6 +123,10 @@ class TrainConfig:
         why = self._cuda_graphs_excluded()
         if self.compile_mode == "reduce-overhead" and why:
             raise ValueError(f"compile_mode='reduce-overhead' (CUDA graphs): {why}; use compile_mode='default'")
+        if self.lora and self.parallel == "fsdp2":
+            raise ValueError("lora=True (LoRA-SVD) does not run under FSDP2: its realignment needs whole matrices "
+                             "and its constrained-backward hooks sit on the parameters FSDP2 shards; use "
+                             "parallel='ddp'")
         if self.optim_cuda_graphs and self.parallel != "none":
             raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
                              f"with parallel={self.parallel!r} leave it unset")
@@ -282,6 +286,20 @@ def _call_supported(fn, *args, **kwargs):
             warnings.warn(f"{getattr(fn, '__qualname__', fn)} does not take {dropped}; ignoring them")
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return fn(*args, **kwargs)
+
+
+def _broadcast_lora(handle, optimizer) -> None:
+    """After a realignment under DDP: rank 0's re-split factors, residual weights and their optimizer state on
+    every rank. Each rank realigns the same weights with the same seed, so this only pins down the last bits a
+    different reduction order in a solver could leave apart; DDP needs its replicas identical."""
+    import torch.distributed as dist
+
+    for m in handle.modules.values():
+        for p in (m.weight, m.lora_a.weight, m.lora_b.weight):
+            dist.broadcast(p.data, src=0)
+            for t in optimizer.state.get(p, {}).values():
+                if torch.is_tensor(t) and t.numel() > 1 and t.device == p.device:   # not AdamW's CPU step count
+                    dist.broadcast(t, src=0)
 
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
@@ -791,6 +809,8 @@ def train(cfg: TrainConfig) -> RunResult:
             if lora_handle is not None and lora_handle.realignments != realigned:
                 # the realignment ran in the optimizer's post-hook: its function check goes into the metrics
                 rel = list(getattr(lora_handle, "last_realign", {}).values())
+                if world > 1:
+                    _broadcast_lora(lora_handle, optimizer)
                 log.write(step=step, event="lora_realign", realignments=lora_handle.realignments, layers=len(rel),
                           max_rel_change=max(rel, default=0.0))
             pending.append((step, loss_sum / cfg.grad_accum, lr))
