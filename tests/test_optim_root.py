@@ -334,3 +334,21 @@ def test_qroot_state_roundtrip_and_corrupt():
     opt2.step()
     for a, b in zip(ps, ps2):
         assert torch.equal(a, b)
+
+
+def test_ns_stack_with_exact_operands_is_the_bf16_iteration_and_the_guard_moves_it():
+    """``_ns_nvfp4_stack(quant=identity, product=exact)`` (bench/ns_quality.py's "guard only" row) runs the BF16
+    iteration: without the guard it lands on plain BF16 NS (to BF16 rounding); with guard=1.0 on a square
+    matrix it lands measurably elsewhere (the guard rescales iterates that ROOT's coefficients push past 1)."""
+    G = momentum_like(128, 128, 0)
+    G = G.clamp(-float(abs_quantile(G.reshape(1, -1), 0.99)), float(abs_quantile(G.reshape(1, -1), 0.99)))
+    coeffs = ns_coefficients((128, 128), 5, "root")
+    ref = newton_schulz(G, coeffs).float()
+    X = (G / (G.norm() + 1e-7)).to(torch.bfloat16).unsqueeze(0).contiguous()
+
+    def run(guard):
+        return _ns_nvfp4_stack(X, coeffs, NVFP4("rtn"), None, None, guard, quant=lambda t, *_: t,
+                               product=lambda a, b: torch.bmm(a.float(), b.float().mT).to(torch.bfloat16))[0].float()
+
+    assert float((run(None) - ref).norm() / ref.norm()) < 0.03
+    assert float((run(1.0) - ref).norm() / ref.norm()) > 0.1

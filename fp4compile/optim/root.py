@@ -266,18 +266,22 @@ def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
                                                   out_dtype=out_dtype) for i in range(qa[0].shape[0])])
 
 
-def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4) -> torch.Tensor:
+def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4,
+                    quant=None) -> torch.Tensor:
     """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
     stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
 
     ``product``: :func:`_bgemm_nvfp4` (default) or :func:`_loop_gemm_nvfp4` (the per-matrix reference on the
     same quantized operands). ``guard``: as in :func:`_ns_nvfp4_one`, per matrix (batched power iteration).
+    ``quant``: the operand quantizer (default :func:`_q_stack`); ``bench/ns_quality.py`` passes an identity with
+    an exact ``product`` to separate the guard's effect from the products' error.
     """
+    qfn = quant or _q_stack
     S, m, _ = X.shape
     seed = _seed_stream(seeds)
 
     for a, b, c in coeffs:
-        qx = _q_stack(X, spec, signs, seed())                # along n: X Xᵀ contracts over the long dim
+        qx = qfn(X, spec, signs, seed())                # along n: X Xᵀ contracts over the long dim
         A = product(qx, qx)                                  # [S, m, m]
         if guard is not None:
             # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
@@ -293,10 +297,10 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = (A32 * s).to(A.dtype)
             X = (X.float() * s.sqrt()).to(X.dtype)
-        qA = _q_stack(A, spec, signs, seed())                # along m; A symmetric: A·A = A·Aᵀ
+        qA = qfn(A, spec, signs, seed())                # along m; A symmetric: A·A = A·Aᵀ
         B = b * A + c * product(qA, qA)
-        qB = _q_stack(B, spec, signs, seed())                # rows of B along m
-        qxt = _q_stack(X.mT.contiguous(), spec, signs, seed())  # Xᵀ [S, n, m], rows along m
+        qB = qfn(B, spec, signs, seed())                # rows of B along m
+        qxt = qfn(X.mT.contiguous(), spec, signs, seed())  # Xᵀ [S, n, m], rows along m
         X = a * X + product(qB, qxt)                         # B·X = qB · qxtᵀ  [S, m, n]
     return X
 

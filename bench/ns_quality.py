@@ -1,0 +1,125 @@
+"""How far Q-Root's NVFP4 Newton–Schulz lands from the BF16 one, per NVFP4 operand format (CPU or GPU).
+
+    python bench/ns_quality.py                       # the 30M study's block shapes, 4 seeds, the format table
+    python bench/ns_quality.py --model 124m --seeds 2
+
+Issue 7's 30M study measured the full stack +4.80 % above BF16 trained with the same ROOT optimizer, with
+Q-Root's NS in NVFP4 RTN (``Policy.full_stack()``'s ``optim.ns``). This script asks which NVFP4 operand
+format brings the NS output closest to what the BF16 run's optimizer computes. Inputs are what
+``QRoot.orthogonalize`` gets: momentum-like matrices (``fp4compile.optim.study.momentum_like``: Gaussian
+times a column profile, plus outliers), clipped at ROOT's 0.99 quantile, with ROOT's coefficients
+(``ns_schedule="root"``), 5 steps and the sigma_max guard. For each format it prints, averaged over seeds:
+
+- ``dev``: ||O - O_bf16||_F / ||O_bf16||_F, the relative distance from the BF16 NS of the same input. The
+  optimizer-matched BF16 arm applies O_bf16, so this is the NVFP4 error of the update direction;
+- ``cos``: the cosine between O and O_bf16;
+- ``polar``: ||O - polar(G)||_F / ||polar(G)||_F, the distance from the exact orthogonal factor (float64 SVD).
+  BF16 NS is itself not exact here, since ROOT's coefficients do not fully converge.
+
+The inputs are synthetic. They rank the formats; they do not predict a training loss.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4compile.optim.root import abs_quantile, newton_schulz, ns_coefficients  # noqa: E402
+from fp4compile.optim.study import momentum_like, ns_error  # noqa: E402
+from fp4compile.policy import NVFP4  # noqa: E402
+
+#: the NVFP4 operand formats compared (name -> spec); "rtn" is Policy.full_stack()'s optim.ns
+FORMATS = {
+    "rtn (full_stack default)": NVFP4("rtn"),
+    "rtn + 4/6": NVFP4("rtn", four_over_six=True),
+    "rtn + rht16": NVFP4("rtn", hadamard=16),
+    "rtn + rht128": NVFP4("rtn", hadamard=128),
+    "rtn + 4/6 + rht16": NVFP4("rtn", four_over_six=True, hadamard=16),
+    "sr": NVFP4("sr"),
+    "sr + rht16": NVFP4("sr", hadamard=16),
+}
+
+
+def block_shapes(model: str):
+    """The (rows, cols) of the block matrices QRoot orthogonalizes for a fp4compile.train.model preset."""
+    from fp4compile.train.model import PRESETS
+
+    p = PRESETS[model]
+    d, h = p["d_model"], p["hidden"]
+    return [(3 * d, d), (d, d), (2 * h, d), (d, h)]
+
+
+def clip(G: torch.Tensor, q: float = 0.99) -> torch.Tensor:
+    eps = float(abs_quantile(G.reshape(1, -1), q)) + 1e-9
+    return G.clamp(-eps, eps)
+
+
+def guarded_exact(G: torch.Tensor, coeffs, guard: float = 1.0) -> torch.Tensor:
+    """The NVFP4 NS path with its sigma_max guard but exact operands and FP32 products: what the guard alone
+    changes against plain BF16 NS (``newton_schulz``'s BF16 path has no guard)."""
+    from fp4compile.optim.root import _ns_nvfp4_stack
+
+    X = G.to(torch.bfloat16)
+    tall = X.shape[-2] > X.shape[-1]
+    X = X.mT if tall else X
+    X = (X / (X.norm() + 1e-7)).unsqueeze(0).contiguous()
+    X = _ns_nvfp4_stack(X, coeffs, NVFP4("rtn"), None, None, guard, quant=lambda t, *_: t,
+                        product=lambda a, b: torch.bmm(a.float(), b.float().mT).to(torch.bfloat16))[0]
+    return X.mT if tall else X
+
+
+def measure(shapes, seeds, device, formats=FORMATS, steps=5):
+    """{format: (dev, cos, polar)} averaged over shapes x seeds; "bf16" (dev 0) and "guard only" rows first."""
+    sums = {name: [0.0, 0.0, 0.0] for name in ["bf16", "guard only (exact products)", *formats]}
+    n = 0
+    for (m, k) in shapes:
+        coeffs = ns_coefficients((m, k), steps, "root")
+        for seed in seeds:
+            G = clip(momentum_like(m, k, seed)).to(device)
+            ref = newton_schulz(G, coeffs).float()
+            sums["bf16"][1] += 1.0
+            sums["bf16"][2] += ns_error(G.cpu(), ref.cpu())
+            def add(name, O):
+                s = sums[name]
+                s[0] += float((O - ref).norm() / ref.norm())
+                s[1] += float((O * ref).sum() / (O.norm() * ref.norm()))
+                s[2] += ns_error(G.cpu(), O.cpu())
+
+            add("guard only (exact products)", guarded_exact(G, coeffs).float())
+            for name, spec in formats.items():
+                gen = torch.Generator().manual_seed(1000 + seed)
+                signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float().to(device) \
+                    if spec.hadamard else None
+                sd = torch.tensor(seed * 7919 + 13, dtype=torch.int64, device=device) \
+                    if spec.rounding != "rtn" else None
+                add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, guard=1.0).float())
+            n += 1
+    return {name: tuple(v / n for v in s) for name, s in sums.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="30m", help="fp4compile.train.model preset whose block shapes to use")
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    shapes = block_shapes(args.model)
+    t0 = time.perf_counter()
+    res = measure(shapes, range(args.seeds), torch.device(args.device))
+    print(f"## NVFP4 Newton–Schulz vs BF16 ({args.model} block shapes {shapes}, {args.seeds} seeds, "
+          f"{args.device}, torch {torch.__version__}, {time.perf_counter() - t0:.0f} s)\n")
+    print("| NS operand format | dev from BF16 NS | cos to BF16 NS | error vs polar |")
+    print("|---|---|---|---|")
+    for name, (dev, cos, pol) in res.items():
+        print(f"| {name} | {dev:.3f} | {cos:.4f} | {pol:.3f} |" if name != "bf16" else
+              f"| bf16 (reference) | 0 | 1 | {pol:.3f} |")
+    return res
+
+
+if __name__ == "__main__":
+    main()
