@@ -367,6 +367,15 @@ def test_attach_realigns_on_schedule_and_uses_optimizer_protocol():
     assert h.steps == 7
 
 
+def test_realign_after_skips_the_early_realignments():
+    model = MLP()
+    h = prepare(model, rank=2, realign_every=3, realign_after=5)
+    steps = [s for s in range(1, 13) if h.step()]
+    assert steps == [6, 9, 12] and h.realignments == 3
+    with pytest.raises(ValueError, match="realign_after"):
+        prepare(MLP(), rank=2, realign_after=-1)
+
+
 def test_loss_curve_has_no_spike_at_realignment():
     """Tiny classification task, full batch, AdamW; realign every 25 steps. No jump and no slow-down of the
     (here strictly monotone) loss at the realignments."""

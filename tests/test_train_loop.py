@@ -336,6 +336,9 @@ def test_bit_exact_resume_with_lora_realignment(tmp_path):
     assert a[:1] == b[:1] and a[-1] != b[-1]
     with pytest.raises(ValueError, match="state_remap"):
         L.train(tiny_cfg(tmp_path, "bad", lora_state_remap="rotate", **kw))
+    # no realignment before lora_realign_after: the multiples of 3 from step 5 on
+    L.train(tiny_cfg(tmp_path, "late", lora_realign_after=5, **kw))
+    assert [r["step"] for r in L.read_metrics(tmp_path / "late") if r.get("event") == "lora_realign"] == [6]
 
 
 

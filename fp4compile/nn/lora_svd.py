@@ -484,10 +484,11 @@ class LoRASVDHandle:
     """
 
     def __init__(self, model: nn.Module, modules: Dict[str, LoRASVDLinear], *, realign_every: Optional[int],
-                 state_remap: str, oversample: int, niter: int, seed: int):
+                 state_remap: str, oversample: int, niter: int, seed: int, realign_after: int = 0):
         self._model_ref = weakref.ref(model)
         self.modules = modules
         self.realign_every = realign_every
+        self.realign_after = realign_after
         self.state_remap = state_remap
         self.oversample, self.niter, self.seed = oversample, niter, seed
         self.steps = 0
@@ -555,7 +556,8 @@ class LoRASVDHandle:
         if self.steps == 0 and self._optimizers:
             self._check_coverage()
         self.steps += 1
-        if self.realign_every and self.steps % self.realign_every == 0 and self.modules:
+        if (self.realign_every and self.steps % self.realign_every == 0 and self.steps >= self.realign_after
+                and self.modules):
             self.realign(optimizer)
             return True
         return False
@@ -606,7 +608,7 @@ class LoRASVDHandle:
 
 
 def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: float = DEFAULT_BETA,
-            realign_every: Optional[int] = 2048, include: Union[str, Sequence[str]] = "*",
+            realign_every: Optional[int] = 2048, realign_after: int = 0, include: Union[str, Sequence[str]] = "*",
             exclude: Union[str, Sequence[str], None] = DEFAULT_EXCLUDE, constrain: Optional[str] = "cholesky_qr",
             factor_dtype: Optional[torch.dtype] = None, init: str = "auto", state_remap: str = "project",
             oversample: int = 8, niter: int = 2, seed: int = 0, optimizer=None) -> LoRASVDHandle:
@@ -617,6 +619,9 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         beta: scale of the low-rank branch, W = W_res + beta L2 L1 (> 0).
         realign_every: optimizer steps between randomized-SVD realignments (None/0: never); needs
             ``handle.attach(optimizer)`` (or ``optimizer=`` here) or manual ``handle.step()`` calls.
+        realign_after: no realignment before this many optimizer steps (the multiples of ``realign_every``
+            from here on realign). Early realignments, while the principal subspace still rotates fast, cost
+            a loss transient in the 30M study (``docs/LORA.md``).
         include / exclude: fnmatch globs on module paths (``model.named_modules()`` names); a layer is converted
             if it matches some ``include`` and no ``exclude``. Linears whose weight is shared with another
             module (tied) are skipped with a warning.
@@ -639,6 +644,8 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         raise ValueError(f"init must be 'auto', 'exact' or 'randomized', got {init!r}")
     if realign_every is not None and (not isinstance(realign_every, int) or realign_every < 0):
         raise ValueError(f"realign_every must be a non-negative int or None, got {realign_every!r}")
+    if not isinstance(realign_after, int) or realign_after < 0:
+        raise ValueError(f"realign_after must be a non-negative int, got {realign_after!r}")
     if any(isinstance(m, LoRASVDLinear) for m in model.modules()):
         raise ValueError("model already contains LoRA-SVD layers; call fp4compile.merge(model) first")
     inc, exc = _as_globs(include), _as_globs(exclude)
@@ -675,7 +682,7 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
     if not converted:
         warnings.warn("LoRA-SVD: prepare() selected no nn.Linear layer (check include/exclude)")
     handle = LoRASVDHandle(model, converted, realign_every=realign_every, state_remap=state_remap,
-                           oversample=oversample, niter=niter, seed=seed)
+                           oversample=oversample, niter=niter, seed=seed, realign_after=realign_after)
     for m in converted.values():
         m._handle_ref = weakref.ref(handle)
     if optimizer is not None:

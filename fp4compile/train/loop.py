@@ -74,6 +74,7 @@ class TrainConfig:
     lora_rank: Optional[int] = None           # None: prepare()'s default
     lora_beta: Optional[float] = None
     lora_realign_every: Optional[int] = None
+    lora_realign_after: Optional[int] = None  # no realignment before this step (None: prepare's default, 0)
     lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
@@ -306,7 +307,8 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
     """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
-                           realign_every=cfg.lora_realign_every, state_remap=cfg.lora_state_remap, seed=cfg.seed)
+                           realign_every=cfg.lora_realign_every, realign_after=cfg.lora_realign_after,
+                           state_remap=cfg.lora_state_remap, seed=cfg.seed)
 
 
 def lora_state(handle) -> dict:
