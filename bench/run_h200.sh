@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -74,6 +74,22 @@ realign)
     step lora_realign100 410 python bench/study.py --size 30m --arms lora --out .study_realign100 --tokens 100e6 \
         --skip-data --time-budget 400 --export "$OUT/realign100" -- --lora-realign-every 100
     step attention_tests 140 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py ) &
+  wait ;;
+lora_next)
+  # the next LoRA-SVD and noise arms, one call on an nvidia-h200-x2 (~8 min; carry .data/corpus,
+  # .data/gpt2.tiktoken). GPU 0: realign every 300 with the factors' moments reset instead of remapped,
+  # then realign every 300 from step 600 on. GPU 1: BF16 and NVFP4-linear arms with seed 1: the seed noise
+  # of the gap, against which the LoRA differences (0.1 point) have to be read
+  step data 60 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0
+    step lora_reset 270 python bench/study.py --size 30m --arms lora --out .study_lora_reset --tokens 100e6 \
+        --skip-data --time-budget 265 --export "$OUT/lora_reset" -- --lora-realign-every 300 --lora-state-remap reset
+    step lora_after 270 python bench/study.py --size 30m --arms lora --out .study_lora_after --tokens 100e6 \
+        --skip-data --time-budget 265 --export "$OUT/lora_after" -- --lora-realign-every 300 --lora-realign-after 600
+  ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step seed1 520 python bench/study.py --size 30m --arms bf16,quartet2 --out .study_seed1 --tokens 100e6 \
+        --skip-data --time-budget 510 --export "$OUT/seed1" -- --seed 1 ) &
   wait ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
