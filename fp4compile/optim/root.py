@@ -281,7 +281,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     seed = _seed_stream(seeds)
 
     for a, b, c in coeffs:
-        qx = qfn(X, spec, signs, seed())                # along n: X Xᵀ contracts over the long dim
+        qx = qfn(X, spec, signs, seed())                     # along n: X Xᵀ contracts over the long dim
         A = product(qx, qx)                                  # [S, m, m]
         if guard is not None:
             # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
@@ -297,10 +297,10 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = (A32 * s).to(A.dtype)
             X = (X.float() * s.sqrt()).to(X.dtype)
-        qA = qfn(A, spec, signs, seed())                # along m; A symmetric: A·A = A·Aᵀ
+        qA = qfn(A, spec, signs, seed())                     # along m; A symmetric: A·A = A·Aᵀ
         B = b * A + c * product(qA, qA)
-        qB = qfn(B, spec, signs, seed())                # rows of B along m
-        qxt = qfn(X.mT.contiguous(), spec, signs, seed())  # Xᵀ [S, n, m], rows along m
+        qB = qfn(B, spec, signs, seed())                     # rows of B along m
+        qxt = qfn(X.mT.contiguous(), spec, signs, seed())    # Xᵀ [S, n, m], rows along m
         X = a * X + product(qB, qxt)                         # B·X = qB · qxtᵀ  [S, m, n]
     return X
 

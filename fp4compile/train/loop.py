@@ -81,7 +81,7 @@ class TrainConfig:
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
-                                              # None: on when the model's step runs as CUDA graphs (see train())
+                                              # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -629,7 +629,6 @@ def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int,
         with autocast():
             total += model_fn(x, y).detach().double()
     return float(total / n)
-
 
 
 def out_of_time(elapsed: float, step_times: list[float], max_seconds: float) -> bool:
