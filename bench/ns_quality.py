@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4compile.optim.root import abs_quantile, newton_schulz, ns_coefficients  # noqa: E402
+from fp4compile.optim.root import SCHEDULES, abs_quantile, newton_schulz, ns_coefficients  # noqa: E402
 from fp4compile.optim.study import momentum_like, ns_error  # noqa: E402
 from fp4compile.policy import NVFP4  # noqa: E402
 
@@ -73,15 +73,19 @@ def guarded_exact(G: torch.Tensor, coeffs, guard: float = 1.0) -> torch.Tensor:
     return X.mT if tall else X
 
 
-def measure(shapes, seeds, device, formats=FORMATS, steps=5):
-    """{format: (dev, cos, polar)} averaged over shapes x seeds; "bf16" (dev 0) and "guard only" rows first."""
+def measure(shapes, seeds, device, formats=FORMATS, steps=5, schedule="root"):
+    """{format: (dev, cos, polar)} averaged over shapes x seeds; "bf16" (dev 0) and "guard only" rows first.
+    The reference is always BF16 NS with ROOT's coefficients (what the optimizer-matched BF16 arm runs); the
+    other rows use ``schedule``'s coefficients."""
     sums = {name: [0.0, 0.0, 0.0] for name in ["bf16", "guard only (exact products)", *formats]}
     n = 0
     for (m, k) in shapes:
-        coeffs = ns_coefficients((m, k), steps, "root")
+        ref_coeffs = ns_coefficients((m, k), steps, "root")
+        coeffs = ns_coefficients((m, k), steps, schedule)
+        norm_scale = 1.01 if schedule == "polar_express" else 1.0      # as QRoot.orthogonalize
         for seed in seeds:
             G = clip(momentum_like(m, k, seed)).to(device)
-            ref = newton_schulz(G, coeffs).float()
+            ref = newton_schulz(G, ref_coeffs).float()
             sums["bf16"][1] += 1.0
             sums["bf16"][2] += ns_error(G.cpu(), ref.cpu())
             def add(name, O):
@@ -90,14 +94,15 @@ def measure(shapes, seeds, device, formats=FORMATS, steps=5):
                 s[1] += float((O * ref).sum() / (O.norm() * ref.norm()))
                 s[2] += ns_error(G.cpu(), O.cpu())
 
-            add("guard only (exact products)", guarded_exact(G, coeffs).float())
+            add("guard only (exact products)", guarded_exact(G, ref_coeffs).float())
             for name, spec in formats.items():
                 gen = torch.Generator().manual_seed(1000 + seed)
                 signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float().to(device) \
                     if spec.hadamard else None
                 sd = torch.tensor(seed * 7919 + 13, dtype=torch.int64, device=device) \
                     if spec.rounding != "rtn" else None
-                add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, guard=1.0).float())
+                add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, norm_scale=norm_scale,
+                                        guard=1.0).float())
             n += 1
     return {name: tuple(v / n for v in s) for name, s in sums.items()}
 
@@ -107,12 +112,18 @@ def main(argv=None):
     ap.add_argument("--model", default="30m", help="fp4compile.train.model preset whose block shapes to use")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--schedule", default="root", choices=SCHEDULES,
+                    help="NS coefficients of the NVFP4 rows (the BF16 reference keeps ROOT's)")
+    ap.add_argument("--formats", default=None,
+                    help=f"comma-separated subset of the format rows (default all: {', '.join(FORMATS)})")
     args = ap.parse_args(argv)
     shapes = block_shapes(args.model)
+    formats = FORMATS if args.formats is None else {k: FORMATS[k] for k in args.formats.split(",")}
     t0 = time.perf_counter()
-    res = measure(shapes, range(args.seeds), torch.device(args.device))
-    print(f"## NVFP4 Newton–Schulz vs BF16 ({args.model} block shapes {shapes}, {args.seeds} seeds, "
-          f"{args.device}, torch {torch.__version__}, {time.perf_counter() - t0:.0f} s)\n")
+    res = measure(shapes, range(args.seeds), torch.device(args.device), formats, schedule=args.schedule)
+    print(f"## NVFP4 Newton–Schulz ({args.schedule} coefficients) vs BF16 NS (ROOT's) ({args.model} block shapes "
+          f"{shapes}, {args.seeds} seeds, {args.device}, torch {torch.__version__}, "
+          f"{time.perf_counter() - t0:.0f} s)\n")
     print("| NS operand format | dev from BF16 NS | cos to BF16 NS | error vs polar |")
     print("|---|---|---|---|")
     for name, (dev, cos, pol) in res.items():

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +147,11 @@ def test_policy_loading(tmp_path):
     assert p.resolve("blocks.1.mlp.fc", "linear.fprop") == Policy.full_stack().resolve("x", "linear.fprop")
     with pytest.raises(ValueError, match="unknown policy preset"):
         L.load_policy("fp2")
+    # the shipped Q-Root NS variant: only optim.ns changes
+    ns46 = L.load_policy(str(Path(__file__).resolve().parents[1] / "configs" / "policy_full_stack_ns46.toml"))
+    assert ns46.resolve("optim", "optim.ns") == NVFP4("rtn", four_over_six=True)
+    assert Policy.full_stack().resolve("optim", "optim.ns") == NVFP4("rtn")
+    assert ns46.resolve("blocks.1.mlp.fc", "linear.wgrad") == Policy.full_stack().resolve("blocks.1.mlp.fc", "linear.wgrad")
 
 
 # -------------------------------------------------------------------------------------------------- runs
@@ -211,6 +217,20 @@ def test_resume_without_checkpoint_starts_fresh_and_warns_on_soft_changes(tmp_pa
     with pytest.warns(UserWarning, match="lr: 0.003 -> 0.001"):
         r = L.train(dataclasses.replace(cfg, steps=3, lr=1e-3))
     assert r.step == 3
+
+
+def test_qroot_ns_schedule_reaches_the_root_group():
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    cfg = L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", ns_schedule="polar_express")
+    cfg.validate()
+    opt = L.build_optimizer(model, cfg, None)
+    roots = [g for g in opt.param_groups if g["use_root"]]
+    assert len(roots) == 1 and roots[0]["ns_schedule"] == "polar_express"
+    assert all(g["ns_schedule"] == "root" for g in opt.param_groups if not g["use_root"])   # QRoot's default
+    with pytest.raises(ValueError, match="ns_schedule"):
+        L.TrainConfig(optimizer="qroot", ns_schedule="newton").validate()
+    with pytest.raises(ValueError, match="ns_schedule"):
+        L.TrainConfig(optimizer="adamw", ns_schedule="jordan").validate()
 
 
 def test_time_budget_does_not_count_compile_steps_as_step_time():

@@ -80,6 +80,7 @@ class TrainConfig:
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
+    ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
@@ -111,6 +112,10 @@ class TrainConfig:
     parallel: str = "none"                    # none | ddp | fsdp2 (under torchrun; fp4compile.train.distributed)
 
     def validate(self) -> None:
+        """Raise ``ValueError`` for an invalid config: a choice outside its allowed values, a size or count < 1,
+        a negative ``warmup_steps`` or ``decay_frac`` outside [0, 1], or an unsupported combination (e.g.
+        ``reduce-overhead`` where CUDA graphs cannot run, LoRA-SVD under FSDP2, ``optim_cuda_graphs`` with
+        ``parallel``)."""
         def one_of(name, allowed):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
@@ -124,6 +129,12 @@ class TrainConfig:
         why = self._cuda_graphs_excluded()
         if self.compile_mode == "reduce-overhead" and why:
             raise ValueError(f"compile_mode='reduce-overhead' (CUDA graphs): {why}; use compile_mode='default'")
+        if self.ns_schedule is not None:
+            from ..optim.root import SCHEDULES as NS_SCHEDULES
+
+            one_of("ns_schedule", NS_SCHEDULES)
+            if not self.optimizer.startswith("qroot"):
+                raise ValueError(f"ns_schedule is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
         if self.lora and self.parallel == "fsdp2":
             raise ValueError("lora=True (LoRA-SVD) does not run under FSDP2: its realignment needs whole matrices "
                              "and its constrained-backward hooks sit on the parameters FSDP2 shards; use "
@@ -203,12 +214,14 @@ def dist_info():
 
 
 def resolve_device(spec: str) -> torch.device:
+    """``"auto"``: CUDA when available, else CPU; any other spec goes to ``torch.device``."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
 
 
 def resolve_dtype(spec: str, device: torch.device) -> str:
+    """The dtype mode of a run: ``"auto"`` -> "bf16-autocast" on CUDA, "fp32" elsewhere; any other spec as is."""
     if spec == "auto":
         return "bf16-autocast" if device.type == "cuda" else "fp32"
     return spec
@@ -322,6 +335,7 @@ def lora_state(handle) -> dict:
 
 
 def load_lora_state(handle, state: dict) -> None:
+    """Inverse of :func:`lora_state`: restore the handle's counters and its randomized-SVD generators."""
     state = dict(state)
     generators = state.pop("generators", {})
     if hasattr(handle, "load_state_dict"):
@@ -351,8 +365,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
     hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
     ids = {id(p) for p in hidden}
-    groups = [{"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay,
-               "lr": cfg.matrix_lr or cfg.lr},
+    root_group = {"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay, "lr": cfg.matrix_lr or cfg.lr}
+    if cfg.ns_schedule is not None:
+        root_group["ns_schedule"] = cfg.ns_schedule
+    groups = [root_group,
               {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
                "weight_decay": cfg.weight_decay},
               {"params": vectors, "use_root": False, "weight_decay": 0.0}]
@@ -370,6 +386,8 @@ class LRSchedule:
         self.base_lrs = [g["lr"] if not torch.is_tensor(g["lr"]) else float(g["lr"]) for g in optimizer.param_groups]
 
     def factor(self, step: int) -> float:
+        """The LR multiplier at 0-based ``step``: ``(step + 1) / warmup_steps`` during warmup, then 1 (constant),
+        cosine decay, or WSD's stable phase and linear decay, both reaching ``min_lr_ratio`` at step ``steps``."""
         c = self.cfg
         if step < c.warmup_steps:
             return (step + 1) / c.warmup_steps
@@ -385,6 +403,8 @@ class LRSchedule:
         return 1.0 - (1 - c.min_lr_ratio) * min(t, 1.0)
 
     def set(self, step: int) -> float:
+        """Set every group's LR to its base LR x :meth:`factor` (in place for a tensor LR); returns the first
+        group's new LR."""
         f = self.factor(step)
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
             if torch.is_tensor(g["lr"]):
@@ -394,9 +414,11 @@ class LRSchedule:
         return self.base_lrs[0] * f
 
     def state_dict(self):
+        """The base LRs (the step is not part of it: the loop passes it to :meth:`set`)."""
         return {"base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, sd):
+        """Restore the base LRs of :meth:`state_dict`."""
         self.base_lrs = list(sd["base_lrs"])
 
 
@@ -569,6 +591,7 @@ class MetricsLog:
             path.write_text("".join(ln + "\n" for ln in kept))
 
     def write(self, **rec):
+        """Append ``rec`` as one JSON line (nothing when the log is disabled, i.e. off rank 0)."""
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -604,6 +627,7 @@ def _sigint_flag():
 
 
 def threading_main() -> bool:
+    """Whether this is the main thread (only it can install the SIGINT handler)."""
     import threading
 
     return threading.current_thread() is threading.main_thread()
