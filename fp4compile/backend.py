@@ -74,6 +74,9 @@ class Settings:
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
+        """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
+        ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
+        is not a path, a ``mode`` that is not a string or a policy of the wrong type."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:

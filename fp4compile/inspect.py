@@ -46,6 +46,9 @@ class SiteRecord:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "SiteRecord":
+        """A record from a pass's record dict (module docstring): missing keys get defaults (``precision``
+        "bf16", ``spec`` the precision's name, ``graph`` "plan"); a spec object as ``precision`` is replaced by
+        its ``.name``."""
         prec = d.get("precision", "bf16")
         prec = getattr(prec, "name", prec)
         return cls(name=str(d.get("name", "")), path=str(d.get("path", "")), role=str(d.get("role", "")),
@@ -74,17 +77,23 @@ class Recorder:
         self.partitions: List[Tuple[str, torch.fx.GraphModule]] = []
 
     def dynamo(self, gm: torch.fx.GraphModule) -> None:
+        """Backend hook after the Dynamo-graph passes: collect the plan records (``node.meta["fp4"]``) of ``gm``."""
         for n in gm.graph.nodes:
             self.planned.extend(node_records(n))
 
     def joint(self, graph: torch.fx.Graph, records: List[Dict[str, Any]]) -> None:
+        """Backend hook after the joint-graph pass: keep its ``records`` (what was done) and a networkx snapshot
+        of the rewritten ``graph``."""
         self.done.extend(records)
         self.graphs.append(_snapshot(graph))
 
     def partitioned(self, kind: str, gm: torch.fx.GraphModule) -> None:
+        """Backend hook per partitioned graph: keep ``(kind, gm)``, ``kind`` being "fwd", "bwd" or "inference"."""
         self.partitions.append((kind, gm))
 
     def report(self) -> "Report":
+        """The :class:`Report`: every joint-pass record, then the plan records the joint pass did not replace
+        (no record of the same site and role; a planned ``linear.*`` role of a site with joint records is dropped)."""
         done_keys = {(r["name"], r["role"]) for r in self.done}
         done_sites = {r["name"] for r in self.done}
         recs = [SiteRecord.from_dict(r) for r in self.done]

@@ -60,6 +60,7 @@ class NVFP4:
 
     @property
     def name(self) -> str:
+        """Always "nvfp4" (the precision's name in records and reports)."""
         return "nvfp4"
 
     def __str__(self):
@@ -103,6 +104,8 @@ class Rule:
     user: bool = dataclasses.field(default=True, compare=True)
 
     def matches(self, path: str, role: str) -> bool:
+        """Whether this rule applies to ``role`` at module ``path``: same role (or rule role None) and ``path``
+        matches the glob (``fnmatch``, case-sensitive)."""
         return (self.role is None or self.role == role) and fnmatch.fnmatchcase(path, self.pattern)
 
 
@@ -114,6 +117,8 @@ class Policy:
     name: str = "custom"
 
     def resolve(self, module_path: str, role: str) -> Precision:
+        """The spec of ``role`` at ``module_path``: the last matching rule's, or BF16 when none matches. Raises
+        ``ValueError`` for a role not in :data:`ROLES`."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
         for rule in reversed(self.rules):
@@ -175,6 +180,7 @@ class Policy:
     # presets ---------------------------------------------------------------------------------
     @classmethod
     def bf16(cls) -> "Policy":
+        """The all-BF16 preset: no rules, every GEMM resolves to BF16."""
         return cls((), "bf16")
 
     @classmethod

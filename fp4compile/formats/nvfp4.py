@@ -126,6 +126,8 @@ class NVFP4Tensor:
 
     @property
     def nbytes(self) -> int:
+        """Storage size in bytes: packed codes + E4M3 scales (one byte each) + 4 for the FP32 global scale
+        (``signs`` not counted)."""
         return self.codes.numel() + self.scales.numel() + 4
 
 

@@ -75,6 +75,7 @@ def roles_to_mask(fp4: dict) -> int:
 
 
 def mask_to_roles(mask: int) -> dict:
+    """The ``fp4_roles`` bit mask -> {role: bool} over ``ATTN_ROLES`` (inverse of :func:`roles_to_mask`)."""
     return {r: bool(mask >> i & 1) for i, r in enumerate(ATTN_ROLES)}
 
 

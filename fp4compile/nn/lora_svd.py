@@ -328,6 +328,7 @@ class LoRASVDLinear(nn.Module):
         return cache[1], cache[2]
 
     def clear_basis_cache(self) -> None:
+        """Drop the cached :meth:`bases` (needed after writes through ``.data``, which bypass version counters)."""
         self._basis_cache = None
 
     def _hook_res(self, g: torch.Tensor) -> torch.Tensor:
@@ -360,6 +361,7 @@ class LoRASVDLinear(nn.Module):
         self.constrain = constrain
 
     def remove_constraint(self) -> None:
+        """Remove the constrained-backward hooks, if any; ``constrain`` becomes None."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -504,6 +506,7 @@ class LoRASVDHandle:
         return sum(m.rank * (m.in_features + m.out_features) for m in self.modules.values())
 
     def factor_parameters(self) -> List[nn.Parameter]:
+        """The low-rank factors (``lora_a.weight``, ``lora_b.weight``) of every converted layer."""
         return [p for m in self.modules.values() for p in (m.lora_a.weight, m.lora_b.weight)]
 
     # optimizer hook ---------------------------------------------------------------------------
@@ -548,6 +551,7 @@ class LoRASVDHandle:
         return {"steps": self.steps, "realignments": self.realignments}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Restore the counters of :meth:`state_dict`."""
         self.steps, self.realignments = int(state["steps"]), int(state["realignments"])
 
     def step(self, optimizer=None) -> bool:

@@ -58,6 +58,8 @@ def rht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 def inverse_rht(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rht`: (y H_d / sqrt(d)) * s chunkwise along the last dim (H_d / sqrt(d) is its own
+    inverse)."""
     d = signs.numel()
     return (fwht(y.reshape(-1, d), d) * signs.to(torch.float32)).reshape(y.shape)
 
@@ -219,6 +221,7 @@ def decode(codes: torch.Tensor, scales_u8: torch.Tensor, gscale: torch.Tensor, c
 
 
 def f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int32 bit patterns -> the FP32 values they encode (a bit-cast view; inverse of :func:`bits_from_f32`)."""
     return bits.view(torch.float32)
 
 
@@ -271,6 +274,8 @@ def encode_m(m: torch.Tensor, signs: torch.Tensor, *, rounding="sr", four_over_s
 
 
 def decode_m(codes, scales, gbits, signs, chunk: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode_m`: the flat FP32 first moment (decoded, then un-rotated when ``signs`` is
+    given)."""
     y = decode(codes, scales, f32_from_bits(gbits), chunk)
     return inverse_rht(y, signs) if signs is not None else y
 
@@ -316,6 +321,7 @@ def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bo
 
 
 def decode_v(codes, scales, gbits, mean_bits, signs, *, tile=128, chunk: int | None = None) -> torch.Tensor:
+    """The flat FP32 second moment: the square of :func:`decode_v_sqrt` (``floor=False``: sqrt(v) clamped at 0)."""
     return decode_v_sqrt(codes, scales, gbits, mean_bits, signs, tile=tile, chunk=chunk).square()
 
 

@@ -404,6 +404,8 @@ def _fused_available(device) -> bool:
 
 
 def resolve_compile(flag, params) -> bool:
+    """Whether to torch.compile the per-parameter step: ``flag`` when given, else (None) True exactly when one
+    of ``params`` is on CUDA."""
     if flag is None:
         return any(p.is_cuda for p in params)
     return bool(flag)

@@ -32,6 +32,8 @@ def flatten_state_dict(sd: dict):
 
 
 def unflatten_state_dict(tensors: dict, metadata: dict) -> dict:
+    """Inverse of :func:`flatten_state_dict`: the optimizer state dict (a ``betas`` list becomes a tuple again).
+    Raises ``ValueError`` unless ``metadata`` has ``format`` "fp4compile.optim/1"."""
     if metadata.get("format") != "fp4compile.optim/1":
         raise ValueError("not an fp4compile optimizer checkpoint (missing/unknown 'format' metadata)")
     groups = json.loads(metadata["param_groups"])
@@ -51,6 +53,8 @@ def unflatten_state_dict(tensors: dict, metadata: dict) -> dict:
 
 
 def save_safetensors_state(sd: dict, path: str):
+    """Write an optimizer state dict to the safetensors file ``path`` (every state value must be a tensor,
+    else ``TypeError``)."""
     from safetensors.torch import save_file
 
     tensors, meta = flatten_state_dict(sd)
@@ -58,6 +62,7 @@ def save_safetensors_state(sd: dict, path: str):
 
 
 def load_safetensors_state(path: str, device="cpu") -> dict:
+    """The state dict that :func:`save_safetensors_state` wrote to ``path``, tensors loaded on ``device``."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device=str(device)) as f:

@@ -72,6 +72,8 @@ class TinyGPT(nn.Module):
 
 
 def batches(data: torch.Tensor, batch: int, ctx: int, seed: int = 0):
+    """Endless ``(x, y)`` batches of ``batch`` windows of ``data`` at random positions (generator seeded with
+    ``seed``): ``[batch, ctx]`` each, ``y`` = ``x`` shifted by one token."""
     gen = torch.Generator().manual_seed(seed)
     while True:
         ix = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
@@ -110,6 +112,8 @@ def tiny_gpt_states(steps=60, d=64, layers=2, seed=0, data=None, tile=128):
 
 
 def rel_mse(a, b) -> float:
+    """Relative MSE of ``a`` against the reference ``b``: sum((a - b)^2) / sum(b^2), in float64 (reference
+    second, unlike ``formats.report.rel_mse``)."""
     a, b = a.double(), b.double()
     return float(((a - b) ** 2).sum() / (b ** 2).sum())
 

@@ -25,6 +25,8 @@ SITE_KEY = "fp4_site"
 
 
 def assign(gm: torch.fx.GraphModule, sites: List[Site], policy: Policy) -> Dict[str, Dict[str, Precision]]:
+    """Resolve ``policy`` for the three linear roles of every site, annotate the site's node (plan records and
+    the ``fp4_site`` tag, see the module docstring) and return the site table ``{site name: {role: spec}}``."""
     table: Dict[str, Dict[str, Precision]] = {}
     nodes = {n.name: n for n in gm.graph.nodes}
     for site in sites:

@@ -101,6 +101,7 @@ class AttnSite:
     fp4_roles: int = 0
 
     def meta(self) -> dict:
+        """This site as the ``node.meta["fp4_attn"]`` dict (see the module docstring)."""
         return {"module_path": self.module_path, "source": self.source, "swapped": self.swapped,
                 "reason": self.reason, "roles": dict(self.roles), "fp4_roles": self.fp4_roles}
 

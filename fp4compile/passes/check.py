@@ -37,6 +37,9 @@ class FP4CheckError(RuntimeError):
 
 
 def check(graph: Graph, table: Dict, records: List[dict]) -> None:
+    """Run the checks of the module docstring on the rewritten joint ``graph``, given the site table
+    ``{site name: SiteInfo}`` and the linear rewrite's ``records``; raises :class:`FP4CheckError` at the first
+    failure."""
     nodes = {n.name: n for n in graph.nodes}
     accounted = {r["node"] for r in records}
     for site, info in table.items():

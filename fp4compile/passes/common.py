@@ -37,6 +37,7 @@ def root(n: Node) -> Node:
 
 
 def val(n):
+    """The fake value (``meta["val"]``) of an FX node; anything else (a constant argument) is returned as is."""
     return n.meta["val"] if isinstance(n, Node) else n
 
 
@@ -95,6 +96,7 @@ def warn_fallback(node: Node, what: str, reason: str) -> None:
 
 
 def ancestors(nodes: Iterable[Node]) -> Set[Node]:
+    """``nodes`` and every node they are computed from (transitive inputs)."""
     seen, todo = set(), list(nodes)
     while todo:
         n = todo.pop()

@@ -101,6 +101,7 @@ class SiteInfo:
     weight_pos: int = 1
 
     def spec(self, role: str) -> Precision:
+        """The spec of ``role`` (``KeyError`` for a role not in ``specs``)."""
         return dict(self.specs)[role]
 
 

@@ -59,6 +59,7 @@ class QCopy:
     origin: str = ""             # "" | "shared" | "fwd copy" | "requant of fwd copy" | "2d fwd copy"
 
     def outputs(self):
+        """``(codes, scales, glob)``: the quantize node's three output nodes."""
         return (self.codes, self.scales, self.glob)
 
 
@@ -82,6 +83,9 @@ class QuantCache:
 
     # -- building blocks -------------------------------------------------------------------------
     def quantize(self, src: Node, transpose: bool, qspec: QSpec, signs: Optional[Node]) -> QCopy:
+        """The FP4 copy of ``src`` (quantized transposed if ``transpose``) under ``qspec`` and ``signs``: the cached
+        copy for the same key (origin "shared" unless it has one already), or a new ``fp4compile::quantize``
+        inserted after ``src`` and ``signs``."""
         shape = tuple(d if isinstance(d, int) else str(d) for d in val(src).shape)    # SymInts are unhashable
         key = (_view_root(src), shape, transpose, qspec, signs)
         hit = self.copies.get(key)
@@ -97,6 +101,8 @@ class QuantCache:
         return copy
 
     def dequantize(self, copy: QCopy) -> Node:
+        """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype (made once per copy, right after
+        it, then reused)."""
         d = self.dequants.get(copy.node)
         if d is None:
             args = (*copy.outputs(), copy.qspec.hadamard, copy.signs, val(copy.src).dtype)

@@ -54,6 +54,8 @@ def load_config_file(path: str) -> Dict:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The TrainConfig of ``fp4compile train``: the ``--config`` file (if any) with every flag given on the
+    command line overriding it."""
     from .loop import TrainConfig
 
     base = load_config_file(args.config) if args.config else {}
@@ -64,6 +66,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args) -> int:
+    """``fp4compile train``: one training run; rank 0 prints a summary line. Exit code 130 if the run was
+    interrupted (Ctrl-C), else 0."""
     from .loop import train
 
     cfg = config_from_args(args)
@@ -158,6 +162,7 @@ def plot_runs(run_dirs: Sequence[os.PathLike], out: os.PathLike, smooth: Optiona
 
 
 def cmd_plot(args) -> int:
+    """``fp4compile plot``: write the loss plot of ``args.runs`` (default ``<first run>/loss.png``); exit code 0."""
     out = args.out or str(Path(args.runs[0]) / "loss.png")
     path = plot_runs(args.runs, out, smooth=args.smooth, labels=args.labels.split(",") if args.labels else None)
     print(f"wrote {path}")
@@ -243,6 +248,8 @@ def demo_table(summaries: Dict[str, Dict]) -> str:
 
 
 def cmd_demo(args) -> int:
+    """``fp4compile demo``: train the BF16 and NVFP4 arms (each in a fresh interpreter unless ``--in-process``),
+    then print the comparison table and write it and the loss plot under ``--out-dir``; exit code 0."""
     import torch
 
     out_dir = Path(args.out_dir)
@@ -312,6 +319,8 @@ def build_explain_target(model_spec: str, batch: int, seq: int, vocab: int):
 
 
 def cmd_explain(args) -> int:
+    """``fp4compile explain``: print the :func:`fp4compile.explain` table of a preset or ``module:factory``
+    model under ``--policy``; exit code 0."""
     from .loop import _feature, load_policy
 
     explain = _feature("explain", "the backend issue (branch backend)")
@@ -325,6 +334,8 @@ def cmd_explain(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fp4compile`` argument parser: subcommands demo, train, plot, explain and data, each setting ``fn``
+    (its handler: parsed args -> exit code)."""
     ap = argparse.ArgumentParser(prog="fp4compile", description="Pretrain GPTs with full-stack NVFP4 "
                                  "(torch.compile backend 'fullstack_fp4').")
     sub = ap.add_subparsers(dest="command", required=True)

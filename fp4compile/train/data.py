@@ -56,9 +56,11 @@ class ByteTokenizer:
     eot = 256
 
     def encode(self, text: str) -> List[int]:
+        """Token ids of ``text`` (no EOT appended): its UTF-8 bytes."""
         return list(text.encode("utf-8"))
 
     def encode_docs(self, docs: Sequence[str]) -> np.ndarray:
+        """Token ids of ``docs``, each document followed by the EOT id, as one 1-D uint16 array."""
         parts = []
         for d in docs:
             parts.append(np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint16))
@@ -66,6 +68,7 @@ class ByteTokenizer:
         return np.concatenate(parts) if parts else np.zeros(0, np.uint16)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``: ids >= 256 (EOT) dropped, invalid UTF-8 replaced."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
@@ -87,9 +90,12 @@ class TiktokenTokenizer:
         self.vocab_size = self.enc.n_vocab
 
     def encode(self, text: str) -> List[int]:
+        """Token ids of ``text`` (no EOT appended; a literal ``<|endoftext|>`` is encoded as ordinary text)."""
         return self.enc.encode_ordinary(text)
 
     def encode_docs(self, docs: Sequence[str]) -> np.ndarray:
+        """Token ids of ``docs``, each document followed by the EOT id, as one 1-D array (uint16, uint32
+        for a vocabulary above 65536)."""
         out = self.enc.encode_ordinary_batch(list(docs), num_threads=os.cpu_count() or 1)
         dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
         parts = []
@@ -99,6 +105,7 @@ class TiktokenTokenizer:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``."""
         return self.enc.decode(list(ids))
 
 
@@ -117,9 +124,12 @@ class HFTokenizer:
         self.eot = eot
 
     def encode(self, text: str) -> List[int]:
+        """Token ids of ``text`` (no EOT appended; a literal ``<|endoftext|>`` becomes the EOT id)."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_docs(self, docs: Sequence[str]) -> np.ndarray:
+        """Token ids of ``docs``, each document followed by the EOT id, as one 1-D array (uint16, uint32
+        for a vocabulary above 65536)."""
         dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
         parts = []
         for enc in self.tok.encode_batch(list(docs), add_special_tokens=False):
@@ -128,6 +138,7 @@ class HFTokenizer:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``."""
         return self.tok.decode(list(ids))
 
 
@@ -152,6 +163,7 @@ def train_bpe(files: Sequence[os.PathLike], out: os.PathLike, vocab_size: int = 
 
 
 def default_gpt2_path() -> Path:
+    """The GPT-2 rank file: ``$FP4COMPILE_GPT2``, else ``gpt2.tiktoken`` in ``SHARED_DATA``."""
     return Path(os.environ.get("FP4COMPILE_GPT2", SHARED_DATA / "gpt2.tiktoken"))
 
 
@@ -179,6 +191,8 @@ class VocabOnly:
         self.name, self.vocab_size, self.eot = name, vocab_size, eot
 
     def encode(self, text):
+        """Always raises ``RuntimeError``: only the vocabulary size and EOT id are known here (``encode_docs`` and
+        ``decode`` are this same method)."""
         raise RuntimeError(f"tokenizer {self.name!r} is not available here (only its vocabulary size is known)")
 
     encode_docs = decode = encode
@@ -415,6 +429,9 @@ class TokenBatches:
         return out
 
     def batch(self, first: int, n: int, rank: int = 0, world_size: int = 1, device="cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+        """``rank``'s ``n`` rows of the global batch that starts at sample ``first`` (see the class docstring):
+        ``(x, y)``, int64 ``[n, seq_len]`` each on ``device``, ``y`` = ``x`` shifted by one token. Raises
+        ``ValueError`` unless ``0 <= rank < world_size``."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         w = self.windows(first + rank * n, n)
@@ -455,6 +472,8 @@ def write_bin(tokens: np.ndarray, out: os.PathLike, tokenizer, sources: Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m fp4compile.train.data`` (also ``fp4compile data``): the ``tokenize`` and ``train-bpe``
+    subcommands; returns exit code 0."""
     ap = argparse.ArgumentParser(prog="python -m fp4compile.train.data", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tokenize", help="tokenize text sources into a uint16/uint32 .bin (+ .json sidecar)")

@@ -80,10 +80,12 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
+        """Whether a process group is in use (``backend`` is not None)."""
         return self.backend is not None
 
 

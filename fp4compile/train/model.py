@@ -51,6 +51,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """``d_model // n_head``."""
         return self.d_model // self.n_head
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -171,6 +172,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (tied weights counted once); ``non_embedding`` leaves out the token embedding
+        (and an untied LM head)."""
         n = sum(p.numel() for p in self.parameters())      # tied weights are counted once
         if non_embedding:
             n -= self.embed.weight.numel()
