@@ -58,11 +58,15 @@ def test_hf_bpe_train_round_trip(tmp_path):
     assert D.get_tokenizer(str(tmp_path / "tok.json")).encode(s) == tok.encode(s)
 
 
-def test_unknown_tokenizer_and_source_errors(tmp_path):
+def test_unknown_tokenizer_and_source_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown tokenizer"):
         D.get_tokenizer("sentencepiece")
     with pytest.raises(FileNotFoundError, match="neither a file"):
         D.resolve_source(str(tmp_path / "nope"))
+    # a corpus part without shards fails even after an earlier part found files
+    monkeypatch.setattr(D, "SHARED_DATA", tmp_path / "empty_shared")
+    with pytest.raises(FileNotFoundError, match="no train-"):
+        D.resolve_source("stdlib,corpus")
     with pytest.raises(FileNotFoundError, match="tiktoken rank file not found"):
         D.get_tokenizer(str(tmp_path / "missing.tiktoken"))
 

@@ -126,6 +126,8 @@ def test_config_validation_and_sections():
     assert dataclasses.replace(auto, parallel="ddp").resolved(cuda).optim_cuda_graphs is False
     with pytest.raises(ValueError, match="FSDP2"):
         L.TrainConfig(parallel="fsdp2", lora=True).validate()
+    with pytest.raises(ValueError, match="max_train_tokens"):
+        L.TrainConfig(max_train_tokens=0).validate()
     with pytest.raises(ValueError, match="optim_cuda_graphs"):
         L.TrainConfig(parallel="fsdp2", optim_cuda_graphs=True).validate()
     cfg = L.TrainConfig.from_dict({"model": {"model": "tiny"}, "optim": {"lr": 0.5, "grad-accum": 2}})
@@ -231,6 +233,13 @@ def test_qroot_ns_schedule_reaches_the_root_group():
         L.TrainConfig(optimizer="qroot", ns_schedule="newton").validate()
     with pytest.raises(ValueError, match="ns_schedule"):
         L.TrainConfig(optimizer="adamw", ns_schedule="jordan").validate()
+
+
+def test_logged_lr_is_the_lr_flag_not_qroots_matrix_lr(tmp_path):
+    L.train(tiny_cfg(tmp_path, steps=3, val_data="", optimizer="qroot+adamw", lr=3e-3, matrix_lr=0.05,
+                     warmup_steps=2, schedule="constant"))
+    lrs = [r["lr"] for r in L.read_metrics(tmp_path / "run") if "lr" in r]
+    assert lrs == pytest.approx([1.5e-3, 3e-3, 3e-3])
 
 
 def test_time_budget_does_not_count_compile_steps_as_step_time():

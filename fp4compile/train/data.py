@@ -284,9 +284,10 @@ def resolve_source(spec: str) -> List[Path]:
         if part in ("stdlib", "stdlib:train", "stdlib:val"):
             files += stdlib_files("val" if part.endswith(":val") else "train")
         elif part in ("corpus", "corpus:train"):
-            files += sorted((SHARED_DATA / "corpus").glob("train-*.txt.xz"))
-            if not files:
+            shards = sorted((SHARED_DATA / "corpus").glob("train-*.txt.xz"))
+            if not shards:       # checked per part: an earlier part's files must not hide a missing corpus
                 raise FileNotFoundError(f"no train-*.txt.xz shards in {SHARED_DATA / 'corpus'}")
+            files += shards
         elif part in ("corpus:val", "corpus:brown"):
             files.append(SHARED_DATA / "corpus" / ("val.txt.xz" if part.endswith("val") else "brown.txt.xz"))
         else:
@@ -376,7 +377,7 @@ def load_tokens(spec: str, tokenizer, tok_spec: Optional[str] = None, max_tokens
     text sources are tokenized in memory (cached per process when ``tok_spec`` names the tokenizer)."""
     if spec.endswith(".bin"):
         arr = load_bin(spec, tokenizer)
-        return arr[:max_tokens] if max_tokens else arr
+        return arr[:max_tokens] if max_tokens is not None else arr
     if tok_spec is not None:
         return _cached_tokens(spec, tok_spec, max_tokens)
     return tokenize_files(resolve_source(spec), tokenizer, max_tokens)

@@ -142,6 +142,8 @@ class TrainConfig:
         if self.optim_cuda_graphs and self.parallel != "none":
             raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
                              f"with parallel={self.parallel!r} leave it unset")
+        if self.max_train_tokens is not None and self.max_train_tokens < 1:
+            raise ValueError(f"max_train_tokens must be None (no cap) or >= 1, got {self.max_train_tokens}")
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -816,7 +818,8 @@ def train(cfg: TrainConfig) -> RunResult:
     with _sigint_flag() as flag:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            lr = schedule.set(step)
+            schedule.set(step)
+            lr = cfg.lr * schedule.factor(step)      # the logged LR is --lr's (QRoot's first group has --matrix-lr)
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 x, y = train_batches.batch((step * cfg.grad_accum + micro) * cfg.batch_size * world,
