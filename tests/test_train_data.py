@@ -56,6 +56,11 @@ def test_hf_bpe_train_round_trip(tmp_path):
     assert tok.decode(tok.encode(s)) == s
     assert len(tok.encode(s)) < len(s.encode())                      # merges were learned
     assert D.get_tokenizer(str(tmp_path / "tok.json")).encode(s) == tok.encode(s)
+    # a literal end-of-text marker inside a document is text (as for the byte and tiktoken tokenizers);
+    # only encode_docs puts EOT ids at the document boundaries
+    t = D.get_tokenizer(str(tmp_path / "tok.json"))
+    assert t.eot not in t.encode("a <|endoftext|> b") and t.decode(t.encode("a <|endoftext|> b")) == "a <|endoftext|> b"
+    assert list(t.encode_docs(["x <|endoftext|> y", "z"])).count(t.eot) == 2
 
 
 def test_unknown_tokenizer_and_source_errors(tmp_path, monkeypatch):

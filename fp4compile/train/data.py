@@ -116,6 +116,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(str(path))
+        # a literal "<|endoftext|>" in the text is text, as for the byte and tiktoken tokenizers: only
+        # encode_docs marks document boundaries (tokenizers >= 0.15 has this switch; older ones split it out)
+        if hasattr(self.tok, "encode_special_tokens"):
+            self.tok.encode_special_tokens = True
         self.name = Path(path).name
         self.vocab_size = self.tok.get_vocab_size()
         eot = self.tok.token_to_id(EOT_TEXT)
@@ -124,7 +128,7 @@ class HFTokenizer:
         self.eot = eot
 
     def encode(self, text: str) -> List[int]:
-        """Token ids of ``text`` (no EOT appended; a literal ``<|endoftext|>`` becomes the EOT id)."""
+        """Token ids of ``text`` (no EOT appended; a literal ``<|endoftext|>`` is encoded as text)."""
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_docs(self, docs: Sequence[str]) -> np.ndarray:
