@@ -8,8 +8,9 @@ For every :class:`~fp4compile.passes.sites.Site` it writes
   traced from this node, forward and backward (notes/torch-compile.md §6), which is how the joint pass
   finds a site's mm/addmm nodes again.
 
-Returns the site table ``{site name: {role: spec}}`` that the joint pass receives (and hashes into its
-cache key, so the compiled artefact depends on the module paths the policy saw).
+Returns ``{site name: {role: spec}}``. ``backend.py`` turns it into the site table ``{site name: SiteInfo}``
+(path, specs, weight position) that the joint pass receives and hashes into its cache key, so the compiled
+artefact depends on the module paths the policy saw.
 """
 from __future__ import annotations
 
