@@ -48,20 +48,22 @@ final)
 study)
   # one call of the 30M quality study (docs/RESULTS.md) on an nvidia-h200-x2, carry [".data/corpus",
   # ".data/gpt2.tiktoken"]: bash bench/run_h200.sh study ARMS_GPU0 ARMS_GPU1 TOKENS BUDGET_S [tests]
-  # (arms comma-separated; the same command again, while the machine is warm, continues every arm)
-  arms0=$2 arms1=$3 tokens=$4 budget=$5
+  # (arms comma-separated; the same command again, while the machine is warm, continues every arm;
+  # SIZE=124m for the 124M study, e.g. three back-to-back calls of
+  # SIZE=124m bash bench/run_h200.sh study full bf16root 300e6 570 = a whole session's device time)
+  arms0=$2 arms1=$3 tokens=$4 budget=$5 size=${SIZE:-30m}
   step data 150 python bench/study.py --data-only
   ( export CUDA_VISIBLE_DEVICES=0
     if [ "${6:-}" = tests ]; then
       step cg_tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_train_loop.py tests/test_backend.py
     fi
-    step study_gpu0 $((budget - SECONDS)) python bench/study.py --size 30m --arms "$arms0" --tokens "$tokens" \
+    step study_gpu0 $((budget - SECONDS)) python bench/study.py --size "$size" --arms "$arms0" --tokens "$tokens" \
         --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   ( export CUDA_VISIBLE_DEVICES=1
-    step study_gpu1 $((budget - SECONDS)) python bench/study.py --size 30m --arms "$arms1" --tokens "$tokens" \
+    step study_gpu1 $((budget - SECONDS)) python bench/study.py --size "$size" --arms "$arms1" --tokens "$tokens" \
         --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
-  python bench/study.py --size 30m --tokens "$tokens" --report --export "$OUT/study" ;;
+  python bench/study.py --size "$size" --tokens "$tokens" --report --export "$OUT/study" ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
