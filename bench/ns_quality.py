@@ -54,6 +54,33 @@ def block_shapes(model: str):
     return [(3 * d, d), (d, d), (2 * h, d), (d, h)]
 
 
+def trained_momenta(model: str = "cpu", steps: int = 150, seed: int = 0):
+    """Real NS inputs: the Nesterov momenta ``g + mu * buf`` of a ``model`` preset's block matrices after
+    ``steps`` steps of ROOT (BF16 NS) + AdamW on the standard-library byte corpus, 16 x 128 tokens per step
+    (CPU, ~1 minute for "cpu"). Returns a list of float32 matrices."""
+    from fp4compile.optim import QRoot
+    from fp4compile.train import data as D
+    from fp4compile.train.model import GPT, config_from_preset
+
+    torch.manual_seed(seed)
+    tok = D.get_tokenizer("bytes")
+    net = GPT(config_from_preset(model, vocab_size=tok.vocab_size, max_seq_len=128))
+    batches = D.TokenBatches(D.load_tokens("stdlib", tok, "bytes", 2_000_000), 128, seed=seed)
+    opt = QRoot(QRoot.param_groups_for(net), lr=3e-3, precision="bf16", adamw="adamw")
+    for step in range(steps):
+        x, y = batches.batch(step * 16, 16)
+        net(x, y).backward()
+        if step < steps - 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    mats = []
+    for g in opt.param_groups:
+        if g["use_root"]:
+            for p in g["params"]:
+                mats.append((p.grad + 0.95 * opt.state[p]["momentum_buffer"]).float())
+    return mats
+
+
 def clip(G: torch.Tensor, q: float = 0.99) -> torch.Tensor:
     eps = float(abs_quantile(G.reshape(1, -1), q)) + 1e-9
     return G.clamp(-eps, eps)
@@ -73,37 +100,43 @@ def guarded_exact(G: torch.Tensor, coeffs, guard: float = 1.0) -> torch.Tensor:
     return X.mT if tall else X
 
 
-def measure(shapes, seeds, device, formats=FORMATS, steps=5, schedule="root"):
-    """{format: (dev, cos, polar)} averaged over shapes x seeds; "bf16" (dev 0) and "guard only" rows first.
-    The reference is always BF16 NS with ROOT's coefficients (what the optimizer-matched BF16 arm runs); the
-    other rows use ``schedule``'s coefficients."""
+def synthetic_inputs(shapes, seeds):
+    """``momentum_like`` matrices, one per shape and seed."""
+    return [momentum_like(m, k, seed) for (m, k) in shapes for seed in seeds]
+
+
+def measure(inputs, device, formats=FORMATS, steps=5, schedule="root"):
+    """{format: (dev, cos, polar)} averaged over the ``inputs`` (each clipped first, as QRoot does); "bf16"
+    (dev 0) and "guard only" rows first. The reference is always BF16 NS with ROOT's coefficients (what the
+    optimizer-matched BF16 arm runs); the other rows use ``schedule``'s coefficients."""
     sums = {name: [0.0, 0.0, 0.0] for name in ["bf16", "guard only (exact products)", *formats]}
     n = 0
-    for (m, k) in shapes:
+    for seed, raw in enumerate(inputs):
+        m, k = raw.shape
         ref_coeffs = ns_coefficients((m, k), steps, "root")
         coeffs = ns_coefficients((m, k), steps, schedule)
         norm_scale = 1.01 if schedule == "polar_express" else 1.0      # as QRoot.orthogonalize
-        for seed in seeds:
-            G = clip(momentum_like(m, k, seed)).to(device)
-            ref = newton_schulz(G, ref_coeffs).float()
-            sums["bf16"][1] += 1.0
-            sums["bf16"][2] += ns_error(G.cpu(), ref.cpu())
-            def add(name, O):
-                s = sums[name]
-                s[0] += float((O - ref).norm() / ref.norm())
-                s[1] += float((O * ref).sum() / (O.norm() * ref.norm()))
-                s[2] += ns_error(G.cpu(), O.cpu())
+        G = clip(raw).to(device)
+        ref = newton_schulz(G, ref_coeffs).float()
+        sums["bf16"][1] += 1.0
+        sums["bf16"][2] += ns_error(G.cpu(), ref.cpu())
 
-            add("guard only (exact products)", guarded_exact(G, ref_coeffs).float())
-            for name, spec in formats.items():
-                gen = torch.Generator().manual_seed(1000 + seed)
-                signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float().to(device) \
-                    if spec.hadamard else None
-                sd = torch.tensor(seed * 7919 + 13, dtype=torch.int64, device=device) \
-                    if spec.rounding != "rtn" else None
-                add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, norm_scale=norm_scale,
-                                        guard=1.0).float())
-            n += 1
+        def add(name, O):
+            s = sums[name]
+            s[0] += float((O - ref).norm() / ref.norm())
+            s[1] += float((O * ref).sum() / (O.norm() * ref.norm()))
+            s[2] += ns_error(G.cpu(), O.cpu())
+
+        add("guard only (exact products)", guarded_exact(G, ref_coeffs).float())
+        for name, spec in formats.items():
+            gen = torch.Generator().manual_seed(1000 + seed)
+            signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float().to(device) \
+                if spec.hadamard else None
+            sd = torch.tensor(seed * 7919 + 13, dtype=torch.int64, device=device) \
+                if spec.rounding != "rtn" else None
+            add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, norm_scale=norm_scale,
+                                    guard=1.0).float())
+        n += 1
     return {name: tuple(v / n for v in s) for name, s in sums.items()}
 
 
@@ -114,16 +147,24 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--schedule", default="root", choices=SCHEDULES,
                     help="NS coefficients of the NVFP4 rows (the BF16 reference keeps ROOT's)")
+    ap.add_argument("--inputs", default="synthetic", choices=("synthetic", "trained"),
+                    help="momentum_like matrices of --model's shapes, or the real momenta of a short CPU run of "
+                         "the 'cpu' preset (trained_momenta)")
     ap.add_argument("--formats", default=None,
                     help=f"comma-separated subset of the format rows (default all: {', '.join(FORMATS)})")
     args = ap.parse_args(argv)
-    shapes = block_shapes(args.model)
     formats = FORMATS if args.formats is None else {k: FORMATS[k] for k in args.formats.split(",")}
     t0 = time.perf_counter()
-    res = measure(shapes, range(args.seeds), torch.device(args.device), formats, schedule=args.schedule)
-    print(f"## NVFP4 Newton–Schulz ({args.schedule} coefficients) vs BF16 NS (ROOT's) ({args.model} block shapes "
-          f"{shapes}, {args.seeds} seeds, {args.device}, torch {torch.__version__}, "
-          f"{time.perf_counter() - t0:.0f} s)\n")
+    if args.inputs == "synthetic":
+        shapes = block_shapes(args.model)
+        inputs = synthetic_inputs(shapes, range(args.seeds))
+        what = f"momentum-like matrices of the {args.model} block shapes {shapes}, {args.seeds} seeds"
+    else:
+        inputs = trained_momenta()
+        what = f"the {len(inputs)} block-matrix momenta of the 'cpu' preset after 150 ROOT steps"
+    res = measure(inputs, torch.device(args.device), formats, schedule=args.schedule)
+    print(f"## NVFP4 Newton–Schulz ({args.schedule} coefficients) vs BF16 NS (ROOT's) on {what} "
+          f"({args.device}, torch {torch.__version__}, {time.perf_counter() - t0:.0f} s)\n")
     print("| NS operand format | dev from BF16 NS | cos to BF16 NS | error vs polar |")
     print("|---|---|---|---|")
     for name, (dev, cos, pol) in res.items():
