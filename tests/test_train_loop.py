@@ -126,6 +126,9 @@ def test_config_validation_and_sections():
     assert dataclasses.replace(auto, parallel="ddp").resolved(cuda).optim_cuda_graphs is False
     with pytest.raises(ValueError, match="FSDP2"):
         L.TrainConfig(parallel="fsdp2", lora=True).validate()
+    with pytest.raises(ValueError, match="fsdp_reshard"):
+        L.TrainConfig(parallel="ddp", fsdp_bf16_params=True).validate()
+    L.TrainConfig(parallel="fsdp2", fsdp_reshard=False, fsdp_bf16_params=True).validate()
     with pytest.raises(ValueError, match="max_train_tokens"):
         L.TrainConfig(max_train_tokens=0).validate()
     with pytest.raises(ValueError, match="optim_cuda_graphs"):

@@ -110,6 +110,8 @@ class TrainConfig:
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
     progress: bool = True
     parallel: str = "none"                    # none | ddp | fsdp2 (under torchrun; fp4compile.train.distributed)
+    fsdp_reshard: bool = True                 # FSDP2 reshard_after_forward (False: one all-gather per block/step)
+    fsdp_bf16_params: bool = False            # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce) instead of autocast
 
     def validate(self) -> None:
         """Raise ``ValueError`` for an invalid config: a choice outside its allowed values, a size or count < 1,
@@ -135,6 +137,8 @@ class TrainConfig:
             one_of("ns_schedule", NS_SCHEDULES)
             if not self.optimizer.startswith("qroot"):
                 raise ValueError(f"ns_schedule is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
+        if self.parallel != "fsdp2" and (not self.fsdp_reshard or self.fsdp_bf16_params):
+            raise ValueError("fsdp_reshard / fsdp_bf16_params are FSDP2 settings; they need parallel='fsdp2'")
         if self.lora and self.parallel == "fsdp2":
             raise ValueError("lora=True (LoRA-SVD) does not run under FSDP2: its realignment needs whole matrices "
                              "and its constrained-backward hooks sit on the parameters FSDP2 shards; use "
@@ -721,8 +725,15 @@ def train(cfg: TrainConfig) -> RunResult:
         policy = policy.override(LORA_BF16_GLOB, "bf16")   # the low-rank branch is the BF16 part by design
     model_fn = None
     if denv is not None:                          # FSDP2 swaps parameters for DTensors: wrap before the optimizer
+        fsdp_kw = {}
+        if cfg.parallel == "fsdp2":
+            fsdp_kw["reshard_after_forward"] = cfg.fsdp_reshard
+            if cfg.fsdp_bf16_params:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                fsdp_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy,
-                                        None if cfg.compile_mode == "default" else cfg.compile_mode)
+                                        None if cfg.compile_mode == "default" else cfg.compile_mode, **fsdp_kw)
     optimizer = build_optimizer(model, cfg, policy, device)
     if denv is not None and cfg.parallel == "fsdp2":
         DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
@@ -763,7 +774,7 @@ def train(cfg: TrainConfig) -> RunResult:
         model_fn = compile_model(model, cfg, policy)
     if cfg.compile_mode == "reduce-overhead":
         model_fn = _marking_steps(model_fn)
-    if dtype == "bf16-autocast":
+    if dtype == "bf16-autocast" and not cfg.fsdp_bf16_params:    # FSDP2's bf16 parameters replace autocast
         autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)   # noqa: E731
     else:
         autocast = contextlib.nullcontext
