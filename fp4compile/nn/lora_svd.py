@@ -486,11 +486,13 @@ class LoRASVDHandle:
     """
 
     def __init__(self, model: nn.Module, modules: Dict[str, LoRASVDLinear], *, realign_every: Optional[int],
-                 state_remap: str, oversample: int, niter: int, seed: int, realign_after: int = 0):
+                 state_remap: str, oversample: int, niter: int, seed: int, realign_after: int = 0,
+                 sync_replicas: bool = False):
         self._model_ref = weakref.ref(model)
         self.modules = modules
         self.realign_every = realign_every
         self.realign_after = realign_after
+        self.sync_replicas = sync_replicas
         self.state_remap = state_remap
         self.oversample, self.niter, self.seed = oversample, niter, seed
         self.steps = 0
@@ -589,9 +591,29 @@ class LoRASVDHandle:
             for opt in opts:
                 _remap_param_state(opt, m.lora_a.weight, self.state_remap, maps_a)
                 _remap_param_state(opt, m.lora_b.weight, self.state_remap, maps_b)
+        if self.sync_replicas:
+            self._broadcast_from_rank0(opts)
         self.realignments += 1
         self.last_realign = out
         return out
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, optimizers) -> None:
+        """Rank 0's re-split factors, residual weights and their optimizer state on every rank of the default
+        process group (nothing outside one). Every replica realigns the same weights with the same seed; this
+        pins down the last bits a different reduction order in a solver could leave apart, as DDP needs its
+        replicas identical."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        for m in self.modules.values():
+            for p in (m.weight, m.lora_a.weight, m.lora_b.weight):
+                dist.broadcast(p.data, src=0)
+                for opt in optimizers:
+                    for t in opt.state.get(p, {}).values():
+                        if torch.is_tensor(t) and t.numel() > 1 and t.device == p.device:  # not a CPU step count
+                            dist.broadcast(t, src=0)
 
     # undo ---------------------------------------------------------------------------------------
     def merge(self) -> nn.Module:
@@ -615,7 +637,8 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
             realign_every: Optional[int] = 2048, realign_after: int = 0, include: Union[str, Sequence[str]] = "*",
             exclude: Union[str, Sequence[str], None] = DEFAULT_EXCLUDE, constrain: Optional[str] = "cholesky_qr",
             factor_dtype: Optional[torch.dtype] = None, init: str = "auto", state_remap: str = "project",
-            oversample: int = 8, niter: int = 2, seed: int = 0, optimizer=None) -> LoRASVDHandle:
+            oversample: int = 8, niter: int = 2, seed: int = 0, optimizer=None,
+            sync_replicas: bool = False) -> LoRASVDHandle:
     """Reparametrise the selected ``nn.Linear`` layers of ``model`` in place as LoRA-SVD layers.
 
     Args:
@@ -636,6 +659,8 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         oversample, niter: randomized-SVD oversampling and power iterations at realignment.
         seed: seed of the randomized SVD's Gaussian test matrices (same on every rank).
         optimizer: attach this optimizer right away (it must already hold the new parameters).
+        sync_replicas: the model is a data-parallel replica (DDP): after each realignment, broadcast rank 0's
+            factors, residuals and their optimizer state to the other ranks of the default process group.
 
     Build the optimizer *after* ``prepare`` (new factor parameters exist only now). Returns a
     :class:`LoRASVDHandle`.
@@ -686,7 +711,8 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
     if not converted:
         warnings.warn("LoRA-SVD: prepare() selected no nn.Linear layer (check include/exclude)")
     handle = LoRASVDHandle(model, converted, realign_every=realign_every, state_remap=state_remap,
-                           oversample=oversample, niter=niter, seed=seed, realign_after=realign_after)
+                           oversample=oversample, niter=niter, seed=seed, realign_after=realign_after,
+                           sync_replicas=sync_replicas)
     for m in converted.values():
         m._handle_ref = weakref.ref(handle)
     if optimizer is not None:

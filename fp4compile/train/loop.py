@@ -308,26 +308,12 @@ def _call_supported(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _broadcast_lora(handle, optimizer) -> None:
-    """After a realignment under DDP: rank 0's re-split factors, residual weights and their optimizer state on
-    every rank. Each rank realigns the same weights with the same seed, so this only pins down the last bits a
-    different reduction order in a solver could leave apart; DDP needs its replicas identical."""
-    import torch.distributed as dist
-
-    for m in handle.modules.values():
-        for p in (m.weight, m.lora_a.weight, m.lora_b.weight):
-            dist.broadcast(p.data, src=0)
-            for t in optimizer.state.get(p, {}).values():
-                if torch.is_tensor(t) and t.numel() > 1 and t.device == p.device:   # not AdamW's CPU step count
-                    dist.broadcast(t, src=0)
-
-
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
     """LoRA-SVD reparametrization of the model's linears (``prepare``'s default excludes the LM head)."""
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
                            realign_every=cfg.lora_realign_every, realign_after=cfg.lora_realign_after,
-                           state_remap=cfg.lora_state_remap, seed=cfg.seed)
+                           state_remap=cfg.lora_state_remap, seed=cfg.seed, sync_replicas=cfg.parallel == "ddp")
 
 
 def lora_state(handle) -> dict:
@@ -847,9 +833,7 @@ def train(cfg: TrainConfig) -> RunResult:
             step += 1
             if lora_handle is not None and lora_handle.realignments != realigned:
                 # the realignment ran in the optimizer's post-hook: its function check goes into the metrics
-                rel = list(getattr(lora_handle, "last_realign", {}).values())
-                if world > 1:
-                    _broadcast_lora(lora_handle, optimizer)
+                rel = list(lora_handle.last_realign.values())
                 log.write(step=step, event="lora_realign", realignments=lora_handle.realignments, layers=len(rel),
                           max_rel_change=max(rel, default=0.0))
             pending.append((step, loss_sum / cfg.grad_accum, lr))
