@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4compile.optim.root import SCHEDULES, abs_quantile, newton_schulz, ns_coefficients  # noqa: E402
+from fp4compile.optim.root import SCHEDULES, clip_by_quantile, newton_schulz, ns_coefficients  # noqa: E402
 from fp4compile.optim.study import momentum_like, ns_error  # noqa: E402
 from fp4compile.policy import NVFP4  # noqa: E402
 
@@ -81,11 +81,6 @@ def trained_momenta(model: str = "cpu", steps: int = 150, seed: int = 0):
     return mats
 
 
-def clip(G: torch.Tensor, q: float = 0.99) -> torch.Tensor:
-    eps = float(abs_quantile(G.reshape(1, -1), q)) + 1e-9
-    return G.clamp(-eps, eps)
-
-
 def guarded_exact(G: torch.Tensor, coeffs, guard: float = 1.0) -> torch.Tensor:
     """The NVFP4 NS path with its sigma_max guard but exact operands and FP32 products: what the guard alone
     changes against plain BF16 NS (``newton_schulz``'s BF16 path has no guard)."""
@@ -116,7 +111,7 @@ def measure(inputs, device, formats=FORMATS, steps=5, schedule="root"):
         ref_coeffs = ns_coefficients((m, k), steps, "root")
         coeffs = ns_coefficients((m, k), steps, schedule)
         norm_scale = 1.01 if schedule == "polar_express" else 1.0      # as QRoot.orthogonalize
-        G = clip(raw).to(device)
+        G = clip_by_quantile(raw, 0.99).to(device)          # ROOT's default clip_quantile
         ref = newton_schulz(G, ref_coeffs).float()
         sums["bf16"][1] += 1.0
         sums["bf16"][2] += ns_error(G.cpu(), ref.cpu())

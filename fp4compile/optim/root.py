@@ -351,6 +351,15 @@ def abs_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     return s[:, lo] * (1 - w) + s[:, hi] * w
 
 
+def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
+    """ROOT's soft-threshold clip: each matrix of ``U`` ([m, n] or a stack [B, m, n]) clamped to
+    +-(its ``q``-quantile of |U| + 1e-9)."""
+    X = U if U.dim() == 3 else U.unsqueeze(0)
+    eps = (abs_quantile(X.reshape(X.shape[0], -1), q) + 1e-9).view(-1, 1, 1)
+    X = torch.maximum(torch.minimum(X, eps), -eps)
+    return X if U.dim() == 3 else X[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # the optimizer
 ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
@@ -513,9 +522,7 @@ class QRoot(Optimizer):
 
     def orthogonalize(self, U: torch.Tensor, group: dict) -> torch.Tensor:
         """Clip + NS of a stack U [B, m, n] of Nesterov momenta (the Root direction before scaling)."""
-        flat = U.reshape(U.shape[0], -1)
-        eps = abs_quantile(flat, group["clip_quantile"]) + 1e-9
-        Bc = torch.maximum(torch.minimum(U, eps.view(-1, 1, 1)), -eps.view(-1, 1, 1))
+        Bc = clip_by_quantile(U, group["clip_quantile"])
         coeffs = ns_coefficients(U.shape, group["ns_steps"], group["ns_schedule"])
         norm_scale = 1.01 if group["ns_schedule"] == "polar_express" else 1.0
         # the seed and the RHT signs live on U's device: a CPU tensor would be copied to the GPU by every

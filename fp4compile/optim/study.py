@@ -158,14 +158,13 @@ def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Te
 def ns_error_table(shapes, steps=5, seed=0, spec=None, clip_quantile=0.99):
     """Rows (shape, variant, error vs polar) for the NS variants the report compares."""
     from ..policy import NVFP4
-    from .root import abs_quantile, newton_schulz, ns_coefficients
+    from .root import clip_by_quantile, newton_schulz, ns_coefficients
 
     spec = spec or NVFP4()
     rows = []
     for (m, n) in shapes:
         G = momentum_like(m, n, seed)
-        eps = abs_quantile(G.reshape(1, -1), clip_quantile) + 1e-9
-        Gc = G.clamp(-float(eps), float(eps))
+        Gc = clip_by_quantile(G, clip_quantile)
         variants = [
             ("bf16 jordan", G, None, "jordan", 1.0, None),
             ("nvfp4 jordan (plain, no guard)", G, spec, "jordan", 1.0, None),
