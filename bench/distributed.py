@@ -162,9 +162,7 @@ def main(argv=None):
     fp4 = args.backend == "fullstack_fp4"
     mp = None
     if args.bf16_params and args.parallel == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = D.bf16_params_policy()
     if args.no_reshard and args.parallel != "fsdp2":
         p.error("--no-reshard is an FSDP2 option")
     kw = dict(mp_policy=mp, bucket_cap_mb=args.bucket_cap_mb if args.parallel == "ddp" else None)

@@ -55,7 +55,7 @@ def block_shapes(model: str):
 
 
 def trained_momenta(model: str = "cpu", steps: int = 150, seed: int = 0):
-    """Real NS inputs: the Nesterov momenta ``g + mu * buf`` of a ``model`` preset's block matrices after
+    """Real NS inputs: the Nesterov momenta ``g + mu * (mu * buf + g)`` of a ``model`` preset's block matrices after
     ``steps`` steps of ROOT (BF16 NS) + AdamW on the standard-library byte corpus, 16 x 128 tokens per step
     (CPU, ~1 minute for "cpu"). Returns a list of float32 matrices."""
     from fp4compile.optim import QRoot
@@ -73,12 +73,9 @@ def trained_momenta(model: str = "cpu", steps: int = 150, seed: int = 0):
         if step < steps - 1:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    mats = []
-    for g in opt.param_groups:
-        if g["use_root"]:
-            for p in g["params"]:
-                mats.append((p.grad + 0.95 * opt.state[p]["momentum_buffer"]).float())
-    return mats
+    # QRoot's NS input for this step's gradient: buf' = mu buf + g, then the Nesterov u = g + mu buf'
+    return [(p.grad + g["momentum"] * (g["momentum"] * opt.state[p]["momentum_buffer"] + p.grad)).float()
+            for g in opt.param_groups if g["use_root"] for p in g["params"]]
 
 
 def guarded_exact(G: torch.Tensor, coeffs, guard: float = 1.0) -> torch.Tensor:

@@ -58,7 +58,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint",
     "distributed_newton_schulz", "distributed_orthogonalize",
     "shard_local", "whole_matrix", "adapt_optimizer",
-    "wrap_for_training", "resolve_backend", "save_train_checkpoint", "load_train_checkpoint",
+    "wrap_for_training", "resolve_backend", "bf16_params_policy", "save_train_checkpoint", "load_train_checkpoint",
 ]
 
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
@@ -856,6 +856,15 @@ def resolve_backend(name):
     from ..backend import fullstack_fp4
 
     return name if name in list_backends(exclude_tags=()) else fullstack_fp4
+
+
+def bf16_params_policy():
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: BF16 parameter all-gathers and
+    compute, FP32 gradient reduction (``fp4compile train --fsdp-bf16-params``, ``bench/distributed.py
+    --bf16-params``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None,

@@ -715,9 +715,7 @@ def train(cfg: TrainConfig) -> RunResult:
         if cfg.parallel == "fsdp2":
             fsdp_kw["reshard_after_forward"] = cfg.fsdp_reshard
             if cfg.fsdp_bf16_params:
-                from torch.distributed.fsdp import MixedPrecisionPolicy
-
-                fsdp_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                fsdp_kw["mp_policy"] = DP.bf16_params_policy()
         model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy,
                                         None if cfg.compile_mode == "default" else cfg.compile_mode, **fsdp_kw)
     optimizer = build_optimizer(model, cfg, policy, device)
