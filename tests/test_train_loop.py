@@ -96,7 +96,7 @@ def test_lr_schedules():
     assert sched(schedule="constant").factor(99) == 1.0
     opt = torch.optim.SGD(p, lr=2.0)
     s = L.LRSchedule(opt, L.TrainConfig(steps=10, warmup_steps=4))
-    assert s.set(1) == pytest.approx(1.0) and opt.param_groups[0]["lr"] == pytest.approx(1.0)
+    assert s.set(1) == pytest.approx(0.5) and opt.param_groups[0]["lr"] == pytest.approx(1.0)   # factor; 2.0 x 0.5
 
 
 def test_config_validation_and_sections():

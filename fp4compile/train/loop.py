@@ -395,15 +395,14 @@ class LRSchedule:
         return 1.0 - (1 - c.min_lr_ratio) * min(t, 1.0)
 
     def set(self, step: int) -> float:
-        """Set every group's LR to its base LR x :meth:`factor` (in place for a tensor LR); returns the first
-        group's new LR."""
+        """Set every group's LR to its base LR x :meth:`factor` (in place for a tensor LR); returns the factor."""
         f = self.factor(step)
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
             if torch.is_tensor(g["lr"]):
                 g["lr"].fill_(base * f)
             else:
                 g["lr"] = base * f
-        return self.base_lrs[0] * f
+        return f
 
     def state_dict(self):
         """The base LRs (the step is not part of it: the loop passes it to :meth:`set`)."""
@@ -813,8 +812,7 @@ def train(cfg: TrainConfig) -> RunResult:
     with _sigint_flag() as flag:
         while step < cfg.steps:
             t0 = time.perf_counter()
-            schedule.set(step)
-            lr = cfg.lr * schedule.factor(step)      # the logged LR is --lr's (QRoot's first group has --matrix-lr)
+            lr = cfg.lr * schedule.set(step)          # the logged LR is --lr's (QRoot's first group has --matrix-lr)
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 x, y = train_batches.batch((step * cfg.grad_accum + micro) * cfg.batch_size * world,
