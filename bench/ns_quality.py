@@ -4,7 +4,7 @@
     python bench/ns_quality.py --model 124m --seeds 2
 
 Issue 7's 30M study measured the full stack +4.80 % above BF16 trained with the same ROOT optimizer, with
-Q-Root's NS in NVFP4 RTN (``Policy.full_stack()``'s ``optim.ns``). This script asks which NVFP4 operand
+Q-Root's NS in NVFP4 RTN (``Policy.full_stack()``'s ``optim.ns``) and the unshifted products (``ns_shift=False``). This script asks which NVFP4 operand
 format brings the NS output closest to what the BF16 run's optimizer computes. Inputs are what
 ``QRoot.orthogonalize`` gets: momentum-like matrices (``fp4compile.optim.study.momentum_like``: Gaussian
 times a column profile, plus outliers), clipped at ROOT's 0.99 quantile, with ROOT's coefficients
@@ -97,11 +97,13 @@ def synthetic_inputs(shapes, seeds):
     return [momentum_like(m, k, seed) for (m, k) in shapes for seed in seeds]
 
 
-def measure(inputs, device, formats=FORMATS, steps=5, schedule="root"):
+def measure(inputs, device, formats=FORMATS, steps=5, schedule="root", shifts=(False, True)):
     """{format: (dev, cos, polar)} averaged over the ``inputs`` (each clipped first, as QRoot does); "bf16"
     (dev 0) and "guard only" rows first. The reference is always BF16 NS with ROOT's coefficients (what the
-    optimizer-matched BF16 arm runs); the other rows use ``schedule``'s coefficients."""
-    sums = {name: [0.0, 0.0, 0.0] for name in ["bf16", "guard only (exact products)", *formats]}
+    optimizer-matched BF16 arm runs); the other rows use ``schedule``'s coefficients, each format once per
+    value in ``shifts`` (``newton_schulz(shift=)``: the identity-shifted products, rows marked "shifted")."""
+    rows = {(f"{name}, shifted" if sh else name): (spec, sh) for sh in shifts for name, spec in formats.items()}
+    sums = {name: [0.0, 0.0, 0.0] for name in ["bf16", "guard only (exact products)", *rows]}
     n = 0
     for seed, raw in enumerate(inputs):
         m, k = raw.shape
@@ -120,14 +122,14 @@ def measure(inputs, device, formats=FORMATS, steps=5, schedule="root"):
             s[2] += ns_error(G.cpu(), O.cpu())
 
         add("guard only (exact products)", guarded_exact(G, ref_coeffs).float())
-        for name, spec in formats.items():
+        for name, (spec, sh) in rows.items():
             gen = torch.Generator().manual_seed(1000 + seed)
             signs = (torch.randint(0, 2, (spec.hadamard,), generator=gen) * 2 - 1).float().to(device) \
                 if spec.hadamard else None
             sd = torch.tensor(seed * 7919 + 13, dtype=torch.int64, device=device) \
                 if spec.rounding != "rtn" else None
             add(name, newton_schulz(G, coeffs, spec=spec, signs=signs, seed=sd, norm_scale=norm_scale,
-                                    guard=1.0).float())
+                                    guard=1.0, shift=sh).float())
         n += 1
     return {name: tuple(v / n for v in s) for name, s in sums.items()}
 
@@ -144,6 +146,9 @@ def main(argv=None):
                          "the 'cpu' preset (trained_momenta)")
     ap.add_argument("--formats", default=None,
                     help=f"comma-separated subset of the format rows (default all: {', '.join(FORMATS)})")
+    ap.add_argument("--shift", default="both", choices=("off", "on", "both"),
+                    help="the formats with the unshifted products, the identity-shifted ones (QRoot's default "
+                         "ns_shift=True), or both")
     args = ap.parse_args(argv)
     formats = FORMATS if args.formats is None else {k: FORMATS[k] for k in args.formats.split(",")}
     t0 = time.perf_counter()
@@ -154,7 +159,8 @@ def main(argv=None):
     else:
         inputs = trained_momenta()
         what = f"the {len(inputs)} block-matrix momenta of the 'cpu' preset after 150 ROOT steps"
-    res = measure(inputs, torch.device(args.device), formats, schedule=args.schedule)
+    shifts = {"off": (False,), "on": (True,), "both": (False, True)}[args.shift]
+    res = measure(inputs, torch.device(args.device), formats, schedule=args.schedule, shifts=shifts)
     print(f"## NVFP4 Newton–Schulz ({args.schedule} coefficients) vs BF16 NS (ROOT's) on {what} "
           f"({args.device}, torch {torch.__version__}, {time.perf_counter() - t0:.0f} s)\n")
     print("| NS operand format | dev from BF16 NS | cos to BF16 NS | error vs polar |")

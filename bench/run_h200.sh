@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -106,6 +106,20 @@ qroot_next)
     step qroot_pe46 540 python bench/study.py --size 30m --arms qroot --out .study_qroot_pe46 --tokens 100e6 \
         --skip-data --time-budget 530 --export "$OUT/qroot_pe46" -- --ns-schedule polar_express \
         --policy configs/policy_full_stack_ns46.toml ) &
+  wait ;;
+qroot_shift)
+  # issue 7 with the identity-shifted NVFP4 NS (QRoot's ns_shift, default since session 6), one call on an
+  # nvidia-h200-x2 (~10 min; carry .data/corpus, .data/gpt2.tiktoken; run the same command again while warm to
+  # finish what the time budget stopped). GPU 0: the Q-Root GPU tests, then the full stack, seed 0 (compare with
+  # RESULTS.md's qroot and bf16root rows). GPU 1: seed 1 of bf16root and the full stack (the seed noise of the gap)
+  step data 60 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0
+    step gpu_tests_root 90 python -m pytest -m gpu -q -x -p no:cacheprovider tests/test_optim_root.py
+    step qroot_shift 480 python bench/study.py --size 30m --arms qroot --out .study_qroot_shift --tokens 100e6 \
+        --skip-data --time-budget 470 --export "$OUT/qroot_shift" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step seed1_root 570 python bench/study.py --size 30m --arms bf16root,qroot --out .study_seed1_root --tokens 100e6 \
+        --skip-data --time-budget 560 --export "$OUT/seed1_root" -- --seed 1 ) &
   wait ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]

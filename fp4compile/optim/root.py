@@ -190,8 +190,9 @@ def _seed_stream(seeds):
     return seed
 
 
-def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> torch.Tensor:
-    """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below).
+def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=False) -> torch.Tensor:
+    """NS on one [m, n] BF16 matrix (m <= n) with all three products in NVFP4 (``guard``: see below;
+    ``shift``: the identity-shifted products of :func:`_shifted_poly`).
 
     The per-matrix reference of :func:`_ns_nvfp4_stack` (per-matrix global scales, ``fp4compile::gemm``);
     :func:`newton_schulz` runs the batched path."""
@@ -213,12 +214,44 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0) -> tor
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = (A32 * s).to(A.dtype)
             x = (x.float() * s.sqrt()).to(x.dtype)
+        if shift:
+            def square(E):
+                qE = _q(E[0], spec, signs, seed=seed())
+                return _qgemm(qE, qE)[None]
+            Bs, beta = _shifted_poly(A.unsqueeze(0), b, c, square)
+            qB = _q(Bs[0], spec, signs, seed=seed())
+            qxt = _q(x, spec, signs, transpose=True, seed=seed())
+            x = ((a + beta[0]) * x.float() + _qgemm(qB, qxt).float()).to(x.dtype)
+            continue
         qA = _q(A, spec, signs, seed=seed())                 # along m; A symmetric: A·A = A·Aᵀ
         B = b * A + c * _qgemm(qA, qA)
         qB = _q(B, spec, signs, seed=seed())                 # rows of B along m
         qxt = _q(x, spec, signs, transpose=True, seed=seed())  # Xᵀ rows along m
         x = a * x + _qgemm(qB, qxt)                          # B·X = qB · qxtᵀ  [m, n]
     return x
+
+
+def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
+    """The NS polynomial B = b A + c A² of a stack A [S, m, m] split as ``beta I + Bs``, with the one product it
+    needs taken of the shifted matrix: ``(Bs, beta)``, Bs FP32 -> BF16 [S, m, m], beta FP32 [S, 1, 1].
+
+    With alpha = mean(diag A) per matrix and E = A - alpha I (exact algebra):
+    A² = E² + 2 alpha E + alpha² I, so B = (b + 2 c alpha) E + c E² + (b alpha + c alpha²) I. ``square(E)``
+    computes E² (NVFP4: quantize E, one product). The step X <- a X + B X then becomes
+    X <- (a + beta) X + Bs X, with only Bs X in NVFP4. Why: an NVFP4 product's error scales with its operands'
+    magnitudes, and an NS iterate's Gram matrix A sits near a multiple of I (the iterates' singular values are
+    pushed towards 1), so A and B are dominated by their identity parts. Quantizing A and B whole puts ~10 %
+    of that identity part into the error of A² and B X; the shifted form computes the identity parts exactly
+    (a scale of X) and quantizes only what deviates from them (E, Bs), whose error is proportionally smaller.
+    Measured (``bench/ns_quality.py --shift``): distance to the BF16 NS 0.271 -> 0.176 on the 30M block shapes.
+    """
+    A32 = A.float()
+    alpha = torch.diagonal(A32, dim1=-2, dim2=-1).mean(-1)[:, None, None]
+    E = A32.clone()
+    torch.diagonal(E, dim1=-2, dim2=-1).sub_(alpha[:, :, 0])
+    E2 = square(E.to(torch.bfloat16)).float()
+    Bs = (b + 2 * c * alpha) * E + c * E2
+    return Bs.to(torch.bfloat16), b * alpha + c * alpha * alpha
 
 
 def _q_stack(x: torch.Tensor, spec, signs, seed=None):
@@ -267,14 +300,15 @@ def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4,
-                    quant=None) -> torch.Tensor:
+                    quant=None, shift=False) -> torch.Tensor:
     """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
     stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
 
     ``product``: :func:`_bgemm_nvfp4` (default) or :func:`_loop_gemm_nvfp4` (the per-matrix reference on the
     same quantized operands). ``guard``: as in :func:`_ns_nvfp4_one`, per matrix (batched power iteration).
     ``quant``: the operand quantizer (default :func:`_q_stack`); ``bench/ns_quality.py`` passes an identity with
-    an exact ``product`` to separate the guard's effect from the products' error.
+    an exact ``product`` to separate the guard's effect from the products' error. ``shift``: compute A² and B X
+    from the identity-shifted matrices (:func:`_shifted_poly`; same number of products and quantizations).
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
@@ -297,6 +331,15 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = (A32 * s).to(A.dtype)
             X = (X.float() * s.sqrt()).to(X.dtype)
+        if shift:
+            def square(E):
+                qE = qfn(E, spec, signs, seed())             # E symmetric, like A
+                return product(qE, qE)
+            Bs, beta = _shifted_poly(A, b, c, square)
+            qB = qfn(Bs, spec, signs, seed())
+            qxt = qfn(X.mT.contiguous(), spec, signs, seed())
+            X = ((a + beta) * X.float() + product(qB, qxt).float()).to(X.dtype)
+            continue
         qA = qfn(A, spec, signs, seed())                     # along m; A symmetric: A·A = A·Aᵀ
         B = b * A + c * product(qA, qA)
         qB = qfn(B, spec, signs, seed())                     # rows of B along m
@@ -306,7 +349,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
 
 
 def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
-                  eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0) -> torch.Tensor:
+                  eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0,
+                  shift: bool = False) -> torch.Tensor:
     """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
 
     ``spec``: None/BF16 for BF16 matmuls, or a ``policy.NVFP4`` spec for NVFP4 products (matrices whose
@@ -314,6 +358,7 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     spec has a Hadamard size. ``seed``: int64 0-dim tensor for stochastic rounding specs. ``guard``
     (NVFP4 only; None disables): before each step rescale the iterate so its power-iteration estimate of
     sigma_max is <= guard. Without it NVFP4 NS with Jordan's or ROOT's coefficients diverges (docs/OPTIM.md).
+    ``shift`` (NVFP4 only): quantize A - alpha I and B - beta I instead of A and B (:func:`_shifted_poly`).
     """
     squeeze = G.dim() == 2
     X = G.unsqueeze(0) if squeeze else G
@@ -330,7 +375,7 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
                       f"multiples of 16)", stacklevel=2)
         use_fp4 = False
     if use_fp4:
-        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard)
+        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift)
     else:
         for a, b, c in coeffs:
             A = X @ X.mT
@@ -363,7 +408,7 @@ def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # the optimizer
 ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
-                     ns_schedule="root", ns_guard=1.0, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
+                     ns_schedule="root", ns_guard=1.0, ns_shift=True, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
 
 
 class QRoot(Optimizer):
@@ -377,7 +422,9 @@ class QRoot(Optimizer):
             * sqrt(max(m, n)), Moonlight-style, so one lr serves both).
         momentum, nesterov, clip_quantile (0.99; ROOT's own code uses 0.90), ns_steps (5),
         ns_schedule ("root" | "root_table" | "jordan" | "polar_express", see :func:`ns_coefficients`),
-        update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables).
+        update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables),
+        ns_shift (True: NVFP4 NS quantizes the identity-shifted A - alpha I and B - beta I, see
+        :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
         policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
@@ -470,6 +517,8 @@ class QRoot(Optimizer):
             raise ValueError(f"ns_steps must be a positive int, got {g['ns_steps']!r}")
         if g["adamw"] not in ("qadamw", "adamw"):
             raise ValueError(f"adamw must be 'qadamw' or 'adamw', got {g['adamw']!r}")
+        if not isinstance(g.get("ns_shift", False), bool):
+            raise ValueError(f"ns_shift must be a bool, got {g['ns_shift']!r}")
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:
             bad = [tuple(p.shape) for p in g["params"] if p.dim() != 2]
@@ -536,7 +585,7 @@ class QRoot(Optimizer):
             if signs is None:
                 signs = self._signs_by_device[U.device] = self._ns_signs.to(U.device)
         return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
-                             norm_scale=norm_scale, guard=group["ns_guard"])
+                             norm_scale=norm_scale, guard=group["ns_guard"], shift=group["ns_shift"])
 
     def orthogonalize_graphed(self, U, group: dict) -> torch.Tensor:
         """:meth:`orthogonalize` of a CUDA stack, replayed from a CUDA graph.
@@ -555,7 +604,7 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"])
+               group["ns_guard"], group["ns_shift"])
         entry = self._graphs.get(key)
         if entry is None:
             static_in = U.clone() if mats is None else torch.stack(mats)
@@ -626,6 +675,9 @@ class QRoot(Optimizer):
         self.__dict__.setdefault("_signs_by_device", {})
         self.__dict__.setdefault("_cuda_graphs", False)
         self.__dict__.setdefault("_graphs", {})
+        for g in self.param_groups:
+            # state dicts saved before ns_shift existed were trained with the unshifted NS: resume them so
+            g.setdefault("ns_shift", False)
         self.__dict__.setdefault("_graph_pool", None)
 
 

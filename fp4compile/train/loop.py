@@ -81,6 +81,7 @@ class TrainConfig:
     lr: float = 3e-3
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
     ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
+    ns_shift: Optional[bool] = None           # QRoot's identity-shifted NVFP4 NS products (None: QRoot's default, on)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
@@ -137,6 +138,8 @@ class TrainConfig:
             one_of("ns_schedule", NS_SCHEDULES)
             if not self.optimizer.startswith("qroot"):
                 raise ValueError(f"ns_schedule is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
+        if self.ns_shift is not None and not self.optimizer.startswith("qroot"):
+            raise ValueError(f"ns_shift is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
         if self.parallel != "fsdp2" and (not self.fsdp_reshard or self.fsdp_bf16_params):
             raise ValueError("fsdp_reshard / fsdp_bf16_params are FSDP2 settings; they need parallel='fsdp2'")
         if self.lora and self.parallel == "fsdp2":
@@ -360,6 +363,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
     root_group = {"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay, "lr": cfg.matrix_lr or cfg.lr}
     if cfg.ns_schedule is not None:
         root_group["ns_schedule"] = cfg.ns_schedule
+    if cfg.ns_shift is not None:
+        root_group["ns_shift"] = cfg.ns_shift
     groups = [root_group,
               {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
                "weight_decay": cfg.weight_decay},
