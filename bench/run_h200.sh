@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|qroot_split|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -120,6 +120,18 @@ qroot_shift)
   ( export CUDA_VISIBLE_DEVICES=1
     step seed1_root 570 python bench/study.py --size 30m --arms bf16root,qroot --out .study_seed1_root --tokens 100e6 \
         --skip-data --time-budget 560 --export "$OUT/seed1_root" -- --seed 1 ) &
+  wait ;;
+qroot_split)
+  # where the full stack's gap to bf16root comes from, one call on an nvidia-h200-x2 (~6 min; carry
+  # .data/corpus, .data/gpt2.tiktoken), seed 0: GPU 0 the full stack with Q-Root's NS in BF16
+  # (configs/policy_full_stack_bf16ns.toml), GPU 1 NVFP4 linears alone (quartet2) under ROOT with BF16 NS + AdamW
+  step data 60 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0
+    step fullstack_bf16ns 540 python bench/study.py --size 30m --arms qroot --out .study_fs_bf16ns --tokens 100e6 \
+        --skip-data --time-budget 530 --export "$OUT/fullstack_bf16ns" -- --policy configs/policy_full_stack_bf16ns.toml ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step quartet2_root 540 python bench/study.py --size 30m --arms bf16root --out .study_q2_root --tokens 100e6 \
+        --skip-data --time-budget 530 --export "$OUT/quartet2_root" -- --backend fullstack_fp4 --policy quartet2 ) &
   wait ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
