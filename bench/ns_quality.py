@@ -4,8 +4,10 @@
     python bench/ns_quality.py --model 124m --seeds 2
 
 Issue 7's 30M study measured the full stack +4.80 % above BF16 trained with the same ROOT optimizer, with
-Q-Root's NS in NVFP4 RTN (``Policy.full_stack()``'s ``optim.ns``) and the unshifted products (``ns_shift=False``). This script asks which NVFP4 operand
-format brings the NS output closest to what the BF16 run's optimizer computes. Inputs are what
+Q-Root's NS in NVFP4 RTN (``Policy.full_stack()``'s ``optim.ns``) and the unshifted products
+(``ns_shift=False``). This script asks which NVFP4 operand format, with or without the identity-shifted
+products (``--shift``), brings the NS output closest to what the BF16 run's optimizer computes. (Session 6
+found that the training loss does not follow: a BF16 NS leaves the full stack's gap unchanged; docs/OPTIM.md.) Inputs are what
 ``QRoot.orthogonalize`` gets: momentum-like matrices (``fp4compile.optim.study.momentum_like``: Gaussian
 times a column profile, plus outliers), clipped at ROOT's 0.99 quantile, with ROOT's coefficients
 (``ns_schedule="root"``), 5 steps and the sigma_max guard. For each format it prints, averaged over seeds:

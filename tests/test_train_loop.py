@@ -238,6 +238,19 @@ def test_qroot_ns_schedule_reaches_the_root_group():
         L.TrainConfig(optimizer="adamw", ns_schedule="jordan").validate()
 
 
+def test_qroot_ns_shift_reaches_the_root_group():
+    """--ns-shift / --no-ns-shift set QRoot's ns_shift on the Root group only; None keeps QRoot's default (on);
+    the key is QRoot's, so other optimizers refuse it."""
+    for value, expect in ((None, True), (False, False), (True, True)):
+        cfg = L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", ns_shift=value)
+        cfg.validate()
+        opt = L.build_optimizer(GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32)), cfg, None)
+        roots = [g for g in opt.param_groups if g["use_root"]]
+        assert len(roots) == 1 and roots[0]["ns_shift"] is expect
+    with pytest.raises(ValueError, match="ns_shift"):
+        L.TrainConfig(optimizer="adamw", ns_shift=False).validate()
+
+
 def test_logged_lr_is_the_lr_flag_not_qroots_matrix_lr(tmp_path):
     L.train(tiny_cfg(tmp_path, steps=3, val_data="", optimizer="qroot+adamw", lr=3e-3, matrix_lr=0.05,
                      warmup_steps=2, schedule="constant"))
