@@ -79,7 +79,7 @@ def grads(model, params, x, y, seed=None):
         torch.manual_seed(seed)          # MS-EDEN seeds and RHT signs are drawn from torch's generator
     loss = model(x, y)
     loss.backward()
-    return float(loss), {n: p.grad.detach().float().clone() for n, p in params.items()}
+    return loss.item(), {n: p.grad.detach().float().clone() for n, p in params.items()}
 
 
 def train(kind, tokens, steps, seed, lr):
@@ -99,7 +99,7 @@ def train(kind, tokens, steps, seed, lr):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return net, opt, batches, sum(losses[-10:]) / len(losses[-10:])
 
 
