@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|qroot_split|root_fb [BUDGET]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -137,10 +137,13 @@ root_fb)
   # NVFP4 linears under ROOT: forward-only vs backward-only NVFP4 (configs/policy_quartet2_{fwd,bwd}_only.toml),
   # seed 0, one call on an nvidia-h200-x2; BUDGET seconds per arm (default 530; compare the gap along the run
   # with RESULTS.md's quartet2 + ROOT row, +2.42 / +2.27 / +3.26 / +3.42 % at steps 400 / 800 / 1,200 / 1,525)
+  # ("root_fb BUDGET wa": the forward's weight-only vs activation-only NVFP4 instead, configs/policy_quartet2_
+  # fwd_{weight,activation}_only.toml, on GPU 0 / GPU 1)
   b=${2:-530}
+  halves=(fwd bwd); [ "${3:-}" = wa ] && halves=(fwd_weight fwd_activation)
   step data 60 python bench/study.py --data-only
-  for half in fwd bwd; do
-    ( [ $half = fwd ] && export CUDA_VISIBLE_DEVICES=0 || export CUDA_VISIBLE_DEVICES=1
+  for half in "${halves[@]}"; do
+    ( [ $half = "${halves[0]}" ] && export CUDA_VISIBLE_DEVICES=0 || export CUDA_VISIBLE_DEVICES=1
       step "root_$half" $((b + 20)) python bench/study.py --size 30m --arms bf16root --out ".study_root_$half" \
           --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/root_$half" -- --backend fullstack_fp4 \
           --policy "configs/policy_quartet2_${half}_only.toml" ) &

@@ -23,6 +23,10 @@ ROLES = (
 )
 
 
+#: NVFP4.operands values: which operands of a ``linear.fprop`` GEMM are quantized
+OPERANDS = ("both", "weight", "activation")
+
+
 @dataclasses.dataclass(frozen=True)
 class NVFP4:
     """NVFP4 for one GEMM operand pair: both operands quantized along the contraction dim.
@@ -39,12 +43,18 @@ class NVFP4:
     - ``hadamard``: both operands rotated along the contraction dim with one sign vector, drawn fresh each
       step inside the compiled graph.
     - ``four_over_six`` applies to the RTN-rounded operands.
+    - ``operands`` (``linear.fprop`` only): "both" (default), "weight" (W in NVFP4, X in BF16) or "activation"
+      (X in NVFP4, W in BF16). The quantized operand is dequantized (inverse RHT included) to the GEMM's
+      dtype, one rounding of q·S·global, and multiplied with the other operand by the original BF16 GEMM.
+      For ablations (which operand's quantization costs the loss), and W4A16-style training. Any other role
+      with a value other than "both" is a configuration error.
     """
 
     rounding: str = "rtn"
     four_over_six: bool = False
     hadamard: Optional[int] = None
     block: Union[int, Tuple[int, int]] = 16
+    operands: str = "both"
 
     def __post_init__(self):
         from .formats.nvfp4 import HADAMARD_SIZES, ROUNDINGS
@@ -57,6 +67,8 @@ class NVFP4:
             object.__setattr__(self, "block", tuple(self.block))
         if self.block not in (16, (16, 16)):
             raise ValueError(f"NVFP4.block must be 16 or (16, 16), got {self.block!r}")
+        if self.operands not in OPERANDS:
+            raise ValueError(f"NVFP4.operands must be one of {OPERANDS}, got {self.operands!r}")
 
     @property
     def name(self) -> str:
@@ -71,6 +83,8 @@ class NVFP4:
             parts.append(f"rht{self.hadamard}")
         if self.block != 16:
             parts.append("2d")
+        if self.operands != "both":
+            parts.append(f"{self.operands}-only")
         return "nvfp4(" + ",".join(parts) + ")"
 
 

@@ -4,7 +4,8 @@ Checks, after the rewrite:
 - each site with an NVFP4 ``linear.fprop`` spec has a forward GEMM record (its mm was found at all);
 - each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph, or,
   with ``gemm_lowering="dequant_mm"``, to the scale/cast (or bias add) of an ``fp4compile::mm_f32`` whose
-  operands are both ``fp4compile::dequantize_blocks`` of FP4 copies;
+  operands are both ``fp4compile::dequantize_blocks`` of FP4 copies, or, for a one-operand ``linear.fprop``
+  (``NVFP4(operands=...)``), to the BF16 GEMM one of whose operands is an ``fp4compile::dequantize``;
 - no ``aten.mm``/``addmm`` of a site remains for a role the policy sent to NVFP4 unless a fallback warning
   was given for it.
 Raises :class:`FP4CheckError` naming the site and role otherwise: a silent BF16 GEMM is a bug.
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+import torch
 from torch.fx import Graph
 
 from ..policy import NVFP4
 from .common import GEMMS
-from .linear import DEQUANT_BLOCKS, GEMM, MM_F32, site_of
+from .linear import DEQUANT, DEQUANT_BLOCKS, GEMM, MM_F32, site_of
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:
@@ -30,6 +32,19 @@ def is_fp4_product(n, depth: int = 4) -> bool:
     if n.target is MM_F32:
         return all(a.op == "call_function" and a.target is DEQUANT_BLOCKS for a in n.args[:2])
     return depth > 0 and any(is_fp4_product(a, depth - 1) for a in n.all_input_nodes)
+
+
+def has_fp4_operand(n) -> bool:
+    """``n`` is a GEMM one of whose two operands is (a transpose of) an ``fp4compile::dequantize`` of an FP4
+    copy: the one-operand ``linear.fprop`` of ``NVFP4(operands="weight" | "activation")``."""
+    if n is None or n.op != "call_function" or n.target not in GEMMS:
+        return False
+    for a in n.args[-2:]:
+        if a.op == "call_function" and a.target is torch.ops.aten.permute.default:
+            a = a.args[0]
+        if a.op == "call_function" and a.target is DEQUANT:
+            return True
+    return False
 
 
 class FP4CheckError(RuntimeError):
@@ -51,7 +66,7 @@ def check(graph: Graph, table: Dict, records: List[dict]) -> None:
         if r["precision"] != "nvfp4":
             continue
         n = nodes.get(r["node"])
-        ok = is_fp4_product(n)
+        ok = has_fp4_operand(n) if r.get("operands", "both") != "both" else is_fp4_product(n)
         if not ok:
             raise FP4CheckError(f"fp4compile: {r['role']} of {r['path'] or '<root>'} should be an fp4compile::gemm "
                                 f"but node {r['node']} is not")

@@ -44,6 +44,7 @@ from .reuse import QSpec, QuantCache
 from ..ops import _define
 
 GEMM = torch.ops.fp4compile.gemm.default
+DEQUANT = torch.ops.fp4compile.dequantize.default
 DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
 MM_F32 = torch.ops.fp4compile.mm_f32.default
 
@@ -256,6 +257,8 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
                shape=_shape(n),
                graph="bwd" if n in tangents else "fwd", node=n.name, reused="")
     main, other = _qspecs(spec, role)
+    if role == "linear.fprop" and spec.operands != "both":
+        return _rewrite_one_operand(graph, g, info, cache, spec, rec, (main, other), ((a_src, a_tr), (b_src, b_tr)))
     if role == "linear.fprop":
         w_pos = info.weight_pos
         signs = _signs(graph, (a_src, b_src)[1 - w_pos], spec)
@@ -289,6 +292,37 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
     return rec
 
 
+def _rewrite_one_operand(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, spec: NVFP4, rec: dict,
+                         qspecs, srcs) -> dict:
+    """``linear.fprop`` with ``spec.operands`` "weight" or "activation": quantize that operand (its forward copy,
+    remembered for the backward like any other), dequantize it (inverse RHT included) to the GEMM's dtype, and
+    put it in place of the original operand of the BF16 GEMM node, which stays."""
+    n = g.node
+    w_pos = info.weight_pos
+    is_w = spec.operands == "weight"
+    pos = w_pos if is_w else 1 - w_pos
+    src, tr = srcs[pos]
+    signs = _signs(graph, src, spec)
+    q = cache.forward_copy(g.site, "w" if is_w else "x", src, tr, qspecs[1] if is_w else qspecs[0], signs,
+                           is_weight=is_w)
+    deq = add_call(graph, DEQUANT, (q.codes, q.scales, q.glob, spec.hadamard or 0, signs, val(n).dtype),
+                   before=n, anchor=n)
+    new = [deq]
+    if pos == 1:       # the second GEMM operand is [K, N]; its copy, quantized along K, holds the transpose
+        # (aten.permute, not aten.t: Inductor decomposes t and refuses it as a graph node)
+        new.append(add_call(graph, torch.ops.aten.permute.default, (deq, [1, 0]), before=n, anchor=n))
+    for m in new:
+        _copy_meta(n, m)
+        cache.recompute(m)                       # transient bf16 operand: never saved for backward
+    args = list(n.args)
+    args[len(args) - 2 + pos] = new[-1]
+    n.args = tuple(args)
+    rec.update(lowering="dequantize + bf16 mm", reused="shared" if q.origin == "shared" else "",
+               operands=spec.operands)
+    n.meta["fp4"] = rec
+    return rec
+
+
 def _signs(graph: Graph, like: Node, spec: NVFP4) -> Optional[Node]:
     if not spec.hadamard:
         return None
@@ -316,6 +350,9 @@ def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache,
     for g in gemms:
         info = table[g.site]
         spec = info.spec(g.role)
+        if isinstance(spec, NVFP4) and spec.operands != "both" and g.role != "linear.fprop":
+            raise ValueError(f"fp4compile: {info.path or '<root>'}, {g.role}: NVFP4(operands={spec.operands!r}) "
+                             f"applies to linear.fprop only; the backward roles quantize both operands")
         why = _why_not(g, spec) if isinstance(spec, NVFP4) else None
         if isinstance(spec, NVFP4) and why is None:
             records.append(rewrite_gemm(graph, g, info, cache, cache.tangents, lowering))
