@@ -1,7 +1,8 @@
 """Does ROOT's orthogonalization amplify the NVFP4 gradient error more than AdamW's normalization? (CPU)
 
-    python bench/optimizer_noise.py                  # ~6 min on 2 idle CPU cores (the FP4 reference ops dominate)
-    python bench/optimizer_noise.py --steps 150 --draws 2 --per-matrix
+    python bench/optimizer_noise.py                  # ~3 min on 2 idle CPU cores (~8 min on a busy box)
+    python bench/optimizer_noise.py --seed 1 --draws 4 --per-matrix
+    python bench/optimizer_noise.py --policy configs/policy_quartet2_fwd_only.toml   # or _bwd_only.toml
 
 Background: on GPU, NVFP4 linears (policy ``quartet2``: forward RTN + 4/6, dgrad/wgrad MS-EDEN with RHT-128)
 cost +1.12 % train loss vs BF16 when both arms use AdamW, but +3.44 % when both use ROOT (``QRoot`` with BF16
@@ -14,7 +15,7 @@ corpus (16 x 128 tokens per step, lr 3e-3, same init) twice: with ``QRoot(precis
 with ``torch.optim.AdamW(betas=(0.9, 0.95), weight_decay=0.1)``. Then, on a fresh batch, the gradient ``g`` of
 every block matrix (2-D ``blocks.*`` params, 16 matrices, 4 shapes) is taken twice: exactly (FP32 eager) and
 through ``torch.compile(backend="fullstack_fp4", options={"policy": "quartet2", "debug": True})`` (the same
-passes as on GPU; on CPU the ops run their bit-exact torch references, hence the cost), ``--draws`` times with
+passes as on GPU; on CPU the fp4compile ops run their bit-exact torch references), ``--draws`` times with
 different RNG seeds (fresh MS-EDEN seeds and RHT signs): ``g4``. Per matrix, given each optimizer's own state:
 
 - ``e_g  = ||g4 - g|| / ||g||``                                                   gradient error
@@ -38,6 +39,11 @@ singular directions, the share of the input error ``u(g4) - u(g)`` and of the ou
 there, and the relative input error inside the top and the bottom half. If NS amplifies the error in the weak
 directions, the output error sits mostly in the bottom half although the input error does not, and the
 bottom half's relative input error is the larger one.
+
+Checks line: ROOT's e_O with FP32 NS products (is BF16 NS rounding part of e_O?); the cosine between two draws'
+gradient errors (1: the error is deterministic given weights and batch, as the forward's RTN is) and between
+the errors of two batches (a shared part is a bias that adds up in the momentum, which table 2 ignores); the
+eval-batch loss in FP32 and through the NVFP4 model.
 
 Reading: e_* are relative Frobenius errors averaged over the draws and over the layers of a shape (amplifications
 are averages of per-matrix ratios). ROOT amplifying more than AdamW means ``e_O/e_g > e_d/e_g``. The two runs
@@ -101,6 +107,10 @@ def train(kind, tokens, steps, seed, lr):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return net, opt, batches, sum(losses[-10:]) / len(losses[-10:])
+
+
+def log(msg):
+    print(f"[optimizer_noise] {msg}", file=sys.stderr, flush=True)
 
 
 def rel(a, b):
@@ -239,7 +249,9 @@ def main(argv=None):
     ap.add_argument("--K", type=int, default=20, help="steps the error is carried in the momentum (table 2)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", default="quartet2", help="fullstack_fp4 policy preset of the NVFP4 gradients")
+    ap.add_argument("--policy", default="quartet2",
+                    help="policy of the NVFP4 gradients: a preset name or a policy .toml (e.g. "
+                         "configs/policy_quartet2_fwd_only.toml / _bwd_only.toml to split forward and backward)")
     ap.add_argument("--per-matrix", action="store_true", help="one row per matrix instead of per shape")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -251,12 +263,14 @@ def main(argv=None):
         t = time.perf_counter()
         runs[kind] = train(kind, tokens, args.steps, args.seed, args.lr)
         times[f"train {kind}"] = time.perf_counter() - t
+        log(f"trained {kind}: {times[f'train {kind}']:.0f} s")
 
     from fp4compile.train.distributed import resolve_backend
+    from fp4compile.train.loop import load_policy
 
     net4 = copy.deepcopy(runs["root"][0])
     fp4 = torch.compile(net4, backend=resolve_backend("fullstack_fp4"), dynamic=False,
-                        options={"policy": args.policy, "debug": True})
+                        options={"policy": load_policy(args.policy), "debug": True})
     params4 = block_mats(net4)
     results, shapes, info = {}, {}, {}
     for kind, (net, opt, batches, train_loss) in runs.items():
@@ -271,21 +285,24 @@ def main(argv=None):
         loss4, g4s = [], []
         for r in range(args.draws):
             l4, g4 = grads(fp4, params4, x, y, seed=1000 + r)
+            log(f"{kind}: NVFP4 gradient {r + 1}/{args.draws} at {time.perf_counter() - t0:.0f} s")
             loss4.append(l4)
             g4s.append(g4)
         _, g4p = grads(fp4, params4, xp, yp, seed=2000)
         xi = {n: g4p[n] - gp[n] for n in params}
         # how much of the NVFP4 error is the same in every draw (forward RTN, ...) vs fresh randomness
-        cos = []
+        # and how much is shared by two batches (the same weights): a shared part adds up in the momentum
+        cos, cos_b = [], []
+        cosine = lambda a, b: float((a * b).sum() / (a.norm() * b.norm()))     # noqa: E731
         for n in params:
+            cos_b.append(cosine(g4s[0][n] - g[n], xi[n]))
             if len(g4s) > 1:
-                a, b = g4s[0][n] - g[n], g4s[1][n] - g[n]
-                cos.append(float((a * b).sum() / (a.norm() * b.norm())))
+                cos.append(cosine(g4s[0][n] - g[n], g4s[1][n] - g[n]))
         metric = root_metrics if kind == "root" else adamw_metrics
         results[kind] = metric(opt, params, g, g4s, xi, args.K, args.seed + 7)
         add_ratios(results[kind])
         info[kind] = dict(train_loss=train_loss, loss=loss, loss4=sum(loss4) / len(loss4),
-                          cos=sum(cos) / len(cos) if cos else float("nan"))
+                          cos=sum(cos) / len(cos) if cos else float("nan"), cos_b=sum(cos_b) / len(cos_b))
         times[f"nvfp4 grads {kind}"] = time.perf_counter() - t
 
     R = dict(grouped(results["root"], shapes, args.per_matrix))
@@ -322,10 +339,12 @@ def main(argv=None):
     for lab, r in R.items():
         print(f"| {lab} | {r['bot_u']:.3f} | {r['bot_du']:.3f} | **{r['bot_dO']:.3f}** | {r['rel_top']:.3f} | "
               f"{r['rel_bot']:.3f} |")
-    rm, am = R["**mean**"], A["**mean**"]
+    rm = R["**mean**"]
     print(f"\nChecks: ROOT e_O with FP32 NS products {rm['e_O32']:.3f} (BF16 NS {rm['e_O']:.3f}; BF16 vs FP32 NS "
           f"of the same input {rm['bf16_vs_fp32_ns']:.3f}). Cosine between two draws' gradient errors: ROOT run "
-          f"{info['root']['cos']:.2f}, AdamW run {info['adamw']['cos']:.2f} (1 = deterministic error).")
+          f"{info['root']['cos']:.2f}, AdamW run {info['adamw']['cos']:.2f} (1 = deterministic error); between the "
+          f"errors of two batches: ROOT run {info['root']['cos_b']:.2f}, AdamW run {info['adamw']['cos_b']:.2f} "
+          "(table 2 assumes 0).")
     for kind in ("root", "adamw"):
         i = info[kind]
         print(f"{kind}: train loss (last 10 steps) {i['train_loss']:.3f}; eval batch loss FP32 {i['loss']:.4f}, "
