@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -92,20 +92,6 @@ lora_next)
   ( export CUDA_VISIBLE_DEVICES=1
     step seed1 520 python bench/study.py --size 30m --arms bf16,quartet2 --out .study_seed1 --tokens 100e6 \
         --skip-data --time-budget 510 --export "$OUT/seed1" -- --seed 1 ) &
-  wait ;;
-qroot_next)
-  # issue 7's next arms, one call on an nvidia-h200-x2 (~7 min; carry .data/corpus, .data/gpt2.tiktoken): the
-  # full stack with Q-Root's NS on Polar Express coefficients (GPU 0), and with those plus 4/6 NS operands
-  # (GPU 1): the two NS settings closest to the BF16 NS in bench/ns_quality.py. Compare with docs/RESULTS.md's
-  # qroot and bf16root rows (same seed and data order); the NS now runs as CUDA graphs.
-  step data 60 python bench/study.py --data-only
-  ( export CUDA_VISIBLE_DEVICES=0
-    step qroot_pe 540 python bench/study.py --size 30m --arms qroot --out .study_qroot_pe --tokens 100e6 \
-        --skip-data --time-budget 530 --export "$OUT/qroot_pe" -- --ns-schedule polar_express ) &
-  ( export CUDA_VISIBLE_DEVICES=1
-    step qroot_pe46 540 python bench/study.py --size 30m --arms qroot --out .study_qroot_pe46 --tokens 100e6 \
-        --skip-data --time-budget 530 --export "$OUT/qroot_pe46" -- --ns-schedule polar_express \
-        --policy configs/policy_full_stack_ns46.toml ) &
   wait ;;
 qroot_shift)
   # issue 7 with the identity-shifted NVFP4 NS (QRoot's ns_shift, default since session 6), one call on an
