@@ -130,6 +130,8 @@ root_fb)
   step data 60 python bench/study.py --data-only
   for half in "${halves[@]}"; do
     ( [ $half = "${halves[0]}" ] && export CUDA_VISIBLE_DEVICES=0 || export CUDA_VISIBLE_DEVICES=1
+      [ "$half" = fwd_weight ] && step gpu_tests_one_operand 120 python -m pytest -m gpu -q -x -p no:cacheprovider \
+          tests/test_backend.py -k one_operand
       step "root_$half" $((b + 20)) python bench/study.py --size 30m --arms bf16root --out ".study_root_$half" \
           --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/root_$half" -- --backend fullstack_fp4 \
           --policy "configs/policy_quartet2_${half}_only.toml" ) &

@@ -616,3 +616,35 @@ def test_one_operand_spec_is_fprop_only_and_validated():
     compiled = torch.compile(nn.Linear(32, 32), backend="fullstack_fp4", options={"policy": policy})
     with pytest.raises(Exception, match="applies to linear.fprop only"):
         compiled(torch.randn(16, 32, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("operands", ["weight", "activation"])
+def test_gpu_fprop_one_operand_under_cuda_graphs(operands):
+    """NVFP4(operands=...) on CUDA through Inductor with CUDA graphs (how `fp4compile train` runs it): the
+    output equals the BF16 GEMM of the dequantized operand to BF16 GEMM tolerance, and the gradients are the
+    plain model's (straight-through; backward roles BF16)."""
+    torch.manual_seed(0)
+    spec = NVFP4("rtn", four_over_six=True, operands=operands)
+    policy = Policy((), "one-operand").override("*", spec, role="linear.fprop")
+    model = nn.Linear(256, 128).cuda().bfloat16()
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "mode": "reduce-overhead"})
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def fq(t):
+        q = torch.ops.fp4compile.quantize(t, "rtn", True, False, 0, None, None, False)
+        return torch.ops.fp4compile.dequantize(*q, 0, None, t.dtype)
+
+    w, b = plain.weight.detach(), plain.bias.detach()
+    ref = (x @ fq(w).T + b) if operands == "weight" else (fq(x) @ w.T + b)
+    for _ in range(3):                                   # warm-up, capture, replay
+        xg = x.clone().requires_grad_()
+        model.zero_grad()
+        y = compiled(xg)
+        y.float().sum().backward()
+    assert rel(y.detach(), ref) < 1e-2 and rel(y.detach(), plain(x).detach()) > 1e-3
+    xp = x.clone().requires_grad_()
+    plain(xp).float().sum().backward()
+    assert rel(xg.grad, xp.grad) < 1e-2 and rel(model.weight.grad, plain.weight.grad) < 1e-2
