@@ -218,17 +218,23 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=
             def square(E):
                 qE = _q(E[0], spec, signs, seed=seed())
                 return _qgemm(qE, qE)[None]
-            Bs, beta = _shifted_poly(A.unsqueeze(0), b, c, square)
-            qB = _q(Bs[0], spec, signs, seed=seed())
-            qxt = _q(x, spec, signs, transpose=True, seed=seed())
-            x = ((a + beta[0]) * x.float() + _qgemm(qB, qxt).float()).to(x.dtype)
-            continue
-        qA = _q(A, spec, signs, seed=seed())                 # along m; A symmetric: A·A = A·Aᵀ
-        B = b * A + c * _qgemm(qA, qA)
+            B, beta = _shifted_poly(A.unsqueeze(0), b, c, square)
+            B, beta = B[0], beta[0]
+        else:
+            qA = _q(A, spec, signs, seed=seed())             # along m; A symmetric: A·A = A·Aᵀ
+            B, beta = b * A + c * _qgemm(qA, qA), None
         qB = _q(B, spec, signs, seed=seed())                 # rows of B along m
         qxt = _q(x, spec, signs, transpose=True, seed=seed())  # Xᵀ rows along m
-        x = a * x + _qgemm(qB, qxt)                          # B·X = qB · qxtᵀ  [m, n]
+        x = _ns_update(x, a, beta, _qgemm(qB, qxt))          # B·X = qB · qxtᵀ  [m, n]
     return x
+
+
+def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torch.Tensor) -> torch.Tensor:
+    """The NS step's new iterate from the product ``BX``: ``a X + BX`` (BF16 arithmetic, the unshifted form), or,
+    with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype."""
+    if beta is None:
+        return a * X + BX
+    return ((a + beta) * X.float() + BX.float()).to(X.dtype)
 
 
 def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
@@ -335,16 +341,13 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             def square(E):
                 qE = qfn(E, spec, signs, seed())             # E symmetric, like A
                 return product(qE, qE)
-            Bs, beta = _shifted_poly(A, b, c, square)
-            qB = qfn(Bs, spec, signs, seed())
-            qxt = qfn(X.mT.contiguous(), spec, signs, seed())
-            X = ((a + beta) * X.float() + product(qB, qxt).float()).to(X.dtype)
-            continue
-        qA = qfn(A, spec, signs, seed())                     # along m; A symmetric: A·A = A·Aᵀ
-        B = b * A + c * product(qA, qA)
+            B, beta = _shifted_poly(A, b, c, square)         # B here is Bs = B - beta I
+        else:
+            qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
+            B, beta = b * A + c * product(qA, qA), None
         qB = qfn(B, spec, signs, seed())                     # rows of B along m
         qxt = qfn(X.mT.contiguous(), spec, signs, seed())    # Xᵀ [S, n, m], rows along m
-        X = a * X + product(qB, qxt)                         # B·X = qB · qxtᵀ  [S, m, n]
+        X = _ns_update(X, a, beta, product(qB, qxt))         # B·X = qB · qxtᵀ  [S, m, n]
     return X
 
 

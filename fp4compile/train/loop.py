@@ -136,10 +136,9 @@ class TrainConfig:
             from ..optim.root import SCHEDULES as NS_SCHEDULES
 
             one_of("ns_schedule", NS_SCHEDULES)
-            if not self.optimizer.startswith("qroot"):
-                raise ValueError(f"ns_schedule is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
-        if self.ns_shift is not None and not self.optimizer.startswith("qroot"):
-            raise ValueError(f"ns_shift is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
+        for name, value in self._root_group_settings().items():
+            if value is not None and not self.optimizer.startswith("qroot"):
+                raise ValueError(f"{name} is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
         if self.parallel != "fsdp2" and (not self.fsdp_reshard or self.fsdp_bf16_params):
             raise ValueError("fsdp_reshard / fsdp_bf16_params are FSDP2 settings; they need parallel='fsdp2'")
         if self.lora and self.parallel == "fsdp2":
@@ -167,6 +166,10 @@ class TrainConfig:
         if self.backend in ("eager", "aot_eager", "none"):
             return f"it needs a compiling backend (inductor or fullstack_fp4), not {self.backend!r}"
         return None
+
+    def _root_group_settings(self) -> Dict[str, Any]:
+        """QRoot's Root-group keys this config sets (None: QRoot's default)."""
+        return {"ns_schedule": self.ns_schedule, "ns_shift": self.ns_shift}
 
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
@@ -360,11 +363,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
     hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
     ids = {id(p) for p in hidden}
-    root_group = {"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay, "lr": cfg.matrix_lr or cfg.lr}
-    if cfg.ns_schedule is not None:
-        root_group["ns_schedule"] = cfg.ns_schedule
-    if cfg.ns_shift is not None:
-        root_group["ns_shift"] = cfg.ns_shift
+    root_group = {"params": hidden, "use_root": True, "weight_decay": cfg.weight_decay, "lr": cfg.matrix_lr or cfg.lr,
+                  **{k: v for k, v in cfg._root_group_settings().items() if v is not None}}
     groups = [root_group,
               {"params": [p for p in matrices if id(p) not in ids], "use_root": False,
                "weight_decay": cfg.weight_decay},
