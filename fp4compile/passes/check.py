@@ -19,7 +19,8 @@ from torch.fx import Graph
 
 from ..policy import NVFP4
 from .common import GEMMS
-from .linear import DEQUANT, DEQUANT_BLOCKS, GEMM, MM_F32, site_of
+from .linear import DEQUANT_BLOCKS, GEMM, MM_F32, site_of
+from .reuse import DEQUANTIZE
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:
@@ -42,7 +43,7 @@ def has_fp4_operand(n) -> bool:
     for a in n.args[-2:]:
         if a.op == "call_function" and a.target is torch.ops.aten.permute.default:
             a = a.args[0]
-        if a.op == "call_function" and a.target is DEQUANT:
+        if a.op == "call_function" and a.target is DEQUANTIZE:
             return True
     return False
 

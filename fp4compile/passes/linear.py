@@ -44,7 +44,6 @@ from .reuse import QSpec, QuantCache
 from ..ops import _define
 
 GEMM = torch.ops.fp4compile.gemm.default
-DEQUANT = torch.ops.fp4compile.dequantize.default
 DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
 MM_F32 = torch.ops.fp4compile.mm_f32.default
 
@@ -305,14 +304,12 @@ def _rewrite_one_operand(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCach
     signs = _signs(graph, src, spec)
     q = cache.forward_copy(g.site, "w" if is_w else "x", src, tr, qspecs[1] if is_w else qspecs[0], signs,
                            is_weight=is_w)
-    deq = add_call(graph, DEQUANT, (q.codes, q.scales, q.glob, spec.hadamard or 0, signs, val(n).dtype),
-                   before=n, anchor=n)
-    new = [deq]
+    new = [cache.dequantize(q)]                  # one per copy: a copy shared by several sites is dequantized once
     if pos == 1:       # the second GEMM operand is [K, N]; its copy, quantized along K, holds the transpose
         # (aten.permute, not aten.t: Inductor decomposes t and refuses it as a graph node)
-        new.append(add_call(graph, torch.ops.aten.permute.default, (deq, [1, 0]), before=n, anchor=n))
+        new.append(add_call(graph, torch.ops.aten.permute.default, (new[0], [1, 0]), before=n, anchor=n))
+        _copy_meta(n, new[-1])
     for m in new:
-        _copy_meta(n, m)
         cache.recompute(m)                       # transient bf16 operand: never saved for backward
     args = list(n.args)
     args[len(args) - 2 + pos] = new[-1]
