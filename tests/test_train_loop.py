@@ -251,6 +251,21 @@ def test_qroot_ns_shift_reaches_the_root_group():
         L.TrainConfig(optimizer="adamw", ns_shift=False).validate()
 
 
+def test_qroot_ns_steps_reaches_the_root_group():
+    """--ns-steps sets QRoot's ns_steps on the Root group (None keeps 5); QRoot validates it; other optimizers
+    refuse it."""
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    for value, expect in ((None, 5), (2, 2)):
+        cfg = L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", ns_steps=value)
+        cfg.validate()
+        roots = [g for g in L.build_optimizer(model, cfg, None).param_groups if g["use_root"]]
+        assert len(roots) == 1 and roots[0]["ns_steps"] == expect
+    with pytest.raises(ValueError, match="ns_steps"):
+        L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", ns_steps=0), None)
+    with pytest.raises(ValueError, match="ns_steps"):
+        L.TrainConfig(optimizer="adamw", ns_steps=2).validate()
+
+
 def test_logged_lr_is_the_lr_flag_not_qroots_matrix_lr(tmp_path):
     L.train(tiny_cfg(tmp_path, steps=3, val_data="", optimizer="qroot+adamw", lr=3e-3, matrix_lr=0.05,
                      warmup_steps=2, schedule="constant"))

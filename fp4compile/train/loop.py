@@ -82,6 +82,7 @@ class TrainConfig:
     matrix_lr: Optional[float] = None         # QRoot's LR for hidden matrices (default: lr)
     ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
     ns_shift: Optional[bool] = None           # QRoot's identity-shifted NVFP4 NS products (None: QRoot's default, on)
+    ns_steps: Optional[int] = None            # QRoot's Newton–Schulz steps per update (None: QRoot's default, 5)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
@@ -169,7 +170,7 @@ class TrainConfig:
 
     def _root_group_settings(self) -> Dict[str, Any]:
         """QRoot's Root-group keys this config sets (None: QRoot's default)."""
-        return {"ns_schedule": self.ns_schedule, "ns_shift": self.ns_shift}
+        return {"ns_schedule": self.ns_schedule, "ns_shift": self.ns_shift, "ns_steps": self.ns_steps}
 
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
