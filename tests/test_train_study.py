@@ -82,3 +82,44 @@ def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_pat
     assert "--compile-mode" not in calls[0]
     assert calls[1][-2:] == ["--compile-mode", "default"]
     assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out
+
+
+def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_path):
+    """bench/ptq_eval.py: its BF16 evaluation of a finished run's checkpoint equals the run's own final val
+    loss, and the NVFP4-forward policies change the loss (by little: a 4-bit forward, not a broken model)."""
+    from fp4compile.train.loop import TrainConfig, train
+
+    spec = importlib.util.spec_from_file_location("ptq_eval", ROOT / "bench" / "ptq_eval.py")
+    ptq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ptq)
+    run = tmp_path / "run"
+    cfg = TrainConfig(model="cpu", tokenizer="bytes", train_data="stdlib", val_data="stdlib:val", batch_size=4,
+                      seq_len=64, steps=4, warmup_steps=1, eval_batches=2, log_interval=1, backend="aot_eager",
+                      policy="bf16", optimizer="qroot+adamw", out_dir=str(run), progress=False, device="cpu")
+    result = train(cfg)
+    import torch
+
+    res, step = ptq.evaluate_run(run, ["bf16", "quartet2", "W"], torch.device("cpu"))
+    assert step == 4 and set(res["bf16"]) == {"train-next", "val"}
+    assert res["bf16"]["val"] == pytest.approx(result.summary["val_loss"], rel=1e-6)
+    for name in ("quartet2", "W"):
+        for s in ("train-next", "val"):
+            assert res[name][s] != res["bf16"][s]
+            assert abs(res[name][s] / res["bf16"][s] - 1) < 0.05
+    assert "| quartet2 |" in ptq.table(run, res, step)
+
+    # bench/root_fragility.py on the same run: eager evaluation reproduces the val loss; NVFP4 RTN + 4/6 has
+    # the relative error of a 4-bit format on every layer; every whole-model perturbation changes the loss
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("root_fragility", ROOT / "bench" / "root_fragility.py")
+    frag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frag)
+    r = frag.analyse(run, "val", 1, torch.device("cpu"))
+    assert r["base_loss"] == pytest.approx(res["bf16"]["val"], rel=1e-4)
+    assert len(r["per_layer"]) == 16                     # 4 blocks x (qkv, attn proj, fc, mlp proj)
+    for row in r["per_layer"].values():
+        assert 0.05 < row["eW"] < 0.15 and 0.05 < row["eX"] < 0.15 and row["srank"] >= 1
+    assert all(v != 0 and abs(v) < 0.05 for v in r["whole"].values())
+    assert "| whole model |" in frag.report(r)
