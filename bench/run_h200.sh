@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -135,6 +135,60 @@ root_fb)
       step "root_$half" $((b + 20)) python bench/study.py --size 30m --arms bf16root --out ".study_root_$half" \
           --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/root_$half" -- --backend fullstack_fp4 \
           --policy "configs/policy_quartet2_${half}_only.toml" ) &
+  done
+  wait ;;
+root_fix)
+  # candidate fixes for NVFP4 linears under ROOT, seed 0, 100M tokens, one call on an nvidia-h200-x2 (session 7):
+  # three arms at a time on each GPU (each arm's own process; a 30M arm uses ~17 GiB and leaves the GPU
+  # unsaturated), BUDGET seconds each (default 500); compare with bf16root (RESULTS.md §1: train 2.2123)
+  b=${2:-500}
+  q2=(-- --backend fullstack_fp4 --policy)
+  arms0=("q2_fwd_rht:configs/policy_quartet2_fwd_rht.toml" "q2_last_bf16:configs/policy_quartet2_last_block_bf16.toml"
+         "q2_mlr1e-3:quartet2 --matrix-lr 1e-3")
+  arms1=("bf16root_mlr1e-3:bf16 --backend inductor --matrix-lr 1e-3" "full_fwd_rht:configs/policy_full_stack_fwd_rht.toml"
+         "q2_fwd_rht16:configs/policy_quartet2_fwd_rht16.toml")
+  step data 60 python bench/study.py --data-only
+  run_arm() { local gpu=$1 name=${2%%:*} rest=${2#*:}
+    CUDA_VISIBLE_DEVICES=$gpu step "fix_$name" $((b + 40)) python bench/study.py --size 30m --arms bf16root \
+        --out ".study_fix_$name" --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fix_$name" \
+        "${q2[@]}" $rest; }
+  for a in "${arms0[@]}"; do run_arm 0 "$a" & done
+  for a in "${arms1[@]}"; do run_arm 1 "$a" & done
+  wait ;;
+ptq)
+  # is a ROOT-trained model more fragile under an NVFP4 forward than an AdamW-trained one? (session 7; ~5 min on
+  # an nvidia-h200-x2): train bf16root (GPU 0) and bf16 (GPU 1), 30M / 100M tokens, seed 0, then evaluate each
+  # final checkpoint post hoc with bench/ptq_eval.py (BF16, NVFP4 forward, weight-only, activation-only);
+  # "ptq fragility": bench/root_fragility.py instead (per-layer errors, sensitivities, same-norm noise)
+  step data 60 python bench/study.py --data-only
+  i=0
+  for arm in bf16root bf16; do
+    ( export CUDA_VISIBLE_DEVICES=$i
+      step "ptq_train_$arm" 280 python bench/study.py --size 30m --arms $arm --out .study_ptq --tokens 100e6 \
+          --skip-data --time-budget 260 --export "$OUT/ptq_$arm"
+      if [ "${2:-}" = fragility ]; then
+        step "fragility_$arm" 240 python bench/root_fragility.py ".study_ptq/30m/$arm" --json "$OUT/fragility_$arm.json"
+      else
+        step "ptq_eval_$arm" 240 python bench/ptq_eval.py ".study_ptq/30m/$arm" --json "$OUT/ptq.jsonl"
+      fi ) &
+    i=$((i + 1))
+  done
+  wait ;;
+ns_soft)
+  # does a softer orthogonalization (fewer NS steps: the weak singular directions are not raised all the way to
+  # 1) leave ROOT-trained weights less fragile under an NVFP4 forward? (session 7; ~5 min on an nvidia-h200-x2)
+  # 60M tokens, seed 0: GPU 0 trains bf16root with 5 and 2 NS steps, then root_fragility.py on both; GPU 1
+  # trains NVFP4 linears (quartet2) + ROOT with 5 and 2 NS steps
+  step data 60 python bench/study.py --data-only
+  for gpu in 0 1; do
+    ( export CUDA_VISIBLE_DEVICES=$gpu
+      for ns in 5 2; do
+        extra=(--ns-steps $ns); [ $gpu = 1 ] && extra+=(--backend fullstack_fp4 --policy quartet2)
+        step "ns${ns}_gpu$gpu" 180 python bench/study.py --size 30m --arms bf16root --out ".study_ns${ns}_gpu$gpu" \
+            --tokens 60e6 --skip-data --time-budget 170 --export "$OUT/ns${ns}_gpu$gpu" -- "${extra[@]}"
+      done
+      [ $gpu = 0 ] && step fragility_ns 60 python bench/root_fragility.py .study_ns5_gpu0/30m/bf16root \
+          .study_ns2_gpu0/30m/bf16root --json "$OUT/fragility_ns.json" ) &
   done
   wait ;;
 fsdp_sweep)
