@@ -453,3 +453,41 @@ def test_gpu_cuda_graph_runs_match_default_mode(tmp_path, backend, policy):
     vb = [r["val_loss"] for r in L.read_metrics(tmp_path / "cg") if "val_loss" in r]
     assert len(va) == len(vb) == 2 and vb == pytest.approx(va, rel=tol)
     assert cg.summary["status"] == "done"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "qroot+adamw"])
+def test_resume_applies_changed_hyperparameters(tmp_path, optimizer):
+    """A resumed run uses its own config's LR (and the other SOFT optimizer settings), not the checkpoint's:
+    resuming with --lr 0 (constant schedule) leaves the weights exactly where the checkpoint had them.
+    (torch's Optimizer.load_state_dict keeps the saved groups' values; before the fix the run warned about the
+    changed LR and went on training with the old one.)"""
+    from safetensors.torch import load_file
+
+    base = dict(val_data="", schedule="constant", warmup_steps=1, ckpt_interval=2, log_interval=1,
+                optimizer=optimizer, policy="bf16")
+    L.train(tiny_cfg(tmp_path, steps=2, **base))
+    w2 = load_file(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    with pytest.warns(UserWarning, match="lr: 0.003 -> 0.0"):
+        L.train(tiny_cfg(tmp_path, steps=4, resume=True, **{**base, "lr": 0.0}))
+    w4 = load_file(str(tmp_path / "run" / "checkpoint" / "model.safetensors"))
+    assert w2.keys() == w4.keys() and all(torch.equal(w2[k], w4[k]) for k in w2)
+
+
+def test_reapply_group_settings_after_loading_an_optimizer_state():
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    old = L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", lr=3e-3, weight_decay=0.1)
+    new = L.TrainConfig(model="tiny", optimizer="qroot+adamw", policy="bf16", lr=1e-3, matrix_lr=2e-3,
+                        weight_decay=0.0, beta2=0.99, ns_steps=3)
+    saved = L.build_optimizer(model, old, None).state_dict()
+    opt = L.build_optimizer(model, new, None)
+    schedule = L.LRSchedule(opt, new)
+    settings = L.config_group_settings(opt)
+    opt.load_state_dict(saved)
+    schedule.load_state_dict({"base_lrs": [3e-3] * len(opt.param_groups)})
+    assert opt.param_groups[0]["weight_decay"] == 0.1                 # what load_state_dict leaves
+    L.reapply_group_settings(opt, schedule, settings)
+    root = [g for g in opt.param_groups if g["use_root"]][0]
+    assert root["ns_steps"] == 3 and root["weight_decay"] == 0.0 and root["betas"] == (0.9, 0.99)
+    assert schedule.base_lrs == [2e-3, 1e-3, 1e-3]                    # matrix_lr for the Root group
+    with pytest.raises(L.CheckpointError, match="param groups"):
+        L.reapply_group_settings(opt, schedule, settings[:1])

@@ -471,7 +471,11 @@ def peak_memory_mib(device: torch.device) -> float:
 STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora_rank", "dtype")
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
-        "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "grad_clip")
+        "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
+        "ns_schedule", "ns_shift", "ns_steps")
+#: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps and
+#: QRoot's NS settings); a resumed run takes them from its config, not from the checkpoint's optimizer state
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "ns_schedule", "ns_shift", "ns_steps")
 
 
 class CheckpointError(RuntimeError):
@@ -559,6 +563,26 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
         raise CheckpointError(f"optimizer state in {spath} does not fit the optimizer: {e}") from e
     restore_schedule_and_rng(schedule, state)
     return state
+
+
+def config_group_settings(optimizer) -> List[Dict[str, Any]]:
+    """Each param group's ``GROUP_SETTINGS`` as the optimizer was built from the config (an LR as a float)."""
+    return [{k: (float(g[k]) if k == "lr" and torch.is_tensor(g[k]) else g[k]) for k in GROUP_SETTINGS if k in g}
+            for g in optimizer.param_groups]
+
+
+def reapply_group_settings(optimizer, schedule, settings: List[Dict[str, Any]]) -> None:
+    """After a checkpoint's optimizer state is loaded: put back the config's hyper-parameters (``settings`` from
+    :func:`config_group_settings` taken before loading) and the schedule's base LRs. ``load_state_dict`` keeps
+    the *saved* groups' values, so without this a resumed run would warn about a changed ``--lr`` or
+    ``--weight-decay`` (``SOFT``) and silently keep the old one. Unchanged settings give the same values back,
+    so an uninterrupted resume stays bit-exact."""
+    if len(settings) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(optimizer.param_groups)} param groups, this run's "
+                              f"{len(settings)}")
+    for g, fresh in zip(optimizer.param_groups, settings):
+        g.update({k: v for k, v in fresh.items() if k != "lr"})     # the LR: set by the schedule every step
+    schedule.base_lrs = [fresh["lr"] for fresh in settings]
 
 
 def restore_schedule_and_rng(schedule, state: dict) -> None:
@@ -737,11 +761,13 @@ def train(cfg: TrainConfig) -> RunResult:
         if ckpt_dir.exists() or (out_dir / "checkpoint.old").exists():
             if not ckpt_dir.exists():                 # crashed between the two renames of save_checkpoint
                 (out_dir / "checkpoint.old").rename(ckpt_dir)
+            settings = config_group_settings(optimizer)
             if denv is not None or (ckpt_dir / ".metadata").exists():
                 from . import distributed as DP
                 state = DP.load_train_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
             else:
                 state = load_checkpoint(ckpt_dir, model, optimizer, schedule, cfg)
+            reapply_group_settings(optimizer, schedule, settings)
             start_step = resume_step = state["step"]
             if lora_handle is not None:
                 load_lora_state(lora_handle, state["lora"])
