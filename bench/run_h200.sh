@@ -139,8 +139,9 @@ root_fb)
   wait ;;
 root_fix)
   # candidate fixes for NVFP4 linears under ROOT, seed 0, 100M tokens, one call on an nvidia-h200-x2 (session 7):
-  # three arms at a time on each GPU (each arm's own process; a 30M arm uses ~17 GiB and leaves the GPU
-  # unsaturated), BUDGET seconds each (default 500); compare with bf16root (RESULTS.md §1: train 2.2123)
+  # three arms at a time on each GPU (each arm's own process), BUDGET seconds each (default 500); compare with
+  # bf16root (RESULTS.md §1: train 2.2123). Measured: sharing a GPU made each arm ~3x slower (a 30M step
+  # already fills an H200), so with 500 s the arms stop at steps ~850-1,000 of 1,525
   b=${2:-500}
   q2=(-- --backend fullstack_fp4 --policy)
   arms0=("q2_fwd_rht:configs/policy_quartet2_fwd_rht.toml" "q2_last_bf16:configs/policy_quartet2_last_block_bf16.toml"
@@ -178,7 +179,7 @@ ns_soft)
   # does a softer orthogonalization (fewer NS steps: the weak singular directions are not raised all the way to
   # 1) leave ROOT-trained weights less fragile under an NVFP4 forward? (session 7; ~5 min on an nvidia-h200-x2)
   # 60M tokens, seed 0: GPU 0 trains bf16root with 5 and 2 NS steps, then root_fragility.py on both; GPU 1
-  # trains NVFP4 linears (quartet2) + ROOT with 5 and 2 NS steps
+  # trains NVFP4 linears (quartet2) + ROOT with 5 and 2 NS steps (these two stop at steps ~600-700 of 915)
   step data 60 python bench/study.py --data-only
   for gpu in 0 1; do
     ( export CUDA_VISIBLE_DEVICES=$gpu
