@@ -18,6 +18,9 @@ is rebuilt from the run's own config, its final weights loaded, and evaluated wi
   {weight,activation}_only.toml``);
 - any other name: a preset or a policy file.
 
+A LoRA-SVD run (``--lora``) is rebuilt with its low-rank branch; every policy above keeps the branch's factors
+in BF16 (``*.lora_[ab]``), so NVFP4 reaches the residual weights and their inputs only.
+
 Three sets of the run's ``eval_batches`` batches each: ``val`` and ``brown`` (as the run's own evals) and
 ``train-next`` (the batches of the training stream just after the last trained step: in-distribution text; a
 run past one epoch has seen it once before). ``bf16`` reproduces the run's own final val loss.
@@ -85,10 +88,11 @@ def load_run(run_dir: Path, device: torch.device):
         model = GPT(mcfg).to(device)
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
+        if cfg.lora:
+            L.apply_lora(model, cfg)             # the LoRA-SVD layout; the checkpoint then sets its values
         missing, unexpected = load_model(model, str(run_dir / "checkpoint" / "model.safetensors"), strict=False)
         if missing or unexpected:
-            raise SystemExit(f"{run_dir}: checkpoint does not fit the model ({missing}, {unexpected}); LoRA runs "
-                             "are not supported here")
+            raise SystemExit(f"{run_dir}: checkpoint does not fit the model ({missing}, {unexpected})")
         return model
 
     return cfg, make_model, sets, state["step"], autocast

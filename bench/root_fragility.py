@@ -21,6 +21,11 @@ MLP proj):
 - ``kW``: excess kurtosis of W's elements; ``srank``: stable rank ||W||_F^2 / ||W||_2^2 of W;
 - ``dLw``, ``dLx``: relative loss increase when only this layer's W, only its X is quantized.
 
+A LoRA-SVD layer (``W = W_res + beta L2 L1``, the factors in BF16) quantizes only the residual GEMM: "W" is
+``W_res`` and "X" the residual's input (the branch keeps the exact input); ``eW`` is relative to ``W_res``, the
+output errors to the whole layer's output, ``srank`` is the merged weight's, and ``res`` = ||W_res|| / ||W||
+(1 for a plain layer) is the share of the weight that stays in NVFP4.
+
 And for the whole model (relative loss increase over the ``--set`` batches): every W quantized; every W
 perturbed by Gaussian noise of the same Frobenius norm as its quantization error (``--draws`` draws); every X
 quantized; every X perturbed by Gaussian noise of its quantization error's norm (per call, per tensor).
@@ -34,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,26 +60,40 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def merged(m) -> torch.Tensor:
+    """The layer's whole weight (``W_res + beta L2 L1`` for a LoRA-SVD layer), FP32."""
+    return m.merged_weight().float() if hasattr(m, "merged_weight") else m.weight.detach().float()
+
+
 class Perturb:
-    """Forward pre-hooks replacing chosen layers' inputs: by their NVFP4 copy (``mode="q"``) or by the input
-    plus Gaussian noise of the same norm as its quantization error (``mode="noise"``)."""
+    """Replace the NVFP4 GEMM input of chosen layers: by its NVFP4 copy (``mode="q"``) or by the input plus
+    Gaussian noise of the same norm as its quantization error (``mode="noise"``). A plain linear gets a
+    forward pre-hook; a LoRA-SVD layer an instance ``forward`` in which only the residual GEMM sees it."""
 
     def __init__(self, layers, mode: str, gen: torch.Generator):
-        self.mode, self.gen = mode, gen
-        self.handles = [m.register_forward_pre_hook(self.hook) for m in layers]
+        self.mode, self.gen, self.handles, self.patched = mode, gen, [], []
+        for m in layers:
+            if hasattr(m, "lora_a"):
+                m.forward = (lambda x, m=m: F.linear(self.perturb(x), m.weight, m.bias)
+                             + m.lora_b(m.lora_a(x) * m.beta))
+                self.patched.append(m)
+            else:
+                self.handles.append(m.register_forward_pre_hook(lambda mod, args: (self.perturb(args[0]),)
+                                                                + args[1:]))
 
-    def hook(self, module, args):
-        x = args[0]
+    def perturb(self, x: torch.Tensor) -> torch.Tensor:
         xq = qdq(x)
         if self.mode == "q":
-            return (xq.to(x.dtype),) + args[1:]
+            return xq.to(x.dtype)
         err = (xq - x.float()).norm()
         n = torch.randn(x.shape, device=x.device, generator=self.gen)
-        return ((x.float() + n * (err / n.norm())).to(x.dtype),) + args[1:]
+        return (x.float() + n * (err / n.norm())).to(x.dtype)
 
     def remove(self):
         for h in self.handles:
             h.remove()
+        for m in self.patched:
+            del m.forward
 
 
 @torch.no_grad()
@@ -88,8 +108,8 @@ def analyse(run_dir: Path, set_name: str, draws: int, device: torch.device) -> d
         with autocast():
             return sum(float(model(x, y)) for x, y in data) / len(data)
 
-    layers = {name: m for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and name.startswith("blocks.")}
+    layers = {name: m for name, m in model.named_modules() if name.startswith("blocks.")
+              and (hasattr(m, "lora_a") or isinstance(m, torch.nn.Linear) and not name.endswith((".lora_a", ".lora_b")))}
     base = loss()
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -106,15 +126,16 @@ def analyse(run_dir: Path, set_name: str, draws: int, device: torch.device) -> d
     originals = {k: m.weight.detach().clone() for k, m in layers.items()}
     quantized = {k: qdq(w) for k, w in originals.items()}
     for k, m in layers.items():
-        w, wq, x = originals[k].float(), quantized[k], inputs[k].float()
+        w, wq, x, wm = originals[k].float(), quantized[k], inputs[k].float(), merged(m)
         x2 = x.reshape(-1, x.shape[-1])
         xq = qdq(x2)
-        y = x2 @ w.t()
-        w64 = w.double()
+        y = x2 @ wm.t()
+        w64 = wm.double()
         s = torch.linalg.svdvals(w64)
         z = (w64 - w64.mean()) / w64.std()
-        row = dict(eW=rel(wq, w), eX=rel(xq, x2), eYw=rel(x2 @ wq.t(), y), eYx=rel(xq @ w.t(), y),
-                   kW=float((z ** 4).mean() - 3), srank=float((s ** 2).sum() / s[0] ** 2))
+        row = dict(eW=rel(wq, w), eX=rel(xq, x2), eYw=float((x2 @ (wq - w).t()).norm() / y.norm()),
+                   eYx=float(((xq - x2) @ w.t()).norm() / y.norm()), kW=float((z ** 4).mean() - 3),
+                   srank=float((s ** 2).sum() / s[0] ** 2), res=float(w.norm() / wm.norm()))
         m.weight.copy_(wq.to(m.weight.dtype))
         row["dLw"] = loss() / base - 1
         m.weight.copy_(originals[k])
@@ -145,7 +166,7 @@ def analyse(run_dir: Path, set_name: str, draws: int, device: torch.device) -> d
 
 
 def report(r: dict) -> str:
-    cols = ("eW", "eX", "eYw", "eYx", "kW", "srank", "dLw", "dLx")
+    cols = ("eW", "eX", "eYw", "eYx", "kW", "srank", "res", "dLw", "dLx")
     lines = [f"{r['run']} (step {r['step']}, {r['set']} loss {r['base_loss']:.4f})",
              "| layer | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     pct = {"dLw", "dLx"}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -191,6 +191,25 @@ ns_soft)
       [ $gpu = 0 ] && step fragility_ns 60 python bench/root_fragility.py .study_ns5_gpu0/30m/bf16root \
           .study_ns2_gpu0/30m/bf16root --json "$OUT/fragility_ns.json" ) &
   done
+  wait ;;
+fragility_next)
+  # planned for session 8 (~7 min on an nvidia-h200-x2): bench/root_fragility.py on models trained *in* NVFP4:
+  # GPU 0 the study's quartet2 arm (AdamW), then NVFP4 linears under ROOT; GPU 1 the lora arm (does the BF16
+  # branch cut the output error: res, eYw?). 30M, 100M tokens, seed 0.
+  step data 60 python bench/study.py --data-only
+  frag() { step "fragility_$1" 60 python bench/root_fragility.py ".study_frag/30m/$2" --json "$OUT/fragility_$1.json"; }
+  ( export CUDA_VISIBLE_DEVICES=0
+    step train_quartet2 230 python bench/study.py --size 30m --arms quartet2 --out .study_frag --tokens 100e6 \
+        --skip-data --time-budget 220 --export "$OUT/frag_quartet2"
+    frag quartet2 quartet2
+    step train_q2root 230 python bench/study.py --size 30m --arms bf16root --out .study_frag_root --tokens 100e6 \
+        --skip-data --time-budget 220 --export "$OUT/frag_q2root" -- --backend fullstack_fp4 --policy quartet2
+    step fragility_q2root 60 python bench/root_fragility.py .study_frag_root/30m/bf16root \
+        --json "$OUT/fragility_q2root.json" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    step train_lora 260 python bench/study.py --size 30m --arms lora --out .study_frag --tokens 100e6 \
+        --skip-data --time-budget 250 --export "$OUT/frag_lora"
+    frag lora lora ) &
   wait ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]

@@ -84,20 +84,33 @@ def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_pat
     assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out
 
 
+def _bench_module(name):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny_run(run, **kw):
+    from fp4compile.train.loop import TrainConfig, train
+
+    cfg = TrainConfig(model="cpu", tokenizer="bytes", train_data="stdlib", val_data="stdlib:val", batch_size=4,
+                      seq_len=64, steps=4, warmup_steps=1, eval_batches=2, log_interval=1, backend="aot_eager",
+                      policy="bf16", out_dir=str(run), progress=False, device="cpu", **kw)
+    return train(cfg)
+
+
 def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_path):
     """bench/ptq_eval.py: its BF16 evaluation of a finished run's checkpoint equals the run's own final val
     loss, and the NVFP4-forward policies change the loss (by little: a 4-bit forward, not a broken model)."""
-    from fp4compile.train.loop import TrainConfig, train
-
-    spec = importlib.util.spec_from_file_location("ptq_eval", ROOT / "bench" / "ptq_eval.py")
-    ptq = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ptq)
-    run = tmp_path / "run"
-    cfg = TrainConfig(model="cpu", tokenizer="bytes", train_data="stdlib", val_data="stdlib:val", batch_size=4,
-                      seq_len=64, steps=4, warmup_steps=1, eval_batches=2, log_interval=1, backend="aot_eager",
-                      policy="bf16", optimizer="qroot+adamw", out_dir=str(run), progress=False, device="cpu")
-    result = train(cfg)
     import torch
+
+    ptq = _bench_module("ptq_eval")
+    run = tmp_path / "run"
+    result = _tiny_run(run, optimizer="qroot+adamw")
 
     res, step = ptq.evaluate_run(run, ["bf16", "quartet2", "W"], torch.device("cpu"))
     assert step == 4 and set(res["bf16"]) == {"train-next", "val"}
@@ -110,16 +123,40 @@ def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_pat
 
     # bench/root_fragility.py on the same run: eager evaluation reproduces the val loss; NVFP4 RTN + 4/6 has
     # the relative error of a 4-bit format on every layer; every whole-model perturbation changes the loss
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("root_fragility", ROOT / "bench" / "root_fragility.py")
-    frag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(frag)
+    frag = _bench_module("root_fragility")
     r = frag.analyse(run, "val", 1, torch.device("cpu"))
     assert r["base_loss"] == pytest.approx(res["bf16"]["val"], rel=1e-4)
     assert len(r["per_layer"]) == 16                     # 4 blocks x (qkv, attn proj, fc, mlp proj)
     for row in r["per_layer"].values():
-        assert 0.05 < row["eW"] < 0.15 and 0.05 < row["eX"] < 0.15 and row["srank"] >= 1
+        assert 0.05 < row["eW"] < 0.15 and 0.05 < row["eX"] < 0.15 and row["srank"] >= 1 and row["res"] == 1
     assert all(v != 0 and abs(v) < 0.05 for v in r["whole"].values())
     assert "| whole model |" in frag.report(r)
+
+
+def test_ptq_eval_and_fragility_of_a_lora_svd_run(tmp_path):
+    """A LoRA-SVD run is rebuilt with its branch (the BF16 evaluation reproduces its val loss); the fragility
+    analysis quantizes only the residual GEMM: the residual holds part of each weight (res < 1), and the
+    residual's input perturbation leaves the layers' own forward in place afterwards."""
+    import torch
+
+    ptq, frag = _bench_module("ptq_eval"), _bench_module("root_fragility")
+    run = tmp_path / "lora"
+    result = _tiny_run(run, optimizer="adamw", lora=True, lora_rank=8)
+    res, _ = ptq.evaluate_run(run, ["bf16", "quartet2"], torch.device("cpu"))
+    assert res["bf16"]["val"] == pytest.approx(result.summary["val_loss"], rel=1e-6)
+    assert res["quartet2"]["val"] != res["bf16"]["val"]
+    r = frag.analyse(run, "val", 1, torch.device("cpu"))
+    assert r["base_loss"] == pytest.approx(res["bf16"]["val"], rel=1e-4)
+    assert len(r["per_layer"]) == 16 and all(0 < row["res"] < 1 for row in r["per_layer"].values())
+    assert all(0.05 < row["eW"] < 0.15 for row in r["per_layer"].values())
+    cfg, make_model, *_ = ptq.load_run(run, torch.device("cpu"))
+    model = make_model()
+    lora = [m for m in model.modules() if hasattr(m, "lora_a")]
+    p = frag.Perturb(lora, "q", torch.Generator().manual_seed(0))
+    m, x = lora[0], torch.randn(2, lora[0].in_features)
+    with torch.no_grad():
+        branch = m.lora_b(m.lora_a(x) * m.beta)
+        assert torch.equal(m(x), torch.nn.functional.linear(frag.qdq(x), m.weight) + branch)
+        p.remove()
+        assert all("forward" not in vars(layer) for layer in lora)
+        assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight) + branch)
