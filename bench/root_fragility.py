@@ -108,8 +108,10 @@ def analyse(run_dir: Path, set_name: str, draws: int, device: torch.device) -> d
         with autocast():
             return sum(float(model(x, y)) for x, y in data) / len(data)
 
-    layers = {name: m for name, m in model.named_modules() if name.startswith("blocks.")
-              and (hasattr(m, "lora_a") or isinstance(m, torch.nn.Linear) and not name.endswith((".lora_a", ".lora_b")))}
+    def is_site(name, m):       # the NVFP4 GEMM sites: plain linears and LoRA-SVD layers (not their factors)
+        return hasattr(m, "lora_a") or (isinstance(m, torch.nn.Linear) and not name.endswith((".lora_a", ".lora_b")))
+
+    layers = {name: m for name, m in model.named_modules() if name.startswith("blocks.") and is_site(name, m)}
     base = loss()
     gen = torch.Generator(device=device).manual_seed(0)
 
