@@ -29,7 +29,6 @@ Prints one table per run (loss and gap to ``bf16`` per set) and appends one JSON
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import sys
@@ -61,41 +60,26 @@ def load_run(run_dir: Path, device: torch.device):
     ``{name: (batches, n_batches)}``, the checkpoint's step and the run's autocast context factory."""
     from safetensors.torch import load_model
 
-    from fp4compile.train import data as D
     from fp4compile.train import loop as L
-    from fp4compile.train.model import GPT, config_from_preset
 
     saved = json.loads((run_dir / "config.json").read_text())
     keys = {f.name for f in dataclasses.fields(L.TrainConfig)}
     cfg = L.TrainConfig.from_dict({k: v for k, v in saved.items() if k in keys})
     cfg = dataclasses.replace(cfg, compile_mode="default", device=str(device))
     state = torch.load(run_dir / "checkpoint" / "state.pt", map_location="cpu", weights_only=True)
-    tok = D.tokenizer_for_sources(cfg.tokenizer, [cfg.train_data, cfg.val_data, cfg.brown_data])
-    train = D.TokenBatches(D.load_tokens(cfg.train_data, tok, cfg.tokenizer, cfg.max_train_tokens), cfg.seq_len,
-                           seed=cfg.seed, name=cfg.train_data)
-    sets = {"train-next": (_After(train, state["step"] * cfg.batch_size * cfg.grad_accum), cfg.eval_batches)}
-    for name, spec in (("val", cfg.val_data), ("brown", cfg.brown_data)):
-        if spec:
-            sets[name] = (D.TokenBatches(D.load_tokens(spec, tok, cfg.tokenizer), cfg.seq_len, shuffle=False,
-                                         name=spec), cfg.eval_batches)
-    mcfg = config_from_preset(cfg.model, vocab_size=D.padded_vocab(tok.vocab_size), max_seq_len=cfg.seq_len,
-                              tie_embeddings=cfg.tie_embeddings)
+    tok, _, train, evals = L.load_run_data(cfg)
+    sets = {"train-next": (_After(train, state["step"] * cfg.batch_size * cfg.grad_accum), cfg.eval_batches),
+            **{name: (batches, cfg.eval_batches) for name, batches in evals.items()}}
     dtype = L.resolve_dtype(cfg.dtype, device)
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16-autocast"
-                else contextlib.nullcontext)
 
     def make_model():
-        model = GPT(mcfg).to(device)
-        if dtype == "bf16":
-            model = model.to(torch.bfloat16)
-        if cfg.lora:
-            L.apply_lora(model, cfg)             # the LoRA-SVD layout; the checkpoint then sets its values
+        model, _ = L.build_model(cfg, tok, device, dtype)    # with a LoRA-SVD run's branch; the checkpoint sets it
         missing, unexpected = load_model(model, str(run_dir / "checkpoint" / "model.safetensors"), strict=False)
         if missing or unexpected:
             raise SystemExit(f"{run_dir}: checkpoint does not fit the model ({missing}, {unexpected})")
         return model
 
-    return cfg, make_model, sets, state["step"], autocast
+    return cfg, make_model, sets, state["step"], L.autocast_factory(cfg, dtype, device)
 
 
 def evaluate_run(run_dir: Path, policies, device: torch.device):

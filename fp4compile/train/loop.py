@@ -689,6 +689,36 @@ def out_of_time(elapsed: float, step_times: list[float], max_seconds: float) -> 
     return elapsed + 3 * sum(steady) / len(steady) + 30 > max_seconds
 
 
+def load_run_data(cfg: TrainConfig):
+    """A run's data: ``(tokenizer, train token array, shuffled train TokenBatches, {"val"/"brown": TokenBatches})``
+    (the evaluation sets in order, only those the config names)."""
+    tok = D.tokenizer_for_sources(cfg.tokenizer, [cfg.train_data, cfg.val_data, cfg.brown_data])
+    train_tokens = D.load_tokens(cfg.train_data, tok, cfg.tokenizer, cfg.max_train_tokens)
+    train_batches = D.TokenBatches(train_tokens, cfg.seq_len, seed=cfg.seed, name=cfg.train_data)
+    evals = {name: D.TokenBatches(D.load_tokens(spec, tok, cfg.tokenizer), cfg.seq_len, shuffle=False, name=spec)
+             for name, spec in (("val", cfg.val_data), ("brown", cfg.brown_data)) if spec}
+    return tok, train_tokens, train_batches, evals
+
+
+def build_model(cfg: TrainConfig, tok, device: torch.device, dtype: str):
+    """The run's GPT on ``device`` (all-BF16 for ``dtype="bf16"``), LoRA-SVD applied when configured:
+    ``(model, lora_handle or None)``."""
+    mcfg = config_from_preset(cfg.model, vocab_size=D.padded_vocab(tok.vocab_size), max_seq_len=cfg.seq_len,
+                              tie_embeddings=cfg.tie_embeddings)
+    model = GPT(mcfg).to(device)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    return model, (apply_lora(model, cfg) if cfg.lora else None)
+
+
+def autocast_factory(cfg: TrainConfig, dtype: str, device: torch.device):
+    """A zero-argument context factory: BF16 autocast for ``dtype="bf16-autocast"`` (unless FSDP2's BF16
+    parameters replace it), else a null context."""
+    if dtype == "bf16-autocast" and not cfg.fsdp_bf16_params:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def train(cfg: TrainConfig) -> RunResult:
     """Run (or resume) one training run as configured; see the module docstring for what it writes."""
     cfg.validate()
@@ -715,22 +745,10 @@ def train(cfg: TrainConfig) -> RunResult:
     torch.manual_seed(cfg.seed)
 
     # 1. data: tokenizer, the token streams, deterministic batches
-    tok = D.tokenizer_for_sources(cfg.tokenizer, [cfg.train_data, cfg.val_data, cfg.brown_data])
-    train_tokens = D.load_tokens(cfg.train_data, tok, cfg.tokenizer, cfg.max_train_tokens)
-    train_batches = D.TokenBatches(train_tokens, cfg.seq_len, seed=cfg.seed, name=cfg.train_data)
-    evals = {}
-    for name, spec in (("val", cfg.val_data), ("brown", cfg.brown_data)):
-        if spec:
-            evals[name] = D.TokenBatches(D.load_tokens(spec, tok, cfg.tokenizer), cfg.seq_len, shuffle=False,
-                                         name=spec)
+    tok, train_tokens, train_batches, evals = load_run_data(cfg)
 
     # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD
-    mcfg = config_from_preset(cfg.model, vocab_size=D.padded_vocab(tok.vocab_size), max_seq_len=cfg.seq_len,
-                              tie_embeddings=cfg.tie_embeddings)
-    model = GPT(mcfg).to(device)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    lora_handle = apply_lora(model, cfg) if cfg.lora else None
+    model, lora_handle = build_model(cfg, tok, device, dtype)
 
     # 3. policy, optimizer, LR schedule
     policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
@@ -789,10 +807,7 @@ def train(cfg: TrainConfig) -> RunResult:
         model_fn = compile_model(model, cfg, policy)
     if cfg.compile_mode == "reduce-overhead":
         model_fn = _marking_steps(model_fn)
-    if dtype == "bf16-autocast" and not cfg.fsdp_bf16_params:    # FSDP2's bf16 parameters replace autocast
-        autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)   # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
+    autocast = autocast_factory(cfg, dtype, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
