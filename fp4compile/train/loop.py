@@ -50,6 +50,10 @@ DTYPES = ("auto", "fp32", "bf16-autocast", "bf16")
 COMPILE_MODES = ("auto", "default", "reduce-overhead")
 
 
+#: TrainConfig fields that are QRoot's Root-group keys of the same name (None in the config: QRoot's default)
+ROOT_GROUP_KEYS = ("ns_schedule", "ns_shift", "ns_steps")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Every knob of a run. CLI flags and TOML keys use the same names (``--grad-accum`` ↔ ``grad_accum``)."""
@@ -170,7 +174,7 @@ class TrainConfig:
 
     def _root_group_settings(self) -> Dict[str, Any]:
         """QRoot's Root-group keys this config sets (None: QRoot's default)."""
-        return {"ns_schedule": self.ns_schedule, "ns_shift": self.ns_shift, "ns_steps": self.ns_steps}
+        return {k: getattr(self, k) for k in ROOT_GROUP_KEYS}
 
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
@@ -471,11 +475,11 @@ def peak_memory_mib(device: torch.device) -> float:
 STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora_rank", "dtype")
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
-        "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps", "grad_clip",
-        "ns_schedule", "ns_shift", "ns_steps")
+        "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
+        "grad_clip") + ROOT_GROUP_KEYS
 #: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps and
 #: QRoot's NS settings); a resumed run takes them from its config, not from the checkpoint's optimizer state
-GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps", "ns_schedule", "ns_shift", "ns_steps")
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
 
 
 class CheckpointError(RuntimeError):
