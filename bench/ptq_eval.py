@@ -16,7 +16,11 @@ is rebuilt from the run's own config, its final weights loaded, and evaluated wi
 - ``quartet2``: NVFP4 forward GEMMs, RTN + 4/6 on both operands (the backward never runs);
 - ``W`` / ``A``: only the weight / only the activation operand in NVFP4 (``configs/policy_quartet2_fwd_
   {weight,activation}_only.toml``);
-- any other name: a preset or a policy file.
+- any other name: a preset or a policy file;
+- ``NAME@rN`` (e.g. ``quartet2@r32``): the same after splitting every hidden linear post hoc into a BF16
+  top-N SVD branch and an NVFP4 residual (``fp4compile.prepare(rank=N, init="exact")``, no realignment): what
+  LoRA-SVD's BF16 principal subspace can remove from the forward's quantization error of *these* weights, with
+  no training noise in the comparison. ``bf16@rN`` checks that the split keeps the function.
 
 A LoRA-SVD run (``--lora``) is rebuilt with its low-rank branch; every policy above keeps the branch's factors
 in BF16 (``*.lora_[ab]``), so NVFP4 reaches the residual weights and their inputs only.
@@ -82,6 +86,16 @@ def load_run(run_dir: Path, device: torch.device):
     return cfg, make_model, sets, state["step"], L.autocast_factory(cfg, dtype, device)
 
 
+def split_rank(name: str):
+    """``"quartet2@r32"`` -> ``("quartet2", 32)``; a name without ``@r`` -> ``(name, 0)``."""
+    base, sep, r = name.rpartition("@r")
+    if not sep:
+        return name, 0
+    if not r.isdigit() or int(r) < 1:
+        raise SystemExit(f"policy {name!r}: the suffix must be @r<rank >= 1>")
+    return base, int(r)
+
+
 def evaluate_run(run_dir: Path, policies, device: torch.device):
     """``{policy: {set: loss}}`` for the final weights of ``run_dir``."""
     from fp4compile.train import loop as L
@@ -91,12 +105,19 @@ def evaluate_run(run_dir: Path, policies, device: torch.device):
     for name in policies:
         torch._dynamo.reset()
         model = make_model()
-        if name == "bf16":
+        name_, rank = split_rank(name)
+        if rank:
+            if cfg.lora:
+                raise SystemExit(f"{run_dir}: {name}: the run already has a LoRA-SVD branch")
+            from fp4compile import prepare
+
+            prepare(model, rank=rank, init="exact", realign_every=None)
+        if name_ == "bf16":
             rcfg = dataclasses.replace(cfg, backend="inductor" if device.type == "cuda" else "aot_eager")
             policy = None
         else:
             rcfg = dataclasses.replace(cfg, backend="fullstack_fp4", backend_debug=device.type != "cuda")
-            policy = L.load_policy(SHORTHAND.get(name, name))
+            policy = L.load_policy(SHORTHAND.get(name_, name_))
         fn = L.compile_model(model, rcfg, policy)
         t0 = time.perf_counter()
         out[name] = {s: L.evaluate(fn, b, n, cfg.batch_size, 0, 1, device, autocast) for s, (b, n) in sets.items()}

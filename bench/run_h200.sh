@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc|first_block [BUDGET]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -211,6 +211,29 @@ fragility_next)
         --skip-data --time-budget 250 --export "$OUT/frag_lora"
     frag lora lora ) &
   wait ;;
+posthoc)
+  # session 8, one nvidia-h200 (~9 min): train bf16root, then bf16 (30M, 100M tokens, seed 0, one after the
+  # other), and evaluate each final checkpoint post hoc (bench/ptq_eval.py): NVFP4 forward everywhere, with
+  # block 0 in BF16, and with every hidden linear split into a BF16 top-32 / top-128 SVD branch + NVFP4 residual
+  pols=bf16,quartet2,configs/policy_quartet2_first_block_bf16.toml,configs/policy_quartet2_last_block_bf16.toml
+  pols=$pols,bf16@r32,quartet2@r32,quartet2@r128
+  step data 60 python bench/study.py --data-only
+  for arm in bf16root bf16; do
+    step "ptq_train_$arm" 175 python bench/study.py --size 30m --arms $arm --out .study_ptq --tokens 100e6 \
+        --skip-data --time-budget 170 --export "$OUT/ptq_$arm"
+    step "ptq_eval_$arm" 110 python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
+  done ;;
+first_block)
+  # session 8, one nvidia-h200 (~9 min): block 0 in BF16 (the ROOT model's most fragile block, bench/
+  # root_fragility.py) for NVFP4 linears under ROOT, then for the full stack; 30M, 100M tokens, seed 0; compare
+  # with bf16root (train 2.2123) and RESULTS.md's quartet2 + ROOT (+3.42 %) and full-stack (+4.8 %) rows
+  b=${2:-300}                     # the full-stack arm's budget (s); the quartet2 + ROOT arm gets 200
+  step data 60 python bench/study.py --data-only
+  step fb_q2root 215 python bench/study.py --size 30m --arms bf16root --out .study_fb_q2 --tokens 100e6 \
+      --skip-data --time-budget 200 --export "$OUT/fb_q2root" -- --backend fullstack_fp4 \
+      --policy configs/policy_quartet2_first_block_bf16.toml
+  step fb_full $((b + 15)) python bench/study.py --size 30m --arms full --out .study_fb_full --tokens 100e6 \
+      --skip-data --time-budget "$b" --export "$OUT/fb_full" -- --policy configs/policy_full_stack_first_block_bf16.toml ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
   # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,

@@ -133,6 +133,27 @@ def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_pat
     assert "| whole model |" in frag.report(r)
 
 
+def test_ptq_eval_post_hoc_svd_split(tmp_path):
+    """``NAME@rN``: the finished weights are split into a BF16 top-N SVD branch and an NVFP4 residual. The split
+    keeps the function (``bf16@r8``); a rank-8 branch leaves a quantization effect; at full rank (128 = every
+    hidden linear's min(in, out)) the residual is ~0, so the NVFP4 forward must cost (almost) nothing."""
+    import torch
+
+    ptq = _bench_module("ptq_eval")
+    assert ptq.split_rank("quartet2@r32") == ("quartet2", 32) and ptq.split_rank("W") == ("W", 0)
+    assert ptq.split_rank("configs/p@x.toml") == ("configs/p@x.toml", 0)
+    with pytest.raises(SystemExit):
+        ptq.split_rank("quartet2@r0")
+    run = tmp_path / "run"
+    _tiny_run(run, optimizer="qroot+adamw")
+    res, _ = ptq.evaluate_run(run, ["bf16", "quartet2", "bf16@r8", "quartet2@r8", "quartet2@r128"],
+                              torch.device("cpu"))
+    base, full = res["bf16"]["val"], abs(res["quartet2"]["val"] - res["bf16"]["val"])
+    assert res["bf16@r8"]["val"] == pytest.approx(base, rel=1e-5)
+    assert res["quartet2@r8"]["val"] != base
+    assert abs(res["quartet2@r128"]["val"] - base) < 0.02 * full
+
+
 def test_ptq_eval_and_fragility_of_a_lora_svd_run(tmp_path):
     """A LoRA-SVD run is rebuilt with its branch (the BF16 evaluation reproduces its val loss); the fragility
     analysis quantizes only the residual GEMM: the residual holds part of each weight (res < 1), and the
