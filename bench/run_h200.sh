@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc|first_block [BUDGET]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc|first_block [FULL [Q2]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -224,16 +224,17 @@ posthoc)
     step "ptq_eval_$arm" 110 python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
   done ;;
 first_block)
-  # session 8, one nvidia-h200 (~9 min): block 0 in BF16 (the ROOT model's most fragile block, bench/
-  # root_fragility.py) for NVFP4 linears under ROOT, then for the full stack; 30M, 100M tokens, seed 0; compare
-  # with bf16root (train 2.2123) and RESULTS.md's quartet2 + ROOT (+3.42 %) and full-stack (+4.8 %) rows
-  b=${2:-300}                     # the full-stack arm's budget (s); the quartet2 + ROOT arm gets 200
+  # session 8, one nvidia-h200 (~9.5 min): block 0 in BF16 (the ROOT model's most fragile block, bench/
+  # root_fragility.py and ptq_eval.py) for the full stack, then for NVFP4 linears under ROOT; 30M, 100M tokens,
+  # seed 0; compare with bf16root (train 2.2123) and RESULTS.md's full-stack (+4.8 %) and quartet2 + ROOT rows
+  # (+2.42 / +2.27 / +3.26 / +3.42 % at steps 400 / 800 / 1,200 / 1,525). "first_block FULL Q2": budgets (s)
+  bf=${2:-360}; bq=${3:-180}
   step data 60 python bench/study.py --data-only
-  step fb_q2root 215 python bench/study.py --size 30m --arms bf16root --out .study_fb_q2 --tokens 100e6 \
-      --skip-data --time-budget 200 --export "$OUT/fb_q2root" -- --backend fullstack_fp4 \
-      --policy configs/policy_quartet2_first_block_bf16.toml
-  step fb_full $((b + 15)) python bench/study.py --size 30m --arms full --out .study_fb_full --tokens 100e6 \
-      --skip-data --time-budget "$b" --export "$OUT/fb_full" -- --policy configs/policy_full_stack_first_block_bf16.toml ;;
+  step fb_full $((bf + 15)) python bench/study.py --size 30m --arms full --out .study_fb_full --tokens 100e6 \
+      --skip-data --time-budget "$bf" --export "$OUT/fb_full" -- --policy configs/policy_full_stack_first_block_bf16.toml
+  step fb_q2root $((bq + 15)) python bench/study.py --size 30m --arms bf16root --out .study_fb_q2 --tokens 100e6 \
+      --skip-data --time-budget "$bq" --export "$OUT/fb_q2root" -- --backend fullstack_fp4 \
+      --policy configs/policy_quartet2_first_block_bf16.toml ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
   # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,
