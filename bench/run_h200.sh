@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc|first_block [FULL [Q2]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES]]|first_block [FULL [Q2]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -215,13 +215,14 @@ posthoc)
   # session 8, one nvidia-h200 (~9 min): train bf16root, then bf16 (30M, 100M tokens, seed 0, one after the
   # other), and evaluate each final checkpoint post hoc (bench/ptq_eval.py): NVFP4 forward everywhere, with
   # block 0 in BF16, and with every hidden linear split into a BF16 top-32 / top-128 SVD branch + NVFP4 residual
+  # ("posthoc ARMS POLICIES": other arms / ptq_eval policies, comma lists)
   pols=bf16,quartet2,configs/policy_quartet2_first_block_bf16.toml,configs/policy_quartet2_last_block_bf16.toml
-  pols=$pols,bf16@r32,quartet2@r32,quartet2@r128
+  pols=${3:-$pols,bf16@r32,quartet2@r32,quartet2@r128}
   step data 60 python bench/study.py --data-only
-  for arm in bf16root bf16; do
+  for arm in $(echo "${2:-bf16root,bf16}" | tr , ' '); do
     step "ptq_train_$arm" 175 python bench/study.py --size 30m --arms $arm --out .study_ptq --tokens 100e6 \
         --skip-data --time-budget 170 --export "$OUT/ptq_$arm"
-    step "ptq_eval_$arm" 110 python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
+    step "ptq_eval_$arm" 150 python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
   done ;;
 first_block)
   # session 8, one nvidia-h200 (~9.5 min): block 0 in BF16 (the ROOT model's most fragile block, bench/
