@@ -1,6 +1,7 @@
 """Why does an NVFP4 forward cost a ROOT-trained model four times more than an AdamW-trained one?
 
     python bench/root_fragility.py RUN_DIR [RUN_DIR ...] [--set val] [--draws 2] [--json OUT.json]
+    python bench/root_fragility.py RUN_DIR --policy-out P.toml [--bf16-layers 4] [--preset full_stack]
 
 Session 7 found (bench/ptq_eval.py, 30M, 100M tokens, seed 0) that quantizing the forward GEMMs of a finished
 BF16 model (RTN + 4/6, both operands) raises the val loss by +3.17 % for the model trained with ROOT + AdamW
@@ -30,6 +31,12 @@ And for the whole model (relative loss increase over the ``--set`` batches): eve
 perturbed by Gaussian noise of the same Frobenius norm as its quantization error (``--draws`` draws); every X
 quantized; every X perturbed by Gaussian noise of its quantization error's norm (per call, per tensor).
 Similar errors and a larger loss increase under noise too mean sensitivity; larger errors mean the format.
+
+``--policy-out``: also write a precision policy (TOML for ``fp4compile train --policy``) that starts from
+``--preset`` and keeps the ``--bf16-layers`` layers with the largest ``dLw + dLx`` in BF16. On the 30M ROOT model
+the top four are exactly block 0's linears, half of the summed increase (docs/RESULTS.md, session 8). A
+per-layer ranking ignores interactions (the increases do not add up exactly), so evaluate the policy after
+writing it (``bench/ptq_eval.py RUN --policies bf16,quartet2,P.toml``).
 """
 from __future__ import annotations
 
@@ -183,6 +190,26 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def sensitive_policy(r: dict, k: int, preset: str = "full_stack") -> str:
+    """Policy TOML: ``preset`` with the ``k`` hidden linears of largest ``dLw + dLx`` (``analyse``'s per-layer
+    loss increases) in BF16, ordered by that sum; comments give each layer's share of the summed increase."""
+    rows = r["per_layer"]
+    if not 0 <= k <= len(rows):
+        raise ValueError(f"k must be in [0, {len(rows)}], got {k}")
+    score = {name: row["dLw"] + row["dLx"] for name, row in rows.items()}
+    total = sum(max(v, 0.0) for v in score.values()) or 1.0
+    top = sorted(score, key=score.get, reverse=True)[:k]
+    lines = [f"# {preset} with the {k} most sensitive hidden linears in BF16 (bench/root_fragility.py on",
+             f"# {r['run']}, step {r['step']}, {r['set']} set; dLw + dLx, share of the summed increase:",
+             f"# {100 * sum(max(score[n], 0.0) for n in top) / total:.1f} % kept in BF16)",
+             f'preset = "{preset}"', f'name = "{preset}_bf16_top{k}"']
+    for name in top:
+        lines += ["", f"# dLw {100 * rows[name]['dLw']:+.3f} %, dLx {100 * rows[name]['dLx']:+.3f} %, "
+                  f"{100 * max(score[name], 0.0) / total:.1f} % of the sum", "[[rules]]",
+                  f'pattern = "{name}"', 'spec = "bf16"']
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+")
@@ -190,7 +217,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--policy-out", default=None, help="write a policy TOML keeping the most sensitive layers BF16")
+    ap.add_argument("--bf16-layers", type=int, default=4, help="how many layers --policy-out keeps in BF16")
+    ap.add_argument("--preset", default="full_stack", help="the policy --policy-out starts from")
     args = ap.parse_args(argv)
+    if args.policy_out and len(args.runs) != 1:
+        ap.error("--policy-out takes exactly one run")
     from fp4compile.train.loop import resolve_device
 
     device = resolve_device(args.device)
@@ -201,6 +233,9 @@ def main(argv=None) -> int:
         results.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.policy_out:
+        Path(args.policy_out).write_text(sensitive_policy(results[0], args.bf16_layers, args.preset))
+        print(f"[fragility] wrote {args.policy_out}", file=sys.stderr)
     return 0
 
 

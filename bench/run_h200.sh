@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES]]|first_block [FULL [Q2]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -236,6 +236,16 @@ first_block)
   step fb_q2root $((bq + 15)) python bench/study.py --size 30m --arms bf16root --out .study_fb_q2 --tokens 100e6 \
       --skip-data --time-budget "$bq" --export "$OUT/fb_q2root" -- --backend fullstack_fp4 \
       --policy configs/policy_quartet2_first_block_bf16.toml ;;
+first_block_lora)
+  # planned for session 9 (one nvidia-h200, ~7 min): the full stack with block 0 in BF16 and a rank-RANK
+  # (default 128) LoRA-SVD branch realigned every 300 steps from step 600 (post hoc, rank 128 removed 57 % of the
+  # ROOT model's forward damage, rank 32 20 %: docs/RESULTS.md, session 8); compare with +3.65 % (block 0 only)
+  r=${2:-128}; b=${3:-390}
+  step data 60 python bench/study.py --data-only
+  step "fb_full_lora$r" $((b + 15)) python bench/study.py --size 30m --arms full --out ".study_fb_lora$r" \
+      --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_full_lora$r" -- \
+      --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every 300 \
+      --lora-realign-after 600 ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
   # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,

@@ -132,6 +132,20 @@ def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_pat
     assert all(v != 0 and abs(v) < 0.05 for v in r["whole"].values())
     assert "| whole model |" in frag.report(r)
 
+    # --policy-out: the two layers of largest dLw + dLx resolve to BF16, every other hidden linear keeps the
+    # preset's NVFP4 forward
+    from fp4compile.train.loop import load_policy
+
+    path = tmp_path / "sensitive.toml"
+    path.write_text(frag.sensitive_policy(r, 2, "quartet2"))
+    pol = load_policy(str(path))
+    score = {k: row["dLw"] + row["dLx"] for k, row in r["per_layer"].items()}
+    top = sorted(score, key=score.get, reverse=True)[:2]
+    for k in score:
+        assert pol.resolve(k, "linear.fprop").name == ("bf16" if k in top else "nvfp4")
+    with pytest.raises(ValueError):
+        frag.sensitive_policy(r, 17, "quartet2")
+
 
 def test_ptq_eval_post_hoc_svd_split(tmp_path):
     """``NAME@rN``: the finished weights are split into a BF16 top-N SVD branch and an NVFP4 residual. The split
