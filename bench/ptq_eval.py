@@ -87,12 +87,12 @@ def load_run(run_dir: Path, device: torch.device):
 
 
 def split_rank(name: str):
-    """``"quartet2@r32"`` -> ``("quartet2", 32)``; a name without ``@r`` -> ``(name, 0)``."""
+    """``"quartet2@r32"`` -> ``("quartet2", 32)``; a name without an ``@r<digits>`` suffix -> ``(name, 0)``."""
     base, sep, r = name.rpartition("@r")
-    if not sep:
+    if not sep or not r.isdigit():          # no suffix (a file such as "a@run.toml" keeps its name)
         return name, 0
-    if not r.isdigit() or int(r) < 1:
-        raise SystemExit(f"policy {name!r}: the suffix must be @r<rank >= 1>")
+    if int(r) < 1:
+        raise SystemExit(f"policy {name!r}: the rank after @r must be >= 1")
     return base, int(r)
 
 

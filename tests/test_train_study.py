@@ -156,6 +156,8 @@ def test_ptq_eval_post_hoc_svd_split(tmp_path):
     ptq = _bench_module("ptq_eval")
     assert ptq.split_rank("quartet2@r32") == ("quartet2", 32) and ptq.split_rank("W") == ("W", 0)
     assert ptq.split_rank("configs/p@x.toml") == ("configs/p@x.toml", 0)
+    assert ptq.split_rank("configs/a@run.toml") == ("configs/a@run.toml", 0)
+    assert ptq.split_rank("configs/a.toml@r8") == ("configs/a.toml", 8)
     with pytest.raises(SystemExit):
         ptq.split_rank("quartet2@r0")
     run = tmp_path / "run"
