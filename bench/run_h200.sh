@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -215,14 +215,18 @@ posthoc)
   # session 8, one nvidia-h200 (~9 min): train bf16root, then bf16 (30M, 100M tokens, seed 0, one after the
   # other), and evaluate each final checkpoint post hoc (bench/ptq_eval.py): NVFP4 forward everywhere, with
   # block 0 in BF16, and with every hidden linear split into a BF16 top-32 / top-128 SVD branch + NVFP4 residual
-  # ("posthoc ARMS POLICIES": other arms / ptq_eval policies, comma lists)
+  # ("posthoc ARMS POLICIES BUDGET": other arms / ptq_eval policies, comma lists; BUDGET seconds of training per
+  # arm, default 170, which stops the arms at steps ~1,000-1,400 of 1,525; ~215 finishes bf16root). The
+  # evaluation gets 30 s + 20 s per policy. Session 9's sweep, one call: posthoc bf16root POLICIES 215 with
+  # e.g. bf16,quartet2,quartet2@r128,quartet2@r256,configs/policy_quartet2_first_block_bf16.toml@r128
   pols=bf16,quartet2,configs/policy_quartet2_first_block_bf16.toml,configs/policy_quartet2_last_block_bf16.toml
   pols=${3:-$pols,bf16@r32,quartet2@r32,quartet2@r128}
+  b=${4:-170}; te=$((30 + 20 * $(echo "$pols" | tr , '\n' | wc -l)))
   step data 60 python bench/study.py --data-only
   for arm in $(echo "${2:-bf16root,bf16}" | tr , ' '); do
-    step "ptq_train_$arm" 175 python bench/study.py --size 30m --arms $arm --out .study_ptq --tokens 100e6 \
-        --skip-data --time-budget 170 --export "$OUT/ptq_$arm"
-    step "ptq_eval_$arm" 150 python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
+    step "ptq_train_$arm" $((b + 5)) python bench/study.py --size 30m --arms $arm --out .study_ptq --tokens 100e6 \
+        --skip-data --time-budget "$b" --export "$OUT/ptq_$arm"
+    step "ptq_eval_$arm" "$te" python bench/ptq_eval.py ".study_ptq/30m/$arm" --policies "$pols" --json "$OUT/ptq.jsonl"
   done ;;
 first_block)
   # session 8, one nvidia-h200 (~9.5 min): block 0 in BF16 (the ROOT model's most fragile block, bench/
