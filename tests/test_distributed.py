@@ -350,6 +350,31 @@ def _train_losses(out):
             if ln.strip() and "loss" in json.loads(ln) and "event" not in json.loads(ln)]
 
 
+def test_ddp_time_budget_stops_every_rank_at_the_same_step(tmp_path):
+    """Under DDP the time budget is decided by all ranks together: with only rank 1 out of time (from its third
+    step on, tests/ddp_stop_worker.py), both ranks stop at the next log step (4) with status time_budget and a
+    resumable checkpoint; per-rank decisions would hang in the next collective (the timeout catches that)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+           "--master-addr=127.0.0.1", str(ROOT / "tests" / "ddp_stop_worker.py"), str(run)]
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:             # a file, not a pipe: hung workers would keep a pipe open
+        proc = subprocess.Popen(cmd, env=_env(), cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT)
+        try:                              # a hang is the failure mode: stop torchrun, which stops its workers
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise AssertionError(f"the ranks did not stop together (hung for 120 s):\n{log.read_text()[-3000:]}")
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["step"]) == ("time_budget", 4), (summary, out)
+    assert (run / "checkpoint").is_dir()
+
+
 def test_cli_fsdp2_matches_one_process_and_resumes_on_one(tmp_path):
     """2 ranks x 4 sequences (FSDP2, stopped after step 2 with a checkpoint) then 1 process x 8 sequences
     resuming it, vs 1 process x 8 sequences uninterrupted: the same global batches (the data pipeline gives

@@ -680,17 +680,18 @@ def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int,
     return float(total / n)
 
 
-def out_of_time(elapsed: float, step_times: list[float], max_seconds: float) -> bool:
+def out_of_time(elapsed: float, step_times: list[float], max_seconds: float, ahead: int = 3) -> bool:
     """Whether a run ``elapsed`` seconds in, with these per-step times so far, must stop to keep ``max_seconds``.
 
-    It keeps room for three more steps and 30 s for the checkpoint. The step time is the mean of the steps after
-    the first two, which compile (and, with CUDA graphs, warm up and capture): those two only count against the
-    budget through ``elapsed``, or one compile-length step would stop a short budget before it trained at all.
+    It keeps room for ``ahead`` more steps (three; under DDP, where the ranks decide together only every
+    ``log_interval`` steps, that many more) and 30 s for the checkpoint. The step time is the mean of the steps
+    after the first two, which compile (and, with CUDA graphs, warm up and capture): those two only count against
+    the budget through ``elapsed``, or one compile-length step would stop a short budget before it trained at all.
     """
     if len(step_times) <= 2:
         return elapsed + 30 > max_seconds
     steady = step_times[2:]           # host times; on CUDA the log-step syncs amortize
-    return elapsed + 3 * sum(steady) / len(steady) + 30 > max_seconds
+    return elapsed + ahead * sum(steady) / len(steady) + 30 > max_seconds
 
 
 def load_run_data(cfg: TrainConfig):
@@ -908,16 +909,24 @@ def train(cfg: TrainConfig) -> RunResult:
                 run_evals(step)
             if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < cfg.steps:
                 checkpoint(step)
-            if flag["stop"]:
-                status = "interrupted"
-                break
             if cfg.stop_after is not None and step >= cfg.stop_after and step < cfg.steps:
-                status = "stopped"
+                status = "stopped"            # the same step on every rank
                 break
-            if cfg.max_seconds is not None and step < cfg.steps and \
-                    out_of_time(time.perf_counter() - t_start, step_times, cfg.max_seconds):
-                status = "time_budget"
-                break
+            # Ctrl-C and the time budget depend on each process's signals and clock: under DDP the ranks decide
+            # together, at the log steps (where they synchronize anyway), or one rank would stop and checkpoint
+            # while the others train on into a collective that never completes
+            if denv is None or step % cfg.log_interval == 0 or step == cfg.steps:
+                stop = [flag["stop"], cfg.max_seconds is not None and step < cfg.steps and out_of_time(
+                    time.perf_counter() - t_start, step_times, cfg.max_seconds,
+                    3 if denv is None else 3 + cfg.log_interval)]
+                if denv is not None:
+                    stop = DP.any_rank(stop)
+                if stop[0]:
+                    status = "interrupted"
+                    break
+                if stop[1]:
+                    status = "time_budget"
+                    break
         flush_pending()
         if bar is not None:
             bar.close()
