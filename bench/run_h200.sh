@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -64,6 +64,26 @@ study)
         --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
   python bench/study.py --size "$size" --tokens "$tokens" --report --export "$OUT/study" ;;
+study124_x4)
+  # issue 7's 124M comparison on an nvidia-h200-x4 (not lent so far): bash bench/run_h200.sh study124_x4 TOKENS
+  # BUDGET_S, e.g. three back-to-back calls of "study124_x4 500e6 570" (a whole session; carry .data/corpus,
+  # .data/gpt2.tiktoken; .study/ stays on the warm machine). GPUs 0-1: the full stack under DDP (bench/study.py
+  # --nproc 2: 32 sequences per rank, the same global batch); GPU 2: bf16root (the optimizer-matched BF16 run);
+  # GPU 3: BF16 with AdamW. Estimated from docs/BENCHMARKS.md's 124M rates: ~20 min for the full stack at 500M
+  # tokens, ~16-17 for each BF16 arm
+  tokens=$2 budget=$3
+  step data 150 python bench/study.py --data-only
+  ( export CUDA_VISIBLE_DEVICES=0,1
+    step study124_full $((budget - SECONDS)) python bench/study.py --size 124m --arms full --nproc 2 \
+        --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
+  ( export CUDA_VISIBLE_DEVICES=2
+    step study124_bf16root $((budget - SECONDS)) python bench/study.py --size 124m --arms bf16root \
+        --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
+  ( export CUDA_VISIBLE_DEVICES=3
+    step study124_bf16 $((budget - SECONDS)) python bench/study.py --size 124m --arms bf16 \
+        --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
+  wait
+  python bench/study.py --size 124m --arms bf16,bf16root,full --tokens "$tokens" --report --export "$OUT/study124" ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and

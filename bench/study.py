@@ -23,7 +23,8 @@ the next call with the same command resumes where it stopped (the machine must s
 a 30M model are too large to come back through $OUT). ``--export DIR`` writes the comparison table
 (markdown), the loss-curve PNG and a tar.gz of every arm's metrics.jsonl/summary.json/config.json — 3 files.
 ``--report`` only (re)writes the table and plot from what is on disk. ``--print-commands`` shows each arm's
-equivalent ``fp4compile train`` command.
+equivalent ``fp4compile train`` command. ``--nproc N`` runs each arm on N GPUs (torchrun, DDP, the config's
+global batch split over the ranks; ``bash bench/run_h200.sh study124_x4 ...`` for the 124M study on four GPUs).
 """
 from __future__ import annotations
 
@@ -100,12 +101,24 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
 
 
 def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float | None, extra: list,
-                warmup: int | None = None) -> list:
+                warmup: int | None = None, nproc: int = 1, batch_size: int | None = None,
+                master_port: int = 29500) -> list:
+    """The arm's ``fp4compile train`` command. ``nproc > 1``: launched by torchrun with ``--parallel ddp`` and
+    ``batch_size // nproc`` sequences per rank, so the global batch (and with it the schedule, the data order
+    and the tokens per step) stays the config's ``batch_size``."""
     a = ARMS[arm]
-    cmd = [sys.executable, "-m", "fp4compile", "train", "--config", str(ROOT / "configs" / f"study_{size}.toml"),
-           "--out-dir", str(out / arm), "--backend", a["backend"], "--policy", a["policy"],
-           "--optimizer", a["optimizer"], "--lora" if a["lora"] else "--no-lora", "--steps", str(steps),
-           "--resume", "--no-progress"]
+    if nproc > 1:
+        if batch_size is None or batch_size % nproc:
+            raise SystemExit(f"--nproc {nproc} must divide the config's batch size {batch_size}")
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                  "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+        ddp = ["--parallel", "ddp", "--batch-size", str(batch_size // nproc)]
+    else:
+        launch, ddp = [sys.executable], []
+    cmd = launch + ["-m", "fp4compile", "train", "--config", str(ROOT / "configs" / f"study_{size}.toml"),
+                    "--out-dir", str(out / arm), "--backend", a["backend"], "--policy", a["policy"],
+                    "--optimizer", a["optimizer"], "--lora" if a["lora"] else "--no-lora", "--steps", str(steps),
+                    "--resume", "--no-progress"] + ddp
     if warmup is not None:
         cmd += ["--warmup-steps", str(warmup)]
     if max_seconds is not None:
@@ -188,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--print-commands", action="store_true")
     ap.add_argument("--data-only", action="store_true", help="only tokenize the carried shards into DATA_DIR")
     ap.add_argument("--skip-data", action="store_true", help="do not tokenize .data/ (data given in extra flags)")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs per arm: torchrun + DDP, same global batch")
+    ap.add_argument("--master-port", type=int, default=29500, help="torchrun's port (one per concurrent study)")
     ap.add_argument("extra", nargs="*", help="extra flags for `fp4compile train` after --")
     args = ap.parse_args(argv)
 
@@ -205,13 +220,14 @@ def main(argv=None) -> int:
     steps = args.steps or (int(args.tokens // tokens_per_step) if args.tokens else base.steps)
     warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
     out = Path(args.out) / args.size
+    ddp = dict(nproc=args.nproc, batch_size=base.batch_size, master_port=args.master_port)
 
     if args.data_only:
         prepare_data(Path(args.data_dir), args.max_train_tokens)
         return 0
     if args.print_commands:
         for arm in arms:
-            print(" ".join(arm_command(args.size, arm, out, steps, None, args.extra, warmup)))
+            print(" ".join(arm_command(args.size, arm, out, steps, None, args.extra, warmup, **ddp)))
         return 0
     if not args.report:
         t_start = time.time()
@@ -230,7 +246,7 @@ def main(argv=None) -> int:
             if left < 120:
                 print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
                 break
-            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup)
+            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup, **ddp)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             if rc != 0 and cuda_graphs:
@@ -240,7 +256,7 @@ def main(argv=None) -> int:
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)
                 cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + ["--compile-mode", "default"],
-                                  warmup)
+                                  warmup, **ddp)
                 rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             s = summaries(out, [arm]).get(arm, {})
             if rc != 0:

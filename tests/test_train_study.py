@@ -38,6 +38,20 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
         assert cfg.model == size and cfg.tokenizer == "gpt2"
 
 
+def test_arm_command_on_several_gpus_keeps_the_global_batch(study, capsys):
+    """--nproc N: the arm runs under torchrun with DDP and batch_size / N sequences per rank (the data
+    pipeline gives rank r its rows of the same global batch), the same steps; N must divide the batch."""
+    assert study.main(["--size", "124m", "--arms", "full", "--tokens", "6553600", "--nproc", "2",
+                       "--master-port", "29611", "--print-commands"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "-m torch.distributed.run --nproc-per-node=2 " in line and "--master-port=29611" in line
+    assert "-m fp4compile train " in line and "--parallel ddp --batch-size 32" in line and "--steps 100 " in line
+    assert study.main(["--arms", "bf16", "--tokens", "6553600", "--print-commands"]) == 0
+    assert "torch.distributed.run" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="must divide"):
+        study.main(["--arms", "bf16", "--nproc", "3", "--print-commands"])
+
+
 def test_report_and_export(study, tmp_path):
     out = tmp_path / "30m"
     rows = {"bf16": 3.00, "quartet2": 3.06, "qroot": 2.94, "bf16root": 2.80}
