@@ -352,8 +352,8 @@ def _train_losses(out):
 
 def test_ddp_time_budget_stops_every_rank_at_the_same_step(tmp_path):
     """Under DDP the time budget is decided by all ranks together: with only rank 1 out of time (from its third
-    step on, tests/ddp_stop_worker.py), both ranks stop at the next log step (4) with status time_budget and a
-    resumable checkpoint; per-rank decisions would hang in the next collective (the timeout catches that)."""
+    step on, tests/ddp_stop_worker.py), both ranks stop at the next log step (4) with status time_budget and write
+    the checkpoint; per-rank decisions hang in the next collective (the timeout turns that into a failure)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
            "--master-addr=127.0.0.1", str(ROOT / "tests" / "ddp_stop_worker.py"), str(run)]
@@ -371,7 +371,7 @@ def test_ddp_time_budget_stops_every_rank_at_the_same_step(tmp_path):
             raise AssertionError(f"the ranks did not stop together (hung for 120 s):\n{log.read_text()[-3000:]}")
     assert proc.returncode == 0, log.read_text()[-4000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["status"], summary["step"]) == ("time_budget", 4), (summary, out)
+    assert (summary["status"], summary["step"]) == ("time_budget", 4), (summary, log.read_text()[-3000:])
     assert (run / "checkpoint").is_dir()
 
 
