@@ -159,6 +159,10 @@ def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_pat
         assert pol.resolve(k, "linear.fprop").name == ("bf16" if k in top else "nvfp4")
     with pytest.raises(ValueError):
         frag.sensitive_policy(r, 17, "quartet2")
+    cli = tmp_path / "cli.toml"                    # the command line writes the same policy
+    assert frag.main([str(run), "--draws", "1", "--device", "cpu", "--policy-out", str(cli), "--bf16-layers", "2",
+                      "--preset", "quartet2"]) == 0
+    assert [r.pattern for r in load_policy(str(cli)).rules if r.user] == top
 
 
 def test_ptq_eval_post_hoc_svd_split(tmp_path):
