@@ -28,7 +28,8 @@ in BF16 (``*.lora_[ab]``), so NVFP4 reaches the residual weights and their input
 Three sets of the run's ``eval_batches`` batches each: ``val`` and ``brown`` (as the run's own evals) and
 ``train-next`` (the batches of the training stream just after the last trained step: in-distribution text; a
 run past one epoch has seen it once before). ``bf16`` reproduces the run's own final val loss.
-Prints one table per run (loss and gap to ``bf16`` per set) and appends one JSON line per (run, policy).
+Prints one table per run (loss and gap to ``bf16`` per set) and appends one JSON line per (run, policy) as each
+policy finishes.
 """
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def split_rank(name: str):
     return base, int(r)
 
 
-def evaluate_run(run_dir: Path, policies, device: torch.device):
-    """``{policy: {set: loss}}`` for the final weights of ``run_dir``."""
+def evaluate_run(run_dir: Path, policies, device: torch.device, on_result=None):
+    """``{policy: {set: loss}}`` for the final weights of ``run_dir``; ``on_result(policy, losses, step)`` is
+    called as each policy finishes (a time-boxed call keeps the rows it got to)."""
     from fp4compile.train import loop as L
 
     cfg, make_model, sets, step, autocast = load_run(run_dir, device)
@@ -122,6 +124,8 @@ def evaluate_run(run_dir: Path, policies, device: torch.device):
         t0 = time.perf_counter()
         out[name] = {s: L.evaluate(fn, b, n, cfg.batch_size, 0, 1, device, autocast) for s, (b, n) in sets.items()}
         print(f"[ptq] {run_dir} {name}: {out[name]} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+        if on_result is not None:
+            on_result(name, out[name], step)
     return out, step
 
 
@@ -147,12 +151,12 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     for run in args.runs:
-        res, step = evaluate_run(Path(run), args.policies.split(","), device)
-        print(table(run, res, step))
-        if args.json:
-            with open(args.json, "a") as f:
-                for name, r in res.items():
+        def write(name, r, step, run=run):
+            if args.json:
+                with open(args.json, "a") as f:
                     f.write(json.dumps({"run": run, "step": step, "policy": name, **r}) + "\n")
+        res, step = evaluate_run(Path(run), args.policies.split(","), device, on_result=write)
+        print(table(run, res, step))
     return 0
 
 

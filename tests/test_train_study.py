@@ -126,7 +126,10 @@ def test_ptq_eval_reproduces_the_runs_val_loss_and_quantizes_the_forward(tmp_pat
     run = tmp_path / "run"
     result = _tiny_run(run, optimizer="qroot+adamw")
 
-    res, step = ptq.evaluate_run(run, ["bf16", "quartet2", "W"], torch.device("cpu"))
+    seen = []
+    res, step = ptq.evaluate_run(run, ["bf16", "quartet2", "W"], torch.device("cpu"),
+                                 on_result=lambda name, r, s: seen.append((name, r, s)))
+    assert seen == [(name, res[name], 4) for name in ("bf16", "quartet2", "W")]     # each row as it finishes
     assert step == 4 and set(res["bf16"]) == {"train-next", "val"}
     assert res["bf16"]["val"] == pytest.approx(result.summary["val_loss"], rel=1e-6)
     for name in ("quartet2", "W"):
@@ -169,8 +172,6 @@ def test_ptq_eval_post_hoc_svd_split(tmp_path):
     """``NAME@rN``: the finished weights are split into a BF16 top-N SVD branch and an NVFP4 residual. The split
     keeps the function (``bf16@r8``); a rank-8 branch leaves a quantization effect; at full rank (128 = every
     hidden linear's min(in, out)) the residual is ~0, so the NVFP4 forward must cost (almost) nothing."""
-    import torch
-
     ptq = _bench_module("ptq_eval")
     assert ptq.split_rank("quartet2@r32") == ("quartet2", 32) and ptq.split_rank("W") == ("W", 0)
     assert ptq.split_rank("configs/p@x.toml") == ("configs/p@x.toml", 0)
@@ -180,8 +181,11 @@ def test_ptq_eval_post_hoc_svd_split(tmp_path):
         ptq.split_rank("quartet2@r0")
     run = tmp_path / "run"
     _tiny_run(run, optimizer="qroot+adamw")
-    res, _ = ptq.evaluate_run(run, ["bf16", "quartet2", "bf16@r8", "quartet2@r8", "quartet2@r128"],
-                              torch.device("cpu"))
+    rows = tmp_path / "ptq.jsonl"                  # through the command line: one JSON line per policy
+    assert ptq.main([str(run), "--policies", "bf16,quartet2,bf16@r8,quartet2@r8,quartet2@r128", "--device", "cpu",
+                     "--json", str(rows)]) == 0
+    res = {d["policy"]: d for d in map(json.loads, rows.read_text().splitlines())}
+    assert list(res) == ["bf16", "quartet2", "bf16@r8", "quartet2@r8", "quartet2@r128"]
     base, full = res["bf16"]["val"], abs(res["quartet2"]["val"] - res["bf16"]["val"])
     assert res["bf16@r8"]["val"] == pytest.approx(base, rel=1e-5)
     assert res["quartet2@r8"]["val"] != base
