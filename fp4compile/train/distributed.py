@@ -393,16 +393,6 @@ def all_reduce_mean(x: torch.Tensor | float) -> torch.Tensor:
     return t
 
 
-def any_rank(flags: Sequence[bool]) -> list[bool]:
-    """Each flag OR-ed over the ranks (a collective: every rank must call it with the same number of flags);
-    without an initialised process group, the flags themselves."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return [bool(f) for f in flags]
-    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
 def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -919,8 +919,8 @@ def train(cfg: TrainConfig) -> RunResult:
                 stop = [flag["stop"], cfg.max_seconds is not None and step < cfg.steps and out_of_time(
                     time.perf_counter() - t_start, step_times, cfg.max_seconds,
                     3 if denv is None else 3 + cfg.log_interval)]
-                if denv is not None:
-                    stop = DP.any_rank(stop)
+                if denv is not None:                  # any rank's flag stops every rank: mean over ranks > 0
+                    stop = (DP.all_reduce_mean(torch.tensor(stop, dtype=torch.float32)) > 0).tolist()
                 if stop[0]:
                     status = "interrupted"
                     break
