@@ -61,17 +61,23 @@ def _env():
     return env
 
 
-def _torchrun(nproc, args):
+def _torchrun(nproc, args, script=WORKER):
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={_free_port()}", "--master-addr=127.0.0.1", str(WORKER), *args]
+            f"--master-port={_free_port()}", "--master-addr=127.0.0.1", str(script), *args]
 
 
 def _wait(proc, what, timeout=400):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
+        # SIGTERM first: torchrun then stops its workers. A SIGKILL would orphan them, and hung workers keep the
+        # output pipe open, so the communicate() below would never return
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
         raise AssertionError(f"{what} timed out after {timeout}s:\n{out[-4000:]}")
     assert proc.returncode == 0, f"{what} failed (rc={proc.returncode}):\n{out[-6000:]}"
 
@@ -355,23 +361,11 @@ def test_ddp_time_budget_stops_every_rank_at_the_same_step(tmp_path):
     step on, tests/ddp_stop_worker.py), both ranks stop at the next log step (4) with status time_budget and write
     the checkpoint; per-rank decisions hang in the next collective (the timeout turns that into a failure)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-           "--master-addr=127.0.0.1", str(ROOT / "tests" / "ddp_stop_worker.py"), str(run)]
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as f:             # a file, not a pipe: hung workers would keep a pipe open
-        proc = subprocess.Popen(cmd, env=_env(), cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT)
-        try:                              # a hang is the failure mode: stop torchrun, which stops its workers
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise AssertionError(f"the ranks did not stop together (hung for 120 s):\n{log.read_text()[-3000:]}")
-    assert proc.returncode == 0, log.read_text()[-4000:]
+    proc = subprocess.Popen(_torchrun(2, [str(run)], script=ROOT / "tests" / "ddp_stop_worker.py"), env=_env(),
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait(proc, "torchrun ddp_stop_worker.py (a hang: the ranks did not stop together)", timeout=120)
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["status"], summary["step"]) == ("time_budget", 4), (summary, log.read_text()[-3000:])
+    assert (summary["status"], summary["step"]) == ("time_budget", 4), summary
     assert (run / "checkpoint").is_dir()
 
 
