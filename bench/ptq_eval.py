@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -150,12 +151,13 @@ def main(argv=None) -> int:
     from fp4compile.train.loop import resolve_device
 
     device = resolve_device(args.device)
+    def write(run, name, r, step):
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"run": run, "step": step, "policy": name, **r}) + "\n")
+
     for run in args.runs:
-        def write(name, r, step, run=run):
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps({"run": run, "step": step, "policy": name, **r}) + "\n")
-        res, step = evaluate_run(Path(run), args.policies.split(","), device, on_result=write)
+        res, step = evaluate_run(Path(run), args.policies.split(","), device,
+                                 on_result=functools.partial(write, run) if args.json else None)
         print(table(run, res, step))
     return 0
 
