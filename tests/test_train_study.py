@@ -219,3 +219,36 @@ def test_ptq_eval_and_fragility_of_a_lora_svd_run(tmp_path):
         p.remove()
         assert all("forward" not in vars(layer) for layer in lora)
         assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight) + branch)
+
+
+def _write_metrics(run, losses, evals=()):
+    run.mkdir(parents=True)
+    recs = [{"step": 0, "event": "start"}]
+    recs += [{"step": i + 1, "tokens": 10 * (i + 1), "loss": x} for i, x in enumerate(losses)]
+    recs += [{"step": s, "val_loss": v} for s, v in evals]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys):
+    """bench/seed_gaps.py: train gaps over the 10-step window ending at a step both runs reached (an arm stopped
+    early is compared at its own last step), eval gaps at common eval steps, mean ± standard error per label
+    and the paired difference; values checked against hand arithmetic."""
+    sg = _bench_module("seed_gaps")
+    base = [2.0] * 30
+    _write_metrics(tmp_path / "b0", base, [(20, 4.0)])
+    _write_metrics(tmp_path / "a0", [2.0] * 10 + [2.02] * 10 + [9.0] * 5, [(20, 4.04)])   # stops at step 25
+    _write_metrics(tmp_path / "b1", base, [(20, 4.0)])
+    _write_metrics(tmp_path / "a1", [2.0] * 15 + [2.04] * 15, [(20, 4.0)])
+    g = sg.pair_gaps(tmp_path / "b0", tmp_path / "a0", steps=(20, 29))
+    assert g["last"] == 25 and set(g["train"]) == {20, 25}                      # 29 > last: dropped
+    assert g["train"][20] == pytest.approx(1.0)                                 # steps 11..20 at +1 %
+    assert g["train"][25] == pytest.approx(100 * ((5 * 2.02 + 5 * 9.0) / 10 - 2.0) / 2.0)
+    assert g["val_loss"] == {20: pytest.approx(1.0)}
+    assert sg.mean_se([1.0, 3.0]) == (2.0, pytest.approx(1.0))
+    assert sg.mean_se([1.0])[1] is None
+    sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--pair", "l", str(tmp_path / "b1"),
+             str(tmp_path / "a0"), "--steps", "20", "--diff", "q", "l", "--png", str(tmp_path / "g.png")])
+    out = capsys.readouterr().out
+    # q's train gap at step 30: +2 %; l's at step 25 (a0's last): +175.5 %; paired difference -173.5
+    assert "| q | 1 | +2.00 % |" in out and "paired q − l, train: per seed -173.50" in out
+    assert (tmp_path / "g.png").stat().st_size > 0

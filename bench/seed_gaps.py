@@ -1,0 +1,135 @@
+"""Relative loss gaps of arms to their same-seed baselines, across seeds: a table and a plot.
+
+Each ``--pair LABEL BASE_RUN ARM_RUN`` names one seed's comparison (run directories holding ``metrics.jsonl``).
+For every pair it prints the gap of the train loss (mean of the 10 steps up to each listed step, the way
+``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
+the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``:
+A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the same step, so a
+run stopped early by a time budget is compared at its last step. ``--png`` draws every pair's gap curve
+(EMA of the train loss), one colour per label.
+
+    python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
+        --pair quartet2 s1/bf16 s1/quartet2 --pair lora s1/bf16 s1/lora --diff quartet2 lora --png gaps.png
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from fp4compile.train.cli import _ema
+from fp4compile.train.loop import read_metrics
+
+EVALS = ("val_loss", "brown_loss")
+
+
+def _curves(run) -> Tuple[Dict[int, float], Dict[str, Dict[int, float]]]:
+    recs = read_metrics(run)
+    train = {r["step"]: r["loss"] for r in recs if "loss" in r and "event" not in r and "step" in r}
+    evals = {k: {r["step"]: r[k] for r in recs if k in r} for k in EVALS}
+    return train, evals
+
+
+def pair_gaps(base_run, arm_run, steps: Sequence[int] = (), window: int = 10) -> dict:
+    """Gaps (in %) of ``arm_run`` to ``base_run``: ``train`` at each of ``steps`` that both reached plus the arm's
+    last step (mean of the ``window`` steps ending there), and each eval key at the steps both logged."""
+    bt, be = _curves(base_run)
+    at, ae = _curves(arm_run)
+    last = max(s for s in at if s in bt)
+    out = {"last": last, "train": {}}
+    for s in sorted({*(x for x in steps if x <= last), last}):
+        w = [k for k in range(s - window + 1, s + 1) if k in at and k in bt]
+        a, b = statistics.fmean(at[k] for k in w), statistics.fmean(bt[k] for k in w)
+        out["train"][s] = 100 * (a - b) / b
+    for k in EVALS:
+        out[k] = {s: 100 * (ae[k][s] - be[k][s]) / be[k][s] for s in sorted(ae[k]) if s in be[k]}
+    return out
+
+
+def mean_se(xs: List[float]) -> Tuple[float, Optional[float]]:
+    """Mean and standard error (None for a single value)."""
+    m = statistics.fmean(xs)
+    return m, (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None)
+
+
+def _fmt(m: float, se: Optional[float]) -> str:
+    return f"{m:+.2f} %" + (f" ± {se:.2f}" if se is not None else "")
+
+
+def plot(pairs, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    order = list(dict.fromkeys(p[0] for p in pairs))
+    seen = set()
+    for label, base, arm in pairs:
+        bt, _ = _curves(base)
+        at, _ = _curves(arm)
+        common = sorted(set(bt) & set(at))
+        b, a = _ema([bt[s] for s in common], 0.9), _ema([at[s] for s in common], 0.9)
+        ax.plot(common, [100 * (y - x) / x for x, y in zip(b, a)], color=colors[order.index(label) % len(colors)],
+                lw=1.2, label=None if label in seen else label)
+        seen.add(label)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train-loss gap to the same-seed baseline (%, EMA 0.9)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("LABEL", "BASE_RUN", "ARM_RUN"))
+    ap.add_argument("--steps", default="400,800,1000,1200", help="comma-separated steps for the train gap")
+    ap.add_argument("--diff", nargs=2, metavar=("A", "B"), help="paired per-seed difference A - B (same order)")
+    ap.add_argument("--png", type=Path)
+    args = ap.parse_args(argv)
+    steps = [int(s) for s in args.steps.split(",") if s]
+    rows: Dict[str, List[dict]] = {}
+    print("| label | arm run | last step | train gap at " + ", ".join(map(str, steps)) + ", last | val (last eval) "
+          "| Brown (last eval) |")
+    print("|---|---|---|---|---|---|")
+    for label, base, arm in args.pair:
+        g = pair_gaps(base, arm, steps)
+        rows.setdefault(label, []).append(g)
+        tr = ", ".join(f"{v:+.2f}" for v in g["train"].values())
+        ev = [f"{d[max(d)]:+.2f} % (step {max(d)})" if d else "–" for d in (g["val_loss"], g["brown_loss"])]
+        print(f"| {label} | {arm} | {g['last']} | {tr} | {ev[0]} | {ev[1]} |")
+    print("\n| label | seeds | train gap, last step | val gap, last eval | Brown gap, last eval |")
+    print("|---|---|---|---|---|")
+    finals = {}
+    for label, gs in rows.items():
+        f = {"train": [g["train"][g["last"]] for g in gs]}
+        for k in EVALS:
+            f[k] = [g[k][max(g[k])] for g in gs if g[k]]
+        finals[label] = f
+        print(f"| {label} | {len(gs)} | " + " | ".join(_fmt(*mean_se(f[k])) if f[k] else "–"
+                                                       for k in ("train", *EVALS)) + " |")
+    if args.diff:
+        a, b = args.diff
+        for k in ("train", "val_loss"):
+            if len(finals[a][k]) != len(finals[b][k]):
+                raise SystemExit(f"--diff {a} {b}: different numbers of {k} values")
+            d = [x - y for x, y in zip(finals[a][k], finals[b][k])]
+            m, se = mean_se(d)
+            ref = statistics.fmean(finals[a][k])
+            share = f"{100 * m / ref:.0f} % of {a}'s mean gap" if ref else f"{a}'s mean gap is 0"
+            print(f"\npaired {a} − {b}, {k}: per seed " + ", ".join(f"{x:+.2f}" for x in d)
+                  + f"; mean {_fmt(m, se)} points = {share}")
+    if args.png:
+        print(f"\nwrote {plot(args.pair, args.png)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
