@@ -220,7 +220,7 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
 
 
 def sweep(x, copy_bw, rows, only=None, save=lambda: None):
-    """Time every candidate config (16384x8192 total time, amax pass separately); returns the fastest per sweep."""
+    """Time every candidate config on ``x`` (total time, amax pass separately); returns the fastest per sweep."""
     best = {}
     ne = x.numel()
     for name, (case, grid) in SWEEPS.items():
@@ -355,6 +355,7 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweeps", default="", help="comma-separated subset of the sweeps (default: all)")
+    ap.add_argument("--sweep-shape", default="x".join(map(str, SWEEP_SHAPE)), help="RxC of the sweeps' input")
     ap.add_argument("--no-eager", action="store_true", help="skip the torch-eager reference rows")
     ap.add_argument("--reduced", action="store_true", help="bench only the REDUCED rows (MS-EDEN and RTN)")
     ap.add_argument("--quick", action="store_true", help="check a subset of cases, under each QUICK_CONFIGS entry")
@@ -390,7 +391,8 @@ def main():
         table(result["bench"])
     if args.sweep:
         result["sweep"] = []
-        x = torch.randn(SWEEP_SHAPE, device=DEV, dtype=torch.bfloat16)
+        x = torch.randn(tuple(int(v) for v in args.sweep_shape.split("x")), device=DEV, dtype=torch.bfloat16)
+        result["sweep_shape"] = args.sweep_shape
         best = result["sweep_best"] = {}
         best.update(sweep(x, copy_bw, result["sweep"], only=[w for w in args.sweeps.split(",") if w], save=save))
         log(f"best configs: {best}")
