@@ -326,6 +326,95 @@ def test_state_remap_project_is_exact_when_subspace_unchanged():
     assert float(opt.state[m.lora_a.weight]["step"]) == 5.0
 
 
+def test_hold_scale_remaps_moments_with_beta_when_subspace_unchanged():
+    """realign_scale="hold": factors shrunk by 2 (W_res compensating) -> beta * ||L|| halved; the realignment
+    restores balance at beta / 4 (a power of two), keeps the function, and the remapped moments equal the
+    gradients in the new coordinates, which carry the new beta."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(32, 24).double())
+    h = prepare(model, rank=3, realign_every=None, constrain=None, realign_scale="hold")
+    m = model[0]
+    with torch.no_grad():
+        w = m.merged_weight()
+        m.lora_b.weight.mul_(0.5)
+        m.lora_a.weight.mul_(0.5)
+        m.weight.copy_(w - m.beta * m.lora_b.weight @ m.lora_a.weight)
+    x, dy = torch.randn(16, 32, dtype=torch.float64), torch.randn(16, 24, dtype=torch.float64)
+    y = m(x)
+    ga, gb = _factor_grads(m, x, dy)
+    opt = torch.optim.Adam(model.parameters())
+    opt.state[m.lora_a.weight] = {"step": torch.tensor(5.0), "exp_avg": ga.clone(), "exp_avg_sq": ga.square()}
+    opt.state[m.lora_b.weight] = {"step": torch.tensor(5.0), "exp_avg": gb.clone(), "exp_avg_sq": gb.square()}
+    h.realign(opt)
+    assert m.beta == 0.25 and float(m._beta) == 0.25
+    torch.testing.assert_close(m(x), y, rtol=1e-12, atol=1e-12)
+    ga2, gb2 = _factor_grads(m, x, dy)
+    torch.testing.assert_close(opt.state[m.lora_a.weight]["exp_avg"], ga2, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(opt.state[m.lora_b.weight]["exp_avg"], gb2, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(opt.state[m.lora_a.weight]["exp_avg_sq"], ga2.square(), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", ["keep", "hold"])
+def test_realign_scale_holds_the_branch_step_size(scale):
+    """A dominant direction grows in W: with "keep" beta * ||(L1, L2)||_F (the size of an Adam step of the
+    branch in W) grows with the new singular values; "hold" keeps it within the power-of-two rounding (a factor
+    sqrt(2)), at a beta that is a power of two; the function is preserved either way."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(64, 48))
+    h = prepare(model, rank=4, realign_every=None, realign_scale=scale)
+    m = model[0]
+    with torch.no_grad():
+        m.weight.add_(20.0 * torch.randn(48, 1) @ torch.randn(1, 64) / 8)
+    def q():
+        return m.beta * float(torch.cat([m.lora_a.weight.detach().flatten(), m.lora_b.weight.detach().flatten()]).norm())
+
+    q0, w0 = q(), m.merged_weight()
+    out = h.realign()
+    assert out["0"] < 1e-6 and (m.merged_weight() - w0).abs().max() <= 1e-6 * w0.abs().max()
+    if scale == "keep":
+        assert m.beta == 1.0 and q() > 2 * q0
+    else:
+        assert math.log2(m.beta) == round(math.log2(m.beta)) and m.beta < 1.0
+        assert 2 ** -0.5 <= q() / q0 <= 2 ** 0.5
+        assert h.state_dict()["betas"] == {"0": m.beta}
+
+
+def test_beta_buffer_follows_the_setter_dtype_casts_and_handle_state(tmp_path):
+    """forward reads beta from a float32 buffer: the setter updates it, .to(bfloat16) keeps it float32, a
+    compiled model sees a new beta without recompiling, and the handle's state_dict restores it."""
+    torch.manual_seed(3)
+    model = MLP()
+    h = prepare(model, rank=4, realign_every=None)
+    x = torch.randn(5, 32)
+    from torch._dynamo.testing import CompileCounter
+
+    cnt = CompileCounter()
+    compiled = torch.compile(model, backend=cnt)
+    y1 = compiled(x)
+    model.fc1.beta = 0.5                               # W changes: W_res + 0.5 L2 L1
+    with torch.no_grad():
+        want = F.linear(x, model.fc1.merged_weight(), model.fc1.bias)
+    torch.testing.assert_close(model.fc1(x), want, rtol=1e-5, atol=1e-5)
+    y2 = compiled(x)
+    assert cnt.frame_count == 1 and not torch.allclose(y1, y2)
+    torch.testing.assert_close(y2, model(x))
+    state = h.state_dict()
+    assert state["betas"]["fc1"] == 0.5
+    model2 = MLP()
+    h2 = prepare(model2, rank=4, realign_every=None)
+    model2.load_state_dict(model.state_dict())
+    h2.load_state_dict(state)
+    torch.testing.assert_close(model2(x), model(x))
+    h2.load_state_dict({"steps": 0, "realignments": 0})    # a state from before betas were saved: kept
+    assert model2.fc1.beta == 0.5
+    with pytest.raises(ValueError, match="does not convert"):
+        h2.load_state_dict({"steps": 0, "realignments": 0, "betas": {"nope": 1.0}})
+    with pytest.raises(ValueError, match="beta"):
+        model2.fc1.beta = -1.0
+    model2.to(torch.bfloat16)
+    assert model2.fc1._beta.dtype == torch.float32 and float(model2.fc1._beta) == 0.5
+
+
 def test_state_remap_reset_and_unknown_entries():
     torch.manual_seed(10)
     model = nn.Sequential(nn.Linear(32, 32))
@@ -498,7 +587,7 @@ def test_two_attached_optimizers_count_one_clock():
         o1.zero_grad()
         o2.zero_grad()
     assert h.steps == 4 and h.realignments == 2
-    assert h.state_dict() == {"steps": 4, "realignments": 2}
+    assert h.state_dict() == {"steps": 4, "realignments": 2, "betas": {"fc1": 1.0, "fc2": 1.0}}
 
 
 def test_optimizer_built_before_prepare_warns():

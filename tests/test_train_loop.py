@@ -401,6 +401,23 @@ def test_bit_exact_resume_with_lora_realignment(tmp_path):
     assert [r["step"] for r in L.read_metrics(tmp_path / "late") if r.get("event") == "lora_realign"] == [6]
 
 
+def test_bit_exact_resume_with_lora_realign_scale_hold(tmp_path):
+    """With realign_scale="hold", beta changes at a realignment (0.3 -> a power of two) and is part of the
+    function: the checkpoint carries it, so a run split at step 4 matches the straight run bit for bit."""
+    pytest.importorskip("fp4compile.nn.lora_svd")
+    kw = dict(lora=True, lora_rank=8, lora_realign_every=3, lora_beta=0.3, lora_realign_scale="hold", val_data="")
+    L.train(tiny_cfg(tmp_path, "straight", **kw))
+    L.train(tiny_cfg(tmp_path, "split", stop_after=4, **kw))
+    L.train(tiny_cfg(tmp_path, "split", resume=True, **kw))
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")
+    betas = torch.load(tmp_path / "split" / "checkpoint" / "state.pt", weights_only=False)["lora"]["betas"]
+    assert betas and all(b in (0.25, 0.5) for b in betas.values()), betas
+    L.train(tiny_cfg(tmp_path, "keep", **{**kw, "lora_realign_scale": "keep"}))
+    assert losses(tmp_path / "keep")[-1] != losses(tmp_path / "straight")[-1]
+    with pytest.raises(ValueError, match="realign_scale"):
+        L.train(tiny_cfg(tmp_path, "bad", **{**kw, "lora_realign_scale": "grow"}))
+
+
 
 
 def test_fullstack_fp4_under_bf16_autocast(tmp_path):

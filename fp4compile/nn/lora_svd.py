@@ -79,6 +79,16 @@ stored, and ``W_res = W - beta L2 L1`` is recomputed from them, so the layer's f
 rounding of W_res's storage dtype (``realign`` returns the measured max |dW| / max |W|). Parameters are
 updated in place, so optimizers keep their references.
 
+Branch scale at realignment (``realign_scale``). Adam moves every factor entry by about the learning rate, so a
+step of the branch moves W by about lr * beta * ||(L1, L2)||, and balanced factors have ||(L1, L2)||_F^2 =
+2 sum(S) / beta. A realignment to the trained top-r subspace therefore raises the branch's effective learning rate
+with the square root of its singular values: on the CPU preset the branch's per-step change in W doubles at the
+first realignment and the loss rises for tens of steps (``bench/lora_realign_probe.py``, ``docs/LORA.md`` session
+9). ``"keep"`` (default) leaves beta fixed; ``"hold"`` sets beta to the power of two nearest to the value that keeps
+beta * ||(L1, L2)||_F at its pre-realignment size (a power of two: exact in every dtype, so the function is still
+preserved to W_res's rounding), and the moments are remapped accordingly. beta is a float32 buffer read by
+``forward``, so the change neither recompiles nor re-records CUDA graphs; the handle's ``state_dict`` carries it.
+
 Optimizer state remap (``state_remap``), for any ``torch.optim.Optimizer`` (state dict entries per param):
 
 * ``W_res``: kept. Its coordinates are the weight's own coordinates; only its value changed.
@@ -89,6 +99,8 @@ Optimizer state remap (``state_remap``), for any ``torch.optim.Optimizer`` (stat
   mapped linearly; second-moment-like entries (``exp_avg_sq``, ``max_exp_avg_sq``, other non-negative ones)
   by the squared coefficients, ``v' = v (T_b o T_b)`` resp. ``(T_a o T_a) v`` (independence approximation,
   non-negative by construction). Step counters are untouched.
+* With ``realign_scale="hold"`` beta changes at the realignment (below), and the factor gradients carry beta
+  (``g_L1 = beta L2^T G``): both maps are multiplied by beta'/beta (the quadratic ones by its square).
 * ``"reset"``: same-shape factor state entries are zeroed and a per-param ``step`` is set to 0 (so Adam's
   bias correction restarts); ``"keep"``: nothing is touched (the Procrustes alignment keeps coordinates close).
 * Optimizers with state entries that are not plain tensors of the param's shape (e.g. quantized moments)
@@ -121,6 +133,7 @@ DEFAULT_BETA = 1.0
 DEFAULT_EXCLUDE = ("*lm_head*",)
 CONSTRAINTS = ("cholesky_qr", None)
 STATE_REMAPS = ("project", "reset", "keep")
+REALIGN_SCALES = ("keep", "hold")
 
 _F64_TINY = torch.finfo(torch.float64).tiny
 
@@ -236,7 +249,13 @@ class LoRASVDLinear(nn.Module):
             raise ValueError(f"rank must be in [1, min(in, out) = {min(in_features, out_features)}], got {rank}")
         if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
             raise ValueError(f"beta must be a positive finite number, got {beta!r}")
-        self.in_features, self.out_features, self.rank, self.beta = in_features, out_features, rank, float(beta)
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        # beta lives in a float32 0-dim buffer that forward reads (so changing it, see realign_(hold_scale=True),
+        # neither recompiles nor re-records a CUDA graph) and in a Python float mirror for host-side math (no
+        # device sync). Not in the state dict: LoRASVDHandle.state_dict carries it.
+        self.register_buffer("_beta", torch.tensor(float(beta), dtype=torch.float32, device=device),
+                             persistent=False)
+        self._beta_value = float(beta)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         fdt = factor_dtype or dtype
@@ -245,6 +264,25 @@ class LoRASVDLinear(nn.Module):
         self.constrain: Optional[str] = None
         self._hooks: List = []
         self._basis_cache = None
+
+    @property
+    def beta(self) -> float:
+        """Scale of the branch, W = W_res + beta L2 L1 (a positive float)."""
+        return self._beta_value
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"beta must be a positive finite number, got {value!r}")
+        self._beta_value = value
+        self._beta.fill_(value)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() would round the buffer to the model's dtype: keep it float32 and equal to the mirror
+        super()._apply(fn, recurse)
+        self._buffers["_beta"] = torch.tensor(self._beta_value, dtype=torch.float32, device=self._beta.device)
+        return self
 
     # construction -------------------------------------------------------------------------
     @classmethod
@@ -286,7 +324,7 @@ class LoRASVDLinear(nn.Module):
 
     # function -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_b(self.lora_a(x) * self.beta)
+        return F.linear(x, self.weight, self.bias) + self.lora_b(self.lora_a(x) * self._beta)
 
     def merged_weight(self) -> torch.Tensor:
         """W = W_res + beta L2 L1 in float32 (float64 for a float64 layer), detached."""
@@ -369,29 +407,47 @@ class LoRASVDLinear(nn.Module):
 
     # realignment --------------------------------------------------------------------------
     @torch.no_grad()
-    def realign_(self, *, oversample: int = 8, niter: int = 2, generator: Optional[torch.Generator] = None
-                 ) -> Dict[str, torch.Tensor]:
+    def realign_(self, *, oversample: int = 8, niter: int = 2, generator: Optional[torch.Generator] = None,
+                 hold_scale: bool = False) -> Dict[str, torch.Tensor]:
         """Re-split W = W_res + beta L2 L1 along its current top-r singular subspace (function preserved).
 
-        Returns old/new factors (float32, for optimizer-state remapping) and ``rel_change`` =
-        max |W_after - W_before| / max |W_before|.
+        ``hold_scale``: also change beta (to a power of two, so that it is exact in every float dtype) such that
+        beta * ||(L1, L2)||_F, which sets the size of an Adam step of the branch in W, stays what it was before
+        the re-split instead of growing with the new subspace's singular values (module docstring).
+
+        Returns old/new factors (float32, for optimizer-state remapping), ``beta_ratio`` = new beta / old beta
+        and ``rel_change`` = max |W_after - W_before| / max |W_before|.
         """
         acc = _acc(self.weight.dtype)
         old_a = self.lora_a.weight.detach().to(acc).clone()
         old_b = self.lora_b.weight.detach().to(acc).clone()
+        old_beta = self.beta
         w = self.merged_weight()
         init = cholesky_qr(old_a.mT)              # warm start: the current row space
         u, s, vh = randomized_svd(w, self.rank, oversample=oversample, niter=niter, init=init,
                                   generator=generator)
+        if hold_scale:
+            self.beta = _held_beta(old_beta, float(old_a.square().sum() + old_b.square().sum()),
+                                   float(s.clamp_min(0).sum()))
         self._set_split_(w, u, s, vh, align_to=(old_a, old_b))
         self.clear_basis_cache()
         rel = (self.merged_weight() - w).abs().max() / w.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
         return {"old_a": old_a, "old_b": old_b, "new_a": self.lora_a.weight.detach().to(acc),
-                "new_b": self.lora_b.weight.detach().to(acc), "rel_change": rel}
+                "new_b": self.lora_b.weight.detach().to(acc), "beta_ratio": self.beta / old_beta, "rel_change": rel}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"beta={self.beta}, bias={self.bias is not None}, constrain={self.constrain!r}")
+
+
+def _held_beta(beta: float, factor_sq: float, sum_s: float) -> float:
+    """The power of two nearest (in log) to the beta at which balanced factors of singular values summing to
+    ``sum_s`` give beta * ||(L1, L2)||_F = the current ``beta * sqrt(factor_sq)``: balanced factors have
+    ||(L1, L2)||_F^2 = 2 sum_s / beta, so beta' = beta^2 factor_sq / (2 sum_s). ``beta`` if either is zero."""
+    if not (factor_sq > 0 and sum_s > 0):
+        return beta
+    target = beta * beta * factor_sq / (2.0 * sum_s)
+    return 2.0 ** min(max(round(math.log2(target)), -40), 40)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,8 +466,9 @@ def _warn_once(msg: str) -> None:
 def _factor_transforms(info: Dict[str, torch.Tensor]):
     """(linear, quadratic) maps for L1 (``a``) and L2 (``b``) moments, see the module docstring."""
     old_a, old_b, new_a, new_b = (info[k].double() for k in ("old_a", "old_b", "new_a", "new_b"))
-    t_b = (new_a @ torch.linalg.pinv(old_a, rtol=1e-7)).mT          # g_L2' = g_L2 T_b
-    t_a = (torch.linalg.pinv(old_b, rtol=1e-7) @ new_b).mT          # g_L1' = T_a g_L1
+    ratio = float(info.get("beta_ratio", 1.0))                       # the gradients carry beta: g_L1 = beta L2^T G
+    t_b = ratio * (new_a @ torch.linalg.pinv(old_a, rtol=1e-7)).mT  # g_L2' = g_L2 T_b
+    t_a = ratio * (torch.linalg.pinv(old_b, rtol=1e-7) @ new_b).mT  # g_L1' = T_a g_L1
     maps_b = (lambda m: m @ t_b.to(m.dtype), lambda v: v @ (t_b * t_b).to(v.dtype))
     maps_a = (lambda m: t_a.to(m.dtype) @ m, lambda v: (t_a * t_a).to(v.dtype) @ v)
     return maps_a, maps_b
@@ -487,13 +544,14 @@ class LoRASVDHandle:
 
     def __init__(self, model: nn.Module, modules: Dict[str, LoRASVDLinear], *, realign_every: Optional[int],
                  state_remap: str, oversample: int, niter: int, seed: int, realign_after: int = 0,
-                 sync_replicas: bool = False):
+                 sync_replicas: bool = False, realign_scale: str = "keep"):
         self._model_ref = weakref.ref(model)
         self.modules = modules
         self.realign_every = realign_every
         self.realign_after = realign_after
         self.sync_replicas = sync_replicas
         self.state_remap = state_remap
+        self.realign_scale = realign_scale
         self.oversample, self.niter, self.seed = oversample, niter, seed
         self.steps = 0
         self.realignments = 0
@@ -548,13 +606,21 @@ class LoRASVDHandle:
             hook.remove()
         self._optimizers = []
 
-    def state_dict(self) -> Dict[str, int]:
-        """Step/realignment counters (the factors themselves live in the model's state dict)."""
-        return {"steps": self.steps, "realignments": self.realignments}
+    def state_dict(self) -> Dict[str, object]:
+        """Step/realignment counters and each layer's beta (the factors themselves live in the model's state
+        dict; beta changes at realignments with ``realign_scale="hold"``)."""
+        return {"steps": self.steps, "realignments": self.realignments,
+                "betas": {path: m.beta for path, m in self.modules.items()}}
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Restore the counters of :meth:`state_dict`."""
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restore :meth:`state_dict` (a state without ``betas``, from before they were saved, keeps them)."""
         self.steps, self.realignments = int(state["steps"]), int(state["realignments"])
+        betas = state.get("betas") or {}
+        unknown = sorted(set(betas) - set(self.modules))
+        if unknown:
+            raise ValueError(f"LoRA-SVD state has betas for layers this model does not convert: {unknown[:5]}")
+        for path, b in betas.items():
+            self.modules[path].beta = b
 
     def step(self, optimizer=None) -> bool:
         """Count one optimizer step; realign when due, remapping the state of ``optimizer`` (or, if None, of
@@ -583,7 +649,7 @@ class LoRASVDHandle:
         out = {}
         for path, m in self.modules.items():
             info = m.realign_(oversample=self.oversample, niter=self.niter,
-                              generator=self._generator(m.weight.device))
+                              generator=self._generator(m.weight.device), hold_scale=self.realign_scale == "hold")
             out[path] = float(info["rel_change"])
             if self.state_remap == "keep":
                 continue
@@ -608,6 +674,9 @@ class LoRASVDHandle:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         for m in self.modules.values():
+            if self.realign_scale == "hold":       # beta is part of the function
+                dist.broadcast(m._beta, src=0)
+                m.beta = float(m._beta)
             for p in (m.weight, m.lora_a.weight, m.lora_b.weight):
                 dist.broadcast(p.data, src=0)
                 for opt in optimizers:
@@ -638,7 +707,7 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
             exclude: Union[str, Sequence[str], None] = DEFAULT_EXCLUDE, constrain: Optional[str] = "cholesky_qr",
             factor_dtype: Optional[torch.dtype] = None, init: str = "auto", state_remap: str = "project",
             oversample: int = 8, niter: int = 2, seed: int = 0, optimizer=None,
-            sync_replicas: bool = False) -> LoRASVDHandle:
+            sync_replicas: bool = False, realign_scale: str = "keep") -> LoRASVDHandle:
     """Reparametrise the selected ``nn.Linear`` layers of ``model`` in place as LoRA-SVD layers.
 
     Args:
@@ -656,6 +725,9 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         factor_dtype: storage dtype of L1/L2 (default: the weight's).
         init: "auto" | "exact" | "randomized": SVD used for the initial split.
         state_remap: "project" | "reset" | "keep": optimizer-state rule at realignment.
+        realign_scale: "keep" (beta fixed) | "hold": at each realignment beta becomes the power of two that keeps
+            beta * ||(L1, L2)||_F (the size of the branch's Adam steps in W) at its pre-realignment value, instead
+            of letting it grow with the trained singular values (module docstring; ``docs/LORA.md``, session 9).
         oversample, niter: randomized-SVD oversampling and power iterations at realignment.
         seed: seed of the randomized SVD's Gaussian test matrices (same on every rank).
         optimizer: attach this optimizer right away (it must already hold the new parameters).
@@ -669,6 +741,8 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         raise ValueError(f"constrain must be one of {CONSTRAINTS}, got {constrain!r}")
     if state_remap not in STATE_REMAPS:
         raise ValueError(f"state_remap must be one of {STATE_REMAPS}, got {state_remap!r}")
+    if realign_scale not in REALIGN_SCALES:
+        raise ValueError(f"realign_scale must be one of {REALIGN_SCALES}, got {realign_scale!r}")
     if init not in ("auto", "exact", "randomized"):
         raise ValueError(f"init must be 'auto', 'exact' or 'randomized', got {init!r}")
     if realign_every is not None and (not isinstance(realign_every, int) or realign_every < 0):
@@ -712,7 +786,7 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         warnings.warn("LoRA-SVD: prepare() selected no nn.Linear layer (check include/exclude)")
     handle = LoRASVDHandle(model, converted, realign_every=realign_every, state_remap=state_remap,
                            oversample=oversample, niter=niter, seed=seed, realign_after=realign_after,
-                           sync_replicas=sync_replicas)
+                           sync_replicas=sync_replicas, realign_scale=realign_scale)
     for m in converted.values():
         m._handle_ref = weakref.ref(handle)
     if optimizer is not None:

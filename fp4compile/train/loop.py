@@ -80,6 +80,7 @@ class TrainConfig:
     lora_realign_every: Optional[int] = None
     lora_realign_after: Optional[int] = None  # no realignment before this step (None: prepare's default, 0)
     lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
+    lora_realign_scale: Optional[str] = None  # keep | hold: beta at a realignment (None: prepare's, keep)
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
@@ -324,7 +325,8 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
     prepare = _feature("prepare", "the LoRA-SVD issue (branch lora)")
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
                            realign_every=cfg.lora_realign_every, realign_after=cfg.lora_realign_after,
-                           state_remap=cfg.lora_state_remap, seed=cfg.seed, sync_replicas=cfg.parallel == "ddp")
+                           state_remap=cfg.lora_state_remap, realign_scale=cfg.lora_realign_scale, seed=cfg.seed,
+                           sync_replicas=cfg.parallel == "ddp")
 
 
 def lora_state(handle) -> dict:
