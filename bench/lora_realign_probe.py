@@ -31,7 +31,8 @@ from fp4compile.train.loop import TrainConfig, read_metrics, train
 
 
 def _rms(m) -> float:
-    return float(torch.cat([m.lora_a.weight.detach().flatten(), m.lora_b.weight.detach().flatten()]).float().pow(2).mean().sqrt())
+    f = torch.cat([m.lora_a.weight.detach().flatten(), m.lora_b.weight.detach().flatten()]).float()
+    return float(f.pow(2).mean().sqrt())
 
 
 def run(out_dir: Path, steps: int, realign_at, args, hold: bool = False) -> dict:

@@ -365,8 +365,10 @@ def test_realign_scale_holds_the_branch_step_size(scale):
     m = model[0]
     with torch.no_grad():
         m.weight.add_(20.0 * torch.randn(48, 1) @ torch.randn(1, 64) / 8)
-    def q():
-        return m.beta * float(torch.cat([m.lora_a.weight.detach().flatten(), m.lora_b.weight.detach().flatten()]).norm())
+
+    def q():  # beta * ||(L1, L2)||_F
+        a, b = m.lora_a.weight.detach(), m.lora_b.weight.detach()
+        return m.beta * float(torch.cat([a.flatten(), b.flatten()]).norm())
 
     q0, w0 = q(), m.merged_weight()
     out = h.realign()
