@@ -417,13 +417,17 @@ def test_cli_fsdp2_without_reshard_and_with_bf16_params_trains_like_fp32(tmp_pat
     assert cfg["fsdp_reshard"] is False and cfg["fsdp_bf16_params"] is True
 
 
-def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path):
+@pytest.mark.parametrize("scale", [[], ["--lora-beta", "0.3", "--lora-realign-scale", "hold"]],
+                         ids=["keep", "hold"])
+def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path, scale):
     """`fp4compile train --parallel ddp --lora` realigning every 2 steps: 2 ranks x 4 sequences give the curve of
     1 process x 8 sequences (fp32; the constrained backward is linear in the gradient, so projecting each rank's
-    gradient before DDP averages them equals projecting the average), and both log the same realignments."""
+    gradient before DDP averages them equals projecting the average), and both log the same realignments. With
+    realign_scale="hold" from beta 0.3, beta changes at the first realignment (to a power of two) and rank 0's
+    value is broadcast with the factors."""
     common = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--log-interval", "1", "--no-progress",
               "--warmup-steps", "2", "--steps", "5", "--backend", "none", "--val-data", "", "--lora",
-              "--lora-rank", "8", "--lora-realign-every", "2"]
+              "--lora-rank", "8", "--lora-realign-every", "2", *scale]
     kw = dict(env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ref, run = tmp_path / "ref", tmp_path / "run"
     two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
@@ -441,6 +445,9 @@ def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path):
         return [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()
                 if '"lora_realign"' in ln]
     assert [e["step"] for e in events(run)] == [e["step"] for e in events(ref)] == [2, 4]
+    if scale:
+        betas = torch.load(run / "checkpoint" / "state.pt", weights_only=False)["lora"]["betas"]
+        assert betas and all(b in (0.25, 0.5) for b in betas.values()), betas
 
 
 # ---------------------------------------------------------------------------------------------------------
