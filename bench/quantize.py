@@ -167,15 +167,17 @@ REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN 
            "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
-def run_case(x, case, config=None):
+def run_case(x, case, config=None, kernels=K):
+    """A no-argument callable running ``case``'s quantize of ``x`` with ``kernels`` (this revision's
+    ``fp4compile.kernels.quantize``, or another's: ``bench/quantize_ab.py``); random RHT signs from torch's RNG."""
     kw = dict(case)
     h = kw.get("hadamard", 0)
     signs = (torch.randint(0, 2, (h,), device=DEV) * 2 - 1).float() if h else None
     seed = torch.tensor(7, dtype=torch.int64, device=DEV)
     tr = kw.get("transpose", False)
-    amax = K.amax(x, h, signs, tr, config=config) if kw.get("given_amax") else None
-    return lambda: K.quantize(x, kw.get("rounding", "rtn"), kw.get("four_over_six", False),
-                              kw.get("block2d", False), h, signs, seed, tr, config=config, amax=amax)
+    amax = kernels.amax(x, h, signs, tr, config=config) if kw.get("given_amax") else None
+    return lambda: kernels.quantize(x, kw.get("rounding", "rtn"), kw.get("four_over_six", False),
+                                    kw.get("block2d", False), h, signs, seed, tr, config=config, amax=amax)
 
 
 def case_bytes(ne, case):

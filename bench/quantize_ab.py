@@ -25,8 +25,8 @@ import quantize as QB  # noqa: E402  (bench/quantize.py: timer, copy bandwidth, 
 
 from fp4compile.kernels import quantize as K  # noqa: E402
 
-CASES = [("RTN", dict(rounding="rtn")), ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
-         ("RTN + RHT16", dict(rounding="rtn", hadamard=16)), ("SR", dict(rounding="sr"))]
+#: the rows of bench/quantize.py's table that are timed (--cases picks others by name)
+CASES = ("RTN", "RTN 2D 16x16 (weights)", "RTN + RHT16", "SR")
 
 
 def load_old(path):
@@ -49,22 +49,26 @@ def main(argv=None) -> int:
     ap.add_argument("--old", required=True, help="path of the other revision's kernels/quantize.py")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", default="4096x4096,16384x8192")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of bench/quantize.py's cases")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    cases = dict(QB.BENCH_CASES)
+    unknown = [c for c in args.cases.split(",") if c not in cases]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; bench/quantize.py has {list(cases)}")
     old = load_old(args.old)
     copy_bw = QB.copy_bandwidth()
     rows = []
     print(f"\n| shape | case | old µs | new µs | new / old | old, fraction of copy BW | new, fraction |")
     print("|---|---|---|---|---|---|---|")
     for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        for name, case in CASES:
-            h = case.get("hadamard", 0)
-            signs = (torch.randint(0, 2, (h,), device="cuda") * 2 - 1).float() if h else None
-            seed = torch.tensor(7, dtype=torch.int64, device="cuda")
-            fns = {tag: (lambda m=m: m.quantize(x, case["rounding"], False, case.get("block2d", False), h, signs,
-                                                seed))
-                   for tag, m in (("old", old), ("new", K))}
+        x = torch.randn(shape, device=QB.DEV, dtype=torch.bfloat16)
+        for name in args.cases.split(","):
+            case = cases[name]
+            fns = {}
+            for tag, kernels in (("old", old), ("new", K)):
+                torch.manual_seed(0)                      # the same RHT signs for both
+                fns[tag] = QB.run_case(x, case, case.get("config"), kernels)
             a, b = fns["old"](), fns["new"]()
             if not all(torch.equal(u, v) for u, v in zip(a, b)):
                 raise SystemExit(f"{shape} {name}: old and new outputs differ")
