@@ -426,9 +426,10 @@ class LoRASVDLinear(nn.Module):
         init = cholesky_qr(old_a.mT)              # warm start: the current row space
         u, s, vh = randomized_svd(w, self.rank, oversample=oversample, niter=niter, init=init,
                                   generator=generator)
-        if hold_scale:
-            self.beta = _held_beta(old_beta, float(old_a.square().sum() + old_b.square().sum()),
-                                   float(s.clamp_min(0).sum()))
+        if hold_scale:                            # one host read for both sums
+            factor_sq, sum_s = torch.stack([old_a.square().sum() + old_b.square().sum(),
+                                            s.clamp_min(0).sum().to(acc)]).tolist()
+            self.beta = _held_beta(old_beta, factor_sq, sum_s)
         self._set_split_(w, u, s, vh, align_to=(old_a, old_b))
         self.clear_basis_cache()
         rel = (self.merged_weight() - w).abs().max() / w.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
@@ -466,7 +467,7 @@ def _warn_once(msg: str) -> None:
 def _factor_transforms(info: Dict[str, torch.Tensor]):
     """(linear, quadratic) maps for L1 (``a``) and L2 (``b``) moments, see the module docstring."""
     old_a, old_b, new_a, new_b = (info[k].double() for k in ("old_a", "old_b", "new_a", "new_b"))
-    ratio = float(info.get("beta_ratio", 1.0))                       # the gradients carry beta: g_L1 = beta L2^T G
+    ratio = float(info["beta_ratio"])                                # the gradients carry beta: g_L1 = beta L2^T G
     t_b = ratio * (new_a @ torch.linalg.pinv(old_a, rtol=1e-7)).mT  # g_L2' = g_L2 T_b
     t_a = ratio * (torch.linalg.pinv(old_b, rtol=1e-7) @ new_b).mT  # g_L1' = T_a g_L1
     maps_b = (lambda m: m @ t_b.to(m.dtype), lambda v: v @ (t_b * t_b).to(v.dtype))
