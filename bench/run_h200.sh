@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S ARM:SECONDS,... [EXTRA [TAG]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -264,10 +264,12 @@ seeds)
   # issue 6's seed noise (one nvidia-h200): seed S, arms run one after another, each with its own time budget
   # ("arm:seconds", comma-separated); LoRA-SVD realigns every 300 steps from step 600 (session 6's best).
   # EXTRA: more train flags (quoted, e.g. "--lora-realign-scale hold"); TAG names their run directories, so a
-  # warm machine does not resume another variant's checkpoint
-  s=$2; extra=${4:-}; tag=${5:-}
+  # warm machine does not resume another variant's checkpoint. Several seeds in one call: S may be a comma
+  # list of seeds (each runs every arm), or give "seed:arm:seconds" items: seeds - 0:lora:265,3:bf16:215
+  extra=${4:-}; tag=${5:-}; items=${3//,/ }
+  if [ "$2" != - ]; then items=""; for s in ${2//,/ }; do for ab in ${3//,/ }; do items+="$s:$ab "; done; done; fi
   step data 60 python bench/study.py --data-only
-  for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
+  for it in $items; do s=${it%%:*}; ab=${it#*:}; a=${ab%%:*}; b=${ab##*:}
     # shellcheck disable=SC2086  # EXTRA is a list of flags
     step "seed${s}_$a$tag" $((b + 15)) python bench/study.py --size 30m --arms "$a" --out ".study_seed$s$tag" \
         --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/seed${s}_$a$tag" -- --seed "$s" \
