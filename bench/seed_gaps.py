@@ -3,8 +3,8 @@
 Each ``--pair LABEL BASE_RUN ARM_RUN`` names one seed's comparison (run directories holding ``metrics.jsonl``).
 For every pair it prints the gap of the train loss (mean of the 10 steps up to each listed step, the way
 ``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
-the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``:
-A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the same step, so a
+the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``,
+repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the same step, so a
 run stopped early by a time budget is compared at its last step. ``--png`` draws every pair's gap curve
 (EMA of the train loss), one colour per label.
 
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("LABEL", "BASE_RUN", "ARM_RUN"))
     ap.add_argument("--steps", default="400,800,1000,1200", help="comma-separated steps for the train gap")
-    ap.add_argument("--diff", nargs=2, metavar=("A", "B"), help="paired per-seed difference A - B (same order)")
+    ap.add_argument("--diff", nargs=2, action="append", default=[], metavar=("A", "B"),
+                    help="paired per-seed difference A - B (same order); repeatable")
     ap.add_argument("--png", type=Path)
     args = ap.parse_args(argv)
     steps = [int(s) for s in args.steps.split(",") if s]
@@ -115,8 +116,7 @@ def main(argv=None) -> int:
         finals[label] = f
         print(f"| {label} | {len(gs)} | " + " | ".join(_fmt(*mean_se(f[k])) if f[k] else "–"
                                                        for k in ("train", *EVALS)) + " |")
-    if args.diff:
-        a, b = args.diff
+    for a, b in args.diff:
         for k in ("train", "val_loss"):
             if len(finals[a][k]) != len(finals[b][k]):
                 raise SystemExit(f"--diff {a} {b}: different numbers of {k} values")
