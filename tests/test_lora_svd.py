@@ -354,14 +354,15 @@ def test_hold_scale_remaps_moments_with_beta_when_subspace_unchanged():
     torch.testing.assert_close(opt.state[m.lora_a.weight]["exp_avg_sq"], ga2.square(), rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("scale", ["keep", "hold"])
+@pytest.mark.parametrize("scale", ["keep", "hold", None])
 def test_realign_scale_holds_the_branch_step_size(scale):
     """A dominant direction grows in W: with "keep" beta * ||(L1, L2)||_F (the size of an Adam step of the
-    branch in W) grows with the new singular values; "hold" keeps it within the power-of-two rounding (a factor
-    sqrt(2)), at a beta that is a power of two; the function is preserved either way."""
+    branch in W) grows with the new singular values; "hold" (also the default, None here) keeps it within the
+    power-of-two rounding (a factor sqrt(2)), at a beta that is a power of two; the function is preserved either
+    way."""
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(64, 48))
-    h = prepare(model, rank=4, realign_every=None, realign_scale=scale)
+    h = prepare(model, rank=4, realign_every=None, **({} if scale is None else {"realign_scale": scale}))
     m = model[0]
     with torch.no_grad():
         m.weight.add_(20.0 * torch.randn(48, 1) @ torch.randn(1, 64) / 8)

@@ -80,7 +80,7 @@ class TrainConfig:
     lora_realign_every: Optional[int] = None
     lora_realign_after: Optional[int] = None  # no realignment before this step (None: prepare's default, 0)
     lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
-    lora_realign_scale: Optional[str] = None  # keep | hold: beta at a realignment (None: prepare's, keep)
+    lora_realign_scale: Optional[str] = None  # hold | keep: beta at a realignment (None: prepare's, hold)
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
