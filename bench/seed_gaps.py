@@ -5,8 +5,9 @@ For every pair it prints the gap of the train loss (mean of the 10 steps up to e
 ``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
 the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``,
 repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the same step, so a
-run stopped early by a time budget is compared at its last step. ``--png`` draws every pair's gap curve
-(EMA of the train loss), one colour per label.
+run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620`` adds the train gap
+over step ranges and its change from the first range, per pair and per label (e.g. the jump of the gap across a
+realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss), one colour per label.
 
     python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
         --pair quartet2 s1/bf16 s1/quartet2 --pair lora s1/bf16 s1/lora --diff quartet2 lora --png gaps.png
@@ -31,19 +32,29 @@ def _curves(run) -> Tuple[Dict[int, float], Dict[str, Dict[int, float]]]:
     return train, evals
 
 
-def pair_gaps(base_run, arm_run, steps: Sequence[int] = (), window: int = 10) -> dict:
+def _window_gap(at: Dict[int, float], bt: Dict[int, float], lo: int, hi: int) -> Optional[float]:
+    """Gap (in %) of the mean train loss over steps lo..hi (those both runs logged); None if there are none."""
+    w = [k for k in range(lo, hi + 1) if k in at and k in bt]
+    if not w:
+        return None
+    a, b = statistics.fmean(at[k] for k in w), statistics.fmean(bt[k] for k in w)
+    return 100 * (a - b) / b
+
+
+def pair_gaps(base_run, arm_run, steps: Sequence[int] = (), window: int = 10,
+              windows: Sequence[Tuple[int, int]] = ()) -> dict:
     """Gaps (in %) of ``arm_run`` to ``base_run``: ``train`` at each of ``steps`` that both reached plus the arm's
-    last step (mean of the ``window`` steps ending there), and each eval key at the steps both logged."""
+    last step (mean of the ``window`` steps ending there), each eval key at the steps both logged, and
+    ``windows``: the train gap over each (first, last) step range (None where neither run logged a step)."""
     bt, be = _curves(base_run)
     at, ae = _curves(arm_run)
     last = max(s for s in at if s in bt)
     out = {"last": last, "train": {}}
     for s in sorted({*(x for x in steps if x <= last), last}):
-        w = [k for k in range(s - window + 1, s + 1) if k in at and k in bt]
-        a, b = statistics.fmean(at[k] for k in w), statistics.fmean(bt[k] for k in w)
-        out["train"][s] = 100 * (a - b) / b
+        out["train"][s] = _window_gap(at, bt, s - window + 1, s)
     for k in EVALS:
         out[k] = {s: 100 * (ae[k][s] - be[k][s]) / be[k][s] for s in sorted(ae[k]) if s in be[k]}
+    out["windows"] = {w: _window_gap(at, bt, *w) for w in windows}
     return out
 
 
@@ -87,21 +98,46 @@ def plot(pairs, out: Path) -> Path:
     return out
 
 
+def _print_windows(rows: Dict[str, List[dict]], windows: Sequence[Tuple[int, int]]) -> None:
+    """Per pair: the train gap over each window, then its change from the first window; per label: the mean
+    change with its standard error (e.g. the jump of the gap across a realignment and what of it stays)."""
+    names = [f"{a}-{b}" for a, b in windows]
+    print("\n| label | pair | train gap over " + ", ".join(names) + " | change from " + names[0] + " |")
+    print("|---|---|---|---|")
+    changes: Dict[str, List[List[float]]] = {}
+    for label, gs in rows.items():
+        for i, g in enumerate(gs):
+            v = [g["windows"][w] for w in windows]
+            d = [x - v[0] for x in v[1:]] if None not in v else []
+            if d:
+                changes.setdefault(label, []).append(d)
+            print(f"| {label} | {i} | " + ", ".join("–" if x is None else f"{x:+.2f}" for x in v) + " | "
+                  + (", ".join(f"{x:+.2f}" for x in d) or "–") + " |")
+    for label, ds in changes.items():
+        print(f"{label}: change from {names[0]} to " + "; ".join(
+            f"{n} {_fmt(*mean_se([d[j] for d in ds]))}" for j, n in enumerate(names[1:])) + f" ({len(ds)} pairs)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("LABEL", "BASE_RUN", "ARM_RUN"))
     ap.add_argument("--steps", default="400,800,1000,1200", help="comma-separated steps for the train gap")
     ap.add_argument("--diff", nargs=2, action="append", default=[], metavar=("A", "B"),
                     help="paired per-seed difference A - B (same order); repeatable")
+    ap.add_argument("--windows", default="", help="comma-separated step ranges FIRST-LAST (e.g. 560-600,601-620): "
+                    "the train gap over each, and its change from the first range, per pair and per label")
     ap.add_argument("--png", type=Path)
     args = ap.parse_args(argv)
     steps = [int(s) for s in args.steps.split(",") if s]
+    windows = [tuple(int(v) for v in w.split("-")) for w in args.windows.split(",") if w]
+    if any(len(w) != 2 or w[0] > w[1] for w in windows):
+        raise SystemExit(f"--windows: expected FIRST-LAST ranges, got {args.windows!r}")
     rows: Dict[str, List[dict]] = {}
     print("| label | arm run | last step | train gap at " + ", ".join(map(str, steps)) + ", last | val (last eval) "
           "| Brown (last eval) |")
     print("|---|---|---|---|---|---|")
     for label, base, arm in args.pair:
-        g = pair_gaps(base, arm, steps)
+        g = pair_gaps(base, arm, steps, windows=windows)
         rows.setdefault(label, []).append(g)
         tr = ", ".join(f"{v:+.2f}" for v in g["train"].values())
         ev = [f"{d[max(d)]:+.2f} % (step {max(d)})" if d else "–" for d in (g["val_loss"], g["brown_loss"])]
@@ -126,6 +162,8 @@ def main(argv=None) -> int:
             share = f"{100 * m / ref:.0f} % of {a}'s mean gap" if ref else f"{a}'s mean gap is 0"
             print(f"\npaired {a} − {b}, {k}: per seed " + ", ".join(f"{x:+.2f}" for x in d)
                   + f"; mean {_fmt(m, se)} points = {share}")
+    if windows:
+        _print_windows(rows, windows)
     if args.png:
         print(f"\nwrote {plot(args.pair, args.png)}")
     return 0

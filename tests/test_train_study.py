@@ -252,4 +252,13 @@ def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys)
     # q's train gap at step 30: +2 %; l's at step 25 (a0's last): +175.5 %; paired difference -173.5
     assert "| q | 1 | +2.00 % |" in out and "paired q − l, train: per seed -173.50" in out
     assert "paired l − q, train: per seed +173.50" in out
+    # --windows: the gap over step ranges and its change from the first range (a1 steps 16..30 at +2 %)
+    w = sg.pair_gaps(tmp_path / "b1", tmp_path / "a1", windows=[(1, 10), (16, 25), (40, 50)])["windows"]
+    assert w[(1, 10)] == pytest.approx(0.0) and w[(16, 25)] == pytest.approx(2.0) and w[(40, 50)] is None
+    sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--windows", "1-10,11-20,16-25"])
+    out = capsys.readouterr().out
+    assert "| q | 0 | +0.00, +1.00, +2.00 | +1.00, +2.00 |" in out
+    assert "q: change from 1-10 to 11-20 +1.00 %; 16-25 +2.00 % (1 pairs)" in out
+    with pytest.raises(SystemExit, match="--windows"):
+        sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--windows", "20-10"])
     assert (tmp_path / "g.png").stat().st_size > 0
