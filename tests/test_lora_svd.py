@@ -382,6 +382,45 @@ def test_realign_scale_holds_the_branch_step_size(scale):
         assert h.state_dict()["betas"] == {"0": m.beta}
 
 
+@pytest.mark.parametrize("constrain", ["cholesky_qr", None])
+def test_init_state_from_dense_matches_the_factor_gradients(constrain):
+    """handle.init_state_from_dense (a fork that adds LoRA-SVD to a run trained without it): after one AdamW step
+    at lr 0 on the dense weight, exp_avg = (1 - b1) G and exp_avg_sq = (1 - b2) G^2. The factors' derived
+    exp_avg must equal (1 - b1) times the gradient autograd (with the constrained backward's hooks, when on) gives
+    L1 and L2 for the same upstream gradient; W_res keeps the weight's entries; step counts are copied. With G
+    a single entry the squared-coefficient map of exp_avg_sq is exact: (1 - b2) (autograd's g_L)^2 unprojected."""
+    torch.manual_seed(5)
+    b1, b2, beta = 0.9, 0.95, 0.5
+    for single in (False, True):
+        model = nn.Sequential(nn.Linear(24, 16, bias=False, dtype=torch.float64))
+        x, gy = torch.randn(8, 24, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+        if single:                                   # G = 1.5 e_3 e_7^T
+            x, gy = torch.zeros(1, 24, dtype=torch.float64), torch.zeros(1, 16, dtype=torch.float64)
+            x[0, 7], gy[0, 3] = 1.0, 1.5
+        dense = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(b1, b2))
+        model(x).backward(gy)
+        dense.step()
+        w = model[0].weight
+        h = prepare(model, rank=4, beta=beta, realign_every=None, constrain=constrain)
+        m = model[0]
+        assert m.weight is w                          # the same Parameter: its dense state is W_res's
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(b1, b2))
+        assert h.init_state_from_dense(opt, dense.state) == 1
+        model.zero_grad()
+        m(x).backward(gy)                             # autograd's factor gradients (through the hooks if on)
+        for p in (m.lora_a.weight, m.lora_b.weight):
+            st = opt.state[p]
+            assert float(st["step"]) == 1.0 and st["step"] is not opt.state[w]["step"]
+            torch.testing.assert_close(st["exp_avg"], (1 - b1) * p.grad, rtol=1e-10, atol=1e-14)
+            if single and constrain is None:
+                torch.testing.assert_close(st["exp_avg_sq"], (1 - b2) * p.grad ** 2, rtol=1e-10, atol=1e-16)
+            assert (st["exp_avg_sq"] >= 0).all()
+        assert torch.equal(opt.state[w]["exp_avg"], dense.state[w]["exp_avg"])
+    bad = {w: {"step": torch.tensor(1.0), "packed": torch.zeros(3, dtype=torch.uint8)}}
+    with pytest.raises(ValueError, match="cannot derive factor state"):
+        h.init_state_from_dense(opt, bad)
+
+
 def test_beta_buffer_follows_the_setter_dtype_casts_and_handle_state(tmp_path):
     """forward reads beta from a float32 buffer: the setter updates it, .to(bfloat16) keeps it float32, a
     compiled model sees a new beta without recompiling, and the handle's state_dict restores it."""

@@ -401,6 +401,75 @@ def test_bit_exact_resume_with_lora_realignment(tmp_path):
     assert [r["step"] for r in L.read_metrics(tmp_path / "late") if r.get("event") == "lora_realign"] == [6]
 
 
+def test_fork_continues_the_source_run_bit_exactly(tmp_path):
+    """init_from: a run forked from another run's step-4 checkpoint with the same settings continues it bit for
+    bit (weights, optimizer state, schedule, RNG, data position); its log starts at the fork with a start event
+    naming the source; stopped and resumed, a fork continues from its own checkpoint (same numbers again)."""
+    kw = dict(val_data="")
+    L.train(tiny_cfg(tmp_path, "straight", **kw))
+    L.train(tiny_cfg(tmp_path, "src", stop_after=4, **kw))
+    res = L.train(tiny_cfg(tmp_path, "fork", init_from=str(tmp_path / "src"), **kw))
+    assert res.step == 8
+    straight, fork = losses(tmp_path / "straight"), losses(tmp_path / "fork")
+    assert [s for s, _ in fork] == [5, 6, 7, 8] and fork == straight[4:]           # exact float equality
+    start = [r for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "start"]
+    assert len(start) == 1 and start[0]["step"] == 4 and start[0]["forked_from"].endswith("checkpoint")
+    # the source is untouched and a fork of a fork stopped at 6, then resumed, ends where the straight run does
+    assert torch.load(tmp_path / "src" / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
+    L.train(tiny_cfg(tmp_path, "fork2", init_from=str(tmp_path / "src" / "checkpoint"), stop_after=6, **kw))
+    L.train(tiny_cfg(tmp_path, "fork2", init_from=str(tmp_path / "src"), resume=True, **kw))
+    assert losses(tmp_path / "fork2") == straight[4:]
+    # a fork changes what it is for (here the learning rate, with a warning) and nothing else
+    with pytest.warns(UserWarning, match="forking from .* changed settings: lr"):
+        L.train(tiny_cfg(tmp_path, "fork_lr", init_from=str(tmp_path / "src"), **{**kw, "lr": 1e-3}))
+    assert losses(tmp_path / "fork_lr")[0] == straight[4] and losses(tmp_path / "fork_lr")[-1] != straight[-1]
+
+
+def test_fork_errors(tmp_path):
+    """A fork needs a readable single-process checkpoint of a run without LoRA-SVD, with the same model,
+    optimizer and data order; adding LoRA-SVD is for AdamW; a fork runs in one process."""
+    kw = dict(val_data="")
+    with pytest.raises(L.CheckpointError, match="incomplete"):
+        L.train(tiny_cfg(tmp_path, "f0", init_from=str(tmp_path / "nothing"), **kw))
+    L.train(tiny_cfg(tmp_path, "src", stop_after=2, **kw))
+    with pytest.raises(L.CheckpointError, match="seed: checkpoint 0 != run 1"):
+        L.train(tiny_cfg(tmp_path, "f1", init_from=str(tmp_path / "src"), seed=1, **kw))
+    with pytest.raises(L.CheckpointError, match="batch_size"):
+        L.train(tiny_cfg(tmp_path, "f2", init_from=str(tmp_path / "src"), batch_size=2, **kw))
+    with pytest.raises(ValueError, match="init_from with lora=True"):
+        L.train(tiny_cfg(tmp_path, "f3", init_from=str(tmp_path / "src"), lora=True, optimizer="qadamw", **kw))
+    with pytest.raises(ValueError, match="one process"):
+        tiny_cfg(tmp_path, "f4", init_from=str(tmp_path / "src"), parallel="ddp").validate()
+    pytest.importorskip("fp4compile.nn.lora_svd")
+    L.train(tiny_cfg(tmp_path, "lora_src", stop_after=2, lora=True, lora_rank=4, **kw))
+    with pytest.raises(L.CheckpointError, match="trained with LoRA-SVD"):
+        L.train(tiny_cfg(tmp_path, "f5", init_from=str(tmp_path / "lora_src"), lora=True, lora_rank=4, **kw))
+
+
+def test_fork_adds_lora_svd_with_the_dense_optimizer_state(tmp_path):
+    """A fork of a run without LoRA-SVD that adds it: the split preserves the function at the fork (its first
+    loss is the source's next loss to FP32 rounding), every parameter, factors included, continues the source's
+    AdamW step count (the factors' moments come from the dense weights'), and the realignment schedule counts the
+    run's steps (realign_every=3 from the fork at 4: step 6)."""
+    pytest.importorskip("fp4compile.nn.lora_svd")
+    kw = dict(val_data="")
+    L.train(tiny_cfg(tmp_path, "straight", **kw))
+    L.train(tiny_cfg(tmp_path, "src", stop_after=4, **kw))
+    L.train(tiny_cfg(tmp_path, "fork", init_from=str(tmp_path / "src"), lora=True, lora_rank=8,
+                     lora_realign_every=3, **kw))
+    straight, fork = losses(tmp_path / "straight"), losses(tmp_path / "fork")
+    assert fork[0][0] == 5 and fork[0][1] == pytest.approx(straight[4][1], rel=1e-5)
+    assert fork[-1][1] != straight[-1][1]                                          # LoRA-SVD changes the run
+    state = torch.load(tmp_path / "fork" / "checkpoint" / "state.pt", weights_only=False)
+    steps = {float(st["step"]) for st in state["optimizer"]["state"].values()}
+    assert steps == {8.0}, steps                                                   # 4 from the source + 4
+    factors = [st for st in state["optimizer"]["state"].values() if st["exp_avg"].dim() == 2
+               and min(st["exp_avg"].shape) == 8]
+    assert len(factors) >= 2 and all(st["exp_avg_sq"].min() >= 0 for st in factors)
+    ev = [r["step"] for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "lora_realign"]
+    assert ev == [6]
+
+
 def test_bit_exact_resume_with_lora_realign_scale_hold(tmp_path):
     """With realign_scale="hold", beta changes at a realignment (0.3 -> a power of two) and is part of the
     function: the checkpoint carries it, so a run split at step 4 matches the straight run bit for bit."""

@@ -667,6 +667,49 @@ class LoRASVDHandle:
         return out
 
     @torch.no_grad()
+    def init_state_from_dense(self, optimizer, dense_state) -> int:
+        """Give ``optimizer`` state for every converted layer, derived from the state its dense weight had
+        before :func:`prepare` (``dense_state[layer.weight]``, a per-parameter state dict such as
+        ``torch.optim.AdamW``'s; e.g. a run forked from a checkpoint trained without LoRA-SVD, where fresh
+        moments at full LR would cost a transient like ``state_remap="reset"``). W_res keeps the weight's
+        entries (its coordinates are the weight's, as at a realignment). The factors' entries follow the chain
+        rule g_L2 = beta G L1^T, g_L1 = beta L2^T G: first-moment-like entries are mapped linearly and then
+        projected like the constrained backward's gradients (if the layer has it); second-moment-like entries get the squared
+        coefficients (the independence approximation of the realignment's remap); step counts are copied.
+        Returns the number of layers seeded; a layer whose weight has no state is skipped. Raises
+        ``ValueError`` for an entry that is not a float tensor of the weight's shape (e.g. quantized moments)."""
+        seeded = 0
+        for path, m in self.modules.items():
+            src = dense_state.get(m.weight)
+            if not src:
+                continue
+            a, b = m.lora_a.weight, m.lora_b.weight
+            acc = _acc(a.dtype)
+            l1, l2, beta = a.detach().to(acc), b.detach().to(acc), m.beta
+            st_w, st_a, st_b = {}, {}, {}
+            for key, t in src.items():
+                if not torch.is_tensor(t) or t.numel() <= 1 or key == "step":   # counts: one copy each (AdamW
+                    for st in (st_w, st_a, st_b):                                # increments them in place)
+                        st[key] = t.clone() if torch.is_tensor(t) else t
+                    continue
+                if t.shape != m.weight.shape or not t.is_floating_point():
+                    raise ValueError(f"LoRA-SVD: cannot derive factor state from {type(optimizer).__name__}'s "
+                                     f"{key!r} of {path} (shape {tuple(t.shape)}, dtype {t.dtype}): only float "
+                                     "tensors of the weight's shape (e.g. AdamW's moments) are supported")
+                st_w[key] = t.clone()
+                g = t.to(acc)
+                if key in _QUADRATIC_KEYS or (key not in _LINEAR_KEYS and bool((t >= 0).all())):
+                    tb, ta = beta * beta * (g @ (l1 * l1).mT), beta * beta * ((l2 * l2).mT @ g)
+                else:
+                    tb, ta = beta * (g @ l1.mT), beta * (l2.mT @ g)
+                    if m.constrain == "cholesky_qr":          # as the hooks project the factors' gradients
+                        tb, ta = m._hook_b(tb), m._hook_a(ta)
+                st_b[key], st_a[key] = tb.to(t.dtype), ta.to(t.dtype)
+            optimizer.state[m.weight], optimizer.state[a], optimizer.state[b] = st_w, st_a, st_b
+            seeded += 1
+        return seeded
+
+    @torch.no_grad()
     def _broadcast_from_rank0(self, optimizers) -> None:
         """Rank 0's re-split factors, residual weights and their optimizer state on every rank of the default
         process group (nothing outside one). Every replica realigns the same weights with the same seed; this

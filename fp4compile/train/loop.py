@@ -15,6 +15,12 @@ Resume (``resume=True``) continues bit-exactly: batches are a pure function of (
 optimizer/schedule/RNG state is restored, and metric lines past the checkpoint are dropped. Ctrl-C (SIGINT)
 finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once).
 
+Fork (``init_from=RUN_DIR``): start a new run at another run's checkpoint (its weights, optimizer state, LR
+schedule, RNG and step) with the same model, optimizer and data order but, typically, another backend or
+policy, or with LoRA-SVD added (its factors' AdamW moments derived from the dense weights', see
+``LoRASVDHandle.init_state_from_dense``). Arms forked from one shared checkpoint differ only after it: how a
+study compares precisions over the late part of training without the early phase's run-to-run spread.
+
 Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
 of the global batch, and only rank 0 logs and writes files. ``parallel="ddp"|"fsdp2"`` (under torchrun)
 wraps the model with ``fp4compile.train.distributed`` (DDP / FSDP2 in torchtitan's order), reduces the
@@ -36,7 +42,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -111,6 +117,8 @@ class TrainConfig:
     ckpt_interval: int = 0                    # 0: only at the end (and on Ctrl-C / time budget)
     log_interval: int = 10
     resume: bool = False
+    init_from: str = ""                       # fork: start at another run's checkpoint (weights, optimizer state,
+                                              # schedule, RNG, step); it may add LoRA-SVD or change backend/policy
     max_seconds: Optional[float] = None       # wall-clock budget: checkpoint and stop before it runs out
     stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run)
     device: str = "auto"
@@ -151,6 +159,11 @@ class TrainConfig:
             raise ValueError("lora=True (LoRA-SVD) does not run under FSDP2: its realignment needs whole matrices "
                              "and its constrained-backward hooks sit on the parameters FSDP2 shards; use "
                              "parallel='ddp'")
+        if self.init_from and self.parallel != "none":
+            raise ValueError("init_from (a fork of another run's checkpoint) runs in one process; leave parallel='none'")
+        if self.init_from and self.lora and self.optimizer != "adamw":
+            raise ValueError("init_from with lora=True derives the LoRA-SVD factors' optimizer state from the dense "
+                             f"weights' AdamW moments; optimizer={self.optimizer!r} is not supported there")
         if self.optim_cuda_graphs and self.parallel != "none":
             raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
                              f"with parallel={self.parallel!r} leave it unset")
@@ -531,8 +544,27 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
     Raises ``CheckpointError`` for missing files, a hash mismatch (corrupt model file), an unreadable
     state file, or a run whose structural settings (``STRUCTURAL``) differ; warns on ``SOFT`` differences.
     """
-    from safetensors.torch import load_model
+    state = read_checkpoint(ckpt_dir)
+    saved = state["config"]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs)
+                              + "\nuse the same settings, or a new --out-dir to start over")
+    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
+    if soft:
+        warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
+                      + "; ".join(soft))
+    load_model_file(ckpt_dir, model)
+    load_optimizer_state(ckpt_dir, state, optimizer)
+    restore_schedule_and_rng(schedule, state)
+    return state
 
+
+def read_checkpoint(ckpt_dir: Path) -> dict:
+    """The state dict of a single-process checkpoint, after checking that both files exist, that ``state.pt``
+    is an fp4compile training state and that ``model.safetensors`` has the sha256 it records
+    (``CheckpointError`` otherwise)."""
     mpath, spath = ckpt_dir / "model.safetensors", ckpt_dir / "state.pt"
     for p in (mpath, spath):
         if not p.is_file():
@@ -546,16 +578,14 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
     if _sha256(mpath) != state["model_sha256"]:
         raise CheckpointError(f"checkpoint model file {mpath} is corrupt: its sha256 does not match the one "
                               "recorded in state.pt")
-    saved = state["config"]
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
-             if saved.get(k) != getattr(cfg, k)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs)
-                              + "\nuse the same settings, or a new --out-dir to start over")
-    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
-    if soft:
-        warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
-                      + "; ".join(soft))
+    return state
+
+
+def load_model_file(ckpt_dir: Path, model) -> None:
+    """Load ``ckpt_dir/model.safetensors`` into ``model`` (every tensor, no extra: ``CheckpointError`` otherwise)."""
+    from safetensors.torch import load_model
+
+    mpath = ckpt_dir / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(mpath), strict=False)
     except Exception as e:                                              # noqa: BLE001
@@ -563,12 +593,69 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
     if missing or unexpected:
         raise CheckpointError(f"checkpoint model file {mpath} does not fit the model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}")
+
+
+def load_optimizer_state(ckpt_dir: Path, state: dict, optimizer) -> None:
+    """Load the optimizer state of a checkpoint's ``state`` (``CheckpointError`` if it does not fit)."""
     try:
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:                                              # noqa: BLE001
-        raise CheckpointError(f"optimizer state in {spath} does not fit the optimizer: {e}") from e
+        raise CheckpointError(f"optimizer state in {ckpt_dir / 'state.pt'} does not fit the optimizer: {e}") from e
+
+
+#: settings a fork (``init_from``) must share with the run it starts from: the model and its parameter layout,
+#: the optimizer (its state format) and the data order (batches are a function of seed and sample index)
+FORK_MATCH = ("model", "tie_embeddings", "tokenizer", "optimizer", "dtype", "seed", "batch_size", "seq_len",
+              "grad_accum", "train_data")
+
+
+def open_fork_source(spec: str, cfg: TrainConfig) -> Tuple[Path, dict]:
+    """The checkpoint a fork starts from (``spec``: a run directory or its ``checkpoint/``) and its state, checked:
+    a single-process checkpoint of a run without LoRA-SVD whose ``FORK_MATCH`` settings equal ``cfg``'s
+    (``CheckpointError`` otherwise). Other differences of ``SOFT`` settings than the backend and policy (which
+    are what a fork changes) give a warning."""
+    ckpt = Path(spec)
+    if (ckpt / "checkpoint").is_dir():
+        ckpt = ckpt / "checkpoint"
+    if (ckpt / ".metadata").exists():
+        raise CheckpointError(f"{ckpt} is a distributed checkpoint; a fork starts from a single-process run's")
+    state = read_checkpoint(ckpt)
+    saved = state["config"]
+    if saved.get("lora"):
+        raise CheckpointError(f"{ckpt} was trained with LoRA-SVD; a fork starts from a run without it (it may add it)")
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in FORK_MATCH
+             if saved.get(k) != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"cannot fork from {ckpt}: it was written by a run with other settings:\n  "
+                              + "\n  ".join(diffs))
+    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT
+            if k not in FORK_MATCH + ("backend", "policy") and saved.get(k) != getattr(cfg, k)]
+    if soft:
+        warnings.warn(f"forking from {ckpt} with changed settings: " + "; ".join(soft))
+    return ckpt, state
+
+
+def fork_state(fork: Tuple[Path, dict], optimizer, schedule, dense_optimizer=None, lora_handle=None) -> int:
+    """Continue the run :func:`open_fork_source` opened (its weights are already in the model): the optimizer
+    state (loaded as saved, or, when this run adds LoRA-SVD, taken over from ``dense_optimizer`` holding the
+    source's state for the dense parameters, the factors' derived by ``lora_handle.init_state_from_dense``), the
+    LR schedule, the RNG and the step, with this run's hyper-parameters. The LoRA-SVD step counter starts at the
+    fork's step, so ``realign_every`` / ``realign_after`` keep counting the run's optimizer steps. Returns the step."""
+    ckpt, state = fork
+    settings = config_group_settings(optimizer)
+    if dense_optimizer is None:
+        load_optimizer_state(ckpt, state, optimizer)
+    else:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if dense_optimizer.state.get(p):
+                    optimizer.state[p] = dense_optimizer.state[p]
+        lora_handle.init_state_from_dense(optimizer, dense_optimizer.state)
     restore_schedule_and_rng(schedule, state)
-    return state
+    reapply_group_settings(optimizer, schedule, settings)
+    if lora_handle is not None:
+        lora_handle.load_state_dict({"steps": state["step"], "realignments": 0})
+    return int(state["step"])
 
 
 def config_group_settings(optimizer) -> List[Dict[str, Any]]:
@@ -754,8 +841,18 @@ def train(cfg: TrainConfig) -> RunResult:
     # 1. data: tokenizer, the token streams, deterministic batches
     tok, train_tokens, train_batches, evals = load_run_data(cfg)
 
-    # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD
-    model, lora_handle = build_model(cfg, tok, device, dtype)
+    # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD. A fork (init_from) loads the source
+    # run's weights first, and with LoRA-SVD also its optimizer state for the dense weights, before prepare()
+    has_ckpt = ckpt_dir.exists() or (out_dir / "checkpoint.old").exists()
+    fork = open_fork_source(cfg.init_from, cfg) if cfg.init_from and not (cfg.resume and has_ckpt) else None
+    model, lora_handle = build_model(dataclasses.replace(cfg, lora=False) if fork else cfg, tok, device, dtype)
+    dense_optimizer = None
+    if fork is not None:
+        load_model_file(fork[0], model)
+        if cfg.lora:
+            dense_optimizer = build_optimizer(model, cfg, None, device)
+            load_optimizer_state(fork[0], fork[1], dense_optimizer)
+            lora_handle = apply_lora(model, cfg)
 
     # 3. policy, optimizer, LR schedule
     policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
@@ -779,11 +876,16 @@ def train(cfg: TrainConfig) -> RunResult:
         lora_handle.attach(optimizer)                 # realign every realign_every steps, remap optimizer state
     schedule = LRSchedule(optimizer, cfg)
 
-    # 4. resume
+    # 4. resume, or fork
     start_step, tokens_per_step = 0, cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     resume_step = None
-    if cfg.resume:
-        if ckpt_dir.exists() or (out_dir / "checkpoint.old").exists():
+    if fork is not None:
+        start_step = fork_state(fork, optimizer, schedule, dense_optimizer, lora_handle)
+        dense_optimizer = None
+        if is_main:
+            print(f"[fp4compile] forked {fork[0]} at step {start_step}", file=sys.stderr)
+    elif cfg.resume:
+        if has_ckpt:
             if not ckpt_dir.exists():                 # crashed between the two renames of save_checkpoint
                 (out_dir / "checkpoint.old").rename(ckpt_dir)
             settings = config_group_settings(optimizer)
@@ -804,10 +906,11 @@ def train(cfg: TrainConfig) -> RunResult:
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
     log = MetricsLog(out_dir / "metrics.jsonl", is_main, resume_step)
     if resume_step is None:
-        log.write(step=0, event="start", params=model.num_params(), params_non_embedding=model.num_params(True),
-                  tokens_per_step=tokens_per_step, device=str(device), dtype=dtype, backend=cfg.backend,
-                  policy=cfg.policy if policy is not None else None, train_tokens=len(train_tokens),
-                  train_fingerprint=D.fingerprint(train_tokens))
+        log.write(step=start_step, event="start", params=model.num_params(),
+                  params_non_embedding=model.num_params(True), tokens_per_step=tokens_per_step, device=str(device),
+                  dtype=dtype, backend=cfg.backend, policy=cfg.policy if policy is not None else None,
+                  train_tokens=len(train_tokens), train_fingerprint=D.fingerprint(train_tokens),
+                  **({"forked_from": str(fork[0])} if fork is not None else {}))
 
     # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
     if model_fn is None:
