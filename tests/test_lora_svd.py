@@ -382,6 +382,34 @@ def test_realign_scale_holds_the_branch_step_size(scale):
         assert h.state_dict()["betas"] == {"0": m.beta}
 
 
+def test_hold_scale_from_a_reference_weight():
+    """handle.hold_scale_from({path: R}): beta becomes the power of two that gives the current split the
+    branch step size beta * ||(L1, L2)||_F a beta-1 split of R has (within the power-of-two rounding, sqrt 2),
+    with the function preserved; a layer without a reference keeps beta 1."""
+    torch.manual_seed(11)
+    ref = 0.02 * torch.randn(48, 64)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 32))
+    with torch.no_grad():
+        model[0].weight.copy_(ref + 3.0 * torch.randn(48, 1) @ torch.randn(1, 64) / 8)
+    h = prepare(model, rank=4, realign_every=None)
+    m = model[0]
+    w0 = m.merged_weight()
+
+    def size(layer):  # beta * ||(L1, L2)||_F
+        a, b = layer.lora_a.weight.detach(), layer.lora_b.weight.detach()
+        return layer.beta * float(torch.cat([a.flatten(), b.flatten()]).norm())
+
+    target = math.sqrt(2 * float(torch.linalg.svdvals(ref)[:4].sum()))      # beta 1: ||L||^2 = 2 sum S
+    before = size(m)
+    out = h.hold_scale_from({"0": ref})
+    assert set(out) == {"0"} and out["0"] == m.beta and m.beta < 1 and math.log2(m.beta) == round(math.log2(m.beta))
+    assert before > 2 * target and 2 ** -0.5 <= size(m) / target <= 2 ** 0.5
+    assert (m.merged_weight() - w0).abs().max() <= 1e-6 * w0.abs().max()
+    a, b = m.lora_a.weight.detach(), m.lora_b.weight.detach()
+    assert float(a.norm()) == pytest.approx(float(b.norm()), rel=1e-4)       # still balanced
+    assert model[1].beta == 1.0
+
+
 @pytest.mark.parametrize("constrain", ["cholesky_qr", None])
 def test_init_state_from_dense_matches_the_factor_gradients(constrain):
     """handle.init_state_from_dense (a fork that adds LoRA-SVD to a run trained without it): after one AdamW step

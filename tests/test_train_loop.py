@@ -450,9 +450,10 @@ def test_fork_adds_lora_svd_with_the_dense_optimizer_state(tmp_path):
     """A fork of a run without LoRA-SVD that adds it: the split preserves the function at the fork (its first
     loss is the source's next loss to FP32 rounding), every parameter, factors included, continues the source's
     AdamW step count (the factors' moments come from the dense weights'), and the realignment schedule counts the
-    run's steps (realign_every=3 from the fork at 4: step 6)."""
+    run's steps (realign_every=3 from the fork at 4: step 6). LR 3e-2, so that four steps grow the weights'
+    singular values enough for realign_scale "hold" to lower beta at the fork."""
     pytest.importorskip("fp4compile.nn.lora_svd")
-    kw = dict(val_data="")
+    kw = dict(val_data="", lr=3e-2)
     L.train(tiny_cfg(tmp_path, "straight", **kw))
     L.train(tiny_cfg(tmp_path, "src", stop_after=4, **kw))
     L.train(tiny_cfg(tmp_path, "fork", init_from=str(tmp_path / "src"), lora=True, lora_rank=8,
@@ -466,8 +467,19 @@ def test_fork_adds_lora_svd_with_the_dense_optimizer_state(tmp_path):
     factors = [st for st in state["optimizer"]["state"].values() if st["exp_avg"].dim() == 2
                and min(st["exp_avg"].shape) == 8]
     assert len(factors) >= 2 and all(st["exp_avg_sq"].min() >= 0 for st in factors)
-    ev = [r["step"] for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "lora_realign"]
-    assert ev == [6]
+    ev = [r for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "lora_realign"]
+    assert [r["step"] for r in ev] == [6] and 0 < ev[0]["beta_min"] <= ev[0]["beta_max"]
+    # realign_scale "hold" (the default): the fork's betas are what hold keeps relative to the initial weights
+    # (powers of two, in the start event and the checkpoint); "keep": prepare's beta
+    start = [r for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "start"][0]
+    betas = state["lora"]["betas"]
+    assert betas and all(math.log2(b) == round(math.log2(b)) for b in betas.values())
+    assert start["lora_betas"] and max(start["lora_betas"]) < 1
+    assert all(math.log2(b) == round(math.log2(b)) for b in start["lora_betas"])
+    L.train(tiny_cfg(tmp_path, "fork_keep", init_from=str(tmp_path / "src"), lora=True, lora_rank=8,
+                     lora_realign_scale="keep", **kw))
+    start = [r for r in L.read_metrics(tmp_path / "fork_keep") if r.get("event") == "start"][0]
+    assert start["lora_betas"] == [1.0]
 
 
 def test_bit_exact_resume_with_lora_realign_scale_hold(tmp_path):

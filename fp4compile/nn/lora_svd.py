@@ -438,6 +438,19 @@ class LoRASVDLinear(nn.Module):
         return {"old_a": old_a, "old_b": old_b, "new_a": self.lora_a.weight.detach().to(acc),
                 "new_b": self.lora_b.weight.detach().to(acc), "beta_ratio": self.beta / old_beta, "rel_change": rel}
 
+    @torch.no_grad()
+    def set_beta_(self, beta: float) -> None:
+        """Change beta keeping the function: the factors are scaled by sqrt(old / new beta) (they stay balanced)
+        and W_res is recomputed from the stored factors, so W is preserved to W_res's rounding."""
+        w = self.merged_weight()
+        k = math.sqrt(self.beta / float(beta))
+        self.beta = beta
+        self.lora_a.weight.mul_(k)
+        self.lora_b.weight.mul_(k)
+        low = self.lora_b.weight.to(w.dtype) @ self.lora_a.weight.to(w.dtype)
+        self.weight.copy_(w - self.beta * low)
+        self.clear_basis_cache()
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
                 f"beta={self.beta}, bias={self.bias is not None}, constrain={self.constrain!r}")
@@ -664,6 +677,31 @@ class LoRASVDHandle:
             self._broadcast_from_rank0(opts)
         self.realignments += 1
         self.last_realign = out
+        return out
+
+    @torch.no_grad()
+    def hold_scale_from(self, reference: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Give each layer the beta that ``realign_scale="hold"`` would keep had the layer been split from
+        ``reference[path]`` (e.g. the run's initial weight) and then realigned onto its current weight: balanced
+        factors of singular values summing to S have ||(L1, L2)||_F^2 = 2 S / beta, so the power of two nearest
+        to beta * S_r(reference) / S_r(current) (``LoRASVDLinear.set_beta_``: function preserved). For a fork that
+        adds LoRA-SVD to trained weights, the branch then starts with the Adam step size in W a from-scratch run's
+        branch had, instead of one grown with the trained singular values. Layers without a reference keep their
+        beta. Returns ``{path: beta}`` for the layers with a reference."""
+        out = {}
+        for path, m in self.modules.items():
+            ref = reference.get(path)
+            if ref is None:
+                continue
+            acc = _acc(m.weight.dtype)
+            s_ref = torch.linalg.svdvals(ref.detach().to(device=m.weight.device, dtype=acc))[:m.rank].sum()
+            a, b = m.lora_a.weight.detach().to(acc), m.lora_b.weight.detach().to(acc)
+            s_ref, factor_sq = torch.stack([s_ref, a.square().sum() + b.square().sum()]).tolist()
+            sum_s = m.beta * factor_sq / 2.0            # the current split's singular values, from its factors
+            new = _held_beta(m.beta, 2.0 * s_ref / m.beta, sum_s)
+            if new != m.beta:
+                m.set_beta_(new)
+            out[path] = new
         return out
 
     @torch.no_grad()

@@ -18,7 +18,8 @@ finishes the current step, saves a checkpoint and returns (a second Ctrl-C abort
 Fork (``init_from=RUN_DIR``): start a new run at another run's checkpoint (its weights, optimizer state, LR
 schedule, RNG and step) with the same model, optimizer and data order but, typically, another backend or
 policy, or with LoRA-SVD added (its factors' AdamW moments derived from the dense weights', see
-``LoRASVDHandle.init_state_from_dense``). Arms forked from one shared checkpoint differ only after it: how a
+``LoRASVDHandle.init_state_from_dense``; with ``realign_scale`` "hold", beta as hold would keep it from a split of
+the initial weights, ``LoRASVDHandle.hold_scale_from``). Arms forked from one shared checkpoint differ only after it: how a
 study compares precisions over the late part of training without the early phase's run-to-run spread.
 
 Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
@@ -848,11 +849,19 @@ def train(cfg: TrainConfig) -> RunResult:
     model, lora_handle = build_model(dataclasses.replace(cfg, lora=False) if fork else cfg, tok, device, dtype)
     dense_optimizer = None
     if fork is not None:
+        # the model is still at its initialisation (the source run's, same seed): with realign_scale "hold" the
+        # branch keeps the step size a split of these weights would have had (LoRASVDHandle.hold_scale_from)
+        hold = cfg.lora and cfg.lora_realign_scale in (None, "hold")
+        init = {n[:-len(".weight")]: p.detach().clone() for n, p in model.named_parameters()
+                if hold and n.endswith(".weight") and p.dim() == 2}
         load_model_file(fork[0], model)
         if cfg.lora:
             dense_optimizer = build_optimizer(model, cfg, None, device)
             load_optimizer_state(fork[0], fork[1], dense_optimizer)
             lora_handle = apply_lora(model, cfg)
+            if hold:
+                lora_handle.hold_scale_from(init)
+        del init
 
     # 3. policy, optimizer, LR schedule
     policy = load_policy(cfg.policy) if cfg.backend == "fullstack_fp4" or cfg.optimizer.startswith("qroot") else None
@@ -910,7 +919,9 @@ def train(cfg: TrainConfig) -> RunResult:
                   params_non_embedding=model.num_params(True), tokens_per_step=tokens_per_step, device=str(device),
                   dtype=dtype, backend=cfg.backend, policy=cfg.policy if policy is not None else None,
                   train_tokens=len(train_tokens), train_fingerprint=D.fingerprint(train_tokens),
-                  **({"forked_from": str(fork[0])} if fork is not None else {}))
+                  **({"forked_from": str(fork[0])} if fork is not None else {}),
+                  **({"lora_betas": sorted({m.beta for m in lora_handle.modules.values()})}
+                     if fork is not None and lora_handle is not None else {}))
 
     # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
     if model_fn is None:
@@ -987,8 +998,9 @@ def train(cfg: TrainConfig) -> RunResult:
             if lora_handle is not None and lora_handle.realignments != realigned:
                 # the realignment ran in the optimizer's post-hook: its function check goes into the metrics
                 rel = list(lora_handle.last_realign.values())
+                betas = [m.beta for m in lora_handle.modules.values()] or [0.0]
                 log.write(step=step, event="lora_realign", realignments=lora_handle.realignments, layers=len(rel),
-                          max_rel_change=max(rel, default=0.0))
+                          max_rel_change=max(rel, default=0.0), beta_min=min(betas), beta_max=max(betas))
             pending.append((step, loss_sum / cfg.grad_accum, lr))
             if step % cfg.log_interval == 0 or step == cfg.steps:
                 flush_pending()
