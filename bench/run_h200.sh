@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -275,6 +275,23 @@ seeds)
         --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/seed${s}_$a$tag" -- --seed "$s" \
         --lora-realign-every 300 --lora-realign-after 600 $extra
   done ;;
+fork)
+  # issue 6 with the early phase's spread shared (one nvidia-h200, ~7 min per seed): seed S's BF16 run to step AT
+  # (default 800), then the BF16 run goes on and every other arm (default quartet2,lora) starts from its step-AT
+  # checkpoint (fp4compile train --init-from), so the arms differ only after AT. Carry the data (as for seeds).
+  # bash bench/run_h200.sh fork S [AT [ARMS [EXTRA]]]; the same command again on a warm machine continues
+  s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}
+  src=.fork_src$s/30m/bf16; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
+  step data 60 python bench/study.py --data-only
+  if [ ! -f "$src/checkpoint/state.pt" ]; then
+    step "fork${s}_src" 200 python bench/study.py --size 30m --arms bf16 --out ".fork_src$s" --tokens 100e6 \
+        --skip-data --time-budget 185 -- --seed "$s" --stop-after "$at"
+  fi
+  if [ ! -d "$dst/30m/bf16" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/bf16"; fi
+  # shellcheck disable=SC2086  # EXTRA is a list of flags
+  step "fork${s}_arms" 470 python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
+      --skip-data --time-budget 450 --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
+      --lora-realign-every 300 --lora-realign-after 600 $extra ;;
 first_block_lora)
   # planned for session 9 (one nvidia-h200, ~7 min): the full stack with block 0 in BF16 and a rank-RANK
   # (default 128) LoRA-SVD branch realigned every 300 steps from step 600 (post hoc, rank 128 removed 57 % of the
