@@ -436,6 +436,8 @@ def test_fork_errors(tmp_path):
         L.train(tiny_cfg(tmp_path, "f1", init_from=str(tmp_path / "src"), seed=1, **kw))
     with pytest.raises(L.CheckpointError, match="batch_size"):
         L.train(tiny_cfg(tmp_path, "f2", init_from=str(tmp_path / "src"), batch_size=2, **kw))
+    with pytest.raises(L.CheckpointError, match="training tokens: fingerprint"):      # same source, other tokens
+        L.train(tiny_cfg(tmp_path, "f2b", init_from=str(tmp_path / "src"), max_train_tokens=50_000, **kw))
     with pytest.raises(ValueError, match="init_from with lora=True"):
         L.train(tiny_cfg(tmp_path, "f3", init_from=str(tmp_path / "src"), lora=True, optimizer="qadamw", **kw))
     with pytest.raises(ValueError, match="one process"):

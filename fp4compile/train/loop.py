@@ -610,10 +610,10 @@ FORK_MATCH = ("model", "tie_embeddings", "tokenizer", "optimizer", "dtype", "see
               "grad_accum", "train_data")
 
 
-def open_fork_source(spec: str, cfg: TrainConfig) -> Tuple[Path, dict]:
+def open_fork_source(spec: str, cfg: TrainConfig, train_fingerprint: Optional[str] = None) -> Tuple[Path, dict]:
     """The checkpoint a fork starts from (``spec``: a run directory or its ``checkpoint/``) and its state, checked:
-    a single-process checkpoint of a run without LoRA-SVD whose ``FORK_MATCH`` settings equal ``cfg``'s
-    (``CheckpointError`` otherwise). Other differences of ``SOFT`` settings than the backend and policy (which
+    a single-process checkpoint of a run without LoRA-SVD whose ``FORK_MATCH`` settings equal ``cfg``'s and whose
+    training tokens have ``train_fingerprint`` (when both are known; ``CheckpointError`` otherwise). Other differences of ``SOFT`` settings than the backend and policy (which
     are what a fork changes) give a warning."""
     ckpt = Path(spec)
     if (ckpt / "checkpoint").is_dir():
@@ -626,6 +626,9 @@ def open_fork_source(spec: str, cfg: TrainConfig) -> Tuple[Path, dict]:
         raise CheckpointError(f"{ckpt} was trained with LoRA-SVD; a fork starts from a run without it (it may add it)")
     diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in FORK_MATCH
              if saved.get(k) != getattr(cfg, k)]
+    saved_fp = state.get("train_fingerprint")
+    if train_fingerprint and saved_fp and saved_fp != train_fingerprint:
+        diffs.append(f"training tokens: fingerprint {saved_fp} != {train_fingerprint}")
     if diffs:
         raise CheckpointError(f"cannot fork from {ckpt}: it was written by a run with other settings:\n  "
                               + "\n  ".join(diffs))
@@ -845,7 +848,8 @@ def train(cfg: TrainConfig) -> RunResult:
     # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD. A fork (init_from) loads the source
     # run's weights first, and with LoRA-SVD also its optimizer state for the dense weights, before prepare()
     has_ckpt = ckpt_dir.exists() or (out_dir / "checkpoint.old").exists()
-    fork = open_fork_source(cfg.init_from, cfg) if cfg.init_from and not (cfg.resume and has_ckpt) else None
+    fork = (open_fork_source(cfg.init_from, cfg, D.fingerprint(train_tokens))
+            if cfg.init_from and not (cfg.resume and has_ckpt) else None)
     model, lora_handle = build_model(dataclasses.replace(cfg, lora=False) if fork else cfg, tok, device, dtype)
     dense_optimizer = None
     if fork is not None:
