@@ -712,8 +712,9 @@ class LoRASVDHandle:
         moments at full LR would cost a transient like ``state_remap="reset"``). W_res keeps the weight's
         entries (its coordinates are the weight's, as at a realignment). The factors' entries follow the chain
         rule g_L2 = beta G L1^T, g_L1 = beta L2^T G: first-moment-like entries are mapped linearly and then
-        projected like the constrained backward's gradients (if the layer has it); second-moment-like entries get the squared
-        coefficients (the independence approximation of the realignment's remap); step counts are copied.
+        projected like the constrained backward's gradients (if the layer has it); second-moment-like entries get
+        the squared coefficients (the independence approximation of the realignment's remap); step counts are
+        copied.
         Returns the number of layers seeded; a layer whose weight has no state is skipped. Raises
         ``ValueError`` for an entry that is not a float tensor of the weight's shape (e.g. quantized moments)."""
         seeded = 0

@@ -18,9 +18,9 @@ finishes the current step, saves a checkpoint and returns (a second Ctrl-C abort
 Fork (``init_from=RUN_DIR``): start a new run at another run's checkpoint (its weights, optimizer state, LR
 schedule, RNG and step) with the same model, optimizer and data order but, typically, another backend or
 policy, or with LoRA-SVD added (its factors' AdamW moments derived from the dense weights', see
-``LoRASVDHandle.init_state_from_dense``; with ``realign_scale`` "hold", beta as hold would keep it from a split of
-the initial weights, ``LoRASVDHandle.hold_scale_from``). Arms forked from one shared checkpoint differ only after it: how a
-study compares precisions over the late part of training without the early phase's run-to-run spread.
+``LoRASVDHandle.init_state_from_dense``; with ``realign_scale`` "hold", beta as hold would keep it from a split
+of the initial weights, ``LoRASVDHandle.hold_scale_from``). Arms forked from one shared checkpoint differ only
+after it: how a study compares precisions over the late part of training without the early phase's spread.
 
 Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
 of the global batch, and only rank 0 logs and writes files. ``parallel="ddp"|"fsdp2"`` (under torchrun)
@@ -161,7 +161,8 @@ class TrainConfig:
                              "and its constrained-backward hooks sit on the parameters FSDP2 shards; use "
                              "parallel='ddp'")
         if self.init_from and self.parallel != "none":
-            raise ValueError("init_from (a fork of another run's checkpoint) runs in one process; leave parallel='none'")
+            raise ValueError("init_from (a fork of another run's checkpoint) runs in one process; "
+                             "leave parallel='none'")
         if self.init_from and self.lora and self.optimizer != "adamw":
             raise ValueError("init_from with lora=True derives the LoRA-SVD factors' optimizer state from the dense "
                              f"weights' AdamW moments; optimizer={self.optimizer!r} is not supported there")
@@ -613,8 +614,8 @@ FORK_MATCH = ("model", "tie_embeddings", "tokenizer", "optimizer", "dtype", "see
 def open_fork_source(spec: str, cfg: TrainConfig, train_fingerprint: Optional[str] = None) -> Tuple[Path, dict]:
     """The checkpoint a fork starts from (``spec``: a run directory or its ``checkpoint/``) and its state, checked:
     a single-process checkpoint of a run without LoRA-SVD whose ``FORK_MATCH`` settings equal ``cfg``'s and whose
-    training tokens have ``train_fingerprint`` (when both are known; ``CheckpointError`` otherwise). Other differences of ``SOFT`` settings than the backend and policy (which
-    are what a fork changes) give a warning."""
+    training tokens have ``train_fingerprint`` (when both are known; ``CheckpointError`` otherwise). Other
+    differences of ``SOFT`` settings than the backend and policy (what a fork changes) give a warning."""
     ckpt = Path(spec)
     if (ckpt / "checkpoint").is_dir():
         ckpt = ckpt / "checkpoint"
@@ -848,7 +849,8 @@ def train(cfg: TrainConfig) -> RunResult:
     # 2. the model (plain PyTorch), optionally reparametrized with LoRA-SVD. A fork (init_from) loads the source
     # run's weights first, and with LoRA-SVD also its optimizer state for the dense weights, before prepare()
     has_ckpt = ckpt_dir.exists() or (out_dir / "checkpoint.old").exists()
-    fork = (open_fork_source(cfg.init_from, cfg, D.fingerprint(train_tokens))
+    train_fingerprint = D.fingerprint(train_tokens)
+    fork = (open_fork_source(cfg.init_from, cfg, train_fingerprint)
             if cfg.init_from and not (cfg.resume and has_ckpt) else None)
     model, lora_handle = build_model(dataclasses.replace(cfg, lora=False) if fork else cfg, tok, device, dtype)
     dense_optimizer = None
@@ -856,8 +858,8 @@ def train(cfg: TrainConfig) -> RunResult:
         # the model is still at its initialisation (the source run's, same seed): with realign_scale "hold" the
         # branch keeps the step size a split of these weights would have had (LoRASVDHandle.hold_scale_from)
         hold = cfg.lora and cfg.lora_realign_scale in (None, "hold")
-        init = {n[:-len(".weight")]: p.detach().clone() for n, p in model.named_parameters()
-                if hold and n.endswith(".weight") and p.dim() == 2}
+        init = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                if hold and isinstance(m, torch.nn.Linear)}
         load_model_file(fork[0], model)
         if cfg.lora:
             dense_optimizer = build_optimizer(model, cfg, None, device)
@@ -922,7 +924,7 @@ def train(cfg: TrainConfig) -> RunResult:
         log.write(step=start_step, event="start", params=model.num_params(),
                   params_non_embedding=model.num_params(True), tokens_per_step=tokens_per_step, device=str(device),
                   dtype=dtype, backend=cfg.backend, policy=cfg.policy if policy is not None else None,
-                  train_tokens=len(train_tokens), train_fingerprint=D.fingerprint(train_tokens),
+                  train_tokens=len(train_tokens), train_fingerprint=train_fingerprint,
                   **({"forked_from": str(fork[0])} if fork is not None else {}),
                   **({"lora_betas": sorted({m.beta for m in lora_handle.modules.values()})}
                      if fork is not None and lora_handle is not None else {}))
@@ -972,7 +974,7 @@ def train(cfg: TrainConfig) -> RunResult:
                       eval_s=round(time.perf_counter() - t0, 3))
 
     def checkpoint(step):
-        extra = {"tokens": step * tokens_per_step, "train_fingerprint": D.fingerprint(train_tokens)}
+        extra = {"tokens": step * tokens_per_step, "train_fingerprint": train_fingerprint}
         if lora_handle is not None:
             extra["lora"] = lora_state(lora_handle)
         if denv is not None:                      # collective: every rank writes its shards
