@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fp4compile.train.cli import _ema
+from fp4compile.train.cli import gap_curve
 from fp4compile.train.loop import read_metrics
 
 EVALS = ("val_loss", "brown_loss")
@@ -81,10 +81,9 @@ def plot(pairs, out: Path) -> Path:
     for label, base, arm in pairs:
         bt, _ = _curves(base)
         at, _ = _curves(arm)
-        common = sorted(set(bt) & set(at))
-        b, a = _ema([bt[s] for s in common], 0.9), _ema([at[s] for s in common], 0.9)
-        ax.plot(common, [100 * (y - x) / x for x, y in zip(b, a)], color=colors[order.index(label) % len(colors)],
-                lw=1.2, label=None if label in seen else label)
+        common, gap = gap_curve(bt, at, 0.9)
+        ax.plot(common, gap, color=colors[order.index(label) % len(colors)], lw=1.2,
+                label=None if label in seen else label)
         seen.add(label)
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xlabel("step")

@@ -55,6 +55,18 @@ def test_plot_writes_png(tmp_path):
     assert cli.main(["plot", str(tmp_path / "nothing")]) == 2
 
 
+def test_gap_curve_starts_both_emas_at_the_first_common_step():
+    """A run forked at step 10 that repeats the base's losses has gap 0 from its first step on (with each run's
+    own EMA, the fork's would start at its first raw loss against the base's lagging average: a false gap); a
+    run 1 % above the base has +1 % everywhere."""
+    base = {t: 5.0 - 0.2 * t for t in range(1, 21)}
+    fork = {t: base[t] for t in range(11, 21)}
+    common, gap = cli.gap_curve(base, fork, 0.9)
+    assert common == list(range(11, 21)) and max(abs(g) for g in gap) < 1e-12
+    common, gap = cli.gap_curve(base, {t: 1.01 * v for t, v in base.items()}, 0.9)
+    assert len(common) == 20 and all(abs(g - 1.0) < 1e-9 for g in gap)
+
+
 def test_demo_quick_plumbing(tmp_path, capsys):
     """The reduced demo end to end (both arms, table, PNG) with stand-in backends; the real FP4 arm is below."""
     out = tmp_path / "demo"

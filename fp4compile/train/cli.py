@@ -18,7 +18,7 @@ import sys
 import time
 import typing
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # ----------------------------------------------------------------------------------------------------------
 # train
@@ -99,10 +99,20 @@ def _ema(xs: List[float], alpha: float) -> List[float]:
     return out
 
 
+def gap_curve(base: Dict[float, float], arm: Dict[float, float], alpha: float) -> Tuple[List[float], List[float]]:
+    """The relative gap (in %) of ``arm`` to ``base`` (x -> raw train loss each) at their common x: both EMAs
+    (factor ``alpha``) start at the first common point, so a run forked from the base, or one that logs from a
+    later step, is compared from where both exist rather than against the base's longer EMA history."""
+    common = sorted(set(base) & set(arm))
+    b, a = _ema([base[t] for t in common], alpha), _ema([arm[t] for t in common], alpha)
+    return common, [100 * (y - x) / x for x, y in zip(b, a)]
+
+
 def plot_runs(run_dirs: Sequence[os.PathLike], out: os.PathLike, smooth: Optional[float] = None,
               labels: Optional[Sequence[str]] = None, title: Optional[str] = None) -> Path:
     """Overlay the train (EMA-smoothed) and eval losses of runs against tokens; the relative gap of each run
-    to the first one (smoothed train loss at common steps, in %) goes on a second y axis. Writes a PNG.
+    to the first one (:func:`gap_curve`: smoothed train losses from their first common step, in %) goes on a
+    second y axis. Writes a PNG.
     ``smooth``: EMA factor (default 0.9, or 0.6 for runs under 200 steps, where 0.9 would lag)."""
     import matplotlib
 
@@ -134,14 +144,13 @@ def plot_runs(run_dirs: Sequence[os.PathLike], out: os.PathLike, smooth: Optiona
             if ev:
                 ax.plot([r["tokens"] for r in ev], [r[key] for r in ev], marker=marker, ls="--", color=c, ms=4,
                         label=f"{label} {key.split('_')[0]}")
-        curve = dict(zip(x, y))
+        raw = dict(zip(x, (r["loss"] for r in steps)))
         if base is None:
-            base = curve
+            base = raw
         elif ax2 is not None:
-            common = sorted(set(base) & set(curve))
+            common, gap = gap_curve(base, raw, alpha)
             if common:
-                ax2.plot(common, [100 * (curve[t] - base[t]) / base[t] for t in common], color=c, ls=":", lw=1.4,
-                         label=f"gap {label} vs {labels[0]} (%)")
+                ax2.plot(common, gap, color=c, ls=":", lw=1.4, label=f"gap {label} vs {labels[0]} (%)")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
