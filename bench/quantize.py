@@ -196,7 +196,8 @@ def case_bytes(ne, case):
 
 SWEEPS = {  # name: (case, candidate configs), most important first; the first candidate is the default CONFIG
     "rtn": (dict(rounding="rtn"), [{}] + [dict(q_rows=r, q_cols=c, q_warps=w) for r, c, w in
-                                          [(16, 256, 4), (32, 256, 4), (8, 1024, 4)]]
+                                          [(16, 256, 4), (32, 256, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 8),
+                                           (32, 512, 8), (16, 1024, 8)]]
             + [dict(a_rows=r, a_cols=c, a_warps=w, a_impl=i) for r, c, w, i in
                [(64, 256, 8, 1), (256, 256, 8, 1), (128, 512, 8, 1), (128, 256, 16, 1), (64, 512, 8, 2),
                 (128, 512, 16, 2)]]),
