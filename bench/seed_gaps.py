@@ -4,8 +4,8 @@ Each ``--pair LABEL BASE_RUN ARM_RUN`` names one seed's comparison (run director
 For every pair it prints the gap of the train loss (mean of the 10 steps up to each listed step, the way
 ``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
 the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``,
-repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the same step, so a
-run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620`` adds the train gap
+repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the
+same step, so a run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620`` adds the train gap
 over step ranges and its change from the first range, per pair and per label (e.g. the jump of the gap across a
 realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss), one colour per label.
 

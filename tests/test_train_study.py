@@ -247,7 +247,8 @@ def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys)
     assert sg.mean_se([1.0, 3.0]) == (2.0, pytest.approx(1.0))
     assert sg.mean_se([1.0])[1] is None
     sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--pair", "l", str(tmp_path / "b1"),
-             str(tmp_path / "a0"), "--steps", "20", "--diff", "q", "l", "--diff", "l", "q", "--png", str(tmp_path / "g.png")])
+             str(tmp_path / "a0"), "--steps", "20", "--diff", "q", "l", "--diff", "l", "q",
+             "--png", str(tmp_path / "g.png")])
     out = capsys.readouterr().out
     # q's train gap at step 30: +2 %; l's at step 25 (a0's last): +175.5 %; paired difference -173.5
     assert "| q | 1 | +2.00 % |" in out and "paired q − l, train: per seed -173.50" in out
