@@ -5,9 +5,10 @@ For every pair it prints the gap of the train loss (mean of the 10 steps up to e
 ``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
 the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``,
 repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the
-same step, so a run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620`` adds the train gap
-over step ranges and its change from the first range, per pair and per label (e.g. the jump of the gap across a
-realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss), one colour per label.
+same step, so a run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620``
+adds the train gap over step ranges and its change from the first range, per pair and per label (e.g. the jump
+of the gap across a realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
+the first common step, ``fp4compile.train.cli.gap_curve``), one colour per label.
 
     python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
         --pair quartet2 s1/bf16 s1/quartet2 --pair lora s1/bf16 s1/lora --diff quartet2 lora --png gaps.png
