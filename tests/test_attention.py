@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
@@ -163,20 +163,53 @@ def test_reference_fp32_vs_fp64(label, kw, causal, mkind, mask):
         assert rel(got, want) < tol
 
 
+def _term_magnitudes(q, k, v, do, causal):
+    """float64 sums of the absolute values of the terms each output element adds up (unquantized operands):
+    O = P·V -> P·|V|; dS = P∘(dP - D) -> P∘(|dO|·|V|ᵀ + rowsum(|dO|∘|O|)); dQ = dS·K·scale, dK = dSᵀ·Q·scale and
+    dV = Pᵀ·dO likewise with absolute values (GQA heads summed). Rounding and E2M1 flips in such a sum err
+    relative to these magnitudes, not to the sum itself, which cancels: a query that sees one key has dS = 0 in
+    exact arithmetic, and its dQ is pure rounding."""
+    q, k, v, do = (t.double() for t in (q, k, v, do))
+    g, scale = q.shape[1] // k.shape[1], 1 / math.sqrt(q.shape[-1])
+    kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kr.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    p = torch.softmax(s, -1)
+    mds = p * (do.abs() @ vr.abs().transpose(-2, -1) + (do.abs() * (p @ vr).abs()).sum(-1, keepdim=True))
+    fold = lambda t: t.unflatten(1, (k.shape[1], g)).sum(2)  # noqa: E731
+    return (p @ vr.abs(), mds @ kr.abs() * scale, fold(mds.transpose(-2, -1) @ q.abs() * scale),
+            fold(p.transpose(-2, -1) @ do.abs()))
+
+
+def _rows_within(got, want, mag, tol):
+    """Every row's error within ``tol`` of its terms' magnitude (``_term_magnitudes``)."""
+    got, want, mag = (t.double().flatten(0, -2) for t in (got, want, mag))
+    return bool(((got - want).norm(dim=-1) <= tol * mag.norm(dim=-1)).all())
+
+
 @settings(max_examples=12, deadline=None)
 @given(tq=st.integers(1, 70), tk=st.integers(1, 70), groups=st.sampled_from([1, 2]), causal=st.booleans(),
        mask=st.sampled_from([0, PAPER, ALL, R.PV | R.PDO]), seed=st.integers(0, 2**16))
+@example(tq=3, tk=7, groups=2, causal=True, mask=ALL, seed=527)      # a dS flip: dQ off by 21 % of its norm
+@example(tq=1, tk=28, groups=2, causal=True, mask=ALL, seed=20476)   # one visible key: dQ is rounding only
 def test_reference_properties(tq, tk, groups, causal, mask, seed):
-    """Any lengths (ragged tiles, Tq != Tk, causal top-left aligned), GQA, any role mask: finite, FP32 close to
-    float64 (bounds as in test_reference_fp32_vs_fp64, plus E2M1 flips on the P paths), rows see only their
-    admissible keys."""
+    """Any lengths (ragged tiles, Tq != Tk, causal top-left aligned), GQA, any role mask: finite; FP32 close to
+    float64, row by row relative to the magnitudes of the terms summed (``_term_magnitudes``: observed over 300
+    random cases <= 0.005 on all-BF16 paths, <= 0.03 where P or dS is NVFP4; bounds 0.02 and 0.1); with 32 or
+    more rows that have terms also as a whole relative to the result (the bounds of test_reference_fp32_vs_fp64,
+    plus E2M1 flips on the P paths; on fewer rows one flip can move a row by a third of its norm, 21 % of a
+    3 x 7 dQ, and a few cancelling rows dominate); rows see only their admissible keys."""
     q, k, v, do = _qkv(H=2, Hkv=2 // groups, Tq=tq, Tk=tk, seed=seed)
     o64, lse64, g64 = _run_ref(q, k, v, do, None, causal, mask, out_dtype=torch.float64)
     o, lse, g = _run_ref(q, k, v, do, None, causal, mask, dtype=torch.float32, emulate_bf16=True)
     assert all(torch.isfinite(t).all() for t in (o, lse, *g))
-    assert rel(o, o64) < (0.05 if mask & R.PV else 0.01)
-    for got, want in zip(g, g64):
-        assert rel(got, want) < 0.1 or (want.abs().max() < 1e-6)
+    tol = 0.02 if mask == 0 else 0.1
+    for got, want, mag, whole in zip((o, *g), (o64, *g64), _term_magnitudes(q, k, v, do, causal),
+                                     (0.05 if mask & R.PV else 0.01, 0.1, 0.1, 0.1)):
+        assert _rows_within(got, want, mag, tol)
+        if int((mag.flatten(0, -2).norm(dim=-1) > 0).sum()) >= 32:    # rows with terms (keys some query sees)
+            assert rel(got, want) < whole or want.abs().max() < 1e-6
     if causal:  # query 0 sees only key 0: O[0] is V̂[0] (or V[0]) exactly up to rounding
         v0 = R.dequantize_2d(*R.quantize_2d(v))[:, :, 0] if mask & R.PV else v[:, :, 0].double()
         torch.testing.assert_close(o64[:, :, 0], v0.repeat_interleave(groups, 1), rtol=2e-2, atol=1e-6)
