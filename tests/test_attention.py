@@ -193,6 +193,8 @@ def _rows_within(got, want, mag, tol):
        mask=st.sampled_from([0, PAPER, ALL, R.PV | R.PDO]), seed=st.integers(0, 2**16))
 @example(tq=3, tk=7, groups=2, causal=True, mask=ALL, seed=527)      # a dS flip: dQ off by 21 % of its norm
 @example(tq=1, tk=28, groups=2, causal=True, mask=ALL, seed=20476)   # one visible key: dQ is rounding only
+@example(tq=5, tk=53, groups=2, causal=True, mask=PAPER, seed=45465)  # a flip on 10 dQ rows
+@example(tq=2, tk=36, groups=1, causal=True, mask=PAPER, seed=45144)  # dK: 72 rows, 4 with terms, all cancel
 def test_reference_properties(tq, tk, groups, causal, mask, seed):
     """Any lengths (ragged tiles, Tq != Tk, causal top-left aligned), GQA, any role mask: finite; FP32 close to
     float64, row by row relative to the magnitudes of the terms summed (``_term_magnitudes``: observed over 300
