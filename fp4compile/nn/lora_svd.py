@@ -320,9 +320,13 @@ class LoRASVDLinear(nn.Module):
             b, a = b @ rot, rot.mT @ a
         self.lora_b.weight.copy_(b)
         self.lora_a.weight.copy_(a)
-        acc = w32.dtype
-        low = self.lora_b.weight.to(acc) @ self.lora_a.weight.to(acc)
-        self.weight.copy_(w32 - self.beta * low)
+        self._set_residual_(w32)
+
+    def _set_residual_(self, w: torch.Tensor) -> None:
+        """W_res = w - beta L2 L1 from the *stored* (rounded) factors, in ``w``'s dtype: W is then ``w`` up to
+        W_res's rounding."""
+        low = self.lora_b.weight.to(w.dtype) @ self.lora_a.weight.to(w.dtype)
+        self.weight.copy_(w - self.beta * low)
 
     # function -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -447,8 +451,7 @@ class LoRASVDLinear(nn.Module):
         self.beta = beta
         self.lora_a.weight.mul_(k)
         self.lora_b.weight.mul_(k)
-        low = self.lora_b.weight.to(w.dtype) @ self.lora_a.weight.to(w.dtype)
-        self.weight.copy_(w - self.beta * low)
+        self._set_residual_(w)
         self.clear_basis_cache()
 
     def extra_repr(self) -> str:
@@ -462,8 +465,12 @@ def _held_beta(beta: float, factor_sq: float, sum_s: float) -> float:
     ||(L1, L2)||_F^2 = 2 sum_s / beta, so beta' = beta^2 factor_sq / (2 sum_s). ``beta`` if either is zero."""
     if not (factor_sq > 0 and sum_s > 0):
         return beta
-    target = beta * beta * factor_sq / (2.0 * sum_s)
-    return 2.0 ** min(max(round(math.log2(target)), -40), 40)
+    return _nearest_pow2(beta * beta * factor_sq / (2.0 * sum_s))
+
+
+def _nearest_pow2(x: float) -> float:
+    """The power of two nearest to ``x`` > 0 in log (exponent clamped to [-40, 40])."""
+    return 2.0 ** min(max(round(math.log2(x)), -40), 40)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,6 +478,12 @@ def _held_beta(beta: float, factor_sq: float, sum_s: float) -> float:
 _LINEAR_KEYS = {"exp_avg", "momentum_buffer", "m", "mu", "momentum"}
 _QUADRATIC_KEYS = {"exp_avg_sq", "max_exp_avg_sq", "v", "square_avg", "sum", "nu"}
 _warned: set = set()
+
+
+def _second_moment_like(key: str, t: torch.Tensor) -> bool:
+    """An optimizer-state entry that maps by squared coefficients: a known second-moment key, or an unknown key
+    whose values are all non-negative."""
+    return key in _QUADRATIC_KEYS or (key not in _LINEAR_KEYS and bool((t >= 0).all()))
 
 
 def _warn_once(msg: str) -> None:
@@ -521,8 +534,7 @@ def _remap_param_state(optimizer, p: torch.nn.Parameter, mode: str, maps) -> Non
             _warn_once(f"LoRA-SVD: cannot remap state {key!r} of {name} (shape {tuple(t.shape)}, "
                        f"dtype {t.dtype}); left as is")
             continue
-        quad = key in _QUADRATIC_KEYS or (key not in _LINEAR_KEYS and bool((t >= 0).all()))
-        fn = quadratic if quad else linear
+        fn = quadratic if _second_moment_like(key, t) else linear
         t.copy_(fn(t.to(_acc(t.dtype))).to(t.dtype))
 
 
@@ -697,8 +709,9 @@ class LoRASVDHandle:
             s_ref = torch.linalg.svdvals(ref.detach().to(device=m.weight.device, dtype=acc))[:m.rank].sum()
             a, b = m.lora_a.weight.detach().to(acc), m.lora_b.weight.detach().to(acc)
             s_ref, factor_sq = torch.stack([s_ref, a.square().sum() + b.square().sum()]).tolist()
-            sum_s = m.beta * factor_sq / 2.0            # the current split's singular values, from its factors
-            new = _held_beta(m.beta, 2.0 * s_ref / m.beta, sum_s)
+            # the current split's singular values sum to beta * factor_sq / 2, so beta * s_ref / that sum is
+            # 2 s_ref / factor_sq
+            new = _nearest_pow2(2.0 * s_ref / factor_sq) if s_ref > 0 and factor_sq > 0 else m.beta
             if new != m.beta:
                 m.set_beta_(new)
             out[path] = new
@@ -737,7 +750,7 @@ class LoRASVDHandle:
                                      "tensors of the weight's shape (e.g. AdamW's moments) are supported")
                 st_w[key] = t.clone()
                 g = t.to(acc)
-                if key in _QUADRATIC_KEYS or (key not in _LINEAR_KEYS and bool((t >= 0).all())):
+                if _second_moment_like(key, t):
                     tb, ta = beta * beta * (g @ (l1 * l1).mT), beta * beta * ((l2 * l2).mT @ g)
                 else:
                     tb, ta = beta * (g @ l1.mT), beta * (l2.mT @ g)

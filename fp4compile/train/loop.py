@@ -859,7 +859,7 @@ def train(cfg: TrainConfig) -> RunResult:
         # branch keeps the step size a split of these weights would have had (LoRASVDHandle.hold_scale_from)
         hold = cfg.lora and cfg.lora_realign_scale in (None, "hold")
         init = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                if hold and isinstance(m, torch.nn.Linear)}
+                if isinstance(m, torch.nn.Linear)} if hold else {}
         load_model_file(fork[0], model)
         if cfg.lora:
             dense_optimizer = build_optimizer(model, cfg, None, device)
