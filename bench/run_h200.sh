@@ -289,8 +289,10 @@ fork)
   fi
   if [ ! -d "$dst/30m/bf16" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/bf16"; fi
   # shellcheck disable=SC2086  # EXTRA is a list of flags
-  step "fork${s}_arms" 470 python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
-      --skip-data --time-budget 450 --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
+  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start)
+  t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
+  step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
+      --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
       --lora-realign-every 300 --lora-realign-after 600 $extra ;;
 first_block_lora)
   # planned for session 9 (one nvidia-h200, ~7 min): the full stack with block 0 in BF16 and a rank-RANK
