@@ -191,6 +191,24 @@ def test_bit_exact_resume_compiled(tmp_path):
     assert losses(tmp_path / "straight") == losses(tmp_path / "split")
 
 
+def test_structural_diffs_lora_rank_only_with_lora(tmp_path):
+    """lora_rank is structural only where a run has LoRA-SVD: a BF16 run resumes under a study-wide
+    --lora-rank flag (session 11's fork with --lora-rank 64 failed on its BF16 arm), a LoRA run does not."""
+    cfg = tiny_cfg(tmp_path, steps=2, val_data="")
+    saved = dataclasses.asdict(cfg)
+    assert L.structural_diffs(saved, dataclasses.replace(cfg, lora_rank=64)) == []
+    assert L.structural_diffs(saved, dataclasses.replace(cfg, lora=True, lora_rank=64)) == [
+        "lora: checkpoint False != run True", "lora_rank: checkpoint None != run 64"]
+    lora = dict(saved, lora=True, lora_rank=32)
+    assert L.structural_diffs(lora, dataclasses.replace(cfg, lora=True, lora_rank=64)) == [
+        "lora_rank: checkpoint 32 != run 64"]
+    assert L.structural_diffs(lora, dataclasses.replace(cfg, lora=True, lora_rank=32)) == []
+    # end to end: the no-LoRA run resumes with another rank setting
+    L.train(dataclasses.replace(cfg, stop_after=1))
+    r = L.train(dataclasses.replace(cfg, lora_rank=64, resume=True))
+    assert r.summary["steps"] == 2
+
+
 def test_checkpoint_errors(tmp_path):
     cfg = tiny_cfg(tmp_path, steps=2, val_data="")
     L.train(cfg)

@@ -918,7 +918,7 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
     """Resume a :func:`save_train_checkpoint` directory on any number of ranks (including a plain
     process), with the same structural checks as the 1-process checkpoint. A 1-process (safetensors)
     checkpoint is delegated to ``fp4compile.train.loop.load_checkpoint`` when parameters are not sharded."""
-    from .loop import SOFT, STRUCTURAL, CheckpointError
+    from .loop import SOFT, CheckpointError, structural_diffs
     from .loop import load_checkpoint as load_single
 
     ckpt_dir = Path(ckpt_dir)
@@ -936,8 +936,7 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
     if not isinstance(state, dict) or state.get("format") != TRAIN_DCP_FORMAT:
         raise CheckpointError(f"{ckpt_dir} is not an fp4compile distributed training checkpoint")
     saved = state["config"]
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
-             if saved.get(k) != getattr(cfg, k)]
+    diffs = structural_diffs(saved, cfg)
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs))
     # batch_size is per rank: resuming on another world size with the same *global* batch is no change

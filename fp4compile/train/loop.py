@@ -499,6 +499,16 @@ SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matr
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
 
 
+def structural_diffs(saved: dict, cfg) -> list:
+    """The ``STRUCTURAL`` settings in which a checkpoint's config ``saved`` differs from ``cfg``, as lines
+    ``"key: checkpoint X != run Y"``. ``lora_rank`` counts only where either run has LoRA-SVD on: a run without
+    it has no low-rank factors, so e.g. one ``--lora-rank`` flag given to every arm of a study still resumes the
+    BF16 arm."""
+    lora = saved.get("lora") or getattr(cfg, "lora")
+    return [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
+            if saved.get(k) != getattr(cfg, k) and (k != "lora_rank" or lora)]
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt, or written by an incompatible run."""
 
@@ -548,8 +558,7 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
     """
     state = read_checkpoint(ckpt_dir)
     saved = state["config"]
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
-             if saved.get(k) != getattr(cfg, k)]
+    diffs = structural_diffs(saved, cfg)
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs)
                               + "\nuse the same settings, or a new --out-dir to start over")
