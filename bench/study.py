@@ -5,6 +5,7 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     bf16       BF16 (backend inductor)                                    AdamW
     quartet2   linear layers NVFP4, Quartet II (policy quartet2)          AdamW
     lora       + LoRA-SVD (fp4compile.prepare)                           AdamW
+    lora64, lora128   the lora arm at rank 64 / 128 (not in the default list; e.g. issue 6's rank forks)
     qattn      + Q-Attn (policy full_stack)                              AdamW
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
@@ -44,6 +45,9 @@ ARMS = {
     "bf16": dict(backend="inductor", policy="bf16", optimizer="adamw", lora=False),
     "quartet2": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=False),
     "lora": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True),
+    # LoRA-SVD at other ranks than prepare()'s default 32 (issue 6's rank question, e.g. in a fork)
+    "lora64": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=64),
+    "lora128": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=128),
     "qattn": dict(backend="fullstack_fp4", policy="full_stack", optimizer="adamw", lora=True),
     "qadamw": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qadamw", lora=True),
     "qroot": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
@@ -52,7 +56,8 @@ ARMS = {
     # the 124M comparison: BF16 vs the full stack
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
 }
-LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD", "qattn": "+ Q-Attn",
+LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
+          "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128", "qattn": "+ Q-Attn",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack"}
 
@@ -123,6 +128,8 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
         cmd += ["--warmup-steps", str(warmup)]
     if max_seconds is not None:
         cmd += ["--max-seconds", f"{max_seconds:.0f}"]
+    if "lora_rank" in a:
+        cmd += ["--lora-rank", str(a["lora_rank"])]
     return cmd + extra
 
 

@@ -28,6 +28,12 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     assert "--policy full_stack --optimizer adamw --lora" in lines[3]
     assert "--optimizer qadamw --lora" in lines[4] and "--optimizer qroot --lora" in lines[5]
     assert "--backend inductor --policy bf16 --optimizer qroot+adamw --no-lora" in lines[6]   # Q-Root's baseline
+    assert all("--lora-rank" not in ln for ln in lines)                 # prepare()'s default rank
+    # the rank arms are the lora arm with one more flag
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "lora,lora64,lora128"]) == 0
+    lora, r64, r128 = capsys.readouterr().out.strip().splitlines()
+    assert r64 == lora.replace("/lora ", "/lora64 ") + " --lora-rank 64"
+    assert r128 == lora.replace("/lora ", "/lora128 ") + " --lora-rank 128"
     # the configs parse and validate
     from fp4compile.train.cli import load_config_file
     from fp4compile.train.loop import TrainConfig
