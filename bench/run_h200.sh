@@ -279,7 +279,9 @@ fork)
   # issue 6 with the early phase's spread shared (one nvidia-h200, ~7 min per seed): seed S's BF16 run to step AT
   # (default 800), then the BF16 run goes on and every other arm (default quartet2,lora) starts from its step-AT
   # checkpoint (fp4compile train --init-from), so the arms differ only after AT. Carry the data (as for seeds).
-  # bash bench/run_h200.sh fork S [AT [ARMS [EXTRA]]]; the same command again on a warm machine continues
+  # bash bench/run_h200.sh fork S [AT [ARMS [EXTRA]]]; the same command again on a warm machine continues (.fork*
+  # is git-ignored since session 11: untracked paths are removed on the machine at each call). The rank question:
+  # fork S 800 quartet2,lora64,lora128 (~8.5 min: every arm needs its own fork source's BF16 and NVFP4 runs)
   s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}
   src=.fork_src$s/30m/bf16; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
   step data 60 python bench/study.py --data-only
