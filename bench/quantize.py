@@ -246,8 +246,8 @@ def sweep(x, copy_bw, rows, only=None, save=lambda: None):
                          "frac_copy_actual": actual / ms / 1e6 / copy_bw,
                          "quantize_pass_frac": (ne * 2 + ne // 2 + ne // 16) / max(ms - ms_a, 1e-9) / 1e6 / copy_bw})
             log(f"sweep {name:14s} {str(cfg):70s} total {ms * 1e3:7.1f} us (amax pass {ms_a * 1e3:6.1f} us)  "
-                f"actual {rows[-1]['frac_copy_actual']:.2f} of copy BW, quantize pass alone "
-                f"{rows[-1]['quantize_pass_frac']:.2f}")
+                f"actual {rows[-1]['frac_copy_actual']:.3f} of copy BW, quantize pass alone "
+                f"{rows[-1]['quantize_pass_frac']:.3f}")
         best[name] = min(res, key=lambda t: t[0])[1] if res else None
         save()
     return best
@@ -319,8 +319,8 @@ def bench(rows, copy_bw, eager=True, only=None):
                    "frac_copy_logical": logical / ms / 1e6 / copy_bw,
                    "frac_copy_actual": actual / ms / 1e6 / copy_bw, "copy_GBps": copy_bw}
             rows.append(row)
-            log(f"{shape} {name:40s} {ms * 1e3:8.1f} us  logical {row['frac_copy_logical']:.2f}  "
-                f"actual {row['frac_copy_actual']:.2f} of copy BW")
+            log(f"{shape} {name:40s} {ms * 1e3:8.1f} us  logical {row['frac_copy_logical']:.3f}  "
+                f"actual {row['frac_copy_actual']:.3f} of copy BW")
         try:
             eden_passes(rows, x, copy_bw)
         except Exception as e:  # noqa: BLE001
@@ -348,7 +348,7 @@ def table(rows):
         "| (actual bytes: + amax pass, scratch, transposing copy) |")
     log("|---|---|---|---|---|")
     for r in rows:
-        act = f"{r['frac_copy_actual']:.2f}" if "frac_copy_actual" in r else "-"
+        act = f"{r['frac_copy_actual']:.3f}" if "frac_copy_actual" in r else "-"
         log(f"| {r['shape'][0]}x{r['shape'][1]} | {r['case']} | {r['us']:.1f} | {r['frac_copy_logical']:.3f} | {act} |")
 
 
