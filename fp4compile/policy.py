@@ -117,6 +117,14 @@ class Rule:
     spec: Precision
     user: bool = dataclasses.field(default=True, compare=True)
 
+    def __post_init__(self):
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ValueError(f"rule pattern must be a non-empty glob string, got {self.pattern!r}")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; roles are {ROLES}")
+        if not isinstance(self.spec, (NVFP4, _BF16)):
+            raise TypeError(f"rule spec must be NVFP4(...) or BF16, got {self.spec!r}")
+
     def matches(self, path: str, role: str) -> bool:
         """Whether this rule applies to ``role`` at module ``path``: same role (or rule role None) and ``path``
         matches the glob (``fnmatch``, case-sensitive)."""
@@ -129,6 +137,21 @@ class Policy:
 
     rules: Tuple[Rule, ...] = ()
     name: str = "custom"
+
+    def __post_init__(self):
+        # a list of rules is taken as the tuple (policies are hashable: Dynamo guards on them); anything else that
+        # is not a sequence of Rule fails here, not at the first lookup inside a compile
+        if isinstance(self.rules, list):
+            object.__setattr__(self, "rules", tuple(self.rules))
+        if not isinstance(self.rules, tuple):
+            raise TypeError(f"Policy rules must be a tuple of fp4compile.policy.Rule (build them with "
+                            f"Policy.override), got {type(self.rules).__name__}: {self.rules!r}")
+        bad = [(i, r) for i, r in enumerate(self.rules) if not isinstance(r, Rule)]
+        if bad:
+            i, r = bad[0]
+            raise TypeError(f"Policy rule {i} is not a fp4compile.policy.Rule: {type(r).__name__} {r!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"Policy name must be a string, got {self.name!r}")
 
     def resolve(self, module_path: str, role: str) -> Precision:
         """The spec of ``role`` at ``module_path``: the last matching rule's, or BF16 when none matches. Raises

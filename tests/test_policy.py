@@ -2,7 +2,7 @@ import warnings
 
 import pytest
 
-from fp4compile.policy import BF16, NVFP4, ROLES, Policy
+from fp4compile.policy import BF16, NVFP4, ROLES, Policy, Rule
 
 
 def test_from_options_accepts_policy_preset_and_default():
@@ -30,6 +30,26 @@ def test_unknown_role_and_bad_spec():
         Policy.bf16().override("*", "fp8")
     with pytest.raises(TypeError, match="override spec"):
         Policy.bf16().override("*", 4)
+
+
+def test_hand_built_policies_and_rules_are_validated():
+    """A Policy built directly (not through override/presets) fails at construction on a wrong shape, not at
+    the first lookup inside a compile; a list of rules is kept as the hashable tuple."""
+    with pytest.raises(TypeError, match="Policy rules must be a tuple .* got dict"):
+        Policy({"*": NVFP4()})
+    with pytest.raises(TypeError, match="Policy rule 1 is not a fp4compile.policy.Rule: tuple"):
+        Policy((Rule("*", None, BF16), ("*", None, BF16)))
+    with pytest.raises(TypeError, match="Policy name must be a string"):
+        Policy((), name=3)
+    with pytest.raises(ValueError, match="unknown role 'linear.fwd'"):
+        Rule("*", "linear.fwd", BF16)
+    with pytest.raises(ValueError, match="non-empty glob"):
+        Rule("", None, BF16)
+    with pytest.raises(TypeError, match="rule spec must be"):
+        Rule("*", None, "bf16")
+    p = Policy([Rule("*", "linear.fprop", NVFP4())], name="mine")
+    assert isinstance(p.rules, tuple) and hash(p) == hash(Policy((Rule("*", "linear.fprop", NVFP4()),), "mine"))
+    assert p.resolve("blocks.0.mlp", "linear.fprop") == NVFP4() and p.resolve("x", "linear.dgrad") is BF16
 
 
 def test_specs_and_policies_are_frozen_and_hashable():
