@@ -280,8 +280,10 @@ fork)
   # (default 800), then the BF16 run goes on and every other arm (default quartet2,lora) starts from its step-AT
   # checkpoint (fp4compile train --init-from), so the arms differ only after AT. Carry the data (as for seeds).
   # bash bench/run_h200.sh fork S [AT [ARMS [EXTRA]]]; the same command again on a warm machine continues (.fork*
-  # is git-ignored since session 11: untracked paths are removed on the machine at each call). The rank question:
-  # fork S 800 quartet2,lora64,lora128 (~8.5 min: every arm needs its own fork source's BF16 and NVFP4 runs)
+  # is git-ignored since session 11: untracked paths are removed on the machine at each call). Issue 6's next
+  # question, how much of the gap a BF16 weight branch can reach and how much rank reaches it:
+  # fork S 800 quartet2,q2w,lora128 (~8.5 min; every fork source needs its own BF16 and NVFP4 runs), then at
+  # once, while the machine is warm, fork S 800 lora64 adds rank 64 to the same fork (~2.5 min)
   s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}
   src=.fork_src$s/30m/bf16; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
   step data 60 python bench/study.py --data-only

@@ -34,6 +34,17 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     lora, r64, r128 = capsys.readouterr().out.strip().splitlines()
     assert r64 == lora.replace("/lora ", "/lora64 ") + " --lora-rank 64"
     assert r128 == lora.replace("/lora ", "/lora128 ") + " --lora-rank 128"
+    # q2w: the quartet2 arm with the forward-weight-only policy file, which loads
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "quartet2,q2w"]) == 0
+    q2, q2w = capsys.readouterr().out.strip().splitlines()
+    pol = str(ROOT / "configs" / "policy_quartet2_fwd_weight_only.toml")
+    assert q2w == q2.replace("/quartet2 ", "/q2w ").replace("--policy quartet2 ", f"--policy {pol} ")
+    from fp4compile.policy import NVFP4
+    from fp4compile.train.loop import load_policy
+
+    p = load_policy(pol)
+    assert p.resolve("blocks.0.mlp.fc", "linear.fprop") == NVFP4("rtn", four_over_six=True, operands="weight")
+    assert str(p.resolve("blocks.0.mlp.fc", "linear.dgrad")) == "bf16"
     # the configs parse and validate
     from fp4compile.train.cli import load_config_file
     from fp4compile.train.loop import TrainConfig
