@@ -118,8 +118,10 @@ class Rule:
     user: bool = dataclasses.field(default=True, compare=True)
 
     def __post_init__(self):
-        if not isinstance(self.pattern, str) or not self.pattern:
-            raise ValueError(f"rule pattern must be a non-empty glob string, got {self.pattern!r}")
+        # an empty pattern is legal: it matches the root module's path "" (the per-module rules of
+        # fp4compile.train.distributed use it); Policy.override, the user-facing builder, asks for a non-empty glob
+        if not isinstance(self.pattern, str):
+            raise TypeError(f"rule pattern must be a glob string, got {self.pattern!r}")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; roles are {ROLES}")
         if not isinstance(self.spec, (NVFP4, _BF16)):

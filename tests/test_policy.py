@@ -43,8 +43,9 @@ def test_hand_built_policies_and_rules_are_validated():
         Policy((), name=3)
     with pytest.raises(ValueError, match="unknown role 'linear.fwd'"):
         Rule("*", "linear.fwd", BF16)
-    with pytest.raises(ValueError, match="non-empty glob"):
-        Rule("", None, BF16)
+    with pytest.raises(TypeError, match="rule pattern must be a glob string"):
+        Rule(3, None, BF16)
+    assert Rule("", None, BF16).matches("", "linear.fprop")           # the root module's path
     with pytest.raises(TypeError, match="rule spec must be"):
         Rule("*", None, "bf16")
     p = Policy([Rule("*", "linear.fprop", NVFP4())], name="mine")
