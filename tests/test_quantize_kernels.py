@@ -179,6 +179,94 @@ def test_launcher_errors():
         K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.uint8), torch.ones(()))
 
 
+def _sm90_ptx(fn, sig, const, num_warps=4):
+    """The sm_90 PTX of a kernel, compiled through Triton's own stages without a GPU."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in const}), constexprs=const)
+    target = GPUTarget("cuda", 90, 32)
+    be = CUDABackend(target)
+    opts = be.parse_options({"num_warps": num_warps, "enable_fp_fusion": False})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    be.load_dialects(ctx)
+    mod = src.make_ir(target, opts, be.get_codegen_implementation(opts), be.get_module_map(), ctx)
+    stages, md = {}, {}
+    be.add_stages(stages, opts, src.language)
+    for name in ("ttir", "ttgir", "llir", "ptx"):
+        mod = stages[name](mod, md)
+    return [ln.strip() for ln in mod.splitlines()]
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_pdl_variant_waits_after_its_tile_loads(rounding):
+    """CONFIG["pdl"]'s kernels, compiled for sm_90 here (no GPU): the amax kernel lets its dependent launch
+    before it loads anything; the quantize kernel issues every load of its x tile before griddepcontrol.wait and
+    reads the amax (and the SR seed) only after it. Without PDL neither kernel has a griddepcontrol."""
+    from fp4compile.formats.schemes import block_max_targets, global_numerator
+    from fp4compile.kernels import quantize as K
+
+    m6, _ = block_max_targets(rounding)
+    qsig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", amax_ptr="*fp32", seed_ptr="*i64",
+                signs_ptr="*fp32", codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32")
+    qc = dict(scol=1, G=global_numerator(rounding, False), M6=m6, M4=4.0, ROUNDING=K._ROUNDING_ID[rounding],
+              FOUR_SIX=False, BLOCK2D=False, HAD=0, NORM=1.0, RHT_IMPL=1, TLOAD=False, BR=16, BC=512,
+              MAGIC_PACK=K._MAGIC_PACK)
+    ptx = _sm90_ptx(K._quantize_kernel, qsig, dict(qc, PDL=True))
+    waits = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
+    assert len(waits) == 1 and ptx[waits[0]].startswith("griddepcontrol.wait"), waits
+    loads = [i for i, ln in enumerate(ptx) if "ld.global" in ln]
+    before = [i for i in loads if i < waits[0]]
+    after = [ptx[i] for i in loads if i > waits[0]]
+    # the x tile: 16 x 512 bf16 over 128 threads = 128 B per thread, however the compiler splits it
+    assert sum(8 if ".v4.b32" in ptx[i] else 2 if ".b16" in ptx[i] else 16 for i in before) >= 16 * 512 * 2 // 128
+    assert after and all("b16" not in ln for ln in after), after    # the amax (and the seed) only
+    assert len(after) == (1 if rounding == "rtn" else 2), after
+    assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._quantize_kernel, qsig, dict(qc, PDL=False)))
+    asig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", amax_ptr="*fp32")
+    ac = dict(scol=1, HAD=0, NORM=1.0, RHT_IMPL=1, TLOAD=False, BR=128, BC=256, HALVES=False)
+    ptx = _sm90_ptx(K._amax_kernel, asig, dict(ac, PDL=True), 8)
+    dep = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
+    assert len(dep) == 1 and ptx[dep[0]].startswith("griddepcontrol.launch_dependents")
+    assert dep[0] < min(i for i, ln in enumerate(ptx) if "ld.global" in ln)
+    assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._amax_kernel, asig, dict(ac, PDL=False), 8))
+
+
+def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
+    """quantize() asks for PDL only on CUDA sm_90+, with CONFIG["pdl"] and the block-per-thread quantize kernel,
+    and launches the quantize kernel with it only right behind the amax kernel it launched itself: not with a
+    given amax= (any kernel may have written it) nor behind the transposing copy. Launches are recorded, not run."""
+    from fp4compile.kernels import quantize as K
+
+    monkeypatch.setattr(K, "_pdl_device", lambda index: index == 0)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    on = dict(K.CONFIG, pdl=1)
+    assert K._use_pdl(on, cuda0) and not K._use_pdl(on, cuda1)            # sm_90+ only
+    assert not K._use_pdl(dict(on, q_impl=0), cuda0)                     # the first kernel has no PDL
+    assert not K._use_pdl(K.CONFIG, cuda0)                               # off by default
+    assert not K._use_pdl(on, torch.device("cpu"))
+
+    launches = []
+    monkeypatch.setattr(K, "launch", lambda fn, grid, *a, **meta: launches.append((fn.fn.__name__, meta)))
+    monkeypatch.setattr(K, "_use_pdl", lambda cfg, dev: bool(cfg["pdl"]))
+
+    def pdl_flags(**kw):
+        launches.clear()
+        K.quantize(torch.ones(32, 64), **kw)
+        return [(name, meta.get("PDL", False), meta.get("launch_pdl", False)) for name, meta in launches]
+
+    assert pdl_flags(config={"pdl": 1}) == [("_amax_kernel", True, False), ("_quantize_kernel", True, True)]
+    assert pdl_flags(rounding="sr", config={"pdl": 1}) == [("_amax_kernel", True, False),
+                                                          ("_quantize_kernel", True, True)]
+    assert pdl_flags(config={"pdl": 0}) == [("_amax_kernel", False, False), ("_quantize_kernel", False, False)]
+    assert pdl_flags(config={"pdl": 1}, amax=torch.ones(())) == [("_quantize_kernel", False, False)]
+    assert pdl_flags(config={"pdl": 1}, transpose=True) == [("_transpose_kernel", False, False),
+                                                           ("_quantize_kernel", False, False)]
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 GPU_CASES = [c for c in itertools.product(["rtn", "sr", "ms_eden"], [False, True], [False, True], [0, 16, 128],
                                           [False, True]) if not (c[0] == "ms_eden" and c[1])]
@@ -206,6 +294,40 @@ def test_gpu_ms_eden_pass1_variants(cfg):
         got = K.quantize(x.cuda(), "ms_eden", hadamard=128, signs=SIGNS.cuda(), seed=SEED.cuda(), config=cfg)
         ref = ops._quantize_reference(x, "ms_eden", False, False, 128, SIGNS, SEED, False)
         assert_same([g.cpu() for g in got], ref, (cfg, shape, dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[0] != "ms_eden"], ids=lambda c: "-".join(map(str, c)))
+def test_gpu_pdl_bit_exact_and_in_cuda_graphs(case):
+    """CONFIG["pdl"] = 1 (quantize kernel PDL-launched behind the amax kernel): bit-exact with the reference,
+    eagerly and replayed from a CUDA graph after x changed (the graph keeps the programmatic edge)."""
+    from fp4compile.kernels import quantize as K
+
+    r, f46, b2, h, tr = case
+    x = data("heavy", (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
+    sg = SIGNS[:h] if h else None
+    sgc, seedc = None if sg is None else sg.cuda(), SEED.cuda()      # device inputs made outside the capture
+
+    def run(xc):
+        return K.quantize(xc, r, f46, b2, h, sgc, seedc, tr, config={"pdl": 1})
+
+    xc = x.cuda()
+    got = run(xc)
+    assert_same([g.cpu() for g in got], ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr), case)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(xc)                                                            # warm-up (compile) off the graph
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run(xc)
+    x2 = data("wide", (1024, 2048), seed=7).to(torch.bfloat16)
+    xc.copy_(x2.cuda())
+    g.replay()
+    torch.cuda.synchronize()
+    assert_same([o.cpu() for o in out], ops._quantize_reference(x2, r, f46, b2, h, sg, SEED, tr), ("graph",) + case)
 
 
 @pytest.mark.gpu

@@ -25,11 +25,18 @@ and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel th
 Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
 maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
 ``amax=`` (optional, RTN/SR) skips the amax pass: a single pass with a given global amax (delayed scaling).
+``CONFIG["pdl"] = 1`` (opt-in, sm_90+): the quantize kernel of RTN/SR is launched with programmatic dependent
+launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the quantize
+kernel loads its tile of x and takes its block maxima, then waits for the amax kernel's completion and memory
+flush (``gdc_wait``) before it reads the amax. Its loads so overlap the amax pass's tail. Only the launch right
+after this module's own amax kernel uses it: that kernel writes nothing the quantize kernel reads before the
+wait (a given ``amax=`` or the transposing copy's amax keep the ordinary launch).
 
 The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -339,7 +346,9 @@ def _scale_enc(ab, M: tl.constexpr, s_enc, gs):
 @triton.jit
 def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
                  HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                 BR: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
+                 BR: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # the PDL-launched quantize kernel may start now; it waits for this grid's completion to read amax
+        tl.extra.cuda.gdc_launch_dependents()
     if HALVES:  # the quantize kernel's block-per-thread load and RHT (_load_halves)
         lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), signs_ptr, HAD,
                                     NORM, RHT_IMPL, TLOAD, BR, BC, True)
@@ -564,7 +573,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
                      HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+                     BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, PDL: tl.constexpr = False):
     """One [BR, BC] tile -> packed codes (int32 words, 8 codes each) and scale bytes; see the module docstring.
 
     Same arithmetic as :func:`_quantize_kernel_v0` (the first version, kept for comparison), reorganized so a
@@ -576,14 +585,16 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
     pid_c = tl.program_id(1)
     lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
                                 BR, BC, True)
+    ab = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    if BLOCK2D:
+        ab = _tile_max(ab, BR, NB)
+    if PDL:  # x and the block maxima are ours already; the amax is the amax kernel's (module docstring)
+        tl.extra.cuda.gdc_wait()
     amax = tl.load(amax_ptr)
     zero = amax < AMAX_FLUSH
     s_enc = tl.where(zero, 1.0, tl.math.div_rn(G, amax))
     gs = tl.where(zero, 0.0, tl.math.div_rn(1.0, s_enc))
 
-    ab = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
-    if BLOCK2D:
-        ab = _tile_max(ab, BR, NB)
     code, sf, enc = _scale_enc(ab, M6, s_enc, gs)
     e3 = enc[:, :, None]
 
@@ -929,14 +940,16 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
 #: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
 #: 254 registers per thread (8 warps per SM) against 96.
-#: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN.
+#: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel
+#: (``q_impl`` 1) is launched with programmatic dependent launch behind its amax kernel on sm_90+ (module
+#: docstring); 0 (default until measured on the H200): two ordinary launches.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 0}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -953,6 +966,17 @@ def _config(device, config: Optional[dict]) -> dict:
 
 def _norm(hadamard: int) -> float:
     return 1.0 / hadamard ** 0.5 if hadamard else 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    """Whether CUDA device ``index`` supports programmatic dependent launch (sm_90+)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _use_pdl(cfg: dict, device) -> bool:
+    return bool(cfg.get("pdl")) and cfg["q_impl"] == 1 and device.type == "cuda" and _pdl_device(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _launch_opts(device):
@@ -974,7 +998,9 @@ def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch
     return signs.to(device=device, dtype=torch.float32).reshape(-1).contiguous()
 
 
-def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
+def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False, dependents=False):
+    """max|x| (rotated under RHT) into a fresh FP32 device scalar; ``dependents``: the next launch is the
+    PDL-launched quantize kernel, which this grid lets start at once (``CONFIG["pdl"]``)."""
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     if not hadamard and srow == 1 and scol != 1:
         # max|x.T| = max|x|: reduce x in its own (contiguous) orientation
@@ -985,7 +1011,7 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False):
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
         TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
         num_warps=cfg[pre + "_warps"],
-        **_launch_opts(x.device))
+        **_launch_opts(x.device), **({"PDL": True} if dependents else {}))
     return amax
 
 
@@ -1071,8 +1097,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
                        gscale)
         return codes, scales, gscale
+    pdl = False
     if amax is None:
-        amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload)
+        pdl = _use_pdl(cfg, dev)  # only behind our own amax kernel (module docstring)
+        amax = _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload, dependents=pdl)
     else:
         if amax.numel() != 1:
             raise ValueError(f"amax must be a scalar tensor, got shape {tuple(amax.shape)}")
@@ -1093,7 +1121,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
     else:
         launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
-               gscale, MAGIC_PACK=_MAGIC_PACK, **args)
+               gscale, MAGIC_PACK=_MAGIC_PACK, **args, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return codes, scales, gscale
 
 
