@@ -379,6 +379,7 @@ def main():
               "command": " ".join(sys.argv), "config": dict(K.CONFIG)}
     import triton
     result["triton"] = triton.__version__
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quantize_bench.json")
 
     def save():

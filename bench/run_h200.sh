@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -308,6 +308,14 @@ first_block_lora)
       --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_full_lora$r" -- \
       --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every 300 \
       --lora-realign-after 600 ;;
+pdl)
+  # issue 2, one nvidia-h200 (~3 min): the opt-in PDL launch of the RTN/SR quantize kernel (CONFIG["pdl"]):
+  # bit-exact eagerly and from a CUDA graph, then the pdl sweeps (default and PDL alternating) at both shapes
+  step pdl_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pdl
+  step pdl_sweep_4096 60 python bench/quantize.py --sweep --sweeps pdl,pdl_sr,pdl_rtn46,pdl_had16 \
+      --sweep-shape 4096x4096 --out "$OUT/s4096"
+  step pdl_sweep_16384 90 python bench/quantize.py --sweep --sweeps pdl,pdl_sr \
+      --sweep-shape 16384x8192 --out "$OUT/s16384" ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
   # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,
