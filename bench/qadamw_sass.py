@@ -20,11 +20,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton._C.libtriton import ir  # noqa: E402
 
+from fp4compile.kernels.offline import compile_offline  # noqa: E402
 from fp4compile.kernels.quantize import _MAGIC_PACK  # noqa: E402
 from fp4compile.optim import fused as F  # noqa: E402
 
@@ -48,21 +45,7 @@ def cubin(kernel=2, num_warps=None, **over):
         const.update(IMPL=1)
         num_warps = num_warps or 4
     const.update(over)
-    sig = dict(_SIG, **{k: "constexpr" for k in const})
-    src = ASTSource(fn, sig, constexprs=const)
-    target = GPUTarget("cuda", 90, 32)
-    be = CUDABackend(target)
-    opts = be.parse_options({"num_warps": num_warps, "enable_fp_fusion": False})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    be.load_dialects(ctx)
-    mod = src.make_ir(target, opts, be.get_codegen_implementation(opts), be.get_module_map(), ctx)
-    stages = {}
-    be.add_stages(stages, opts, src.language)
-    md = {}
-    for name in ("ttir", "ttgir", "llir", "ptx", "cubin"):
-        mod = stages[name](mod, md)
-    return mod, num_warps
+    return compile_offline(fn, _SIG, const, num_warps, upto="cubin"), num_warps
 
 
 def stats(blob):

@@ -180,25 +180,10 @@ def test_launcher_errors():
 
 
 def _sm90_ptx(fn, sig, const, num_warps=4):
-    """The sm_90 PTX of a kernel, compiled through Triton's own stages without a GPU."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
+    """The sm_90 PTX of a kernel as stripped lines, compiled without a GPU."""
+    from fp4compile.kernels.offline import compile_offline
 
-    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in const}), constexprs=const)
-    target = GPUTarget("cuda", 90, 32)
-    be = CUDABackend(target)
-    opts = be.parse_options({"num_warps": num_warps, "enable_fp_fusion": False})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    be.load_dialects(ctx)
-    mod = src.make_ir(target, opts, be.get_codegen_implementation(opts), be.get_module_map(), ctx)
-    stages, md = {}, {}
-    be.add_stages(stages, opts, src.language)
-    for name in ("ttir", "ttgir", "llir", "ptx"):
-        mod = stages[name](mod, md)
-    return [ln.strip() for ln in mod.splitlines()]
+    return [ln.strip() for ln in compile_offline(fn, sig, const, num_warps).splitlines()]
 
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])

@@ -1,0 +1,39 @@
+"""Compile a ``@triton.jit`` kernel for an NVIDIA target on a machine without a GPU.
+
+Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin, the cubin with the ptxas bundled in the Triton wheel)
+run on any machine, so the code a kernel becomes on the H200 (sm_90) can be inspected on the CPU: instruction
+counts (``bench/qadamw_sass.py``), or the order of memory operations and synchronization
+(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``).
+"""
+from __future__ import annotations
+
+STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
+
+
+def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, upto: str = "ptx", arch: int = 90,
+                    **options):
+    """The ``upto`` stage (``"ptx"``: text, ``"cubin"``: bytes) of ``fn`` compiled for ``sm_<arch>``.
+
+    ``signature`` gives the runtime arguments' Triton types (``{"x_ptr": "*bf16", "n": "i32"}``); every name in
+    ``constexprs`` is added to it as a constexpr. ``options``: further backend options (``enable_fp_fusion`` is
+    False unless given, as fp4compile launches its kernels)."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    if upto not in STAGES:
+        raise ValueError(f"upto must be one of {STAGES}, got {upto!r}")
+    src = ASTSource(fn, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs)
+    target = GPUTarget("cuda", arch, 32)
+    backend = CUDABackend(target)
+    opts = backend.parse_options({"num_warps": num_warps, "enable_fp_fusion": False, **options})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
+    stages, metadata = {}, {}
+    backend.add_stages(stages, opts, src.language)
+    for name in STAGES[:STAGES.index(upto) + 1]:
+        mod = stages[name](mod, metadata)
+    return mod
