@@ -283,7 +283,9 @@ def test_gpu_ms_eden_pass1_variants(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[0] != "ms_eden"], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [(r,) + c for r in ("rtn", "sr") for c in [
+    (False, False, 0, False), (True, False, 0, False), (False, True, 0, False), (False, False, 16, False),
+    (True, False, 128, True), (False, False, 0, True)]], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_pdl_bit_exact_and_in_cuda_graphs(case):
     """CONFIG["pdl"] = 1 (quantize kernel PDL-launched behind the amax kernel): bit-exact with the reference,
     eagerly and replayed from a CUDA graph after x changed (the graph keeps the programmatic edge)."""
