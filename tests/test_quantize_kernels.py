@@ -5,6 +5,7 @@ On CPU the kernels run eagerly under the Triton interpreter (TRITON_INTERPRET=1,
 """
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -180,10 +181,11 @@ def test_launcher_errors():
 
 
 def _sm90_ptx(fn, sig, const, num_warps=4):
-    """The sm_90 PTX of a kernel as stripped lines, compiled without a GPU."""
+    """The sm_90 PTX of a kernel as stripped lines, compiled without a GPU, every argument specialized as
+    16-divisible as a launch on a 16-aligned 4096 x 4096 tensor would."""
     from fp4compile.kernels.offline import compile_offline
 
-    return [ln.strip() for ln in compile_offline(fn, sig, const, num_warps).splitlines()]
+    return [ln.strip() for ln in compile_offline(fn, sig, const, num_warps, divisible_by_16=tuple(sig)).splitlines()]
 
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
@@ -206,10 +208,14 @@ def test_pdl_variant_waits_after_its_tile_loads(rounding):
     loads = [i for i, ln in enumerate(ptx) if "ld.global" in ln]
     before = [i for i in loads if i < waits[0]]
     after = [ptx[i] for i in loads if i > waits[0]]
-    # the x tile: 16 x 512 bf16 over 128 threads = 128 B per thread, however the compiler splits it
-    assert sum(8 if ".v4.b32" in ptx[i] else 2 if ".b16" in ptx[i] else 16 for i in before) >= 16 * 512 * 2 // 128
-    assert after and all("b16" not in ln for ln in after), after    # the amax (and the seed) only
-    assert len(after) == (1 if rounding == "rtn" else 2), after
+    def nbytes(ln):  # ld.global[.vN].bBITS
+        vec = re.search(r"\.v(\d)\.", ln)
+        return (int(vec.group(1)) if vec else 1) * int(re.search(r"\.b(\d+) ", ln).group(1)) // 8
+
+    # the x tile: 16 x 512 bf16 over 128 threads = 128 B per thread (eight 16-byte vector loads)
+    assert sum(nbytes(ptx[i]) for i in before) == 16 * 512 * 2 // 128, [ptx[i] for i in before]
+    # after the wait: the amax (and SR's seed) only, scalar loads
+    assert sorted(nbytes(ln) for ln in after) == ([4] if rounding == "rtn" else [4, 8]), after
     assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._quantize_kernel, qsig, dict(qc, PDL=False)))
     asig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", amax_ptr="*fp32")
     ac = dict(scol=1, HAD=0, NORM=1.0, RHT_IMPL=1, TLOAD=False, BR=128, BC=256, HALVES=False)

@@ -11,12 +11,14 @@ STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
 
 
 def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, upto: str = "ptx", arch: int = 90,
-                    **options):
+                    divisible_by_16=(), **options):
     """The ``upto`` stage (``"ptx"``: text, ``"cubin"``: bytes) of ``fn`` compiled for ``sm_<arch>``.
 
     ``signature`` gives the runtime arguments' Triton types (``{"x_ptr": "*bf16", "n": "i32"}``); every name in
-    ``constexprs`` is added to it as a constexpr. ``options``: further backend options (``enable_fp_fusion`` is
-    False unless given, as fp4compile launches its kernels)."""
+    ``constexprs`` is added to it as a constexpr. ``divisible_by_16``: the arguments that a real launch would
+    specialize as 16-divisible (16-byte-aligned pointers, ints that are multiples of 16), which decides e.g.
+    whether loads vectorize. ``options``: further backend options (``enable_fp_fusion`` is False unless given, as
+    fp4compile launches its kernels)."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
@@ -24,7 +26,8 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
 
     if upto not in STAGES:
         raise ValueError(f"upto must be one of {STAGES}, got {upto!r}")
-    src = ASTSource(fn, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
+    src = ASTSource(fn, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     opts = backend.parse_options({"num_warps": num_warps, "enable_fp_fusion": False, **options})
