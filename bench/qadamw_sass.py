@@ -9,19 +9,13 @@ formulations before a GPU window.
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton  # noqa: E402
-
-from fp4compile.kernels.offline import compile_offline  # noqa: E402
+from fp4compile.kernels.offline import compile_offline, sass_stats  # noqa: E402
 from fp4compile.kernels.quantize import _MAGIC_PACK  # noqa: E402
 from fp4compile.optim import fused as F  # noqa: E402
 
@@ -30,7 +24,6 @@ _SIG = {"qtab": "*i64", "ptab": "*i64", "coef": "*fp32", "coef_stride": "i32", "
 #: the default QAdamW group (tile 32, RHT-16 on both moments, SR + 4/6 for m, RTN + 4/6 for v, FP32 params)
 DEFAULT = dict(N=1024, NQ=12, TILE=32, MH=16, VH=16, MNORM=0.25, VNORM=0.25, M_SR=True, M_FOS=True, V_SR=False,
                V_FOS=True, P_KIND=0, G_KIND=0, MASTER=0, MAXIMIZE=False, SSE64=False)
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def cubin(kernel=2, num_warps=None, **over):
@@ -48,30 +41,9 @@ def cubin(kernel=2, num_warps=None, **over):
     return compile_offline(fn, _SIG, const, num_warps, upto="cubin"), num_warps
 
 
-def stats(blob):
-    """(instruction count, Counter of opcodes, registers, spill stores) of a cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(blob)
-    try:
-        sass = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(2)] += 1
-    regs = re.search(r"REG:(\d+)", res)
-    local = re.search(r"LOCAL:(\d+)", res)
-    return sum(ops.values()), ops, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
-
-
 def report(kernel=2, num_warps=None, **over):
     blob, w = cubin(kernel, num_warps, **over)
-    n, ops, regs, local = stats(blob)
+    n, ops, regs, local = sass_stats(blob)
     per_thread = F.CH // (32 * w)
     print(f"kernel {kernel} warps {w} {over or ''}: {n} SASS instructions per thread of {per_thread} elements "
           f"({n / per_thread:.0f} per element), {regs} registers, {local} B local; top: "

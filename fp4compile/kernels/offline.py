@@ -7,6 +7,12 @@ counts (``bench/qadamw_sass.py``), or the order of memory operations and synchro
 """
 from __future__ import annotations
 
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
 STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
 
 
@@ -40,3 +46,28 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
     for name in STAGES[:STAGES.index(upto) + 1]:
         mod = stages[name](mod, metadata)
     return mod
+
+
+def sass_stats(cubin: bytes):
+    """(SASS instruction count, ``Counter`` of opcodes, registers per thread, local-memory bytes) of a cubin, read
+    with the ``nvdisasm`` and ``cuobjdump`` bundled in the Triton wheel."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(2)] += 1
+    regs = re.search(r"REG:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
+    return sum(ops.values()), ops, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
