@@ -28,8 +28,9 @@ def per_element(fn, sig, const, num_warps, elements):
     return n / (elements / threads), ops.get("SHFL", 0) / (elements / threads), regs
 
 
-def main() -> int:
-    cfg = K.CONFIG
+def measure(cfg=None) -> list:
+    """[(kernel, (instructions per element, SHFL per element, registers))] for the table (``cfg``: CONFIG)."""
+    cfg = cfg or K.CONFIG
     rows = []
     m6, _ = block_max_targets("rtn")
     br, bc, w = cfg["q_rows"], cfg["q_cols"], cfg["q_warps"]
@@ -47,6 +48,11 @@ def main() -> int:
                   BC=max(bc, had or 16), MAGIC_PACK=K._MAGIC_PACK)
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(K._eden_pass1_kernel, esig, ec, w, br * max(bc, had or 16))))
+    return rows
+
+
+def main() -> int:
+    rows = measure()
     print("| kernel (sm_90, default tiles) | SASS instructions per element | SHFL per element | registers |")
     print("|---|---|---|---|")
     for name, (n, shfl, regs) in rows:

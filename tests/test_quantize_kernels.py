@@ -226,6 +226,24 @@ def test_pdl_variant_waits_after_its_tile_loads(rounding):
     assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._amax_kernel, asig, dict(ac, PDL=False), 8))
 
 
+def test_offline_sass_counts_what_the_kernel_does():
+    """bench/quantize_sass.py (kernels.offline.sass_stats on sm_90 cubins compiled here): the RTN quantize pass
+    has no shuffles and the fewest instructions; MS-EDEN's pass 1 costs more with each larger rotation, and only
+    RHT-128's cross-thread butterfly stages shuffle."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quantize_sass", os.path.join(
+        os.path.dirname(__file__), "..", "bench", "quantize_sass.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = dict(mod.measure())
+    names = ["RTN quantize pass", "MS-EDEN pass 1, no RHT", "MS-EDEN pass 1, RHT-16", "MS-EDEN pass 1, RHT-128"]
+    counts = [r[n][0] for n in names]
+    assert 5 < counts[0] and counts == sorted(counts) and len(set(counts)) == 4, r
+    assert r[names[0]][1] == 0 and r[names[3]][1] > 1 > r[names[2]][1], r
+    assert all(0 < regs <= 255 for _, _, regs in r.values()), r
+
+
 def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
     """quantize() asks for PDL only on CUDA sm_90+, with CONFIG["pdl"] and the block-per-thread quantize kernel,
     and launches the quantize kernel with it only right behind the amax kernel it launched itself: not with a
