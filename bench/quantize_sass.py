@@ -3,7 +3,9 @@
 Compiles RTN's quantize kernel and MS-EDEN's pass 1 with the default tiles and the 16-divisibility a launch on an
 aligned large tensor gets (``fp4compile.kernels.offline``), and prints SASS instructions per element, shuffles
 per element and registers. MS-EDEN's pass 1 with RHT-128, RHT-16 and none shows what the RHT's butterfly costs
-inside the kernel (issue 2's MS-EDEN + RHT-128 throughput question).
+inside the kernel (issue 2's MS-EDEN + RHT-128 throughput question). The ``*_spec`` functions describe each
+kernel's compile (signature, constexprs, warps, elements per program) for this script and for the tests that
+inspect the generated code (``tests/test_quantize_kernels.py``).
 
     python bench/quantize_sass.py
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,34 +23,69 @@ from fp4compile.kernels import quantize as K  # noqa: E402
 from fp4compile.kernels.offline import compile_offline, sass_stats  # noqa: E402
 
 
-def per_element(fn, sig, const, num_warps, elements):
-    """(instructions, shuffles) per element and registers of ``fn``'s sm_90 cubin; ``elements`` per program."""
-    n, ops, regs, _ = sass_stats(compile_offline(fn, sig, const, num_warps, upto="cubin",
-                                                 divisible_by_16=tuple(sig)))
-    threads = 32 * num_warps
-    return n / (elements / threads), ops.get("SHFL", 0) / (elements / threads), regs
+class KernelSpec(NamedTuple):
+    """One kernel compile: ``fn`` with runtime ``signature`` and ``constexprs`` on ``num_warps`` warps, each
+    program handling ``elements`` elements of x."""
+    fn: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    elements: int
+
+    def compile(self, upto="ptx"):
+        """The PTX (text) or cubin (bytes), every runtime argument specialized as 16-divisible."""
+        return compile_offline(self.fn, self.signature, self.constexprs, self.num_warps, upto=upto,
+                               divisible_by_16=tuple(self.signature))
+
+
+def quantize_spec(rounding="rtn", cfg=None, **constexprs) -> KernelSpec:
+    """RTN/SR's quantize kernel (``_quantize_kernel``) with CONFIG's plain tile, 1D blocks, no RHT."""
+    cfg = cfg or K.CONFIG
+    m6, _ = block_max_targets(rounding)
+    br, bc = cfg["q_rows"], cfg["q_cols"]
+    sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", amax_ptr="*fp32", seed_ptr="*i64", signs_ptr="*fp32",
+               codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32")
+    const = dict(scol=1, G=global_numerator(rounding, False), M6=m6, M4=4.0, ROUNDING=K._ROUNDING_ID[rounding],
+                 FOUR_SIX=False, BLOCK2D=False, HAD=0, NORM=1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
+                 BC=bc, MAGIC_PACK=K._MAGIC_PACK)
+    return KernelSpec(K._quantize_kernel, sig, {**const, **constexprs}, cfg["q_warps"], br * bc)
+
+
+def amax_spec(cfg=None, **constexprs) -> KernelSpec:
+    """The amax kernel (``_amax_kernel``) with CONFIG's tile, no RHT."""
+    cfg = cfg or K.CONFIG
+    br, bc = cfg["a_rows"], cfg["a_cols"]
+    sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", amax_ptr="*fp32")
+    const = dict(scol=1, HAD=0, NORM=1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br, BC=bc,
+                 HALVES=cfg["a_impl"] == 2)
+    return KernelSpec(K._amax_kernel, sig, {**const, **constexprs}, cfg["a_warps"], br * bc)
+
+
+def eden_pass1_spec(hadamard=128, cfg=None) -> KernelSpec:
+    """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile."""
+    cfg = cfg or K.CONFIG
+    br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
+    sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", codes_ptr="*i32",
+               scratch_ptr="*fp32", smax_ptr="*fp32")
+    const = dict(scol=1, VAL_MAX=EDEN_VAL_MAX, INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard,
+                 NORM=1.0 / hadamard ** 0.5 if hadamard else 1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
+                 BC=bc, MAGIC_PACK=K._MAGIC_PACK)
+    return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc)
+
+
+def per_element(spec: KernelSpec):
+    """(instructions, shuffles) per element and registers of the spec's sm_90 cubin."""
+    n, ops, regs, _ = sass_stats(spec.compile("cubin"))
+    per_thread = spec.elements / (32 * spec.num_warps)
+    return n / per_thread, ops.get("SHFL", 0) / per_thread, regs
 
 
 def measure(cfg=None) -> list:
     """[(kernel, (instructions per element, SHFL per element, registers))] for the table (``cfg``: CONFIG)."""
-    cfg = cfg or K.CONFIG
-    rows = []
-    m6, _ = block_max_targets("rtn")
-    br, bc, w = cfg["q_rows"], cfg["q_cols"], cfg["q_warps"]
-    qsig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", amax_ptr="*fp32", seed_ptr="*i64", signs_ptr="*fp32",
-                codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32")
-    qc = dict(scol=1, G=global_numerator("rtn", False), M6=m6, M4=4.0, ROUNDING=0, FOUR_SIX=False, BLOCK2D=False,
-              HAD=0, NORM=1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br, BC=bc, MAGIC_PACK=K._MAGIC_PACK)
-    rows.append(("RTN quantize pass", per_element(K._quantize_kernel, qsig, qc, w, br * bc)))
-    br, bc, w = cfg["e_rows"], cfg["e_cols"], cfg["e_warps"]
-    esig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", codes_ptr="*i32",
-                scratch_ptr="*fp32", smax_ptr="*fp32")
+    rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg)))]
     for had in (128, 16, 0):
-        ec = dict(scol=1, VAL_MAX=EDEN_VAL_MAX, INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=had,
-                  NORM=1.0 / had ** 0.5 if had else 1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
-                  BC=max(bc, had or 16), MAGIC_PACK=K._MAGIC_PACK)
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
-                     per_element(K._eden_pass1_kernel, esig, ec, w, br * max(bc, had or 16))))
+                     per_element(eden_pass1_spec(had, cfg))))
     return rows
 
 

@@ -180,63 +180,58 @@ def test_launcher_errors():
         K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.uint8), torch.ones(()))
 
 
-def _sm90_ptx(fn, sig, const, num_warps=4):
-    """The sm_90 PTX of a kernel as stripped lines, compiled without a GPU, every argument specialized as
-    16-divisible as a launch on a 16-aligned 4096 x 4096 tensor would."""
-    from fp4compile.kernels.offline import compile_offline
-
-    return [ln.strip() for ln in compile_offline(fn, sig, const, num_warps, divisible_by_16=tuple(sig)).splitlines()]
-
-
-@pytest.mark.parametrize("rounding", ["rtn", "sr"])
-def test_pdl_variant_waits_after_its_tile_loads(rounding):
-    """CONFIG["pdl"]'s kernels, compiled for sm_90 here (no GPU): the amax kernel lets its dependent launch
-    before it loads anything; the quantize kernel issues every load of its x tile before griddepcontrol.wait and
-    reads the amax (and the SR seed) only after it. Without PDL neither kernel has a griddepcontrol."""
-    from fp4compile.formats.schemes import block_max_targets, global_numerator
-    from fp4compile.kernels import quantize as K
-
-    m6, _ = block_max_targets(rounding)
-    qsig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", amax_ptr="*fp32", seed_ptr="*i64",
-                signs_ptr="*fp32", codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32")
-    qc = dict(scol=1, G=global_numerator(rounding, False), M6=m6, M4=4.0, ROUNDING=K._ROUNDING_ID[rounding],
-              FOUR_SIX=False, BLOCK2D=False, HAD=0, NORM=1.0, RHT_IMPL=1, TLOAD=False, BR=16, BC=512,
-              MAGIC_PACK=K._MAGIC_PACK)
-    ptx = _sm90_ptx(K._quantize_kernel, qsig, dict(qc, PDL=True))
-    waits = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
-    assert len(waits) == 1 and ptx[waits[0]].startswith("griddepcontrol.wait"), waits
-    loads = [i for i, ln in enumerate(ptx) if "ld.global" in ln]
-    before = [i for i in loads if i < waits[0]]
-    after = [ptx[i] for i in loads if i > waits[0]]
-    def nbytes(ln):  # ld.global[.vN].bBITS
-        vec = re.search(r"\.v(\d)\.", ln)
-        return (int(vec.group(1)) if vec else 1) * int(re.search(r"\.b(\d+) ", ln).group(1)) // 8
-
-    # the x tile: 16 x 512 bf16 over 128 threads = 128 B per thread (eight 16-byte vector loads)
-    assert sum(nbytes(ptx[i]) for i in before) == 16 * 512 * 2 // 128, [ptx[i] for i in before]
-    # after the wait: the amax (and SR's seed) only, scalar loads
-    assert sorted(nbytes(ln) for ln in after) == ([4] if rounding == "rtn" else [4, 8]), after
-    assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._quantize_kernel, qsig, dict(qc, PDL=False)))
-    asig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", amax_ptr="*fp32")
-    ac = dict(scol=1, HAD=0, NORM=1.0, RHT_IMPL=1, TLOAD=False, BR=128, BC=256, HALVES=False)
-    ptx = _sm90_ptx(K._amax_kernel, asig, dict(ac, PDL=True), 8)
-    dep = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
-    assert len(dep) == 1 and ptx[dep[0]].startswith("griddepcontrol.launch_dependents")
-    assert dep[0] < min(i for i, ln in enumerate(ptx) if "ld.global" in ln)
-    assert not any("griddepcontrol" in ln for ln in _sm90_ptx(K._amax_kernel, asig, dict(ac, PDL=False), 8))
-
-
-def test_offline_sass_counts_what_the_kernel_does():
-    """bench/quantize_sass.py (kernels.offline.sass_stats on sm_90 cubins compiled here): the RTN quantize pass
-    has no shuffles and the fewest instructions; MS-EDEN's pass 1 costs more with each larger rotation, and only
-    RHT-128's cross-thread butterfly stages shuffle."""
+@pytest.fixture(scope="module")
+def sass():
+    """bench/quantize_sass.py: the kernels' compile specs and the static SASS proxy (compiled for sm_90 here)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("quantize_sass", os.path.join(
         os.path.dirname(__file__), "..", "bench", "quantize_sass.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    r = dict(mod.measure())
+    return mod
+
+
+def _ptx_lines(spec):
+    return [ln.strip() for ln in spec.compile("ptx").splitlines()]
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_pdl_variant_waits_after_its_tile_loads(rounding, sass):
+    """CONFIG["pdl"]'s kernels, compiled for sm_90 here (no GPU; default tiles, 16-divisible arguments): the amax
+    kernel lets its dependent launch before it loads anything; the quantize kernel issues every load of its x
+    tile before griddepcontrol.wait and reads the amax (and the SR seed) only after it. Without PDL neither kernel
+    has a griddepcontrol."""
+    spec = sass.quantize_spec(rounding, PDL=True)
+    ptx = _ptx_lines(spec)
+    waits = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
+    assert len(waits) == 1 and ptx[waits[0]].startswith("griddepcontrol.wait"), waits
+    loads = [i for i, ln in enumerate(ptx) if "ld.global" in ln]
+    before = [i for i in loads if i < waits[0]]
+    after = [ptx[i] for i in loads if i > waits[0]]
+
+    def nbytes(ln):  # ld.global[.vN].bBITS
+        vec = re.search(r"\.v(\d)\.", ln)
+        return (int(vec.group(1)) if vec else 1) * int(re.search(r"\.b(\d+) ", ln).group(1)) // 8
+
+    # the x tile: its bf16 bytes per thread (16 x 512 over 128 threads: eight 16-byte vector loads)
+    assert sum(nbytes(ptx[i]) for i in before) == spec.elements * 2 // (32 * spec.num_warps), \
+        [ptx[i] for i in before]
+    # after the wait: the amax (and SR's seed) only, scalar loads
+    assert sorted(nbytes(ln) for ln in after) == ([4] if rounding == "rtn" else [4, 8]), after
+    assert not any("griddepcontrol" in ln for ln in _ptx_lines(sass.quantize_spec(rounding, PDL=False)))
+    ptx = _ptx_lines(sass.amax_spec(PDL=True))
+    dep = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
+    assert len(dep) == 1 and ptx[dep[0]].startswith("griddepcontrol.launch_dependents")
+    assert dep[0] < min(i for i, ln in enumerate(ptx) if "ld.global" in ln)
+    assert not any("griddepcontrol" in ln for ln in _ptx_lines(sass.amax_spec(PDL=False)))
+
+
+def test_offline_sass_counts_what_the_kernel_does(sass):
+    """bench/quantize_sass.py (kernels.offline.sass_stats on sm_90 cubins compiled here): the RTN quantize pass
+    has no shuffles and the fewest instructions; MS-EDEN's pass 1 costs more with each larger rotation, and only
+    RHT-128's cross-thread butterfly stages shuffle."""
+    r = dict(sass.measure())
     names = ["RTN quantize pass", "MS-EDEN pass 1, no RHT", "MS-EDEN pass 1, RHT-16", "MS-EDEN pass 1, RHT-128"]
     counts = [r[n][0] for n in names]
     assert 5 < counts[0] and counts == sorted(counts) and len(set(counts)) == 4, r
