@@ -918,7 +918,7 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
     """Resume a :func:`save_train_checkpoint` directory on any number of ranks (including a plain
     process), with the same structural checks as the 1-process checkpoint. A 1-process (safetensors)
     checkpoint is delegated to ``fp4compile.train.loop.load_checkpoint`` when parameters are not sharded."""
-    from .loop import SOFT, CheckpointError, structural_diffs
+    from .loop import SOFT, CheckpointError, changed_settings, structural_diffs
     from .loop import load_checkpoint as load_single
 
     ckpt_dir = Path(ckpt_dir)
@@ -941,8 +941,7 @@ def load_train_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg) -> di
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs))
     # batch_size is per rank: resuming on another world size with the same *global* batch is no change
     same_global = saved.get("batch_size", 0) * state.get("world_size", 1) == cfg.batch_size * _rank_world()[1]
-    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)
-            and not (k == "batch_size" and same_global)]
+    soft = changed_settings(saved, cfg, [k for k in SOFT if not (k == "batch_size" and same_global)])
     if soft:
         warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
                       + "; ".join(soft))

@@ -499,14 +499,20 @@ SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matr
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
 
 
-def structural_diffs(saved: dict, cfg) -> list:
-    """The ``STRUCTURAL`` settings in which a checkpoint's config ``saved`` differs from ``cfg``, as lines
-    ``"key: checkpoint X != run Y"``. ``lora_rank`` counts only where either run has LoRA-SVD on: a run without
-    it has no low-rank factors, so e.g. one ``--lora-rank`` flag given to every arm of a study still resumes the
-    BF16 arm."""
+def structural_diffs(saved: dict, cfg, keys=STRUCTURAL) -> list:
+    """The settings among ``keys`` (default ``STRUCTURAL``) in which a checkpoint's config ``saved`` differs from
+    ``cfg``, as lines ``"key: checkpoint X != run Y"``. ``lora_rank`` counts only where either run has LoRA-SVD
+    on: a run without it has no low-rank factors, so e.g. one ``--lora-rank`` flag given to every arm of a study
+    still resumes the BF16 arm."""
     lora = saved.get("lora") or getattr(cfg, "lora")
-    return [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in STRUCTURAL
+    return [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in keys
             if saved.get(k) != getattr(cfg, k) and (k != "lora_rank" or lora)]
+
+
+def changed_settings(saved: dict, cfg, keys=SOFT) -> list:
+    """The settings among ``keys`` (default ``SOFT``) that ``cfg`` changes from a checkpoint's config ``saved``,
+    as lines ``"key: X -> Y"`` (for the warning of a resume or a fork that will not match the saved run)."""
+    return [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in keys if saved.get(k) != getattr(cfg, k)]
 
 
 class CheckpointError(RuntimeError):
@@ -562,7 +568,7 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer, schedule, cfg: TrainConfig
     if diffs:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by an incompatible run:\n  " + "\n  ".join(diffs)
                               + "\nuse the same settings, or a new --out-dir to start over")
-    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT if saved.get(k) != getattr(cfg, k)]
+    soft = changed_settings(saved, cfg)
     if soft:
         warnings.warn("resuming with changed settings (the run will not match an uninterrupted one): "
                       + "; ".join(soft))
@@ -634,16 +640,14 @@ def open_fork_source(spec: str, cfg: TrainConfig, train_fingerprint: Optional[st
     saved = state["config"]
     if saved.get("lora"):
         raise CheckpointError(f"{ckpt} was trained with LoRA-SVD; a fork starts from a run without it (it may add it)")
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in FORK_MATCH
-             if saved.get(k) != getattr(cfg, k)]
+    diffs = structural_diffs(saved, cfg, FORK_MATCH)
     saved_fp = state.get("train_fingerprint")
     if train_fingerprint and saved_fp and saved_fp != train_fingerprint:
         diffs.append(f"training tokens: fingerprint {saved_fp} != {train_fingerprint}")
     if diffs:
         raise CheckpointError(f"cannot fork from {ckpt}: it was written by a run with other settings:\n  "
                               + "\n  ".join(diffs))
-    soft = [f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in SOFT
-            if k not in FORK_MATCH + ("backend", "policy") and saved.get(k) != getattr(cfg, k)]
+    soft = changed_settings(saved, cfg, [k for k in SOFT if k not in FORK_MATCH + ("backend", "policy")])
     if soft:
         warnings.warn(f"forking from {ckpt} with changed settings: " + "; ".join(soft))
     return ckpt, state
