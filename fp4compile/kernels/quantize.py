@@ -975,7 +975,7 @@ def _pdl_device(index: int) -> bool:
 
 
 def _use_pdl(cfg: dict, device) -> bool:
-    return bool(cfg.get("pdl")) and cfg["q_impl"] == 1 and device.type == "cuda" and _pdl_device(
+    return bool(cfg["pdl"]) and cfg["q_impl"] == 1 and device.type == "cuda" and _pdl_device(
         device.index if device.index is not None else torch.cuda.current_device())
 
 
