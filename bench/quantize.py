@@ -160,8 +160,8 @@ BENCH_CASES = [
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
     # single pass with a given global amax (delayed scaling): not the default op's number, a separate row
     ("RTN, given amax (1 pass)", dict(rounding="rtn", given_amax=True)),
-    # the quantize kernel PDL-launched behind the amax kernel (opt-in CONFIG["pdl"]; kernels/quantize.py)
-    ("RTN, PDL", dict(rounding="rtn", config={"pdl": 1})),
+    # two ordinary launches instead of the default PDL-launched quantize kernel (CONFIG["pdl"]; kernels/quantize.py)
+    ("RTN, no PDL", dict(rounding="rtn", config={"pdl": 0})),
     ("RTN + RHT128, given amax (1 pass)", dict(rounding="rtn", hadamard=128, given_amax=True)),
 ]
 #: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
@@ -221,13 +221,13 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
     "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256),
                                                          dict(s_rows=16, s_cols=128)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
-    # programmatic dependent launch of the quantize kernel behind the amax kernel (opt-in CONFIG["pdl"]);
-    # the default and PDL alternate so the drift within the run shows
-    "pdl": (dict(rounding="rtn"), [{}, dict(pdl=1), dict(q_rows=8, q_cols=512, q_warps=4),
-                                   dict(pdl=1, q_rows=8, q_cols=512, q_warps=4), {}, dict(pdl=1)]),
-    "pdl_sr": (dict(rounding="sr"), [{}, dict(pdl=1)]),
-    "pdl_rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(pdl=1)]),
-    "pdl_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(pdl=1)]),
+    # programmatic dependent launch of the quantize kernel behind the amax kernel (CONFIG["pdl"], default 1);
+    # PDL and two ordinary launches alternate so the drift within the run shows
+    "pdl": (dict(rounding="rtn"), [dict(pdl=0), dict(pdl=1), dict(pdl=0, q_rows=8, q_cols=512, q_warps=4),
+                                   dict(pdl=1, q_rows=8, q_cols=512, q_warps=4), dict(pdl=0), dict(pdl=1)]),
+    "pdl_sr": (dict(rounding="sr"), [dict(pdl=0), dict(pdl=1)]),
+    "pdl_rtn46": (dict(rounding="rtn", four_over_six=True), [dict(pdl=0), dict(pdl=1)]),
+    "pdl_had16": (dict(rounding="rtn", hadamard=16), [dict(pdl=0), dict(pdl=1)]),
 }
 
 

@@ -309,8 +309,8 @@ first_block_lora)
       --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every 300 \
       --lora-realign-after 600 ;;
 pdl)
-  # issue 2, one nvidia-h200 (~3-4 min): the opt-in PDL launch of the RTN/SR quantize kernel (CONFIG["pdl"]):
-  # bit-exact eagerly and from a CUDA graph, then the pdl sweeps (default and PDL alternating) at both shapes
+  # issue 2, one nvidia-h200 (~2 min): the PDL launch of the RTN/SR quantize kernel (CONFIG["pdl"], default 1):
+  # bit-exact eagerly and from a CUDA graph, then the pdl sweeps (PDL and ordinary launches alternating) at both shapes
   step pdl_tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pdl
   step pdl_sweep_4096 60 python bench/quantize.py --sweep --sweeps pdl,pdl_sr,pdl_rtn46,pdl_had16 \
       --sweep-shape 4096x4096 --out "$OUT/s4096"

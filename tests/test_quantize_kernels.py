@@ -250,7 +250,8 @@ def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
     on = dict(K.CONFIG, pdl=1)
     assert K._use_pdl(on, cuda0) and not K._use_pdl(on, cuda1)            # sm_90+ only
     assert not K._use_pdl(dict(on, q_impl=0), cuda0)                     # the first kernel has no PDL
-    assert not K._use_pdl(K.CONFIG, cuda0)                               # off by default
+    assert K._use_pdl(K.CONFIG, cuda0)                                   # on by default
+    assert not K._use_pdl(dict(K.CONFIG, pdl=0), cuda0)
     assert not K._use_pdl(on, torch.device("cpu"))
 
     launches = []

@@ -25,7 +25,7 @@ and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel th
 Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
 maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
 ``amax=`` (optional, RTN/SR) skips the amax pass: a single pass with a given global amax (delayed scaling).
-``CONFIG["pdl"] = 1`` (opt-in, sm_90+): the quantize kernel of RTN/SR is launched with programmatic dependent
+``CONFIG["pdl"] = 1`` (the default; sm_90+ only): the quantize kernel of RTN/SR is launched with programmatic dependent
 launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the quantize
 kernel loads its tile of x and takes its block maxima, then waits for the amax kernel's completion and memory
 flush (``gdc_wait``) before it reads the amax. Its loads so overlap the amax pass's tail. Only the launch right
@@ -942,14 +942,16 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: 254 registers per thread (8 warps per SM) against 96.
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel
 #: (``q_impl`` 1) is launched with programmatic dependent launch behind its amax kernel on sm_90+ (module
-#: docstring); 0 (default until measured on the H200): two ordinary launches.
+#: docstring), the default: bit-exact with two ordinary launches (eagerly and in CUDA graphs) and, on the H200,
+#: RTN 4096x4096 at 0.864-0.875 of copy bandwidth against 0.840 without (16384x8192: 0.895 both; session 12,
+#: docs/BENCHMARKS.md); 0: two ordinary launches.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 0}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1}
 
 
 def _config(device, config: Optional[dict]) -> dict:
