@@ -5,9 +5,10 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     bf16       BF16 (backend inductor)                                    AdamW
     quartet2   linear layers NVFP4, Quartet II (policy quartet2)          AdamW
     lora       + LoRA-SVD (fp4compile.prepare)                           AdamW
-    lora64, lora128   the lora arm at rank 64 / 128 (not in the default list; e.g. issue 6's rank forks)
+    lora32, lora64, lora128   the lora arm at rank 32 / 64 / 128 (not in the default list; issue 6's rank forks;
+               prepare()'s default is 64 since session 12, 32 before)
     q2w        only the forward GEMMs' weight operand NVFP4 (not in the default list): the share of the
-               quartet2 gap that LoRA-SVD's BF16 branch can act on
+               quartet2 gap that the forward's weight quantization alone causes
     qattn      + Q-Attn (policy full_stack)                              AdamW
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
@@ -47,11 +48,14 @@ ARMS = {
     "bf16": dict(backend="inductor", policy="bf16", optimizer="adamw", lora=False),
     "quartet2": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=False),
     "lora": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True),
-    # LoRA-SVD at other ranks than prepare()'s default 32 (issue 6's rank question, e.g. in a fork)
+    # LoRA-SVD at given ranks (issue 6's rank question, e.g. in a fork; "lora" takes prepare()'s default)
+    "lora32": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=32),
     "lora64": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=64),
     "lora128": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=128),
-    # only the forward GEMMs' weight operand in NVFP4: the share of the NVFP4-linear gap that a BF16 branch of
-    # the weights can act on (LoRA-SVD also shrinks dgrad's W operand, a smaller share)
+    # only the forward GEMMs' weight operand in NVFP4: the share of the NVFP4-linear gap that the forward's weight
+    # quantization alone causes (session 12: +0.29 % of +0.91 %). LoRA-SVD cuts more than that share: its branch
+    # also multiplies the unquantized activations, the activations' NVFP4 error meets only W_res, and dgrad's W
+    # operand shrinks the same way
     "q2w": dict(backend="fullstack_fp4", policy=str(ROOT / "configs" / "policy_quartet2_fwd_weight_only.toml"),
                 optimizer="adamw", lora=False),
     "qattn": dict(backend="fullstack_fp4", policy="full_stack", optimizer="adamw", lora=True),
@@ -63,7 +67,7 @@ ARMS = {
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
 }
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
-          "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128", "q2w": "NVFP4 fprop weights only",
+          "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128", "q2w": "NVFP4 fprop weights only",
           "qattn": "+ Q-Attn",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack"}

@@ -209,6 +209,22 @@ def test_structural_diffs_lora_rank_only_with_lora(tmp_path):
     assert r.summary["steps"] == 2
 
 
+def test_resolved_records_the_default_lora_rank(tmp_path):
+    """With LoRA-SVD and no --lora-rank, the resolved config (what a checkpoint saves) carries prepare()'s
+    DEFAULT_RANK, so a checkpoint written before a change of the default (which saved None) is refused by name
+    instead of failing on the factors' shapes; a run without LoRA-SVD records nothing."""
+    from fp4compile.nn import DEFAULT_RANK
+
+    cpu = torch.device("cpu")
+    cfg = tiny_cfg(tmp_path, steps=2, val_data="")
+    assert cfg.resolved(cpu).lora_rank is None
+    assert dataclasses.replace(cfg, lora=True).resolved(cpu).lora_rank == DEFAULT_RANK
+    assert dataclasses.replace(cfg, lora=True, lora_rank=8).resolved(cpu).lora_rank == 8
+    old = dict(dataclasses.asdict(cfg), lora=True)                       # lora_rank None, as saved before
+    assert L.structural_diffs(old, dataclasses.replace(cfg, lora=True).resolved(cpu)) == [
+        f"lora_rank: checkpoint None != run {DEFAULT_RANK}"]
+
+
 def test_checkpoint_errors(tmp_path):
     cfg = tiny_cfg(tmp_path, steps=2, val_data="")
     L.train(cfg)

@@ -1,6 +1,6 @@
 """LoRA-SVD reparametrisation of linear layers (BF16 principal subspace + NVFP4 residual).
 
-    handle = fp4compile.prepare(model, rank=32, beta=1.0, realign_every=2048)
+    handle = fp4compile.prepare(model, rank=64, beta=1.0, realign_every=2048)
     opt = torch.optim.AdamW(model.parameters())      # build the optimizer after prepare
     handle.attach(opt)                                # periodic randomized-SVD realignment + state remap
     ...

@@ -22,8 +22,11 @@ Each selected ``nn.Linear(in, out)`` with weight W (out x in) becomes a :class:`
   ``L2 = U sqrt(S) / sqrt(beta)``, ``L1 = sqrt(S) V^T / sqrt(beta)``, so ``beta L2 L1 = U S V^T`` whatever
   beta is, and ``W_res = W - beta L2 L1`` is computed from the *stored* (rounded) factors, so that
   ``W_res + beta L2 L1`` reproduces W to the rounding of W_res's storage dtype. beta then only changes the
-  training dynamics: factor gradients scale with sqrt(beta) relative to their size. Defaults: ``rank=32``,
-  ``beta=1.0``. Exact SVD for layers with min(in, out) <= 1024, else the randomized SVD below (4 power steps).
+  training dynamics: factor gradients scale with sqrt(beta) relative to their size. Defaults: ``rank=64``,
+  ``beta=1.0``. Rank 64 (32 until session 12): in the 30M study (d = 640, forked from BF16 at step 800; three
+  seeds, ``docs/LORA.md`` session 12) it cuts the NVFP4-linear gap by 48 %, against 34 % at rank 32 and ~60 % at
+  rank 128 (two seeds), at rank 32's step time (0.86x NVFP4 linears' throughput). A float rank scales with the
+  width instead. Exact SVD for layers with min(in, out) <= 1024, else the randomized SVD below (4 power steps).
 * Parameter count: each converted layer adds ``r * (in + out)`` parameters (W_res keeps in*out; bias is
   unchanged). Factors are stored in the weight's dtype unless ``factor_dtype`` says otherwise; "BF16" in the
   paper's sense means *not quantized to NVFP4* (under autocast or in a BF16 model the branch computes in BF16).
@@ -129,7 +132,7 @@ __all__ = [
 
 #: policy glob that matches the two low-rank linear sites of every LoRA-SVD layer (keep them BF16)
 LORA_BF16_GLOB = "*.lora_[ab]"
-DEFAULT_RANK = 32
+DEFAULT_RANK = 64
 DEFAULT_BETA = 1.0
 #: module paths never converted by default (the LM head stays BF16 in every preset and is often tied)
 DEFAULT_EXCLUDE = ("*lm_head*",)

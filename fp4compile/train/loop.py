@@ -82,7 +82,7 @@ class TrainConfig:
     compile_mode: str = "auto"                # auto | default | reduce-overhead (CUDA graphs), see resolve_compile_mode
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
-    lora_rank: Optional[int] = None           # None: prepare()'s default
+    lora_rank: Optional[int] = None           # None: prepare()'s default (resolved() records it)
     lora_beta: Optional[float] = None
     lora_realign_every: Optional[int] = None
     lora_realign_after: Optional[int] = None  # no realignment before this step (None: prepare's default, 0)
@@ -208,11 +208,17 @@ class TrainConfig:
         """This config with what a run on ``device`` uses in place of its automatic choices: ``compile_mode``
         from :meth:`resolve_compile_mode`, and ``optim_cuda_graphs=None`` -> True exactly when that mode is
         CUDA graphs in one process (QRoot's NS is then graphed like the step; 30M full stack on the H200: 248k -> 414k
-        tokens/s, ``docs/BENCHMARKS.md``)."""
+        tokens/s, ``docs/BENCHMARKS.md``), and with LoRA-SVD ``lora_rank=None`` -> ``prepare()``'s
+        ``DEFAULT_RANK``, so a checkpoint records the rank it was built with and a later change of the default is
+        caught as a structural difference instead of a shape mismatch."""
         mode = self.resolve_compile_mode(device)
         graphs = self.optim_cuda_graphs if self.optim_cuda_graphs is not None else \
             mode == "reduce-overhead" and self.parallel == "none"
-        return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs)
+        rank = self.lora_rank
+        if self.lora and rank is None:
+            from ..nn.lora_svd import DEFAULT_RANK
+            rank = DEFAULT_RANK
+        return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs, lora_rank=rank)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
