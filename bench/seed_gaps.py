@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     for label, base, arm in args.pair:
         g = pair_gaps(base, arm, steps, windows=windows)
         rows.setdefault(label, []).append(g)
-        tr = ", ".join(f"{v:+.2f}" for v in g["train"].values())
+        tr = ", ".join("–" if v is None else f"{v:+.2f}" for v in g["train"].values())  # None: before a fork
         ev = [f"{d[max(d)]:+.2f} % (step {max(d)})" if d else "–" for d in (g["val_loss"], g["brown_loss"])]
         print(f"| {label} | {arm} | {g['last']} | {tr} | {ev[0]} | {ev[1]} |")
     print("\n| label | seeds | train gap, last step | val gap, last eval | Brown gap, last eval |")

@@ -280,3 +280,11 @@ def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys)
     with pytest.raises(SystemExit, match="--windows"):
         sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--windows", "20-10"])
     assert (tmp_path / "g.png").stat().st_size > 0
+    # a forked arm logs only from its fork step on: a requested step before it prints "–", not a crash
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    fork.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 20, "event": "start"}, *({"step": s, "loss": 2.02} for s in range(21, 31))]))
+    assert sg.pair_gaps(tmp_path / "b1", fork, steps=(5, 30))["train"] == {5: None, 30: pytest.approx(1.0)}
+    sg.main(["--pair", "f", str(tmp_path / "b1"), str(fork), "--steps", "5,30"])
+    assert "| f | " + str(fork) + " | 30 | –, +1.00 |" in capsys.readouterr().out
