@@ -67,7 +67,8 @@ ARMS = {
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
 }
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
-          "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128", "q2w": "NVFP4 fprop weights only",
+          "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
+          "q2w": "NVFP4 fprop weights only",
           "qattn": "+ Q-Attn",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack"}

@@ -25,8 +25,8 @@ and the row-wise kernels; ``t_impl`` 0/1 read the column-wise tiles in-kernel th
 Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half loads, :func:`_load_halves`),
 maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
 ``amax=`` (optional, RTN/SR) skips the amax pass: a single pass with a given global amax (delayed scaling).
-``CONFIG["pdl"] = 1`` (the default; sm_90+ only): the quantize kernel of RTN/SR is launched with programmatic dependent
-launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the quantize
+``CONFIG["pdl"] = 1`` (the default; sm_90+ only): the quantize kernel of RTN/SR is launched with programmatic
+dependent launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the quantize
 kernel loads its tile of x and takes its block maxima, then waits for the amax kernel's completion and memory
 flush (``gdc_wait``) before it reads the amax. Its loads so overlap the amax pass's tail. Only the launch right
 after this module's own amax kernel uses it: that kernel writes nothing the quantize kernel reads before the
