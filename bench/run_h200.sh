@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -316,6 +316,15 @@ pdl)
       --sweep-shape 4096x4096 --out "$OUT/s4096"
   step pdl_sweep_16384 90 python bench/quantize.py --sweep --sweeps pdl,pdl_sr \
       --sweep-shape 16384x8192 --out "$OUT/s16384" ;;
+verify)
+  # one nvidia-h200 (~9 min): the whole GPU suite, the quantize table and the 124M training step after a change of a
+  # kernel default (session 12 made CONFIG["pdl"] = 1 with only its own 12 GPU tests run)
+  nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  step gpu_tests 240 python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/ --deselect tests/test_attention.py
+  step attention_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  step quantize 60 python bench/quantize.py --bench --quick --out "$OUT"
+  step train_step 150 python bench/train_step.py --steps 10 --warmup 3 --modes reduce-overhead \
+      --json "$OUT/train_step.jsonl" ;;
 fsdp_sweep)
   # issue 8's FSDP2 scaling, one call on an nvidia-h200-x2 (~5 min): bash bench/run_h200.sh fsdp_sweep [MB]
   # (sequences per GPU, default 16): the 1-GPU baseline, then FSDP2 as is, without resharding after forward,
