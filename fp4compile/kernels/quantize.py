@@ -26,11 +26,11 @@ Per tile the quantize kernel holds each 16-block in one thread (two 16-byte half
 maps values to E2M1 codes with FP32 adds/mins (:func:`_e2m1_mag_magic`) and packs 8 codes per 32-bit store.
 ``amax=`` (optional, RTN/SR) skips the amax pass: a single pass with a given global amax (delayed scaling).
 ``CONFIG["pdl"] = 1`` (the default; sm_90+ only): the quantize kernel of RTN/SR is launched with programmatic
-dependent launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the quantize
-kernel loads its tile of x and takes its block maxima, then waits for the amax kernel's completion and memory
-flush (``gdc_wait``) before it reads the amax. Its loads so overlap the amax pass's tail. Only the launch right
-after this module's own amax kernel uses it: that kernel writes nothing the quantize kernel reads before the
-wait (a given ``amax=`` or the transposing copy's amax keep the ordinary launch).
+dependent launch behind the amax kernel. The amax kernel lets it launch at once (``gdc_launch_dependents``); the
+quantize kernel loads its tile of x and takes its block maxima, then waits for the amax kernel's completion and
+memory flush (``gdc_wait``) before it reads the amax. Its loads so overlap the amax pass's tail. Only the launch
+right after this module's own amax kernel uses it: that kernel writes nothing the quantize kernel reads before
+the wait (a given ``amax=`` or the transposing copy's amax keep the ordinary launch).
 
 The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``formats.nvfp4.quantize`` checks).
 """
@@ -1013,7 +1013,7 @@ def _amax(x, R, K, srow, scol, hadamard, sg, cfg, tload=False, dependents=False)
         x, srow, scol, R, K, sg, amax, HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"],
         TLOAD=tload, BR=br, BC=bc, HALVES=bool(cfg["a_impl"] == 2 or (hadamard and cfg["a_impl"])),
         num_warps=cfg[pre + "_warps"],
-        **_launch_opts(x.device), **({"PDL": True} if dependents else {}))
+        PDL=dependents, **_launch_opts(x.device))
     return amax
 
 
@@ -1123,7 +1123,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
     else:
         launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
-               gscale, MAGIC_PACK=_MAGIC_PACK, **args, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+               gscale, MAGIC_PACK=_MAGIC_PACK, PDL=pdl, **args, **({"launch_pdl": True} if pdl else {}))
     return codes, scales, gscale
 
 

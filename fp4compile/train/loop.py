@@ -876,15 +876,14 @@ def train(cfg: TrainConfig) -> RunResult:
     if fork is not None:
         # the model is still at its initialisation (the source run's, same seed): with realign_scale "hold" the
         # branch keeps the step size a split of these weights would have had (LoRASVDHandle.hold_scale_from)
-        hold = cfg.lora and cfg.lora_realign_scale in (None, "hold")
         init = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear)} if hold else {}
+                if isinstance(m, torch.nn.Linear)} if cfg.lora else {}
         load_model_file(fork[0], model)
         if cfg.lora:
             dense_optimizer = build_optimizer(model, cfg, None, device)
             load_optimizer_state(fork[0], fork[1], dense_optimizer)
             lora_handle = apply_lora(model, cfg)
-            if hold:
+            if lora_handle.realign_scale == "hold":      # prepare()'s setting, its default included
                 lora_handle.hold_scale_from(init)
         del init
 
