@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -308,6 +308,17 @@ first_block_lora)
       --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_full_lora$r" -- \
       --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every 300 \
       --lora-realign-after 600 ;;
+full_frozen)
+  # issue 7 (one nvidia-h200, ~6 min; carry the data): the full stack with block 0 in BF16 and a rank-RANK (default
+  # 64) LoRA-SVD branch with frozen factors (arm fullf: ROOT then steps W exactly as it would the dense weight; the
+  # branch is re-split every EVERY steps from step EVERY, default 100). Compare with session 13's trained factors:
+  # +3.22 % train / +2.64 % val at rank 64 (first_block_lora 64)
+  r=${2:-64}; b=${3:-380}; e=${4:-100}
+  step data 60 python bench/study.py --data-only
+  step "fb_fullf_lora$r" $((b + 15)) python bench/study.py --size 30m --arms fullf --out ".study_fb_frozen$r" \
+      --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_fullf_lora$r" -- \
+      --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every "$e" \
+      --lora-realign-after "$e" ;;
 pdl)
   # issue 2, one nvidia-h200 (~2 min): the PDL launch of the RTN/SR quantize kernel (CONFIG["pdl"], default 1):
   # bit-exact eagerly and from a CUDA graph, then the pdl sweeps (PDL and ordinary launches alternating) at both shapes

@@ -7,6 +7,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     lora       + LoRA-SVD (fp4compile.prepare)                           AdamW
     lora32, lora64, lora128   the lora arm at rank 32 / 64 / 128 (not in the default list; issue 6's rank forks;
                prepare()'s default is 64 since session 12, 32 before)
+    lora64f    the lora64 arm with frozen factors (prepare(train_factors=False): W steps as the dense weight
+               would, the BF16 branch is refreshed at each realignment; not in the default list)
     q2w        only the forward GEMMs' weight operand NVFP4 (not in the default list): the share of the
                quartet2 gap that the forward's weight quantization alone causes
     qattn      + Q-Attn (policy full_stack)                              AdamW
@@ -14,6 +16,7 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
                stack's optimizer-matched baseline (ROOT alone moves the loss far more than any precision)
+    full       the full stack under its 124M name (= qroot); fullf: with frozen LoRA-SVD factors
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
 
@@ -52,6 +55,9 @@ ARMS = {
     "lora32": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=32),
     "lora64": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=64),
     "lora128": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=128),
+    # frozen factors: the optimizer steps W exactly as the dense weight, the branch is only re-split at realignments
+    "lora64f": dict(backend="fullstack_fp4", policy="quartet2", optimizer="adamw", lora=True, lora_rank=64,
+                    lora_train_factors=False),
     # only the forward GEMMs' weight operand in NVFP4: the share of the NVFP4-linear gap that the forward's weight
     # quantization alone causes (session 12: +0.29 % of +0.91 %). LoRA-SVD cuts more than that share: its branch
     # also multiplies the unquantized activations, the activations' NVFP4 error meets only W_res, and dgrad's W
@@ -65,13 +71,20 @@ ARMS = {
     "bf16root": dict(backend="inductor", policy="bf16", optimizer="qroot+adamw", lora=False),
     # the 124M comparison: BF16 vs the full stack
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
+    # the full stack with frozen LoRA-SVD factors: under ROOT, trained factors change the principal subspace's step
+    # size (an orthogonalized step of each factor moves W through the other one); frozen ones leave ROOT's step of
+    # W as it is (docs/LORA.md, session 13)
+    "fullf": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True,
+                  lora_train_factors=False),
 }
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
+          "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
           "qattn": "+ Q-Attn",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
-          "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack"}
+          "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
+          "fullf": "full stack, frozen LoRA-SVD factors"}
 
 
 def _tokenize_shard(path: str):
@@ -142,6 +155,8 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
         cmd += ["--max-seconds", f"{max_seconds:.0f}"]
     if "lora_rank" in a:
         cmd += ["--lora-rank", str(a["lora_rank"])]
+    if a.get("lora_train_factors") is False:
+        cmd += ["--no-lora-train-factors"]
     return cmd + extra
 
 

@@ -667,3 +667,139 @@ def test_optimizer_built_before_prepare_warns():
     model(torch.randn(4, 32)).sum().backward()
     with pytest.warns(UserWarning, match="do not hold"):
         opt.step()
+
+
+# ------------------------------------------------------------------------------------------------------
+# frozen factors
+def _dense_twin(model):
+    """A plain MLP with the LoRA-SVD model's merged weights (the reference a frozen-factor run must follow)."""
+    twin = MLP(dtype=torch.float64)
+    with torch.no_grad():
+        for name in ("fc1", "fc2", "lm_head"):
+            m, t = getattr(model, name), getattr(twin, name)
+            t.weight.copy_(m.merged_weight() if isinstance(m, LoRASVDLinear) else m.weight)
+            if t.bias is not None:
+                t.bias.copy_(m.bias)
+    return twin
+
+
+def _make_opt(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    from fp4compile.optim import QRoot
+    mats = [p for p in params if p.dim() == 2]
+    return QRoot([{"params": mats, "use_root": True}, {"params": [p for p in params if p.dim() != 2],
+                  "use_root": False}], lr=1e-2, precision="bf16", adamw="adamw", fused=False, compile=False)
+
+
+def _deviation_from_dense(kind, train_factors, steps=9):
+    """Train a float64 LoRA-SVD MLP (rank 4, realigned every 3 steps) and its dense twin on the same batches;
+    return max over steps and layers of |W - W_dense| / |W_dense - W_0| (the deviation relative to how far
+    training moved the weight)."""
+    torch.manual_seed(21)
+    model = MLP(dtype=torch.float64)
+    with torch.no_grad():                                      # a spectrum with structure, as after training
+        for lin in (model.fc1, model.fc2):
+            lin.weight.mul_(3.0)
+    h = prepare(model, rank=4, realign_every=3, train_factors=train_factors)
+    twin = _dense_twin(model)
+    w0 = {n: getattr(twin, n).weight.detach().clone() for n in ("fc1", "fc2")}
+    opt = _make_opt(kind, [p for p in model.parameters() if p.requires_grad])
+    opt_t = _make_opt(kind, list(twin.parameters()))
+    h.attach(opt)
+    worst = 0.0
+    for _ in range(steps):
+        x = torch.randn(16, 32, dtype=torch.float64)
+        y = torch.randint(0, 48, (16,))
+        for m, o in ((model, opt), (twin, opt_t)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        for n in ("fc1", "fc2"):
+            wd, w = getattr(twin, n).weight.detach(), getattr(model, n).merged_weight()
+            worst = max(worst, float((w - wd).norm() / (wd - w0[n]).norm()))
+    assert h.realignments == 3
+    return worst, h
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "qroot"])
+def test_frozen_factors_step_like_the_dense_weight(kind):
+    """train_factors=False: every optimizer (momentum SGD, AdamW, ROOT with a BF16 Newton-Schulz) moves
+    W = W_res + beta L2 L1 exactly as it moves the dense weight, realignments included (they touch no optimizer
+    state); with trained factors (the default) the same run leaves the dense trajectory (the control)."""
+    frozen, h = _deviation_from_dense(kind, train_factors=False)
+    trained, _ = _deviation_from_dense(kind, train_factors=True)
+    # float64 throughout, but beta is a float32 buffer that the weight decay scales every step (~1e-7 relative);
+    # ROOT's NS rounds to BF16, so a last-bit difference in G can flip a few BF16 roundings
+    assert frozen < {"sgd": 1e-9, "adamw": 1e-5, "qroot": 1e-2}[kind], frozen
+    assert trained > 0.05, trained
+    assert trained > 20 * frozen
+
+
+def test_frozen_factors_contract():
+    torch.manual_seed(22)
+    model = MLP()
+    h = prepare(model, rank=4, realign_every=2, train_factors=False)
+    assert not h.train_factors and "factors frozen" in repr(h)
+    for m in h.modules.values():
+        assert m.constrain is None and m.weight.requires_grad
+        assert not m.lora_a.weight.requires_grad and not m.lora_b.weight.requires_grad
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    h.attach(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # no "do not hold" warning: the factors are not trained
+        model(torch.randn(4, 32)).square().mean().backward()
+        assert all(p.grad is None for p in h.factor_parameters())
+        opt.step()
+    # AdamW's decoupled decay (lr 1e-2, its default wd 1e-2) shrank the frozen branches with W_res
+    decayed = float(torch.tensor(1 - 1e-2 * 1e-2, dtype=torch.float32))
+    assert {p: m.beta for p, m in h.modules.items()} == {"fc1": decayed, "fc2": decayed}
+    state_before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+    x = torch.randn(4, 32)
+    before = model(x)
+    h.realign()                      # re-split at prepare's beta; realign_scale "hold" has nothing to act on
+    assert torch.allclose(model(x), before, atol=1e-5)
+    assert {p: m.beta for p, m in h.modules.items()} == {"fc1": 1.0, "fc2": 1.0}
+    assert h.state_dict()["betas"] == {"fc1": 1.0, "fc2": 1.0}
+    for p in opt.state:
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, state_before[id(p)][k])
+    # a frozen branch with the constrained backward could not follow W's principal subspace: refused
+    with pytest.raises(ValueError, match="frozen factors"):
+        prepare(MLP(), rank=2, train_factors=False, constrain="cholesky_qr")
+    with pytest.raises(TypeError, match="train_factors"):
+        prepare(MLP(), rank=2, train_factors="no")
+    assert prepare(MLP(), rank=2, constrain="auto").modules["fc1"].constrain == "cholesky_qr"
+
+
+def test_fullstack_backend_with_frozen_factors_has_no_branch_wgrad():
+    """Compiled by the backend, a frozen branch keeps its BF16 fprop/dgrad sites and has no wgrad GEMMs; the
+    residual's three sites stay NVFP4 and its gradient is plain autograd's (no projection)."""
+    from fp4compile.policy import BF16, NVFP4, Policy
+
+    torch._dynamo.reset()
+    torch.manual_seed(23)
+    policy = Policy((), "rtn+lora").override("*", NVFP4("rtn")).override("*lm_head*", BF16) \
+        .override(LORA_BF16_GLOB, BF16)
+    model = MLP(d=32, h=64)
+    prepare(model, rank=4, train_factors=False)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    report = fp4compile.explain(model, x, policy=policy)
+    roles = {}
+    for s in report.sites:
+        roles.setdefault(s.path, set()).add((s.role, s.precision))
+    for path in ("fc1", "fc2"):
+        assert roles[path] == {(r, "nvfp4") for r in ("linear.fprop", "linear.dgrad", "linear.wgrad")}, roles
+        for f in ("lora_a", "lora_b"):
+            assert roles[f"{path}.{f}"] == {("linear.fprop", "bf16"), ("linear.dgrad", "bf16")}, roles
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fullstack_fp4", options={"policy": policy, "debug": True},
+                             fullgraph=True)
+    compiled(x).square().mean().backward()
+    m = model.fc1
+    assert m.lora_a.weight.grad is None and m.lora_b.weight.grad is None
+    assert m.weight.grad is not None and torch.isfinite(m.weight.grad).all()
+    u, v = cholesky_qr(m.lora_b.weight.detach()), cholesky_qr(m.lora_a.weight.detach().T)
+    assert (u.T @ m.weight.grad @ v).abs().max() > 1e-3 * m.weight.grad.abs().max()   # not projected out

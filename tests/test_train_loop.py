@@ -537,6 +537,39 @@ def test_bit_exact_resume_with_lora_realign_scale_hold(tmp_path):
 
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "qroot+adamw"])
+def test_lora_frozen_factors_train_like_the_dense_model(tmp_path, optimizer):
+    """lora_train_factors=False: without quantization (backend none) the run's losses are the dense run's to
+    FP32 rounding, realignments included (every 3 steps), while trained factors change the run (the control);
+    a frozen-factor run stopped at step 4 and resumed continues bit for bit (the decayed betas are in the
+    checkpoint); a changed lora_train_factors refuses to resume; and a fork may add frozen LoRA-SVD under ROOT."""
+    pytest.importorskip("fp4compile.nn.lora_svd")
+    kw = dict(val_data="", optimizer=optimizer, lr=1e-2, policy="bf16")     # Q-Root: the NS in BF16
+    lora = dict(lora=True, lora_rank=8, lora_realign_every=3)
+    L.train(tiny_cfg(tmp_path, "dense", **kw))
+    L.train(tiny_cfg(tmp_path, "frozen", lora_train_factors=False, **lora, **kw))
+    L.train(tiny_cfg(tmp_path, "trained", **lora, **kw))
+    dense, frozen, trained = (losses(tmp_path / n) for n in ("dense", "frozen", "trained"))
+    tol = 1e-5 if optimizer == "adamw" else 2e-3       # ROOT's BF16 Newton-Schulz can flip a rounding
+    assert [s for s, _ in frozen] == [s for s, _ in dense]
+    assert all(abs(a - b) <= tol * b for (_, a), (_, b) in zip(frozen, dense)), (frozen, dense)
+    assert abs(trained[-1][1] - dense[-1][1]) > 10 * abs(frozen[-1][1] - dense[-1][1])
+    ev = [r for r in L.read_metrics(tmp_path / "frozen") if r.get("event") == "lora_realign"]
+    assert [r["step"] for r in ev] == [3, 6]
+    L.train(tiny_cfg(tmp_path, "split", lora_train_factors=False, stop_after=4, **lora, **kw))
+    L.train(tiny_cfg(tmp_path, "split", lora_train_factors=False, resume=True, **lora, **kw))
+    assert losses(tmp_path / "split") == frozen
+    with pytest.raises(L.CheckpointError, match="lora_train_factors"):
+        L.train(tiny_cfg(tmp_path, "split", resume=True, steps=10, **lora, **kw))
+    if optimizer == "adamw":
+        return
+    L.train(tiny_cfg(tmp_path, "src", stop_after=4, **kw))
+    L.train(tiny_cfg(tmp_path, "fork", init_from=str(tmp_path / "src"), lora_train_factors=False, **lora, **kw))
+    fork = losses(tmp_path / "fork")
+    assert [s for s, _ in fork] == [5, 6, 7, 8]
+    assert all(abs(a - b) <= tol * b for (_, a), (_, b) in zip(fork, dense[4:])), (fork, dense)
+
+
 def test_fullstack_fp4_under_bf16_autocast(tmp_path):
     """The GPU default (fp32 master weights + bf16 autocast) through the FP4 backend (its eager debug variant
     here): it trains, and the numbers differ from the same run without FP4."""

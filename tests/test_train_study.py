@@ -34,6 +34,11 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     lora, r64, r128 = capsys.readouterr().out.strip().splitlines()
     assert r64 == lora.replace("/lora ", "/lora64 ") + " --lora-rank 64"
     assert r128 == lora.replace("/lora ", "/lora128 ") + " --lora-rank 128"
+    # the frozen-factor arms: one more flag each (lora64f on lora64, fullf on the full stack)
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "lora64,lora64f,full,fullf"]) == 0
+    r64, r64f, full, fullf = capsys.readouterr().out.strip().splitlines()
+    assert r64f == r64.replace("/lora64 ", "/lora64f ") + " --no-lora-train-factors"
+    assert fullf == full.replace("/full ", "/fullf ") + " --no-lora-train-factors"
     # q2w: the quartet2 arm with the forward-weight-only policy file, which loads
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "quartet2,q2w"]) == 0
     q2, q2w = capsys.readouterr().out.strip().splitlines()

@@ -94,6 +94,20 @@ seeds) the first realignment raised the train-loss gap by +0.47 to +0.69 point w
 +0.23 with ``"hold"`` (``docs/LORA.md``, session 10). beta is a float32 buffer read by ``forward``, so the change
 neither recompiles nor re-records CUDA graphs; the handle's ``state_dict`` carries it.
 
+Frozen factors (``train_factors=False``)
+----------------------------------------
+The factors then get no gradient (``requires_grad=False``; no optimizer holds them, no wgrad GEMMs for the branch)
+and the backward is plain autograd, so the residual takes all of G: ``dW_res = G = dLoss/dW``. Any optimizer then
+takes exactly the step it would take on the dense weight W (same gradient, same state, in W's coordinates), and
+W = W_res + beta L2 L1 moves only through W_res. The branch is a BF16 carve-out of W's top-r subspace that is
+refreshed at each realignment, which moves what W_res has accumulated along that subspace into the branch; between
+realignments the forward quantizes W_res = W - (the branch as of the last realignment). Realignment changes
+neither W nor any optimizer state (``state_remap`` and ``realign_scale`` have nothing to act on; beta stays fixed),
+so it can be frequent and early. The motivation is an optimizer whose steps have no per-parameter scale: with
+trained factors, an orthogonalized (ROOT / Muon) step of L1 and of L2, each of spectral norm ~ lr * scale, moves
+W by ~ lr * scale * sqrt(beta * s_i) per principal direction i through the other factor, so the branch's subspace
+trains at a different learning rate than the dense weight would (``docs/LORA.md``, session 13).
+
 Optimizer state remap (``state_remap``), for any ``torch.optim.Optimizer`` (state dict entries per param):
 
 * ``W_res``: kept. Its coordinates are the weight's own coordinates; only its value changed.
@@ -137,6 +151,8 @@ DEFAULT_BETA = 1.0
 #: module paths never converted by default (the LM head stays BF16 in every preset and is often tied)
 DEFAULT_EXCLUDE = ("*lm_head*",)
 CONSTRAINTS = ("cholesky_qr", None)
+#: ``prepare(constrain=...)`` also takes "auto": "cholesky_qr" with trained factors, None with frozen ones
+AUTO_CONSTRAIN = "auto"
 STATE_REMAPS = ("project", "reset", "keep")
 REALIGN_SCALES = ("keep", "hold")
 
@@ -267,13 +283,15 @@ class LoRASVDLinear(nn.Module):
         self.lora_a = nn.Linear(in_features, rank, bias=False, device=device, dtype=fdt)
         self.lora_b = nn.Linear(rank, out_features, bias=False, device=device, dtype=fdt)
         self.constrain: Optional[str] = None
+        self._beta_decays = False                 # frozen factors: LoRASVDHandle decays the buffer in place
         self._hooks: List = []
         self._basis_cache = None
 
     @property
     def beta(self) -> float:
-        """Scale of the branch, W = W_res + beta L2 L1 (a positive float)."""
-        return self._beta_value
+        """Scale of the branch, W = W_res + beta L2 L1 (a positive float). With frozen factors the buffer is the
+        truth (the optimizer's weight decay scales it on the device every step) and this reads it back."""
+        return float(self._beta) if self._beta_decays else self._beta_value
 
     @beta.setter
     def beta(self, value: float) -> None:
@@ -417,12 +435,13 @@ class LoRASVDLinear(nn.Module):
     # realignment --------------------------------------------------------------------------
     @torch.no_grad()
     def realign_(self, *, oversample: int = 8, niter: int = 2, generator: Optional[torch.Generator] = None,
-                 hold_scale: bool = False) -> Dict[str, torch.Tensor]:
+                 hold_scale: bool = False, beta: Optional[float] = None) -> Dict[str, torch.Tensor]:
         """Re-split W = W_res + beta L2 L1 along its current top-r singular subspace (function preserved).
 
         ``hold_scale``: also change beta (to a power of two, so that it is exact in every float dtype) such that
         beta * ||(L1, L2)||_F, which sets the size of an Adam step of the branch in W, stays what it was before
-        the re-split instead of growing with the new subspace's singular values (module docstring).
+        the re-split instead of growing with the new subspace's singular values (module docstring). ``beta``:
+        re-split at this beta instead (frozen factors: back to prepare's beta after the weight decay shrank it).
 
         Returns old/new factors (float32, for optimizer-state remapping), ``beta_ratio`` = new beta / old beta
         and ``rel_change`` = max |W_after - W_before| / max |W_before|.
@@ -439,6 +458,8 @@ class LoRASVDLinear(nn.Module):
             factor_sq, sum_s = torch.stack([old_a.square().sum() + old_b.square().sum(),
                                             s.clamp_min(0).sum().to(acc)]).tolist()
             self.beta = _held_beta(old_beta, factor_sq, sum_s)
+        elif beta is not None:
+            self.beta = beta
         self._set_split_(w, u, s, vh, align_to=(old_a, old_b))
         self.clear_basis_cache()
         rel = (self.merged_weight() - w).abs().max() / w.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
@@ -481,6 +502,14 @@ def _nearest_pow2(x: float) -> float:
 _LINEAR_KEYS = {"exp_avg", "momentum_buffer", "m", "mu", "momentum"}
 _QUADRATIC_KEYS = {"exp_avg_sq", "max_exp_avg_sq", "v", "square_avg", "sum", "nu"}
 _warned: set = set()
+
+
+def _decoupled_decay(optimizer) -> bool:
+    """Whether ``optimizer`` decays weights as W <- (1 - lr wd) W outside the gradient (AdamW and its kin:
+    ``torch.optim.AdamW``, a group with ``decoupled_weight_decay=True``, or a class that says so with a
+    ``decoupled_weight_decay = True`` attribute, as ``QAdamW`` and ``QRoot`` do)."""
+    return (isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "decoupled_weight_decay", False) is True
+            or any(g.get("decoupled_weight_decay", False) for g in optimizer.param_groups))
 
 
 def _second_moment_like(key: str, t: torch.Tensor) -> bool:
@@ -571,13 +600,18 @@ class LoRASVDHandle:
     ``attach(optimizer)`` registers a step post-hook that counts optimizer steps and calls
     :meth:`realign` every ``realign_every`` steps, remapping the state of every attached optimizer (the first
     attached optimizer is the clock). ``state_dict()``/``load_state_dict()`` carry the counters for resumes.
+    ``train_factors`` is :func:`prepare`'s (False: frozen factors, nothing to remap at a realignment).
     """
 
     def __init__(self, model: nn.Module, modules: Dict[str, LoRASVDLinear], *, realign_every: Optional[int],
                  state_remap: str, oversample: int, niter: int, seed: int, realign_after: int = 0,
-                 sync_replicas: bool = False, realign_scale: str = "hold"):
+                 sync_replicas: bool = False, realign_scale: str = "hold", train_factors: bool = True):
         self._model_ref = weakref.ref(model)
+        self.train_factors = train_factors
         self.modules = modules
+        self._base_beta = {path: m.beta for path, m in modules.items()}   # frozen factors re-split at this beta
+        for m in modules.values():
+            m._beta_decays = not train_factors
         self.realign_every = realign_every
         self.realign_after = realign_after
         self.sync_replicas = sync_replicas
@@ -611,15 +645,43 @@ class LoRASVDHandle:
         @torch.compiler.disable
         def _post_hook(opt, args, kwargs):
             h = handle_ref()
-            if h is not None and h._is_clock(opt):
+            if h is None:
+                return
+            if not h.train_factors:
+                h._decay_frozen_branches(opt)
+            if h._is_clock(opt):
                 h.step()
 
         hook = optimizer.register_step_post_hook(_post_hook)
         self._optimizers.append((weakref.ref(optimizer), hook))
+        if not self.train_factors and not _decoupled_decay(optimizer) and any(
+                g.get("weight_decay", 0) for g in optimizer.param_groups):
+            _warn_once(f"LoRA-SVD: {type(optimizer).__name__} applies weight decay through the gradient; with frozen "
+                       "factors the residual's gradient then carries wd * W_res instead of wd * W, so W does not "
+                       "step exactly as the dense weight would (decoupled decay, e.g. AdamW, does)")
         return self
 
+    def _decay_frozen_branches(self, optimizer) -> None:
+        """Frozen factors: apply ``optimizer``'s decoupled weight decay, W_res <- (1 - lr wd) W_res, to the branch
+        too (beta <- (1 - lr wd) beta, in place on the device buffer: no host sync, a tensor lr stays a tensor),
+        so that W = W_res + beta L2 L1 decays as the dense weight would. One foreach launch per param group."""
+        if not _decoupled_decay(optimizer):
+            return
+        by_weight = {id(m.weight): m for m in self.modules.values()}
+        for g in optimizer.param_groups:
+            wd = g.get("weight_decay", 0.0)
+            betas = [by_weight[id(p)]._beta for p in g["params"] if id(p) in by_weight] if wd else []
+            if not betas:
+                continue
+            factor = 1 - g["lr"] * wd
+            if torch.is_tensor(factor):
+                torch._foreach_mul_(betas, factor.to(device=betas[0].device, dtype=torch.float32))
+            else:
+                torch._foreach_mul_(betas, float(factor))
+
     def _check_coverage(self) -> None:
-        owned = {id(p) for m in self.modules.values() for p in (m.weight, m.lora_a.weight, m.lora_b.weight)}
+        owned = {id(p) for m in self.modules.values() for p in (m.weight, m.lora_a.weight, m.lora_b.weight)
+                 if p.requires_grad}
         seen = {id(p) for r, _ in self._optimizers if r() is not None
                 for g in r().param_groups for p in g["params"]}
         if owned - seen:
@@ -679,10 +741,11 @@ class LoRASVDHandle:
         opts = [optimizer] if optimizer is not None else [r() for r, _ in self._optimizers if r() is not None]
         out = {}
         for path, m in self.modules.items():
-            info = m.realign_(oversample=self.oversample, niter=self.niter,
-                              generator=self._generator(m.weight.device), hold_scale=self.realign_scale == "hold")
+            info = m.realign_(oversample=self.oversample, niter=self.niter, generator=self._generator(m.weight.device),
+                              hold_scale=self.realign_scale == "hold" and self.train_factors,
+                              beta=None if self.train_factors else self._base_beta.get(path))
             out[path] = float(info["rel_change"])
-            if self.state_remap == "keep":
+            if self.state_remap == "keep" or not self.train_factors:   # frozen factors have no optimizer state
                 continue
             maps_a, maps_b = _factor_transforms(info) if self.state_remap == "project" else (None, None)
             for opt in opts:
@@ -702,8 +765,11 @@ class LoRASVDHandle:
         to beta * S_r(reference) / S_r(current) (``LoRASVDLinear.set_beta_``: function preserved). For a fork that
         adds LoRA-SVD to trained weights, the branch then starts with the Adam step size in W a from-scratch run's
         branch had, instead of one grown with the trained singular values. Layers without a reference keep their
-        beta. Returns ``{path: beta}`` for the layers with a reference."""
+        beta. Returns ``{path: beta}`` for the layers with a reference; ``{}`` with frozen factors (``train_factors
+        =False``: beta then has no effect on training)."""
         out = {}
+        if not self.train_factors:
+            return out
         for path, m in self.modules.items():
             ref = reference.get(path)
             if ref is None:
@@ -731,12 +797,18 @@ class LoRASVDHandle:
         projected like the constrained backward's gradients (if the layer has it); second-moment-like entries get
         the squared coefficients (the independence approximation of the realignment's remap); step counts are
         copied.
+        With frozen factors (``train_factors=False``) only W_res gets state, a copy of the weight's (any optimizer's
+        entries: W_res's gradient is then the dense weight's).
         Returns the number of layers seeded; a layer whose weight has no state is skipped. Raises
         ``ValueError`` for an entry that is not a float tensor of the weight's shape (e.g. quantized moments)."""
         seeded = 0
         for path, m in self.modules.items():
             src = dense_state.get(m.weight)
             if not src:
+                continue
+            if not self.train_factors:
+                optimizer.state[m.weight] = {k: t.clone() if torch.is_tensor(t) else t for k, t in src.items()}
+                seeded += 1
                 continue
             a, b = m.lora_a.weight, m.lora_b.weight
             acc = _acc(a.dtype)
@@ -775,7 +847,7 @@ class LoRASVDHandle:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         for m in self.modules.values():
-            if self.realign_scale == "hold":       # beta is part of the function
+            if self.realign_scale == "hold" and self.train_factors:   # beta is part of the function
                 dist.broadcast(m._beta, src=0)
                 m.beta = float(m._beta)
             for p in (m.weight, m.lora_a.weight, m.lora_b.weight):
@@ -800,15 +872,16 @@ class LoRASVDHandle:
 
     def __repr__(self):
         return (f"LoRASVDHandle({len(self.modules)} layers, +{self.added_parameters} params, "
-                f"realign_every={self.realign_every}, steps={self.steps}, realignments={self.realignments})")
+                f"realign_every={self.realign_every}, steps={self.steps}, realignments={self.realignments}"
+                f"{'' if self.train_factors else ', factors frozen'})")
 
 
 def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: float = DEFAULT_BETA,
             realign_every: Optional[int] = 2048, realign_after: int = 0, include: Union[str, Sequence[str]] = "*",
-            exclude: Union[str, Sequence[str], None] = DEFAULT_EXCLUDE, constrain: Optional[str] = "cholesky_qr",
+            exclude: Union[str, Sequence[str], None] = DEFAULT_EXCLUDE, constrain: Optional[str] = AUTO_CONSTRAIN,
             factor_dtype: Optional[torch.dtype] = None, init: str = "auto", state_remap: str = "project",
             oversample: int = 8, niter: int = 2, seed: int = 0, optimizer=None,
-            sync_replicas: bool = False, realign_scale: str = "hold") -> LoRASVDHandle:
+            sync_replicas: bool = False, realign_scale: str = "hold", train_factors: bool = True) -> LoRASVDHandle:
     """Reparametrise the selected ``nn.Linear`` layers of ``model`` in place as LoRA-SVD layers.
 
     Args:
@@ -822,25 +895,38 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
         include / exclude: fnmatch globs on module paths (``model.named_modules()`` names); a layer is converted
             if it matches some ``include`` and no ``exclude``. Linears whose weight is shared with another
             module (tied) are skipped with a warning.
-        constrain: "cholesky_qr" (subspace-constrained backward) or None (plain autograd).
+        constrain: "cholesky_qr" (subspace-constrained backward), None (plain autograd) or "auto" (the default:
+            "cholesky_qr" with trained factors, None with frozen ones, which need the residual to take all of G).
         factor_dtype: storage dtype of L1/L2 (default: the weight's).
         init: "auto" | "exact" | "randomized": SVD used for the initial split.
         state_remap: "project" | "reset" | "keep": optimizer-state rule at realignment.
         realign_scale: "hold" (default) | "keep". "hold": at each realignment beta becomes the power of two that
             keeps beta * ||(L1, L2)||_F (the size of the branch's Adam steps in W) at its pre-realignment value,
             instead of letting it grow with the trained singular values; "keep": beta fixed (module docstring;
-            ``docs/LORA.md``, sessions 9 and 10).
+            ``docs/LORA.md``, sessions 9 and 10). Neither this nor ``state_remap`` acts with frozen factors.
         oversample, niter: randomized-SVD oversampling and power iterations at realignment.
         seed: seed of the randomized SVD's Gaussian test matrices (same on every rank).
         optimizer: attach this optimizer right away (it must already hold the new parameters).
         sync_replicas: the model is a data-parallel replica (DDP): after each realignment, broadcast rank 0's
             factors, residuals and their optimizer state to the other ranks of the default process group.
+        train_factors: True (default): L1, L2 are trained parameters. False: they are frozen between
+            realignments (``requires_grad=False``, not for the optimizer), the backward is plain autograd and any
+            optimizer steps W exactly as it would the dense weight; realignments refresh the BF16 carve-out of W's
+            top-r subspace and touch no optimizer state (module docstring, "Frozen factors").
 
     Build the optimizer *after* ``prepare`` (new factor parameters exist only now). Returns a
     :class:`LoRASVDHandle`.
     """
+    if not isinstance(train_factors, bool):
+        raise TypeError(f"train_factors must be a bool, got {train_factors!r}")
+    if constrain == AUTO_CONSTRAIN:
+        constrain = "cholesky_qr" if train_factors else None
     if constrain not in CONSTRAINTS:
-        raise ValueError(f"constrain must be one of {CONSTRAINTS}, got {constrain!r}")
+        raise ValueError(f"constrain must be one of {CONSTRAINTS + (AUTO_CONSTRAIN,)}, got {constrain!r}")
+    if constrain is not None and not train_factors:
+        raise ValueError(f"constrain={constrain!r} projects the principal subspace out of the residual's gradient; "
+                         "with frozen factors (train_factors=False) W could then not move along it between "
+                         "realignments: use constrain=None or 'auto'")
     if state_remap not in STATE_REMAPS:
         raise ValueError(f"state_remap must be one of {STATE_REMAPS}, got {state_remap!r}")
     if realign_scale not in REALIGN_SCALES:
@@ -882,13 +968,16 @@ def prepare(model: nn.Module, *, rank: Union[int, float] = DEFAULT_RANK, beta: f
             gens[dev].manual_seed(seed)
         new = LoRASVDLinear.from_linear(lin, r, beta=beta, factor_dtype=factor_dtype, init=init,
                                         constrain=constrain, generator=gens[dev])
+        if not train_factors:
+            new.lora_a.weight.requires_grad_(False)
+            new.lora_b.weight.requires_grad_(False)
         _set_submodule(model, path, new)
         converted[path] = new
     if not converted:
         warnings.warn("LoRA-SVD: prepare() selected no nn.Linear layer (check include/exclude)")
     handle = LoRASVDHandle(model, converted, realign_every=realign_every, state_remap=state_remap,
                            oversample=oversample, niter=niter, seed=seed, realign_after=realign_after,
-                           sync_replicas=sync_replicas, realign_scale=realign_scale)
+                           sync_replicas=sync_replicas, realign_scale=realign_scale, train_factors=train_factors)
     for m in converted.values():
         m._handle_ref = weakref.ref(handle)
     if optimizer is not None:

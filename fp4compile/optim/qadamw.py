@@ -459,6 +459,9 @@ class QAdamW(Optimizer):
     compile: torch.compile the per-parameter torch step where it runs (None: on CUDA only).
     """
 
+    #: weight decay is W <- (1 - lr wd) W, outside the gradient (LoRA-SVD's frozen branches follow it)
+    decoupled_weight_decay = True
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  compile: Optional[bool] = None, **qkw):

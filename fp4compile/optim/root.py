@@ -442,6 +442,9 @@ class QRoot(Optimizer):
             Off by default for the class; ``fp4compile train`` turns it on when the model runs as CUDA graphs.
     """
 
+    #: weight decay is W <- (1 - lr wd) W, outside the gradient (LoRA-SVD's frozen branches follow it)
+    decoupled_weight_decay = True
+
     def __init__(self, params, lr=1e-3, weight_decay=0.1, *, policy=None, precision=None,
                  module_path: str = "optim", compile: Optional[bool] = None, fused: Optional[bool] = None,
                  cuda_graphs: bool = False, **kw):

@@ -88,6 +88,7 @@ class TrainConfig:
     lora_realign_after: Optional[int] = None  # no realignment before this step (None: prepare's default, 0)
     lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
     lora_realign_scale: Optional[str] = None  # hold | keep: beta at a realignment (None: prepare's, hold)
+    lora_train_factors: Optional[bool] = None  # False: factors frozen between realignments, W steps as if dense
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
@@ -163,9 +164,10 @@ class TrainConfig:
         if self.init_from and self.parallel != "none":
             raise ValueError("init_from (a fork of another run's checkpoint) runs in one process; "
                              "leave parallel='none'")
-        if self.init_from and self.lora and self.optimizer != "adamw":
+        if self.init_from and self.lora and self.optimizer != "adamw" and self.lora_train_factors is not False:
             raise ValueError("init_from with lora=True derives the LoRA-SVD factors' optimizer state from the dense "
-                             f"weights' AdamW moments; optimizer={self.optimizer!r} is not supported there")
+                             f"weights' AdamW moments; optimizer={self.optimizer!r} is not supported there (with "
+                             "lora_train_factors=False the factors have no state and any optimizer forks)")
         if self.optim_cuda_graphs and self.parallel != "none":
             raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
                              f"with parallel={self.parallel!r} leave it unset")
@@ -210,7 +212,8 @@ class TrainConfig:
         CUDA graphs in one process (QRoot's NS is then graphed like the step; 30M full stack on the H200: 248k -> 414k
         tokens/s, ``docs/BENCHMARKS.md``), and with LoRA-SVD ``lora_rank=None`` -> ``prepare()``'s
         ``DEFAULT_RANK``, so a checkpoint records the rank it was built with and a later change of the default is
-        caught as a structural difference instead of a shape mismatch."""
+        caught as a structural difference instead of a shape mismatch (``lora_train_factors=None`` -> True, for the
+        same reason)."""
         mode = self.resolve_compile_mode(device)
         graphs = self.optim_cuda_graphs if self.optim_cuda_graphs is not None else \
             mode == "reduce-overhead" and self.parallel == "none"
@@ -218,7 +221,9 @@ class TrainConfig:
         if self.lora and rank is None:
             from ..nn.lora_svd import DEFAULT_RANK
             rank = DEFAULT_RANK
-        return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs, lora_rank=rank)
+        factors = True if self.lora and self.lora_train_factors is None else self.lora_train_factors
+        return dataclasses.replace(self, compile_mode=mode, optim_cuda_graphs=graphs, lora_rank=rank,
+                                   lora_train_factors=factors)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
@@ -347,7 +352,7 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig):
     return _call_supported(prepare, model, rank=cfg.lora_rank, beta=cfg.lora_beta,
                            realign_every=cfg.lora_realign_every, realign_after=cfg.lora_realign_after,
                            state_remap=cfg.lora_state_remap, realign_scale=cfg.lora_realign_scale, seed=cfg.seed,
-                           sync_replicas=cfg.parallel == "ddp")
+                           sync_replicas=cfg.parallel == "ddp", train_factors=cfg.lora_train_factors)
 
 
 def lora_state(handle) -> dict:
@@ -495,7 +500,7 @@ def peak_memory_mib(device: torch.device) -> float:
 # checkpoints
 
 #: TrainConfig fields that must match to resume (the state would not fit otherwise)
-STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora_rank", "dtype")
+STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora_rank", "lora_train_factors", "dtype")
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
         "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
@@ -507,12 +512,17 @@ GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
 
 def structural_diffs(saved: dict, cfg, keys=STRUCTURAL) -> list:
     """The settings among ``keys`` (default ``STRUCTURAL``) in which a checkpoint's config ``saved`` differs from
-    ``cfg``, as lines ``"key: checkpoint X != run Y"``. ``lora_rank`` counts only where either run has LoRA-SVD
-    on: a run without it has no low-rank factors, so e.g. one ``--lora-rank`` flag given to every arm of a study
-    still resumes the BF16 arm."""
+    ``cfg``, as lines ``"key: checkpoint X != run Y"``. ``lora_rank`` and ``lora_train_factors`` count only where
+    either run has LoRA-SVD on: a run without it has no low-rank factors, so e.g. one ``--lora-rank`` flag given to
+    every arm of a study still resumes the BF16 arm. A checkpoint from before ``lora_train_factors`` existed had
+    trained factors (None there reads as True)."""
     lora = saved.get("lora") or getattr(cfg, "lora")
+
+    def norm(k, v):
+        return (v is not False) if k == "lora_train_factors" else v
     return [f"{k}: checkpoint {saved.get(k)!r} != run {getattr(cfg, k)!r}" for k in keys
-            if saved.get(k) != getattr(cfg, k) and (k != "lora_rank" or lora)]
+            if norm(k, saved.get(k)) != norm(k, getattr(cfg, k)) and (k not in ("lora_rank", "lora_train_factors")
+                                                                       or lora)]
 
 
 def changed_settings(saved: dict, cfg, keys=SOFT) -> list:
