@@ -756,6 +756,8 @@ def test_frozen_factors_contract():
     # AdamW's decoupled decay (lr 1e-2, its default wd 1e-2) shrank the frozen branches with W_res
     decayed = float(torch.tensor(1 - 1e-2 * 1e-2, dtype=torch.float32))
     assert {p: m.beta for p, m in h.modules.items()} == {"fc1": decayed, "fc2": decayed}
+    model.double().float()                                   # a dtype round trip keeps the decayed buffer
+    assert {p: m.beta for p, m in h.modules.items()} == {"fc1": decayed, "fc2": decayed}
     state_before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
     x = torch.randn(4, 32)
     before = model(x)

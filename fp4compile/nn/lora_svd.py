@@ -102,8 +102,10 @@ takes exactly the step it would take on the dense weight W (same gradient, same 
 W = W_res + beta L2 L1 moves only through W_res. The branch is a BF16 carve-out of W's top-r subspace that is
 refreshed at each realignment, which moves what W_res has accumulated along that subspace into the branch; between
 realignments the forward quantizes W_res = W - (the branch as of the last realignment). Realignment changes
-neither W nor any optimizer state (``state_remap`` and ``realign_scale`` have nothing to act on; beta stays fixed),
-so it can be frequent and early. The motivation is an optimizer whose steps have no per-parameter scale: with
+neither W nor any optimizer state (``state_remap`` and ``realign_scale`` have nothing to act on), so it can be
+frequent and early. Decoupled weight decay (W_res <- (1 - lr wd) W_res: AdamW, QAdamW, QRoot) is applied to the
+branch as well, by scaling beta's float32 device buffer after each optimizer step (``LoRASVDHandle.attach``), and
+each realignment re-splits at ``prepare``'s beta again; coupled decay (SGD, Adam) cannot be followed (a warning). The motivation is an optimizer whose steps have no per-parameter scale: with
 trained factors, an orthogonalized (ROOT / Muon) step of L1 and of L2, each of spectral norm ~ lr * scale, moves
 W by ~ lr * scale * sqrt(beta * s_i) per principal direction i through the other factor, so the branch's subspace
 trains at a different learning rate than the dense weight would (``docs/LORA.md``, session 13).
@@ -303,6 +305,9 @@ class LoRASVDLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() would round the buffer to the model's dtype: keep it float32 and equal to the mirror
+        # (with frozen factors the buffer is the truth: bring the mirror up to date first)
+        if self._beta_decays:
+            self._beta_value = float(self._beta)
         super()._apply(fn, recurse)
         self._buffers["_beta"] = torch.tensor(self._beta_value, dtype=torch.float32, device=self._beta.device)
         return self
