@@ -203,6 +203,12 @@ def test_structural_diffs_lora_rank_only_with_lora(tmp_path):
     assert L.structural_diffs(lora, dataclasses.replace(cfg, lora=True, lora_rank=64)) == [
         "lora_rank: checkpoint 32 != run 64"]
     assert L.structural_diffs(lora, dataclasses.replace(cfg, lora=True, lora_rank=32)) == []
+    # a LoRA checkpoint from before lora_train_factors existed had trained factors
+    legacy = {k: v for k, v in lora.items() if k != "lora_train_factors"}
+    run = dataclasses.replace(cfg, lora=True, lora_rank=32, lora_train_factors=True)
+    assert L.structural_diffs(legacy, run) == []
+    assert L.structural_diffs(legacy, dataclasses.replace(run, lora_train_factors=False)) == [
+        "lora_train_factors: checkpoint None != run False"]
     # end to end: the no-LoRA run resumes with another rank setting
     L.train(dataclasses.replace(cfg, stop_after=1))
     r = L.train(dataclasses.replace(cfg, lora_rank=64, resume=True))

@@ -669,7 +669,10 @@ class LoRASVDHandle:
     def _decay_frozen_branches(self, optimizer) -> None:
         """Frozen factors: apply ``optimizer``'s decoupled weight decay, W_res <- (1 - lr wd) W_res, to the branch
         too (beta <- (1 - lr wd) beta, in place on the device buffer: no host sync, a tensor lr stays a tensor),
-        so that W = W_res + beta L2 L1 decays as the dense weight would. One foreach launch per param group."""
+        so that W = W_res + beta L2 L1 decays as the dense weight would. One foreach launch per param group.
+        Groups and buffers are looked up at every call, not cached at ``attach``: ``optimizer.load_state_dict``
+        (a resume) replaces the group dicts, whose lr the schedule then sets, and ``.to()`` replaces the buffers
+        (a cached plan broke the bit-exact resume test)."""
         if not _decoupled_decay(optimizer):
             return
         by_weight = {id(m.weight): m for m in self.modules.values()}
