@@ -312,11 +312,12 @@ full_frozen)
   # issue 7 (one nvidia-h200, ~6 min; carry the data): the full stack with block 0 in BF16 and a rank-RANK (default
   # 64) LoRA-SVD branch with frozen factors (arm fullf: ROOT then steps W exactly as it would the dense weight; the
   # branch is re-split every EVERY steps from step EVERY, default 100). Compare with session 13's trained factors:
-  # +3.22 % train / +2.64 % val at rank 64 (first_block_lora 64)
-  r=${2:-64}; b=${3:-380}; e=${4:-100}
+  # +3.22 % train / +2.64 % val at rank 64 (first_block_lora 64). Session 14: rank 256 every 100, +2.52 % / +1.93 %.
+  # The run directory names both RANK and EVERY, so a warm machine resumes only the same variant.
+  r=${2:-64}; b=${3:-380}; e=${4:-100}; v="$r$([ "$e" = 100 ] || echo "_e$e")"
   step data 60 python bench/study.py --data-only
-  step "fb_fullf_lora$r" $((b + 15)) python bench/study.py --size 30m --arms fullf --out ".study_fb_frozen$r" \
-      --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_fullf_lora$r" -- \
+  step "fb_fullf_lora$v" $((b + 15)) python bench/study.py --size 30m --arms fullf --out ".study_fb_frozen$v" \
+      --tokens 100e6 --skip-data --time-budget "$b" --export "$OUT/fb_fullf_lora$v" -- \
       --policy configs/policy_full_stack_first_block_bf16.toml --lora-rank "$r" --lora-realign-every "$e" \
       --lora-realign-after "$e" ;;
 pdl)
