@@ -418,14 +418,16 @@ def test_cli_fsdp2_without_reshard_and_with_bf16_params_trains_like_fp32(tmp_pat
 
 
 @pytest.mark.parametrize("scale", [["--lora-realign-scale", "keep"],
-                                   ["--lora-beta", "0.3", "--lora-realign-scale", "hold"]],
-                         ids=["keep", "hold"])
+                                   ["--lora-beta", "0.3", "--lora-realign-scale", "hold"],
+                                   ["--no-lora-train-factors", "--weight-decay", "0.5"]],
+                         ids=["keep", "hold", "frozen"])
 def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path, scale):
     """`fp4compile train --parallel ddp --lora` realigning every 2 steps: 2 ranks x 4 sequences give the curve of
     1 process x 8 sequences (fp32; the constrained backward is linear in the gradient, so projecting each rank's
     gradient before DDP averages them equals projecting the average), and both log the same realignments. With
     realign_scale="hold" from beta 0.3, beta changes at the first realignment (to a power of two) and rank 0's
-    value is broadcast with the factors."""
+    value is broadcast with the factors. With frozen factors (no gradient, so DDP does not see them) each rank
+    decays its own beta buffer by the decoupled weight decay; the two runs must end with the same betas."""
     common = ["--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--log-interval", "1", "--no-progress",
               "--warmup-steps", "2", "--steps", "5", "--backend", "none", "--val-data", "", "--lora",
               "--lora-rank", "8", "--lora-realign-every", "2", *scale]
@@ -449,6 +451,13 @@ def test_cli_ddp_with_lora_realignment_matches_one_process(tmp_path, scale):
     if "hold" in scale:
         betas = torch.load(run / "checkpoint" / "state.pt", weights_only=False)["lora"]["betas"]
         assert betas and all(b in (0.25, 0.5) for b in betas.values()), betas
+    if "--no-lora-train-factors" in scale:
+        def betas(d):
+            return torch.load(d / "checkpoint" / "state.pt", weights_only=False)["lora"]["betas"]
+        got, want = betas(run), betas(ref)
+        # decayed since the last re-split (step 4) and not reset to 1: the decay ran, identically on every rank
+        assert got.keys() == want.keys() and got and all(0 < want[k] < 1 for k in want), want
+        assert all(abs(got[k] - want[k]) <= 1e-6 * want[k] for k in want), (got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------
