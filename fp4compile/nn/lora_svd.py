@@ -615,6 +615,9 @@ class LoRASVDHandle:
         self.train_factors = train_factors
         self.modules = modules
         self._base_beta = {path: m.beta for path, m in modules.items()}   # frozen factors re-split at this beta
+        # frozen factors: each W_res parameter's layer (parameters keep their identity through .to() and
+        # realignments; the layer's _beta buffer is read at each use, since .to() replaces it)
+        self._layer_of_weight = {id(m.weight): m for m in modules.values()}
         for m in modules.values():
             m._beta_decays = not train_factors
         self.realign_every = realign_every
@@ -675,10 +678,10 @@ class LoRASVDHandle:
         (a cached plan broke the bit-exact resume test)."""
         if not _decoupled_decay(optimizer):
             return
-        by_weight = {id(m.weight): m for m in self.modules.values()}
+        layers = self._layer_of_weight
         for g in optimizer.param_groups:
             wd = g.get("weight_decay", 0.0)
-            betas = [by_weight[id(p)]._beta for p in g["params"] if id(p) in by_weight] if wd else []
+            betas = [layers[id(p)]._beta for p in g["params"] if id(p) in layers] if wd else []
             if not betas:
                 continue
             factor = 1 - g["lr"] * wd
