@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -84,6 +84,17 @@ study124_x4)
         --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
   python bench/study.py --size 124m --arms bf16,bf16root,full --tokens "$tokens" --report --export "$OUT/study124" ;;
+study124)
+  # issue 7's 124M comparison on one nvidia-h200 (carry .data/corpus, .data/gpt2.tiktoken): arms one after another,
+  # each with its own time budget; the same command again on a warm machine continues them (.study124/ stays on
+  # it). bash bench/run_h200.sh study124 TOKENS ARM:SECONDS,...; session 15: "study124 100e6
+  # bf16root:330,fullbest:215", then "study124 100e6 fullbest:560" until fullbest is done
+  tokens=$2
+  step data 60 python bench/study.py --data-only
+  for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
+    step "study124_$a" $((b + 15)) python bench/study.py --size 124m --arms "$a" --out .study124 \
+        --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/study124_$a"
+  done ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and

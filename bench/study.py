@@ -17,6 +17,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
                stack's optimizer-matched baseline (ROOT alone moves the loss far more than any precision)
     full       the full stack under its 124M name (= qroot); fullf: with frozen LoRA-SVD factors
+    fullbest   the best full stack of the 30M study (session 14): block 0 in BF16, frozen rank-256 LoRA-SVD
+               factors re-split every 100 steps from step 100 (its flags are part of the arm)
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
 
@@ -76,6 +78,12 @@ ARMS = {
     # W as it is (docs/LORA.md, session 13)
     "fullf": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True,
                   lora_train_factors=False),
+    # the best full stack of the 30M study (session 14: +2.52 % train / +1.93 % val against bf16root): block 0 in
+    # BF16, a rank-256 LoRA-SVD branch with frozen factors re-split every 100 steps from step 100. Its flags come
+    # after the study's extra flags, so they are the arm's definition, not a default a mode's flags override
+    "fullbest": dict(backend="fullstack_fp4", policy=str(ROOT / "configs" / "policy_full_stack_first_block_bf16.toml"),
+                     optimizer="qroot", lora=True, lora_rank=256, lora_train_factors=False,
+                     flags=["--lora-realign-every", "100", "--lora-realign-after", "100"]),
 }
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
@@ -84,7 +92,8 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "qattn": "+ Q-Attn",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
-          "fullf": "full stack, frozen LoRA-SVD factors"}
+          "fullf": "full stack, frozen LoRA-SVD factors",
+          "fullbest": "full stack, block 0 BF16, frozen LoRA-SVD r256"}
 
 
 def _tokenize_shard(path: str):
@@ -157,7 +166,7 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
         cmd += ["--lora-rank", str(a["lora_rank"])]
     if a.get("lora_train_factors") is False:
         cmd += ["--no-lora-train-factors"]
-    return cmd + extra
+    return cmd + extra + a.get("flags", [])
 
 
 def summaries(out: Path, arms):
