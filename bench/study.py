@@ -16,6 +16,7 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
                stack's optimizer-matched baseline (ROOT alone moves the loss far more than any precision)
+    q2root     NVFP4 linears alone (Quartet II) under bf16root's optimizer (not in the default list)
     full       the full stack under its 124M name (= qroot); fullf: with frozen LoRA-SVD factors
     fullbest   the best full stack of the 30M study (session 14): block 0 in BF16, frozen rank-256 LoRA-SVD
                factors re-split every 100 steps from step 100 (its flags are part of the arm)
@@ -71,6 +72,8 @@ ARMS = {
     "qroot": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
     # the optimizer-matched baseline of the qroot arm: BF16 with Root (BF16 Newton–Schulz) + AdamW
     "bf16root": dict(backend="inductor", policy="bf16", optimizer="qroot+adamw", lora=False),
+    # NVFP4 linears alone (Quartet II) under bf16root's optimizer: the linear layers' share of the full stack's gap
+    "q2root": dict(backend="fullstack_fp4", policy="quartet2", optimizer="qroot+adamw", lora=False),
     # the 124M comparison: BF16 vs the full stack
     "full": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
     # the full stack with frozen LoRA-SVD factors: under ROOT, trained factors change the principal subspace's step
@@ -93,7 +96,8 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
           "fullf": "full stack, frozen LoRA-SVD factors",
-          "fullbest": "full stack, block 0 BF16, frozen LoRA-SVD r256"}
+          "fullbest": "full stack, block 0 BF16, frozen LoRA-SVD r256",
+          "q2root": "NVFP4 linear (Quartet II) + Root (BF16 NS) + AdamW"}
 
 
 def _tokenize_shard(path: str):
@@ -203,7 +207,7 @@ def report(out: Path, arms, size: str) -> str:
     # the Q-Root arms against BF16 trained with the same optimizer: ROOT alone moves the loss more than
     # any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
     matched = s.get("bf16root")
-    for arm in ("qroot", "full"):
+    for arm in ("qroot", "full", "fullf", "fullbest", "q2root"):
         if matched is not None and arm in s:
             lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
                          f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "

@@ -39,6 +39,21 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     r64, r64f, full, fullf = capsys.readouterr().out.strip().splitlines()
     assert r64f == r64.replace("/lora64 ", "/lora64f ") + " --no-lora-train-factors"
     assert fullf == full.replace("/full ", "/fullf ") + " --no-lora-train-factors"
+    # fullbest: fullf with block 0 in BF16, rank 256 and its re-split cadence; its flags come after the study's
+    # extra flags, so a mode's defaults (e.g. run_h200.sh seeds' "--lora-realign-every 300") cannot override them
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "fullf,fullbest", "--",
+                       "--lora-realign-every", "300"]) == 0
+    fullf, best = capsys.readouterr().out.strip().splitlines()
+    fb_pol = str(ROOT / "configs" / "policy_full_stack_first_block_bf16.toml")
+    assert best.startswith(fullf.split(" --steps")[0].replace("/fullf ", "/fullbest ")
+                           .replace("--policy full_stack ", f"--policy {fb_pol} "))
+    assert best.endswith("--lora-realign-every 300 --lora-realign-every 100 --lora-realign-after 100")
+    assert "--lora-rank 256 --no-lora-train-factors" in best
+    # q2root: bf16root's optimizer with Quartet II linears
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "bf16root,q2root"]) == 0
+    root, q2root = capsys.readouterr().out.strip().splitlines()
+    assert q2root == root.replace("/bf16root ", "/q2root ").replace("--backend inductor --policy bf16 ",
+                                                                   "--backend fullstack_fp4 --policy quartet2 ")
     # q2w: the quartet2 arm with the forward-weight-only policy file, which loads
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "quartet2,q2w"]) == 0
     q2, q2w = capsys.readouterr().out.strip().splitlines()
@@ -91,6 +106,15 @@ def test_report_and_export(study, tmp_path):
     assert "| + LoRA-SVD | not run |" in table
     # the Q-Root arm is also compared with the optimizer-matched BF16 arm: (2.94 - 2.80) / 2.80
     assert "| **+ Q-Root (full stack) vs BF16 + Root (BF16 NS) + AdamW** | | | | | | **+5.00 %** |" in table
+    # so are the other ROOT-trained NVFP4 arms (here q2root, present only in this call's list)
+    d = out / "q2root"
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps(dict(status="done", step=10, steps=10, tokens=655360, loss=2.87,
+                                                    val_loss=2.97, brown_loss=3.87, tok_per_s=1e6,
+                                                    peak_mem_mib=2048)))
+    table = study.report(out, ["bf16root", "q2root"], "30m")
+    assert "| **NVFP4 linear (Quartet II) + Root (BF16 NS) + AdamW vs BF16 + Root (BF16 NS) + AdamW** | | | | | | " \
+           "**+2.50 %** |" in table
     study.export(out, ["bf16", "quartet2", "lora"], "30m", tmp_path / "export")
     files = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert files == ["study_30m.md", "study_30m.png", "study_30m_metrics.tar.gz"]
