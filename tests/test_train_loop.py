@@ -664,3 +664,96 @@ def test_reapply_group_settings_after_loading_an_optimizer_state():
     assert schedule.base_lrs == [2e-3, 1e-3, 1e-3]                    # matrix_lr for the Root group
     with pytest.raises(L.CheckpointError, match="param groups"):
         L.reapply_group_settings(opt, schedule, settings[:1])
+
+
+def test_late_switch_config_and_policy():
+    """late_bf16_at / late_bf16_roles: the switch step (fraction or step), the validation, and the switched
+    policy (the listed roles BF16 everywhere, every other role as before)."""
+    assert L.TrainConfig(steps=100).late_switch_step() is None
+    assert L.TrainConfig(steps=100, late_bf16_at=0.85).late_switch_step() == 85
+    assert L.TrainConfig(steps=100, late_bf16_at=0.004).late_switch_step() == 0
+    assert L.TrainConfig(steps=100, late_bf16_at=60).late_switch_step() == 60
+    ok = dict(backend="fullstack_fp4")
+    L.TrainConfig(late_bf16_at=0.9, **ok).validate()
+    for bad, match in [(dict(late_bf16_at=-0.1, **ok), "late_bf16_at must be"),
+                       (dict(late_bf16_at=1.5, **ok), "late_bf16_at must be"),
+                       (dict(late_bf16_at=0.9, backend="inductor"), "fullstack_fp4"),
+                       (dict(late_bf16_at=0.9, parallel="ddp", **ok), "one process"),
+                       (dict(late_bf16_roles="linear.fwd"), "not a model role"),
+                       (dict(late_bf16_roles="optim.ns"), "not a model role"),
+                       (dict(late_bf16_roles=" , "), "no role")]:
+        with pytest.raises(ValueError, match=match):
+            L.TrainConfig(**bad).validate()
+    from fp4compile.policy import Policy
+
+    full = Policy.full_stack()
+    late = L.late_policy(full, "linear.fprop, attn.qk")
+    assert late.name == "full_stack+late_bf16(linear.fprop,attn.qk)"
+    for path in ("blocks.0.mlp.fc", "blocks.3.attn.qkv", "lm_head"):
+        assert str(late.resolve(path, "linear.fprop")) == "bf16"
+        assert late.resolve(path, "linear.dgrad") == full.resolve(path, "linear.dgrad")
+        assert late.resolve(path, "linear.wgrad") == full.resolve(path, "linear.wgrad")
+    assert str(late.resolve("blocks.1.attn", "attn.qk")) == "bf16"
+    assert late.resolve("blocks.1.attn", "attn.dsq") == full.resolve("blocks.1.attn", "attn.dsq")
+    assert str(full.resolve("blocks.0.mlp.fc", "linear.fprop")) != "bf16"      # the switch changed something
+
+
+def test_late_switch_recompiles_at_the_step_and_resumes_across_it(tmp_path, monkeypatch):
+    """A run with a late switch at step 3 of 5 (FP4 backend, debug variant): steps 1-3 are the plain run's bit
+    for bit, from step 4 the loss differs (the forward GEMMs left NVFP4), the model was compiled once with the
+    policy and once with the switched policy, and the metrics record the switch. A run stopped at step 2 and
+    resumed, and one stopped at step 4 (after the switch) and resumed, give the uninterrupted run's losses."""
+    compiled = []
+    orig = L.compile_model
+
+    def spy(model, cfg, policy=None):
+        compiled.append(policy)
+        return orig(model, cfg, policy)
+
+    monkeypatch.setattr(L, "compile_model", spy)
+    kw = dict(backend="fullstack_fp4", backend_debug=True, policy="quartet2", val_data="", steps=5,
+              log_interval=1)
+    L.train(tiny_cfg(tmp_path, "plain", **kw))
+    compiled.clear()
+    L.train(tiny_cfg(tmp_path, "late", late_bf16_at=3, **kw))
+    plain, late = losses(tmp_path / "plain"), losses(tmp_path / "late")
+    assert late[:3] == plain[:3] and all(a != b for (_, a), (_, b) in zip(late[3:], plain[3:]))
+    assert [p.name for p in compiled] == ["quartet2", "quartet2+late_bf16(linear.fprop)"]
+    assert str(compiled[1].resolve("blocks.0.mlp.fc", "linear.fprop")) == "bf16"
+    ev = [r for r in L.read_metrics(tmp_path / "late") if r.get("event") == "late_bf16"]
+    assert [(r["step"], r["roles"]) for r in ev] == [(3, "linear.fprop")]
+    for stop in (2, 4):
+        name = f"split{stop}"
+        L.train(tiny_cfg(tmp_path, name, late_bf16_at=3, stop_after=stop, **kw))
+        torch._dynamo.reset()
+        compiled.clear()
+        L.train(tiny_cfg(tmp_path, name, late_bf16_at=3, resume=True, **kw))
+        assert losses(tmp_path / name) == late
+        # resumed after the switch: compiled with the switched policy only; before it: both, in order
+        assert [p.name for p in compiled] == (["quartet2+late_bf16(linear.fprop)"] if stop >= 3 else
+                                              ["quartet2", "quartet2+late_bf16(linear.fprop)"])
+        ev = [r["step"] for r in L.read_metrics(tmp_path / name) if r.get("event") == "late_bf16"]
+        assert ev == [3]
+
+
+@pytest.mark.gpu
+def test_gpu_late_switch_under_cuda_graphs(tmp_path, monkeypatch):
+    """The late switch with CUDA graphs (the study's mode): the recompiled model with the linears' forward in BF16
+    replays its own graphs after the switch, the run finishes with finite losses that go down, the metrics record the
+    switch, and the switch step's recompilation stays out of tokens/s (no step is timed at the compile's length)."""
+    from fp4compile.kernels import launch
+
+    launch._PLACEHOLDERS.clear()
+    torch._dynamo.reset()
+    compiled = []
+    orig = L.compile_model
+    monkeypatch.setattr(L, "compile_model", lambda m, c, p=None: compiled.append(p) or orig(m, c, p))
+    kw = dict(device="cuda", dtype="bf16-autocast", backend="fullstack_fp4", policy="quartet2", steps=10,
+              val_data="stdlib:val", compile_mode="reduce-overhead", log_interval=1)
+    res = L.train(tiny_cfg(tmp_path, "late", late_bf16_at=0.5, **kw))
+    assert res.status == "done" and [p.name for p in compiled] == ["quartet2", "quartet2+late_bf16(linear.fprop)"]
+    a = losses(tmp_path / "late")
+    assert [s for s, _ in a] == list(range(1, 11)) and all(math.isfinite(v) for _, v in a)
+    assert a[-1][1] < a[0][1] - 0.3
+    assert [r["step"] for r in L.read_metrics(tmp_path / "late") if r.get("event") == "late_bf16"] == [5]
+    assert math.isfinite(res.summary["val_loss"])

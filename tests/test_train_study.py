@@ -49,6 +49,9 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
                            .replace("--policy full_stack ", f"--policy {fb_pol} "))
     assert best.endswith("--lora-realign-every 300 --lora-realign-every 100 --lora-realign-after 100")
     assert "--lora-rank 256 --no-lora-train-factors" in best
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "fullbest,fullbest_late"]) == 0
+    best, late = capsys.readouterr().out.strip().splitlines()
+    assert late == best.replace("/fullbest ", "/fullbest_late ") + " --late-bf16-at 0.85"
     # q2root: bf16root's optimizer with Quartet II linears
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "bf16root,q2root"]) == 0
     root, q2root = capsys.readouterr().out.strip().splitlines()

@@ -22,6 +22,12 @@ policy, or with LoRA-SVD added (its factors' AdamW moments derived from the dens
 of the initial weights, ``LoRASVDHandle.hold_scale_from``). Arms forked from one shared checkpoint differ only
 after it: how a study compares precisions over the late part of training without the early phase's spread.
 
+Late switch (``late_bf16_at``, ``late_bf16_roles``; NVIDIA's NVFP4 pretraining recipe, which moves the GEMM
+inputs to higher precision for the last part of training): from the switch step on, the model is recompiled
+with the listed roles (default ``linear.fprop``) in BF16 for every module, the rest of the policy unchanged.
+The step is a fraction of ``steps`` or a step number; ``metrics.jsonl`` records it as ``{"event":
+"late_bf16"}``, and a run resumed at or after it compiles with the switched policy from its first step.
+
 Multi-GPU hooks: ``rank``/``world_size`` come from the torchrun environment; each rank draws its own rows
 of the global batch, and only rank 0 logs and writes files. ``parallel="ddp"|"fsdp2"`` (under torchrun)
 wraps the model with ``fp4compile.train.distributed`` (DDP / FSDP2 in torchtitan's order), reduces the
@@ -89,6 +95,10 @@ class TrainConfig:
     lora_state_remap: Optional[str] = None    # project | reset | keep: optimizer state at a realignment (None: prepare's)
     lora_realign_scale: Optional[str] = None  # hold | keep: beta at a realignment (None: prepare's, hold)
     lora_train_factors: Optional[bool] = None  # False: factors frozen between realignments, W steps as if dense
+    late_bf16_at: float = 0.0                 # late switch (NVIDIA's NVFP4 recipe): from this step on the roles in
+                                              # late_bf16_roles run in BF16; a fraction of steps in (0, 1) or a
+                                              # whole step >= 1; 0: never
+    late_bf16_roles: str = "linear.fprop"     # comma list of model roles (linear.*, attn.*) the late switch sends to BF16
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
@@ -171,6 +181,18 @@ class TrainConfig:
         if self.optim_cuda_graphs and self.parallel != "none":
             raise ValueError("optim_cuda_graphs=True (QRoot's Newton–Schulz as CUDA graphs) is for one process; "
                              f"with parallel={self.parallel!r} leave it unset")
+        late_roles(self.late_bf16_roles)                  # raises for an unknown or non-model role
+        if self.late_bf16_at:
+            at = self.late_bf16_at
+            if at < 0 or (at >= 1 and at != int(at)):
+                raise ValueError(f"late_bf16_at must be 0 (no switch), a fraction of the steps in (0, 1) or a whole "
+                                 f"step >= 1, got {at!r}")
+            if self.backend != "fullstack_fp4":
+                raise ValueError(f"late_bf16_at switches roles of the fullstack_fp4 backend's policy; backend="
+                                 f"{self.backend!r} runs no NVFP4 GEMMs to switch")
+            if self.parallel != "none":
+                raise ValueError("late_bf16_at recompiles the model at the switch step, which runs in one process "
+                                 f"only; parallel={self.parallel!r} is not supported with it")
         if self.max_train_tokens is not None and self.max_train_tokens < 1:
             raise ValueError(f"max_train_tokens must be None (no cap) or >= 1, got {self.max_train_tokens}")
         for name in ("batch_size", "seq_len", "grad_accum", "steps", "eval_batches", "log_interval"):
@@ -178,6 +200,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or not 0 <= self.decay_frac <= 1:
             raise ValueError("warmup_steps must be >= 0 and decay_frac in [0, 1]")
+
+    def late_switch_step(self) -> Optional[int]:
+        """The first step (0-based, as the loop counts before the update) that runs with ``late_bf16_roles`` in
+        BF16, or None when there is no late switch: ``round(late_bf16_at * steps)`` for a fraction, else the step."""
+        if not self.late_bf16_at:
+            return None
+        at = self.late_bf16_at
+        return int(round(at * self.steps)) if at < 1 else int(at)
 
     def _cuda_graphs_excluded(self) -> Optional[str]:
         """Why this run cannot use CUDA graphs at all, or None."""
@@ -451,6 +481,27 @@ class LRSchedule:
         self.base_lrs = list(sd["base_lrs"])
 
 
+def late_roles(roles: str) -> Tuple[str, ...]:
+    """The roles of a ``late_bf16_roles`` comma list; ``ValueError`` for an unknown role or one outside the model's
+    GEMMs (``linear.*``, ``attn.*``: the late switch recompiles the model, not the optimizer)."""
+    from ..policy import ROLES
+
+    out = tuple(r.strip() for r in roles.split(",") if r.strip())
+    bad = [r for r in out if r not in ROLES or not r.startswith(("linear.", "attn."))]
+    if bad or not out:
+        model_roles = [r for r in ROLES if r.startswith(("linear.", "attn."))]
+        raise ValueError(f"late_bf16_roles={roles!r}: {bad or 'no role'} not a model role; choose from {model_roles}")
+    return out
+
+
+def late_policy(policy, roles: str):
+    """``policy`` with each role of the comma list ``roles`` in BF16 for every module (one last rule per role,
+    matching every module path, so it overrides the earlier rules): what a run uses after its late switch."""
+    for r in late_roles(roles):
+        policy = policy.override("*", "bf16", role=r)
+    return dataclasses.replace(policy, name=f"{policy.name}+late_bf16({','.join(late_roles(roles))})")
+
+
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
     """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
 
@@ -504,7 +555,7 @@ STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
         "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
-        "grad_clip") + ROOT_GROUP_KEYS
+        "grad_clip", "late_bf16_at", "late_bf16_roles") + ROOT_GROUP_KEYS
 #: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps and
 #: QRoot's NS settings); a resumed run takes them from its config, not from the checkpoint's optimizer state
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
@@ -957,10 +1008,18 @@ def train(cfg: TrainConfig) -> RunResult:
                   **({"lora_betas": sorted({m.beta for m in lora_handle.modules.values()})}
                      if fork is not None and lora_handle is not None else {}))
 
-    # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy)
+    # 5. compile (the BF16 arm: inductor; the FP4 arm: fullstack_fp4 with the policy; after a late switch, with
+    # the switched roles in BF16: a run resumed at or after the switch step starts with that policy)
+    switch = cfg.late_switch_step()
+    late = late_policy(policy, cfg.late_bf16_roles) if switch is not None else None
+
+    def compiled(pol):
+        fn = compile_model(model, cfg, pol)
+        return _marking_steps(fn) if cfg.compile_mode == "reduce-overhead" else fn
+
     if model_fn is None:
-        model_fn = compile_model(model, cfg, policy)
-    if cfg.compile_mode == "reduce-overhead":
+        model_fn = compiled(late if switch is not None and start_step >= switch else policy)
+    elif cfg.compile_mode == "reduce-overhead":
         model_fn = _marking_steps(model_fn)
     autocast = autocast_factory(cfg, dtype, device)
     if device.type == "cuda":
@@ -1012,7 +1071,17 @@ def train(cfg: TrainConfig) -> RunResult:
 
     step = start_step
     with _sigint_flag() as flag:
+        skip_times = 0
         while step < cfg.steps:
+            if switch is not None and step == switch and start_step < switch:
+                # the late switch: one recompile with the switched policy (Dynamo's backend guard keeps the old
+                # graphs apart); its compile and CUDA-graph warm-up steps stay out of the tokens/s, as the first ones do
+                model_fn = compiled(late)
+                skip_times = 2
+                log.write(step=step, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
+                if is_main:
+                    print(f"[fp4compile] step {step}: {cfg.late_bf16_roles} in BF16 from here on (late switch)",
+                          file=sys.stderr)
             t0 = time.perf_counter()
             lr = cfg.lr * schedule.set(step)          # the logged LR is --lr's (QRoot's first group has --matrix-lr)
             loss_sum = torch.zeros((), device=device)
@@ -1043,7 +1112,10 @@ def train(cfg: TrainConfig) -> RunResult:
             dt = time.perf_counter() - t0
             if first_step_s is None:
                 first_step_s = dt
-            step_times.append(dt)
+            if skip_times:
+                skip_times -= 1
+            else:
+                step_times.append(dt)
             if bar is not None:
                 steady = step_times[2:] or step_times
                 post = {"tok/s": f"{tokens_per_step * len(steady) / sum(steady):,.0f}"}
