@@ -722,14 +722,15 @@ def test_late_switch_recompiles_at_the_step_and_resumes_across_it(tmp_path, monk
     assert str(compiled[1].resolve("blocks.0.mlp.fc", "linear.fprop")) == "bf16"
     ev = [r for r in L.read_metrics(tmp_path / "late") if r.get("event") == "late_bf16"]
     assert [(r["step"], r["roles"]) for r in ev] == [(3, "linear.fprop")]
-    for stop in (2, 4):
+    for stop in (2, 3, 4):
         name = f"split{stop}"
         L.train(tiny_cfg(tmp_path, name, late_bf16_at=3, stop_after=stop, **kw))
         torch._dynamo.reset()
         compiled.clear()
         L.train(tiny_cfg(tmp_path, name, late_bf16_at=3, resume=True, **kw))
         assert losses(tmp_path / name) == late
-        # resumed after the switch: compiled with the switched policy only; before it: both, in order
+        # resumed at or after the switch: compiled with the switched policy only; before it: both, in order. The
+        # switch is recorded once, also when the first part stopped right before it
         assert [p.name for p in compiled] == (["quartet2+late_bf16(linear.fprop)"] if stop >= 3 else
                                               ["quartet2", "quartet2+late_bf16(linear.fprop)"])
         ev = [r["step"] for r in L.read_metrics(tmp_path / name) if r.get("event") == "late_bf16"]

@@ -1073,11 +1073,13 @@ def train(cfg: TrainConfig) -> RunResult:
     with _sigint_flag() as flag:
         skip_times = 0
         while step < cfg.steps:
-            if switch is not None and step == switch and start_step < switch:
+            if switch is not None and step == switch:
                 # the late switch: one recompile with the switched policy (Dynamo's backend guard keeps the old
-                # graphs apart); its compile and CUDA-graph warm-up steps stay out of the tokens/s, as the first ones do
-                model_fn = compiled(late)
-                skip_times = 2
+                # graphs apart); its compile and CUDA-graph warm-up steps stay out of the tokens/s, as the first ones
+                # do. A run that starts at the switch step (resumed there, or switching at 0) compiled with it already
+                if step > start_step:
+                    model_fn = compiled(late)
+                    skip_times = 2
                 log.write(step=step, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
                 if is_main:
                     print(f"[fp4compile] step {step}: {cfg.late_bf16_roles} in BF16 from here on (late switch)",
