@@ -736,6 +736,15 @@ def test_late_switch_recompiles_at_the_step_and_resumes_across_it(tmp_path, monk
                                               ["quartet2", "quartet2+late_bf16(linear.fprop)"])
         ev = [r["step"] for r in L.read_metrics(tmp_path / name) if r.get("event") == "late_bf16"]
         assert ev == [3]
+    # a fork of the plain run at its step-4 checkpoint, past the switch: compiled with the switched policy from its
+    # first step, which its log records; its step 5 (plain's weights, the forward in BF16) is not plain's step 5
+    L.train(tiny_cfg(tmp_path, "plain4", stop_after=4, **kw))
+    compiled.clear()
+    L.train(tiny_cfg(tmp_path, "fork", late_bf16_at=3, init_from=str(tmp_path / "plain4"), **kw))
+    assert [p.name for p in compiled] == ["quartet2+late_bf16(linear.fprop)"]
+    assert [r["step"] for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "late_bf16"] == [4]
+    (s5, v5), = losses(tmp_path / "fork")
+    assert s5 == 5 and math.isfinite(v5) and v5 != dict(plain)[5]
 
 
 @pytest.mark.gpu

@@ -1019,6 +1019,9 @@ def train(cfg: TrainConfig) -> RunResult:
 
     if model_fn is None:
         model_fn = compiled(late if switch is not None and start_step >= switch else policy)
+    if switch is not None and start_step > switch and resume_step is None:
+        # a fork that starts past the switch step: its log says which policy its steps ran with
+        log.write(step=start_step, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
     elif cfg.compile_mode == "reduce-overhead":
         model_fn = _marking_steps(model_fn)
     autocast = autocast_factory(cfg, dtype, device)
