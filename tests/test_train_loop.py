@@ -768,3 +768,18 @@ def test_gpu_late_switch_under_cuda_graphs(tmp_path, monkeypatch):
     assert a[-1][1] < a[0][1] - 0.3
     assert [r["step"] for r in L.read_metrics(tmp_path / "late") if r.get("event") == "late_bf16"] == [5]
     assert math.isfinite(res.summary["val_loss"])
+
+
+def test_each_compilation_is_wrapped_for_cuda_graph_steps_once(tmp_path, monkeypatch):
+    """Under compile_mode="reduce-overhead" every compiled model is wrapped by ``_marking_steps`` exactly once: once
+    for a plain run, once more for the recompilation of a late switch (a stub compiler; the wrapping is what counts)."""
+    wraps = []
+    orig = L._marking_steps
+    monkeypatch.setattr(L, "_marking_steps", lambda fn: wraps.append(fn) or orig(fn))
+    monkeypatch.setattr(L, "compile_model", lambda model, cfg, policy=None: model)
+    monkeypatch.setattr(L.TrainConfig, "_cuda_graphs_excluded", lambda self: None)
+    kw = dict(backend="fullstack_fp4", compile_mode="reduce-overhead", policy="quartet2", val_data="", steps=4)
+    L.train(tiny_cfg(tmp_path, "plain", **kw))
+    assert len(wraps) == 1
+    L.train(tiny_cfg(tmp_path, "late", late_bf16_at=2, **kw))
+    assert len(wraps) == 3

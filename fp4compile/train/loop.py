@@ -98,7 +98,7 @@ class TrainConfig:
     late_bf16_at: float = 0.0                 # late switch (NVIDIA's NVFP4 recipe): from this step on the roles in
                                               # late_bf16_roles run in BF16; a fraction of steps in (0, 1) or a
                                               # whole step >= 1; 0: never
-    late_bf16_roles: str = "linear.fprop"     # comma list of model roles (linear.*, attn.*) the late switch sends to BF16
+    late_bf16_roles: str = "linear.fprop"     # comma list of model roles (linear.*, attn.*) switched to BF16
     # optimizer and schedule
     optimizer: str = "adamw"                  # adamw | qadamw | qroot (Root + QAdamW) | qroot+adamw (Root + AdamW)
     lr: float = 3e-3
@@ -497,9 +497,10 @@ def late_roles(roles: str) -> Tuple[str, ...]:
 def late_policy(policy, roles: str):
     """``policy`` with each role of the comma list ``roles`` in BF16 for every module (one last rule per role,
     matching every module path, so it overrides the earlier rules): what a run uses after its late switch."""
-    for r in late_roles(roles):
+    parsed = late_roles(roles)
+    for r in parsed:
         policy = policy.override("*", "bf16", role=r)
-    return dataclasses.replace(policy, name=f"{policy.name}+late_bf16({','.join(late_roles(roles))})")
+    return dataclasses.replace(policy, name=f"{policy.name}+late_bf16({','.join(parsed)})")
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
@@ -1019,11 +1020,16 @@ def train(cfg: TrainConfig) -> RunResult:
 
     if model_fn is None:
         model_fn = compiled(late if switch is not None and start_step >= switch else policy)
-    if switch is not None and start_step > switch and resume_step is None:
-        # a fork that starts past the switch step: its log says which policy its steps ran with
-        log.write(step=start_step, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
     elif cfg.compile_mode == "reduce-overhead":
         model_fn = _marking_steps(model_fn)
+
+    def note_switch(at):
+        log.write(step=at, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
+        if is_main:
+            print(f"[fp4compile] step {at}: {cfg.late_bf16_roles} in BF16 from here on (late switch)", file=sys.stderr)
+
+    if switch is not None and start_step > switch and resume_step is None:
+        note_switch(start_step)     # a fork that starts past the switch: its log says which policy its steps ran with
     autocast = autocast_factory(cfg, dtype, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -1083,10 +1089,7 @@ def train(cfg: TrainConfig) -> RunResult:
                 if step > start_step:
                     model_fn = compiled(late)
                     skip_times = 2
-                log.write(step=step, event="late_bf16", roles=",".join(late_roles(cfg.late_bf16_roles)))
-                if is_main:
-                    print(f"[fp4compile] step {step}: {cfg.late_bf16_roles} in BF16 from here on (late switch)",
-                          file=sys.stderr)
+                note_switch(step)
             t0 = time.perf_counter()
             lr = cfg.lr * schedule.set(step)          # the logged LR is --lr's (QRoot's first group has --matrix-lr)
             loss_sum = torch.zeros((), device=device)
