@@ -16,11 +16,11 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
                stack's optimizer-matched baseline (ROOT alone moves the loss far more than any precision)
-    fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on
     q2root     NVFP4 linears alone (Quartet II) under bf16root's optimizer (not in the default list)
     full       the full stack under its 124M name (= qroot); fullf: with frozen LoRA-SVD factors
     fullbest   the best full stack of the 30M study (session 14): block 0 in BF16, frozen rank-256 LoRA-SVD
                factors re-split every 100 steps from step 100 (its flags are part of the arm)
+    fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
 
@@ -73,12 +73,6 @@ ARMS = {
     "qroot": dict(backend="fullstack_fp4", policy="full_stack", optimizer="qroot", lora=True),
     # the optimizer-matched baseline of the qroot arm: BF16 with Root (BF16 Newton–Schulz) + AdamW
     "bf16root": dict(backend="inductor", policy="bf16", optimizer="qroot+adamw", lora=False),
-    # fullbest with the late switch: the linear layers' forward GEMMs in BF16 for the last 15 % of the steps
-    # (NVIDIA's recipe; fp4compile train --late-bf16-at)
-    "fullbest_late": dict(backend="fullstack_fp4",
-                          policy=str(ROOT / "configs" / "policy_full_stack_first_block_bf16.toml"),
-                          optimizer="qroot", lora=True, lora_rank=256, lora_train_factors=False,
-                          flags=["--lora-realign-every", "100", "--lora-realign-after", "100", "--late-bf16-at", "0.85"]),
     # NVFP4 linears alone (Quartet II) under bf16root's optimizer: the linear layers' share of the full stack's gap
     "q2root": dict(backend="fullstack_fp4", policy="quartet2", optimizer="qroot+adamw", lora=False),
     # the 124M comparison: BF16 vs the full stack
@@ -95,6 +89,9 @@ ARMS = {
                      optimizer="qroot", lora=True, lora_rank=256, lora_train_factors=False,
                      flags=["--lora-realign-every", "100", "--lora-realign-after", "100"]),
 }
+# fullbest with the late switch: the linear layers' forward GEMMs in BF16 for the last 15 % of the steps (NVIDIA's
+# recipe; fp4compile train --late-bf16-at)
+ARMS["fullbest_late"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--late-bf16-at", "0.85"])
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
@@ -212,11 +209,11 @@ def report(out: Path, arms, size: str) -> str:
                      f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | {r['tok_per_s']:,.0f} | "
                      f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
-    # the Q-Root arms against BF16 trained with the same optimizer: ROOT alone moves the loss more than
-    # any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
+    # every ROOT-trained arm (optimizer qroot*) against BF16 trained with the same optimizer: ROOT alone moves the
+    # loss more than any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
     matched = s.get("bf16root")
-    for arm in ("qroot", "full", "fullf", "fullbest", "fullbest_late", "q2root"):
-        if matched is not None and arm in s:
+    for arm in arms:
+        if matched is not None and arm in s and arm != "bf16root" and ARMS[arm]["optimizer"].startswith("qroot"):
             lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
                          f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
                          f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
