@@ -88,12 +88,18 @@ study124)
   # issue 7's 124M comparison on one nvidia-h200 (carry .data/corpus, .data/gpt2.tiktoken): arms one after another,
   # each with its own time budget; the same command again on a warm machine continues them (.study124/ stays on
   # it). bash bench/run_h200.sh study124 TOKENS ARM:SECONDS,...; session 15: "study124 100e6
-  # bf16root:330,fullbest:215", then "study124 100e6 fullbest:560" until fullbest is done
-  tokens=$2
+  # bf16root:330,fullbest:215", then "study124 100e6 fullbest:560" until fullbest is done. Arms joined by "+"
+  # share one budget and run as a --pair-late pair ("fullbest+fullbest_late:560": the late arm starts from
+  # fullbest's checkpoint at its switch step). SIZE=30m runs the 30M study the same way (run directories in
+  # .study30m_TOKENS/), e.g. the 30M arms at the issue's 300M tokens in one session (~20 minutes of training):
+  # SIZE=30m ... study124 300e6 bf16root:380,fullbest+fullbest_late:150, then ... fullbest+fullbest_late:560 and
+  # ... fullbest+fullbest_late:300 while the machine is warm
+  tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124
+  [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
   step data 60 python bench/study.py --data-only
   for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
-    step "study124_$a" $((b + 15)) python bench/study.py --size 124m --arms "$a" --out .study124 \
-        --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/study124_$a"
+    step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" --pair-late \
+        --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}"
   done ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M

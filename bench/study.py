@@ -36,12 +36,21 @@ a 30M model are too large to come back through $OUT). ``--export DIR`` writes th
 ``--report`` only (re)writes the table and plot from what is on disk. ``--print-commands`` shows each arm's
 equivalent ``fp4compile train`` command. ``--nproc N`` runs each arm on N GPUs (torchrun, DDP, the config's
 global batch split over the ranks; ``bash bench/run_h200.sh study124_x4 ...`` for the 124M study on four GPUs).
+
+``--pair-late``: a late-switch arm (``fullbest_late``) listed after its base arm (``fullbest``) starts from the
+base's checkpoint at the switch step instead of from scratch. The base trains to that step (``fp4compile train
+--stop-after``), its run directory is copied to the late arm's, then the base goes on to the end and the late arm
+resumes the copy with the switch. The two runs are then the same run up to the switch, and their difference is the
+switch's alone: two GPU runs of the same recipe differ by 0.1-0.4 point of gap (session 16), as much as the switch
+gives. It also saves the late arm's steps before the switch (85 % of them).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -91,7 +100,8 @@ ARMS = {
 }
 # fullbest with the late switch: the linear layers' forward GEMMs in BF16 for the last 15 % of the steps (NVIDIA's
 # recipe; fp4compile train --late-bf16-at)
-ARMS["fullbest_late"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--late-bf16-at", "0.85"])
+ARMS["fullbest_late"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--late-bf16-at", "0.85"],
+                             late_of="fullbest", late_at=0.85)
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
@@ -255,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-data", action="store_true", help="do not tokenize .data/ (data given in extra flags)")
     ap.add_argument("--nproc", type=int, default=1, help="GPUs per arm: torchrun + DDP, same global batch")
     ap.add_argument("--master-port", type=int, default=29500, help="torchrun's port (one per concurrent study)")
+    ap.add_argument("--pair-late", action="store_true",
+                    help="a late-switch arm listed after its base arm starts from the base's checkpoint at the switch")
     ap.add_argument("extra", nargs="*", help="extra flags for `fp4compile train` after --")
     args = ap.parse_args(argv)
 
@@ -270,6 +282,19 @@ def main(argv=None) -> int:
     base = TrainConfig.from_dict(load_config_file(ROOT / "configs" / f"study_{args.size}.toml"))
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
     steps = args.steps or (int(args.tokens // tokens_per_step) if args.tokens else base.steps)
+    # --pair-late: base arm -> (late arm, its switch step), as fp4compile train computes the step
+    pairs = {}
+    for arm in arms if args.pair_late else []:
+        of = ARMS[arm].get("late_of")
+        if of is None or of not in arms:
+            continue
+        if arms.index(of) > arms.index(arm):
+            raise SystemExit(f"--pair-late: {arm} starts from {of}'s checkpoint, so {of} must come first in --arms")
+        if args.nproc > 1:
+            raise SystemExit("--pair-late: the late switch runs in one process; leave --nproc at 1")
+        at = dataclasses.replace(base, steps=steps, backend="fullstack_fp4", parallel="none",
+                                 late_bf16_at=ARMS[arm]["late_at"]).late_switch_step()
+        pairs[of] = (arm, at)
     warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
     out = Path(args.out) / args.size
     ddp = dict(nproc=args.nproc, batch_size=base.batch_size, master_port=args.master_port)
@@ -290,32 +315,73 @@ def main(argv=None) -> int:
         if (Path(args.data_dir) / "gpt2.tiktoken").is_file():
             env.setdefault("FP4COMPILE_GPT2", str(Path(args.data_dir) / "gpt2.tiktoken"))
         cuda_graphs = base.compile_mode == "reduce-overhead" and "--compile-mode" not in args.extra
-        for arm in arms:
-            done = summaries(out, [arm]).get(arm)
-            if done and done["status"] == "done" and done["steps"] == steps:
-                continue
+
+        def run_arm(arm, flags):
+            """One ``fp4compile train`` of ``arm`` (with ``flags`` after the study's extra flags) in what is left of
+            the time budget, once more without CUDA graphs if it fails under them (from the arm's last checkpoint,
+            if any: the compile mode is not part of a checkpoint, so resuming in another mode continues the same
+            run). Its exit code, or None when too little time is left to start it."""
             left = args.time_budget - (time.time() - t_start)
             if left < 120:
                 print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
-                break
-            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra, warmup, **ddp)
+                return None
+            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + flags, warmup, **ddp)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             if rc != 0 and cuda_graphs:
-                # once more without CUDA graphs, from the arm's last checkpoint if it has one (the compile
-                # mode is not part of a checkpoint: resuming in another mode continues the same run)
                 left = args.time_budget - (time.time() - t_start)
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)
-                cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + ["--compile-mode", "default"],
-                                  warmup, **ddp)
+                cmd = arm_command(args.size, arm, out, steps, left - 40,
+                                  args.extra + flags + ["--compile-mode", "default"], warmup, **ddp)
                 rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+            return rc
+
+        def finished(arm, rc, target):
+            """Report how the run ended; True when it reached ``target`` (the next arm, or phase, may start)."""
             s = summaries(out, [arm]).get(arm, {})
             if rc != 0:
                 print(f"[study] {arm} failed with exit code {rc}; continuing with the next arm", flush=True)
-            elif s.get("status") != "done":
+            elif s.get("step") != target:
                 print(f"[study] {arm} stopped at step {s.get('step')}/{steps} ({s.get('status')}): "
                       "run the same command again to continue", flush=True)
+            return rc == 0 and s.get("step") == target
+
+        unpaired = set()        # late arms whose base cannot hand them its run: not trained (they would be unpaired)
+        for arm in arms:
+            if arm in unpaired:
+                print(f"[study] {arm} skipped: --pair-late could not start it from its base arm's run", flush=True)
+                continue
+            done = summaries(out, [arm]).get(arm)
+            late, at = pairs.get(arm, (None, None))
+            if late is not None and not (out / late / "checkpoint").is_dir():
+                # --pair-late: train the base to the switch step, hand its run to the late arm, then go on
+                now = (done or {}).get("step", 0)
+                if now > at:
+                    print(f"[study] WARNING --pair-late: {arm} is at step {now}, past {late}'s switch step {at}, so "
+                          f"{late} cannot start from it; run {late} without --pair-late to train it from step 0",
+                          flush=True)
+                    unpaired.add(late)
+                else:
+                    if now < at:
+                        rc = run_arm(arm, ["--stop-after", str(at)])
+                        if rc is None:
+                            break
+                        if not finished(arm, rc, at):
+                            if rc != 0:
+                                unpaired.add(late)
+                                continue
+                            break
+                    shutil.copytree(out / arm, out / late, dirs_exist_ok=True)
+                    print(f"[study] {late} starts from {arm}'s checkpoint at step {at}, its switch step "
+                          "(--pair-late)", flush=True)
+                    done = summaries(out, [arm]).get(arm)
+            if done and done["status"] == "done" and done["steps"] == steps:
+                continue
+            rc = run_arm(arm, [])
+            if rc is None:
+                break
+            if not finished(arm, rc, steps) and rc == 0:
                 break
     if args.export:
         export(out, arms, args.size, Path(args.export))

@@ -747,6 +747,29 @@ def test_late_switch_recompiles_at_the_step_and_resumes_across_it(tmp_path, monk
     assert s5 == 5 and math.isfinite(v5) and v5 != dict(plain)[5]
 
 
+def test_a_copy_of_a_run_stopped_at_the_switch_step_resumes_as_the_late_run(tmp_path):
+    """``bench/study.py --pair-late``: a run without the switch (fullbest's kind: LoRA-SVD with frozen factors,
+    re-split every 2 steps, Q-Root) stopped at the switch step, its directory copied, and the copy resumed with the
+    switch gives the losses of the run that had the switch from step 0, bit for bit, and records the switch once;
+    the original, resumed without it, gives the uninterrupted run's losses."""
+    import shutil
+
+    kw = dict(backend="fullstack_fp4", backend_debug=True, policy="quartet2", val_data="", steps=5, log_interval=1,
+              optimizer="qroot", lora=True, lora_rank=4, lora_train_factors=False, lora_realign_every=2,
+              lora_realign_after=2)
+    L.train(tiny_cfg(tmp_path, "plain", **kw))
+    L.train(tiny_cfg(tmp_path, "late", late_bf16_at=3, **kw))
+    L.train(tiny_cfg(tmp_path, "base", stop_after=3, **kw))
+    shutil.copytree(tmp_path / "base", tmp_path / "fork")
+    with pytest.warns(UserWarning, match="late_bf16_at"):          # resuming with a changed setting says so
+        L.train(tiny_cfg(tmp_path, "fork", late_bf16_at=3, resume=True, **kw))
+    L.train(tiny_cfg(tmp_path, "base", resume=True, **kw))
+    plain, late = losses(tmp_path / "plain"), losses(tmp_path / "late")
+    assert late[:3] == plain[:3] and late[3:] != plain[3:]
+    assert losses(tmp_path / "fork") == late and losses(tmp_path / "base") == plain
+    assert [r["step"] for r in L.read_metrics(tmp_path / "fork") if r.get("event") == "late_bf16"] == [3]
+
+
 @pytest.mark.gpu
 def test_gpu_late_switch_under_cuda_graphs(tmp_path, monkeypatch):
     """The late switch with CUDA graphs (the study's mode): the recompiled model with the linears' forward in BF16

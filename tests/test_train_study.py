@@ -147,6 +147,74 @@ def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_pat
     assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out
 
 
+def _fake_train(calls, fail=()):
+    """A stand-in for ``fp4compile train`` under bench/study.py: records the command, then writes what a run leaves
+    (checkpoint/, summary.json) at the step it would reach: ``--stop-after`` or ``--steps``; exit 1 for arms in
+    ``fail``."""
+    class Done:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out-dir") + 1])
+        if out.name in fail:
+            return Done(1)
+        steps = int(cmd[cmd.index("--steps") + 1])
+        stop = int(cmd[cmd.index("--stop-after") + 1]) if "--stop-after" in cmd else None
+        (out / "checkpoint").mkdir(parents=True, exist_ok=True)
+        late = cmd[cmd.index("--late-bf16-at") + 1] if "--late-bf16-at" in cmd else None
+        (out / "metrics.jsonl").open("a").write(json.dumps({"run": out.name, "late": late}) + "\n")
+        step = stop if stop is not None else steps
+        (out / "summary.json").write_text(json.dumps(
+            {"status": "stopped" if stop is not None else "done", "step": step, "steps": steps, "tokens": step * 65536,
+             "loss": 3.0, "tok_per_s": 1e5, "peak_mem_mib": 1024.0}))
+        return Done(0)
+    return run
+
+
+def test_pair_late_hands_the_base_arms_run_to_the_late_arm_at_the_switch_step(study, tmp_path, monkeypatch, capsys):
+    """--pair-late: the base arm (fullbest) trains to the late arm's switch step (round(0.85 * steps)) and stops, its
+    run directory is copied to the late arm's, the base goes on to the end, and the late arm resumes the copy with
+    its switch; without the flag every arm starts from step 0. A base already past the switch, or one that fails
+    before it, leaves the late arm untrained (it would be unpaired), with a message; the late arm must come second."""
+    calls = []
+
+    def study_run(out, arms, *flags, fail=()):
+        calls.clear()
+        monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, fail))
+        assert study.main(["--arms", arms, "--tokens", "6553600", "--skip-data", "--out", str(tmp_path / out),
+                           "--time-budget", "1000", *flags]) == 0
+        return [Path(c[c.index("--out-dir") + 1]).name for c in calls]
+
+    assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == [
+        "bf16root", "fullbest", "fullbest", "fullbest_late"]
+    assert calls[1][calls[1].index("--stop-after") + 1] == "85"                   # round(0.85 * 100 steps)
+    assert "--stop-after" not in calls[2] and "--stop-after" not in calls[3]
+    assert "--late-bf16-at" not in calls[2] and calls[3][-2:] == ["--late-bf16-at", "0.85"]
+    # the late arm's directory is the base's run up to step 85, then its own: it never trained steps 1-85 itself
+    late_log = tmp_path / "a" / "30m" / "fullbest_late" / "metrics.jsonl"
+    lines = [json.loads(x) for x in late_log.read_text().splitlines()]
+    assert lines == [{"run": "fullbest", "late": None}, {"run": "fullbest_late", "late": "0.85"}]
+    assert "fullbest_late starts from fullbest's checkpoint at step 85" in capsys.readouterr().out
+    assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == []       # all done: nothing runs
+
+    # a base already past the switch step: the late arm is not trained from step 0 behind the user's back
+    assert study_run("b", "fullbest") == ["fullbest"]
+    assert study_run("b", "fullbest,fullbest_late", "--pair-late") == []
+    text = capsys.readouterr().out
+    assert "past fullbest_late's switch step 85" in text and "fullbest_late skipped" in text
+    assert not (tmp_path / "b" / "30m" / "fullbest_late").exists()
+    # a base that fails before the switch (and once more without CUDA graphs): the late arm is skipped too
+    assert study_run("c", "fullbest,fullbest_late", "--pair-late", fail=("fullbest",)) == ["fullbest", "fullbest"]
+    assert "fullbest_late skipped" in capsys.readouterr().out
+    # without --pair-late the late arm trains from step 0 on its own; listed before its base, --pair-late refuses
+    assert study_run("d", "fullbest,fullbest_late") == ["fullbest", "fullbest_late"]
+    assert all("--stop-after" not in c for c in calls)
+    with pytest.raises(SystemExit, match="fullbest must come first"):
+        study.main(["--arms", "fullbest_late,fullbest", "--tokens", "6553600", "--pair-late", "--print-commands"])
+
+
 def _bench_module(name):
     import sys
 
