@@ -208,6 +208,26 @@ def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
     assert any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in _saved(rec2))
 
 
+def test_forward_in_bf16_with_nvfp4_wgrad_saves_bf16_activations():
+    """What a late switch's graph saves (``late_bf16_roles="linear.fprop"``): with the forward GEMMs in BF16 there is
+    no forward FP4 copy of a layer input for the NVFP4 wgrad to reuse, so the graph saves the bf16 input (and the
+    backward quantizes it) instead of packed FP4 codes; this is why a run's peak memory rises at the switch to near a
+    BF16 run's (docs/RESULTS.md, session 16). The Quartet II policy before the switch saves packed copies only."""
+    from fp4compile.train.loop import late_policy
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)     # wgrad's RHT-128 runs over the tokens
+    shapes = {}
+    for name, pol in (("before", Policy.quartet2()), ("after", late_policy(Policy.quartet2(), "linear.fprop"))):
+        compiled, rec = compile_recorded(Stack().to(torch.bfloat16), pol)
+        compiled(x).float().sum().backward()
+        shapes[name] = {(dt, shp) for op, dt, shp in _saved(rec) if op != "placeholder"}
+    bf16_inputs = {(torch.bfloat16, (256, 128)), (torch.bfloat16, (256, 96))}  # the inputs of layers b and c
+    assert not any(dt == torch.bfloat16 for dt, _ in shapes["before"]), shapes
+    assert bf16_inputs <= shapes["after"], shapes
+    assert not any(dt == torch.uint8 and shp[0] == 256 for dt, shp in shapes["after"]), shapes  # no packed X copy
+
+
 def test_weight_quantizes_are_must_recompute():
     from torch.utils.checkpoint import CheckpointPolicy
     torch.manual_seed(0)
