@@ -208,24 +208,30 @@ def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
     assert any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in _saved(rec2))
 
 
-def test_forward_in_bf16_with_nvfp4_wgrad_saves_bf16_activations():
-    """What a late switch's graph saves (``late_bf16_roles="linear.fprop"``): with the forward GEMMs in BF16 there is
-    no forward FP4 copy of a layer input for the NVFP4 wgrad to reuse, so the graph saves the bf16 input (and the
-    backward quantizes it) instead of packed FP4 codes; this is why a run's peak memory rises at the switch to near a
-    BF16 run's (docs/RESULTS.md, session 16). The Quartet II policy before the switch saves packed copies only."""
+def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():
+    """A late switch's graph (``late_bf16_roles="linear.fprop"``: forward GEMMs in BF16, wgrad NVFP4) has no forward
+    FP4 copy of a layer input for wgrad to reuse. X is then quantized for wgrad (transposed, RHT-128 along the
+    tokens, its signs drawn in the forward) in the forward and the packed copy is saved, not the bf16 X: the saved
+    tensors stay packed FP4 (+ the RHT signs), as before the switch. (Until session 16 the backward quantized a
+    saved bf16 X, and a run's peak memory rose at the switch to near a BF16 run's: docs/RESULTS.md, session 16.)"""
     from fp4compile.train.loop import late_policy
 
     torch.manual_seed(0)
     x = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)     # wgrad's RHT-128 runs over the tokens
-    shapes = {}
+    saved = {}
     for name, pol in (("before", Policy.quartet2()), ("after", late_policy(Policy.quartet2(), "linear.fprop"))):
         compiled, rec = compile_recorded(Stack().to(torch.bfloat16), pol)
         compiled(x).float().sum().backward()
-        shapes[name] = {(dt, shp) for op, dt, shp in _saved(rec) if op != "placeholder"}
-    bf16_inputs = {(torch.bfloat16, (256, 128)), (torch.bfloat16, (256, 96))}  # the inputs of layers b and c
-    assert not any(dt == torch.bfloat16 for dt, _ in shapes["before"]), shapes
-    assert bf16_inputs <= shapes["after"], shapes
-    assert not any(dt == torch.uint8 and shp[0] == 256 for dt, shp in shapes["after"]), shapes  # no packed X copy
+        saved[name] = {(dt, shp) for op, dt, shp in _saved(rec) if op != "placeholder"}
+        nvfp4 = [r["role"] for r in rec.done if r["precision"] == "nvfp4"]
+        assert nvfp4.count("linear.wgrad") == 3 and nvfp4.count("linear.fprop") == (3 if name == "before" else 0)
+    for name in saved:
+        assert not any(dt == torch.bfloat16 for dt, _ in saved[name]), (name, saved)
+    # after: X^T of each layer (K x 256 tokens) packed: codes [K, 128] and E4M3 scale bytes [K, 16], and the signs
+    packed_xt = {(torch.uint8, (k, 128)) for k in (64, 128, 96)} | {(torch.uint8, (k, 16)) for k in (64, 128, 96)}
+    assert packed_xt <= saved["after"] and (torch.float32, (128,)) in saved["after"], saved
+    # before: the forward's row-wise copies [256, K/2], [256, K/16], which wgrad re-quantizes from
+    assert {(torch.uint8, (256, k // 2)) for k in (64, 128, 96)} <= saved["before"], saved
 
 
 def test_weight_quantizes_are_must_recompute():

@@ -269,7 +269,11 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
     else:
         grad_first = a in tangents
         (g_src, g_tr), (o_src, o_tr) = ((a_src, a_tr), (b_src, b_tr)) if grad_first else ((b_src, b_tr), (a_src, a_tr))
-        signs = _signs(graph, g_src, spec)
+        # the RHT signs are drawn after the tensor they order the draw behind: the gradient, except for a wgrad whose
+        # forward ran in BF16 (no forward FP4 copy of X): then X is quantized in the forward and its packed copy saved
+        # instead of X (QuantCache.for_backward), and the signs it shares with the gradient must exist by then
+        x_in_fwd = role == "linear.wgrad" and (g.site, "x") not in cache.fwd
+        signs = _signs(graph, o_src if x_in_fwd else g_src, spec)
         gq = cache.quantize(g_src, g_tr, main, signs)
         oq = cache.for_backward(g.site, "w" if role == "linear.dgrad" else "x", o_src, o_tr, other, signs,
                                 is_weight=role == "linear.dgrad")
