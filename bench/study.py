@@ -100,8 +100,10 @@ ARMS = {
 }
 # fullbest with the late switch: the linear layers' forward GEMMs in BF16 for the last 15 % of the steps (NVIDIA's
 # recipe; fp4compile train --late-bf16-at)
-ARMS["fullbest_late"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--late-bf16-at", "0.85"],
-                             late_of="fullbest", late_at=0.85)
+ARMS["fullbest_late"] = dict(ARMS["fullbest"], late_of="fullbest", late_at=0.85)
+ARMS["fullbest_late"]["flags"] = ARMS["fullbest"]["flags"] + ["--late-bf16-at", str(ARMS["fullbest_late"]["late_at"])]
+#: written into a late arm's run directory when --pair-late hands it its base arm's run
+PAIRED = "paired_from.json"
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
@@ -188,6 +190,19 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
     return cmd + extra + a.get("flags", [])
 
 
+def hand_over(src: Path, dst: Path, step: int) -> None:
+    """--pair-late: make ``dst`` a copy of the run directory ``src`` (stopped at ``step``) marked with ``PAIRED``. The
+    copy is written beside ``dst`` and renamed into place, so an interrupted copy leaves no half checkpoint; a
+    ``dst`` without a checkpoint (nothing to resume) is replaced."""
+    tmp = dst.with_name(dst.name + ".copying")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    (tmp / PAIRED).write_text(json.dumps({"run": str(src), "step": step}) + "\n")
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+
+
 def summaries(out: Path, arms):
     res = {}
     for arm in arms:
@@ -217,7 +232,8 @@ def report(out: Path, arms, size: str) -> str:
         f = lambda k: "—" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
         lines.append(f"| {LABELS[arm]} | {r['status']} ({r['step']}/{r['steps']}) | {r['tokens'] / 1e6:.0f}M | "
                      f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
-                     f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | {r['tok_per_s']:,.0f} | "
+                     f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | "
+                     f"{'—' if r.get('tok_per_s') is None else format(r['tok_per_s'], ',.0f')} | "
                      f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
     # every ROOT-trained arm (optimizer qroot*) against BF16 trained with the same optimizer: ROOT alone moves the
     # loss more than any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
@@ -354,7 +370,10 @@ def main(argv=None) -> int:
                 continue
             done = summaries(out, [arm]).get(arm)
             late, at = pairs.get(arm, (None, None))
-            if late is not None and not (out / late / "checkpoint").is_dir():
+            if late is not None and (out / late / "checkpoint").is_dir() and not (out / late / PAIRED).is_file():
+                print(f"[study] WARNING --pair-late: {late} has a run of its own (not started from {arm}'s); it "
+                      f"continues unpaired (remove {out / late} to pair it)", flush=True)
+            elif late is not None and not (out / late / "checkpoint").is_dir():
                 # --pair-late: train the base to the switch step, hand its run to the late arm, then go on
                 now = (done or {}).get("step", 0)
                 if now > at:
@@ -372,7 +391,7 @@ def main(argv=None) -> int:
                                 unpaired.add(late)
                                 continue
                             break
-                    shutil.copytree(out / arm, out / late, dirs_exist_ok=True)
+                    hand_over(out / arm, out / late, at)
                     print(f"[study] {late} starts from {arm}'s checkpoint at step {at}, its switch step "
                           "(--pair-late)", flush=True)
                     done = summaries(out, [arm]).get(arm)

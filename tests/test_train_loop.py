@@ -751,7 +751,8 @@ def test_a_copy_of_a_run_stopped_at_the_switch_step_resumes_as_the_late_run(tmp_
     """``bench/study.py --pair-late``: a run without the switch (fullbest's kind: LoRA-SVD with frozen factors,
     re-split every 2 steps, Q-Root) stopped at the switch step, its directory copied, and the copy resumed with the
     switch gives the losses of the run that had the switch from step 0, bit for bit, and records the switch once;
-    the original, resumed without it, gives the uninterrupted run's losses."""
+    the original, resumed without it, gives the uninterrupted run's losses. Resumed with the same ``stop_after``
+    it reached, a run stops at once."""
     import shutil
 
     kw = dict(backend="fullstack_fp4", backend_debug=True, policy="quartet2", val_data="", steps=5, log_interval=1,
@@ -760,6 +761,12 @@ def test_a_copy_of_a_run_stopped_at_the_switch_step_resumes_as_the_late_run(tmp_
     L.train(tiny_cfg(tmp_path, "plain", **kw))
     L.train(tiny_cfg(tmp_path, "late", late_bf16_at=3, **kw))
     L.train(tiny_cfg(tmp_path, "base", stop_after=3, **kw))
+    # a rerun with the same stop_after (a study call retried after the step was reached) trains nothing, leaves the
+    # checkpoint as it was and stops at the same step instead of one step past it
+    ckpt = (tmp_path / "base" / "checkpoint" / "state.pt").read_bytes()
+    again = L.train(tiny_cfg(tmp_path, "base", stop_after=3, resume=True, **kw))
+    assert (again.status, again.step) == ("stopped", 3) and again.summary["tok_per_s"] is None
+    assert (tmp_path / "base" / "checkpoint" / "state.pt").read_bytes() == ckpt
     shutil.copytree(tmp_path / "base", tmp_path / "fork")
     with pytest.warns(UserWarning, match="late_bf16_at"):          # resuming with a changed setting says so
         L.train(tiny_cfg(tmp_path, "fork", late_bf16_at=3, resume=True, **kw))

@@ -147,10 +147,12 @@ def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_pat
     assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out
 
 
-def _fake_train(calls, fail=()):
-    """A stand-in for ``fp4compile train`` under bench/study.py: records the command, then writes what a run leaves
-    (checkpoint/, summary.json) at the step it would reach: ``--stop-after`` or ``--steps``; exit 1 for arms in
-    ``fail``."""
+def _fake_train(calls, fail=(), budget=None, crash_at=None):
+    """A stand-in for ``fp4compile train`` under bench/study.py: records the command, then does what the loop does
+    to a run directory: resumes at the step of its summary, trains to ``--stop-after`` (nothing when already there)
+    or ``--steps``, or ``budget[arm]`` more steps per call (a time budget), and writes checkpoint/ and summary.json.
+    Exit 1 at once for arms in ``fail``; ``crash_at=(arm, step)``: that arm exits 1 after training up to the step and
+    writing its run (a crash at teardown)."""
     class Done:
         def __init__(self, rc):
             self.returncode = rc
@@ -162,55 +164,80 @@ def _fake_train(calls, fail=()):
             return Done(1)
         steps = int(cmd[cmd.index("--steps") + 1])
         stop = int(cmd[cmd.index("--stop-after") + 1]) if "--stop-after" in cmd else None
+        start = json.loads((out / "summary.json").read_text())["step"] if (out / "checkpoint").is_dir() else 0
+        target = steps if stop is None or start >= steps else max(start, stop)
+        step = min(target, start + (budget or {}).get(out.name, steps))
+        status = "done" if step == steps else "stopped" if step == stop else "time_budget"
         (out / "checkpoint").mkdir(parents=True, exist_ok=True)
         late = cmd[cmd.index("--late-bf16-at") + 1] if "--late-bf16-at" in cmd else None
-        (out / "metrics.jsonl").open("a").write(json.dumps({"run": out.name, "late": late}) + "\n")
-        step = stop if stop is not None else steps
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"run": out.name, "late": late, "from": start, "to": step}) + "\n")
         (out / "summary.json").write_text(json.dumps(
-            {"status": "stopped" if stop is not None else "done", "step": step, "steps": steps, "tokens": step * 65536,
-             "loss": 3.0, "tok_per_s": 1e5, "peak_mem_mib": 1024.0}))
-        return Done(0)
+            {"status": status, "step": step, "steps": steps, "tokens": step * 65536, "loss": 3.0,
+             "tok_per_s": 1e5 if step > start else None, "peak_mem_mib": 1024.0}))
+        return Done(1 if crash_at == (out.name, step) and step > start else 0)
     return run
 
 
 def test_pair_late_hands_the_base_arms_run_to_the_late_arm_at_the_switch_step(study, tmp_path, monkeypatch, capsys):
     """--pair-late: the base arm (fullbest) trains to the late arm's switch step (round(0.85 * steps)) and stops, its
-    run directory is copied to the late arm's, the base goes on to the end, and the late arm resumes the copy with
-    its switch; without the flag every arm starts from step 0. A base already past the switch, or one that fails
-    before it, leaves the late arm untrained (it would be unpaired), with a message; the late arm must come second."""
+    run directory is copied to the late arm's (marked as handed over), the base goes on to the end, and the late arm
+    resumes the copy with its switch; without the flag every arm starts from step 0. Time-budget stops before and
+    after the hand-over continue on the next call; a crash at the switch step is retried without overshooting it. A
+    base already past the switch, or one that fails before it, leaves the late arm untrained (it would be unpaired);
+    a late arm with a run of its own continues with a warning; the late arm must come second."""
     calls = []
 
-    def study_run(out, arms, *flags, fail=()):
+    def study_run(out, arms, *flags, **fake):
         calls.clear()
-        monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, fail))
+        monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, **fake))
         assert study.main(["--arms", arms, "--tokens", "6553600", "--skip-data", "--out", str(tmp_path / out),
                            "--time-budget", "1000", *flags]) == 0
-        return [Path(c[c.index("--out-dir") + 1]).name for c in calls]
+        return [(Path(c[c.index("--out-dir") + 1]).name, c[c.index("--stop-after") + 1] if "--stop-after" in c else "")
+                for c in calls]
+
+    def log(out, arm):
+        return [json.loads(x) for x in (tmp_path / out / "30m" / arm / "metrics.jsonl").read_text().splitlines()]
 
     assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == [
-        "bf16root", "fullbest", "fullbest", "fullbest_late"]
-    assert calls[1][calls[1].index("--stop-after") + 1] == "85"                   # round(0.85 * 100 steps)
-    assert "--stop-after" not in calls[2] and "--stop-after" not in calls[3]
+        ("bf16root", ""), ("fullbest", "85"), ("fullbest", ""), ("fullbest_late", "")]   # 85 = round(0.85 * 100)
     assert "--late-bf16-at" not in calls[2] and calls[3][-2:] == ["--late-bf16-at", "0.85"]
     # the late arm's directory is the base's run up to step 85, then its own: it never trained steps 1-85 itself
-    late_log = tmp_path / "a" / "30m" / "fullbest_late" / "metrics.jsonl"
-    lines = [json.loads(x) for x in late_log.read_text().splitlines()]
-    assert lines == [{"run": "fullbest", "late": None}, {"run": "fullbest_late", "late": "0.85"}]
+    assert log("a", "fullbest_late") == [{"run": "fullbest", "late": None, "from": 0, "to": 85},
+                                         {"run": "fullbest_late", "late": "0.85", "from": 85, "to": 100}]
+    assert (tmp_path / "a" / "30m" / "fullbest_late" / study.PAIRED).is_file()
+    assert not list((tmp_path / "a" / "30m").glob("*.copying"))
     assert "fullbest_late starts from fullbest's checkpoint at step 85" in capsys.readouterr().out
     assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == []       # all done: nothing runs
 
+    # time budgets: 50 steps per call; the pair is handed over at 85 whatever the calls' boundaries
+    ran = [study_run("t", "fullbest,fullbest_late", "--pair-late", budget={"fullbest": 50, "fullbest_late": 50})
+           for _ in range(3)]
+    assert ran == [[("fullbest", "85")], [("fullbest", "85"), ("fullbest", ""), ("fullbest_late", "")],
+                   []], ran
+    assert [r["to"] for r in log("t", "fullbest")] == [50, 85, 100]
+    assert [(r["from"], r["to"]) for r in log("t", "fullbest_late")] == [(0, 50), (50, 85), (85, 100)]
+    # a crash right after the switch step's checkpoint: the retry stops at once at step 85, and the pair goes on
+    assert study_run("x", "fullbest,fullbest_late", "--pair-late", crash_at=("fullbest", 85)) == [
+        ("fullbest", "85"), ("fullbest", "85"), ("fullbest", ""), ("fullbest_late", "")]
+    assert [(r["from"], r["to"]) for r in log("x", "fullbest_late")][-1] == (85, 100)
+
     # a base already past the switch step: the late arm is not trained from step 0 behind the user's back
-    assert study_run("b", "fullbest") == ["fullbest"]
+    capsys.readouterr()
+    assert study_run("b", "fullbest") == [("fullbest", "")]
     assert study_run("b", "fullbest,fullbest_late", "--pair-late") == []
     text = capsys.readouterr().out
     assert "past fullbest_late's switch step 85" in text and "fullbest_late skipped" in text
     assert not (tmp_path / "b" / "30m" / "fullbest_late").exists()
     # a base that fails before the switch (and once more without CUDA graphs): the late arm is skipped too
-    assert study_run("c", "fullbest,fullbest_late", "--pair-late", fail=("fullbest",)) == ["fullbest", "fullbest"]
+    assert study_run("c", "fullbest,fullbest_late", "--pair-late", fail=("fullbest",)) == [("fullbest", "85")] * 2
     assert "fullbest_late skipped" in capsys.readouterr().out
-    # without --pair-late the late arm trains from step 0 on its own; listed before its base, --pair-late refuses
-    assert study_run("d", "fullbest,fullbest_late") == ["fullbest", "fullbest_late"]
-    assert all("--stop-after" not in c for c in calls)
+    # without --pair-late the late arm trains from step 0 on its own; with it afterwards, that run goes on, with a
+    # warning; listed before its base, --pair-late refuses
+    assert study_run("d", "fullbest,fullbest_late", budget={"fullbest_late": 30}) == [("fullbest", ""),
+                                                                                       ("fullbest_late", "")]
+    assert study_run("d", "fullbest,fullbest_late", "--pair-late") == [("fullbest_late", "")]
+    assert "fullbest_late has a run of its own" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="fullbest must come first"):
         study.main(["--arms", "fullbest_late,fullbest", "--tokens", "6553600", "--pair-late", "--print-commands"])
 

@@ -8,10 +8,11 @@
 - ``for_backward(...)`` gives a backward GEMM its non-gradient operand (W for dgrad, X for wgrad) from the
   forward's FP4 copy of that tensor: the copy itself when the layout and RTN quantization are identical,
   otherwise ``quantize(dequantize(forward copy))`` (Quartet II: "requantized from the forward FP4 copy").
-  Where the forward GEMM ran in BF16 (a BF16 fprop rule, a late switch) X is quantized for wgrad in the forward,
-  so the packed copy is saved. The backward never reads a saved BF16 activation.
-- ``finalize()`` tags ``CheckpointPolicy.MUST_SAVE`` on the packed copies of activations quantized for a
-  backward GEMM whose forward ran in BF16, and ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
+  Where the forward GEMM ran in BF16 (a BF16 fprop rule, a late switch), X is quantized for wgrad from X itself,
+  with RHT signs drawn in the forward: the partitioner computes that copy in the forward and saves it packed (sites
+  reading the same X may share it and its signs, after AOT's CSE: one copy per tensor, layout and rounding, as in
+  the forward). The backward never reads a saved BF16 activation, unless a BF16 GEMM of the backward needs X.
+- ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
   every node made for the backward that does not depend on a gradient, so the partitioner saves the packed
   forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
   copy or a dequantized BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient
@@ -81,7 +82,6 @@ class QuantCache:
         self.fwd: Dict[Tuple[str, str], QCopy] = {}
         self.dequants: Dict[Node, Node] = {}
         self._recompute: Set[Node] = set()
-        self._save: Set[Node] = set()
         self.created: Set[Node] = set()
 
     # -- building blocks -------------------------------------------------------------------------
@@ -133,9 +133,9 @@ class QuantCache:
         if fwd is None:                                       # fprop ran in BF16: quantize the source
             copy = self.quantize(src, transpose, qspec, signs)
             if not is_weight:
-                # an activation (X for wgrad, e.g. after a late switch): quantized in the forward, right after X,
-                # and the packed copy saved (MUST_SAVE), not X: the backward would otherwise quantize a saved X
-                self._save.update((copy.codes, copy.scales, copy.glob))
+                # an activation (X for wgrad, e.g. after a late switch): its quantize and RHT signs depend on
+                # forward nodes only (rewrite_gemm draws the signs after X), so the partitioner computes it in the
+                # forward and saves the packed copy, which is smaller than X; nothing needs forcing
                 return copy
         elif deterministic and fwd.transpose == transpose and fwd.qspec == qspec:
             return dataclasses.replace(fwd, origin="fwd copy")
@@ -167,9 +167,6 @@ class QuantCache:
         for n in self._recompute:
             if n not in grad_fed and n.graph is self.graph:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        for n in self._save - self._recompute:
-            if n not in grad_fed and n.graph is self.graph:
-                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def _copy_meta(src: Node, dst: Node) -> None:

@@ -132,7 +132,8 @@ class TrainConfig:
     init_from: str = ""                       # fork: start at another run's checkpoint (weights, optimizer state,
                                               # schedule, RNG, step); it may add LoRA-SVD or change backend/policy
     max_seconds: Optional[float] = None       # wall-clock budget: checkpoint and stop before it runs out
-    stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run)
+    stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run;
+                                              # resumed at or past it, the run trains nothing and stops)
     device: str = "auto"
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
     progress: bool = True
@@ -1079,9 +1080,13 @@ def train(cfg: TrainConfig) -> RunResult:
             save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
 
     step = start_step
+    # resumed at or past stop_after: train nothing (a rerun with the same stop_after must not go one step past it)
+    idle = cfg.stop_after is not None and cfg.stop_after <= start_step < cfg.steps
+    if idle:
+        status = "stopped"
     with _sigint_flag() as flag:
         skip_times = 0
-        while step < cfg.steps:
+        while step < cfg.steps and not idle:
             if switch is not None and step == switch:
                 # the late switch: one recompile with the switched policy (Dynamo's backend guard keeps the old
                 # graphs apart); its compile and CUDA-graph warm-up steps stay out of the tokens/s, as the first ones
@@ -1163,7 +1168,8 @@ def train(cfg: TrainConfig) -> RunResult:
             bar.close()
         if status == "done":
             run_evals(step)
-        checkpoint(step)
+        if not idle:                                  # the checkpoint it resumed from is this step's already
+            checkpoint(step)
 
     steady = step_times[2:] or step_times
     summary = {
