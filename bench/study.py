@@ -20,7 +20,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     full       the full stack under its 124M name (= qroot); fullf: with frozen LoRA-SVD factors
     fullbest   the best full stack of the 30M study (session 14): block 0 in BF16, frozen rank-256 LoRA-SVD
                factors re-split every 100 steps from step 100 (its flags are part of the arm)
-    fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on
+    fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on;
+               fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
 
@@ -98,10 +99,21 @@ ARMS = {
                      optimizer="qroot", lora=True, lora_rank=256, lora_train_factors=False,
                      flags=["--lora-realign-every", "100", "--lora-realign-after", "100"]),
 }
-# fullbest with the late switch: the linear layers' forward GEMMs in BF16 for the last 15 % of the steps (NVIDIA's
-# recipe; fp4compile train --late-bf16-at)
-ARMS["fullbest_late"] = dict(ARMS["fullbest"], late_of="fullbest", late_at=0.85)
-ARMS["fullbest_late"]["flags"] = ARMS["fullbest"]["flags"] + ["--late-bf16-at", str(ARMS["fullbest_late"]["late_at"])]
+
+
+def late_arm(base: str, at: float, roles: str = "") -> dict:
+    """``base`` with the late switch at ``at`` (fp4compile train --late-bf16-at; ``roles``: --late-bf16-roles, default
+    the linears' forward GEMMs); ``late_of``/``late_at`` let --pair-late start it from ``base``'s run."""
+    flags = ARMS[base].get("flags", []) + ["--late-bf16-at", str(at)] + (["--late-bf16-roles", roles] if roles else [])
+    return dict(ARMS[base], flags=flags, late_of=base, late_at=at)
+
+
+# fullbest with the late switch (NVIDIA's recipe): the linear layers' forward GEMMs in BF16 for the last 15 % of the
+# steps; from 70 %; every linear GEMM (fprop, dgrad, wgrad) in BF16 for the last 15 % (how much of the gap the end of
+# training can take back at all: NVIDIA's full switch at 82 % matched FP8)
+ARMS["fullbest_late"] = late_arm("fullbest", 0.85)
+ARMS["fullbest_late70"] = late_arm("fullbest", 0.70)
+ARMS["fullbest_late_all"] = late_arm("fullbest", 0.85, "linear.fprop,linear.dgrad,linear.wgrad")
 #: written into a late arm's run directory when --pair-late hands it its base arm's run
 PAIRED = "paired_from.json"
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
@@ -114,7 +126,9 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "fullf": "full stack, frozen LoRA-SVD factors",
           "fullbest": "full stack, block 0 BF16, frozen LoRA-SVD r256",
           "q2root": "NVFP4 linear (Quartet II) + Root (BF16 NS) + AdamW",
-          "fullbest_late": "fullbest, fprop BF16 for the last 15 % of steps"}
+          "fullbest_late": "fullbest, fprop BF16 for the last 15 % of steps",
+          "fullbest_late70": "fullbest, fprop BF16 for the last 30 % of steps",
+          "fullbest_late_all": "fullbest, linears all BF16 for the last 15 % of steps"}
 
 
 def _tokenize_shard(path: str):
@@ -298,7 +312,7 @@ def main(argv=None) -> int:
     base = TrainConfig.from_dict(load_config_file(ROOT / "configs" / f"study_{args.size}.toml"))
     tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
     steps = args.steps or (int(args.tokens // tokens_per_step) if args.tokens else base.steps)
-    # --pair-late: base arm -> (late arm, its switch step), as fp4compile train computes the step
+    # --pair-late: base arm -> [(switch step, late arm), ...] in switch order (the step as fp4compile train computes it)
     pairs = {}
     for arm in arms if args.pair_late else []:
         of = ARMS[arm].get("late_of")
@@ -310,7 +324,7 @@ def main(argv=None) -> int:
             raise SystemExit("--pair-late: the late switch runs in one process; leave --nproc at 1")
         at = dataclasses.replace(base, steps=steps, backend="fullstack_fp4", parallel="none",
                                  late_bf16_at=ARMS[arm]["late_at"]).late_switch_step()
-        pairs[of] = (arm, at)
+        pairs[of] = sorted(pairs.get(of, []) + [(at, arm)])
     warmup = min(base.warmup_steps, max(1, steps // 20))      # short runs: warm up over 5 % of the steps
     out = Path(args.out) / args.size
     ddp = dict(nproc=args.nproc, batch_size=base.batch_size, master_port=args.master_port)
@@ -364,37 +378,48 @@ def main(argv=None) -> int:
             return rc == 0 and s.get("step") == target
 
         unpaired = set()        # late arms whose base cannot hand them its run: not trained (they would be unpaired)
-        for arm in arms:
-            if arm in unpaired:
-                print(f"[study] {arm} skipped: --pair-late could not start it from its base arm's run", flush=True)
-                continue
-            done = summaries(out, [arm]).get(arm)
-            late, at = pairs.get(arm, (None, None))
-            if late is not None and (out / late / "checkpoint").is_dir() and not (out / late / PAIRED).is_file():
-                print(f"[study] WARNING --pair-late: {late} has a run of its own (not started from {arm}'s); it "
-                      f"continues unpaired (remove {out / late} to pair it)", flush=True)
-            elif late is not None and not (out / late / "checkpoint").is_dir():
-                # --pair-late: train the base to the switch step, hand its run to the late arm, then go on
-                now = (done or {}).get("step", 0)
+
+        def pair_up(arm):
+            """--pair-late for the base ``arm``: for each of its late arms without a run yet, in switch order, train
+            the base to the switch step and hand its run over. "go" (the base may train on), "next" (the base
+            failed: on to the next arm) or "stop" (out of time, or stopped early: the next call continues)."""
+            for at, late in pairs.get(arm, []):
+                if (out / late / "checkpoint").is_dir():
+                    if not (out / late / PAIRED).is_file():
+                        print(f"[study] WARNING --pair-late: {late} has a run of its own (not started from {arm}'s); "
+                              f"it continues unpaired (remove {out / late} to pair it)", flush=True)
+                    continue
+                now = (summaries(out, [arm]).get(arm) or {}).get("step", 0)
                 if now > at:
                     print(f"[study] WARNING --pair-late: {arm} is at step {now}, past {late}'s switch step {at}, so "
                           f"{late} cannot start from it; run {late} without --pair-late to train it from step 0",
                           flush=True)
                     unpaired.add(late)
-                else:
-                    if now < at:
-                        rc = run_arm(arm, ["--stop-after", str(at)])
-                        if rc is None:
-                            break
-                        if not finished(arm, rc, at):
-                            if rc != 0:
-                                unpaired.add(late)
-                                continue
-                            break
-                    hand_over(out / arm, out / late, at)
-                    print(f"[study] {late} starts from {arm}'s checkpoint at step {at}, its switch step "
-                          "(--pair-late)", flush=True)
-                    done = summaries(out, [arm]).get(arm)
+                    continue
+                if now < at:
+                    rc = run_arm(arm, ["--stop-after", str(at)])
+                    if rc is None:
+                        return "stop"
+                    if not finished(arm, rc, at):
+                        if rc != 0:
+                            unpaired.update(x for t, x in pairs[arm] if t >= at)
+                            return "next"
+                        return "stop"
+                hand_over(out / arm, out / late, at)
+                print(f"[study] {late} starts from {arm}'s checkpoint at step {at}, its switch step (--pair-late)",
+                      flush=True)
+            return "go"
+
+        for arm in arms:
+            if arm in unpaired:
+                print(f"[study] {arm} skipped: --pair-late could not start it from its base arm's run", flush=True)
+                continue
+            how = pair_up(arm)
+            if how == "stop":
+                break
+            if how == "next":
+                continue
+            done = summaries(out, [arm]).get(arm)
             if done and done["status"] == "done" and done["steps"] == steps:
                 continue
             rc = run_arm(arm, [])

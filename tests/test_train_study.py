@@ -210,6 +210,14 @@ def test_pair_late_hands_the_base_arms_run_to_the_late_arm_at_the_switch_step(st
     assert "fullbest_late starts from fullbest's checkpoint at step 85" in capsys.readouterr().out
     assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == []       # all done: nothing runs
 
+    # several late arms of one base, in switch order: the base stops at 70, then at 85 (handing over to two arms)
+    assert study_run("m", "fullbest,fullbest_late,fullbest_late70,fullbest_late_all", "--pair-late") == [
+        ("fullbest", "70"), ("fullbest", "85"), ("fullbest", ""), ("fullbest_late", ""), ("fullbest_late70", ""),
+        ("fullbest_late_all", "")]
+    assert [(r["from"], r["to"], r["late"]) for r in log("m", "fullbest_late70")] == [(0, 70, None), (70, 100, "0.7")]
+    assert [(r["from"], r["to"]) for r in log("m", "fullbest_late_all")] == [(0, 70), (70, 85), (85, 100)]
+    assert calls[-1][-4:] == ["--late-bf16-at", "0.85", "--late-bf16-roles", "linear.fprop,linear.dgrad,linear.wgrad"]
+
     # time budgets: 50 steps per call; the pair is handed over at 85 whatever the calls' boundaries
     ran = [study_run("t", "fullbest,fullbest_late", "--pair-late", budget={"fullbest": 50, "fullbest_late": 50})
            for _ in range(3)]
