@@ -91,9 +91,9 @@ study124)
   # bf16root:330,fullbest:215", then "study124 100e6 fullbest:560" until fullbest is done. Arms joined by "+"
   # share one budget and run as a --pair-late pair ("fullbest+fullbest_late:560": the late arm starts from
   # fullbest's checkpoint at its switch step). SIZE=30m runs the 30M study the same way (run directories in
-  # .study30m_TOKENS/), e.g. the 30M arms at the issue's 300M tokens in one session (~20 minutes of training):
-  # SIZE=30m ... study124 300e6 bf16root:380,fullbest+fullbest_late:150, then ... fullbest+fullbest_late:560 and
-  # ... fullbest+fullbest_late:300 while the machine is warm
+  # .study30m_TOKENS/), e.g. the 30M arms at the issue's 300M tokens in one session (~22 minutes of training):
+  # SIZE=30m ... study124 300e6 bf16root:425,fullbest+fullbest_late+fullbest_late_all:130, then twice
+  # ... fullbest+fullbest_late+fullbest_late_all:570 while the machine is warm (docs/RESULTS.md, session 16)
   tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124
   [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
   step data 60 python bench/study.py --data-only
