@@ -244,7 +244,10 @@ def report(out: Path, arms, size: str) -> str:
             continue
         r = s[arm]
         f = lambda k: "—" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
-        lines.append(f"| {LABELS[arm]} | {r['status']} ({r['step']}/{r['steps']}) | {r['tokens'] / 1e6:.0f}M | "
+        paired = out / arm / PAIRED                   # --pair-late: the base's run up to the switch step
+        status = f"{r['status']} ({r['step']}/{r['steps']})" + (
+            f", {ARMS[arm]['late_of']}'s run to step {json.loads(paired.read_text())['step']}" if paired.is_file() else "")
+        lines.append(f"| {LABELS[arm]} | {status} | {r['tokens'] / 1e6:.0f}M | "
                      f"{f('loss')} | {f('val_loss')} | {f('brown_loss')} | {gap(arm, 'loss')} | "
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | "
                      f"{'—' if r.get('tok_per_s') is None else format(r['tok_per_s'], ',.0f')} | "
@@ -272,7 +275,7 @@ def export(out: Path, arms, size: str, dest: Path) -> None:
                   title=f"fp4compile study, {size}: train loss and relative gap to {LABELS[have[0]]}")
     with tarfile.open(dest / f"study_{size}_metrics.tar.gz", "w:gz") as tar:
         for a in have:
-            for fn in ("metrics.jsonl", "summary.json", "config.json"):
+            for fn in ("metrics.jsonl", "summary.json", "config.json", PAIRED):
                 if (out / a / fn).is_file():
                     tar.add(out / a / fn, arcname=f"{size}/{a}/{fn}")
     print(table)

@@ -209,6 +209,8 @@ def test_pair_late_hands_the_base_arms_run_to_the_late_arm_at_the_switch_step(st
     assert not list((tmp_path / "a" / "30m").glob("*.copying"))
     assert "fullbest_late starts from fullbest's checkpoint at step 85" in capsys.readouterr().out
     assert study_run("a", "bf16root,fullbest,fullbest_late", "--pair-late") == []       # all done: nothing runs
+    table = study.report(tmp_path / "a" / "30m", ["fullbest", "fullbest_late"], "30m")
+    assert "| done (100/100), fullbest's run to step 85 |" in table and table.count("run to step") == 1
 
     # several late arms of one base, in switch order: the base stops at 70, then at 85 (handing over to two arms)
     assert study_run("m", "fullbest,fullbest_late,fullbest_late70,fullbest_late_all", "--pair-late") == [
