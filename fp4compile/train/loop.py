@@ -1080,13 +1080,14 @@ def train(cfg: TrainConfig) -> RunResult:
             save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
 
     step = start_step
-    # resumed at or past stop_after: train nothing (a rerun with the same stop_after must not go one step past it)
-    idle = cfg.stop_after is not None and cfg.stop_after <= start_step < cfg.steps
-    if idle:
-        status = "stopped"
     with _sigint_flag() as flag:
         skip_times = 0
-        while step < cfg.steps and not idle:
+        while step < cfg.steps:
+            # stop_after is checked before a step, so a run resumed at or past it trains nothing (a rerun with the
+            # same stop_after does not go one step past it)
+            if cfg.stop_after is not None and step >= cfg.stop_after:
+                status = "stopped"            # the same step on every rank
+                break
             if switch is not None and step == switch:
                 # the late switch: one recompile with the switched policy (Dynamo's backend guard keeps the old
                 # graphs apart); its compile and CUDA-graph warm-up steps stay out of the tokens/s, as the first ones
@@ -1145,9 +1146,6 @@ def train(cfg: TrainConfig) -> RunResult:
                 run_evals(step)
             if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < cfg.steps:
                 checkpoint(step)
-            if cfg.stop_after is not None and step >= cfg.stop_after and step < cfg.steps:
-                status = "stopped"            # the same step on every rank
-                break
             # Ctrl-C and the time budget depend on each process's signals and clock: under DDP the ranks decide
             # together, at the log steps (where they synchronize anyway), or one rank would stop and checkpoint
             # while the others train on into a collective that never completes
@@ -1168,7 +1166,7 @@ def train(cfg: TrainConfig) -> RunResult:
             bar.close()
         if status == "done":
             run_evals(step)
-        if not idle:                                  # the checkpoint it resumed from is this step's already
+        if step != resume_step:                       # resumed and no step trained: its checkpoint is this step's
             checkpoint(step)
 
     steady = step_times[2:] or step_times
