@@ -18,7 +18,7 @@ from fp4compile.optim import QAdamW  # noqa: E402
 SHAPES = [(64, 64), (48, 80), (100,), (8, 8), (2, 1056)]
 CASES = {
     "fp32-default": dict(dtype=torch.float32, kw={}),
-    "fp32-variant": dict(dtype=torch.float32, kw=dict(m_hadamard=32, v_hadamard=None, v_rounding="sr",
+    "fp32-variant": dict(dtype=torch.float32, kw=dict(m_hadamard=32, v_hadamard=None, v_rounding="rtn",
                                                         m_four_over_six=False, tile=64, maximize=True,
                                                         weight_decay=0.1)),
     "fp32-had128-rtn": dict(dtype=torch.float32, kw=dict(m_hadamard=None, v_hadamard=128, m_rounding="rtn",
@@ -36,7 +36,8 @@ def grads(shape, dtype, step, device):
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 4
     if step == 1 and len(shape) == 2:
-        x.view(-1)[:3] = torch.tensor([1e20, -1e-20, 0.0])  # extremes: the scaled hypot and the floor
+        # extremes: the scaled hypot, the floor, and sqrt(v)'s saturation at codec.SQRT_V_MAX
+        x.view(-1)[:4] = torch.tensor([1e20, -1e-20, 0.0, 3e38])
     return x.to(device, dtype)
 
 

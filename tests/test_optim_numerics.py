@@ -15,13 +15,15 @@ def real_v():
     return tiny_gpt_states(steps=25, d=64, layers=1, seed=0)
 
 
-def _pooled(states, fos_direct):
+def _pooled(states, fos_direct, rounding="rtn"):
     s = random_signs(16, torch.Generator().manual_seed(0))
+    seed = torch.tensor(0)
     e0 = e1 = 0.0
     for v in states.values():
         v = v.reshape(-1)
-        d = codec.direct_v_roundtrip(v, four_over_six=fos_direct)
-        o = codec.decode_v(*codec.encode_v(v, s, tile=32, four_over_six=True), s, tile=32)
+        d = codec.direct_v_roundtrip(v, four_over_six=fos_direct, rounding=rounding, seed=seed)
+        o = codec.decode_v(*codec.encode_v(v, s, tile=32, four_over_six=True, rounding=rounding, seed=seed), s,
+                           tile=32)
         e0 += float(((d.double() - v.double()) ** 2).sum())
         e1 += float(((o.double() - v.double()) ** 2).sum())
     return 1 - e1 / e0
@@ -34,6 +36,14 @@ def test_v_transform_beats_direct_nvfp4_on_real_states(real_v):
     assert _pooled(real_v, fos_direct=False) >= 0.60
     # against a direct baseline that also gets 4/6 the reduction is smaller (measured ~56 %, docs/OPTIM.md)
     assert _pooled(real_v, fos_direct=True) >= 0.45
+
+
+@pytest.mark.slow
+def test_v_transform_beats_direct_nvfp4_with_stochastic_rounding(real_v):
+    # Q-AdamW's default rounds v stochastically (RTN compounds upwards over steps, docs/OPTIM.md): the transform
+    # against direct NVFP4 storage with the same rounding (measured 74 % / 69 % without / with 4/6 on the direct side)
+    assert _pooled(real_v, fos_direct=False, rounding="sr") >= 0.60
+    assert _pooled(real_v, fos_direct=True, rounding="sr") >= 0.60
 
 
 def test_plain_nvfp4_ns_diverges_and_guard_fixes_it():

@@ -240,6 +240,17 @@ def tile_mean(r: torch.Tensor, tile: int) -> torch.Tensor:
     return tree_sum(r.reshape(-1, tile)) / tile
 
 
+#: the largest sqrt(v) a quantized second moment holds (2^100; v itself would overflow FP32 above ~1.8e19). The
+#: v update saturates here so that every later step of the encode (tile sums of 32 elements, the Hadamard
+#: butterflies, the BF16 tile mean) stays finite: a state the optimizer writes always decodes and always loads.
+SQRT_V_MAX = 2.0 ** 100
+
+
+def saturate_sqrt_v(r: torch.Tensor) -> torch.Tensor:
+    """min(r, :data:`SQRT_V_MAX`), written as a select so that NaN stays NaN (as in the fused kernel)."""
+    return torch.where(r > SQRT_V_MAX, SQRT_V_MAX, r)
+
+
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded FP32 square root on every device. CUDA's ``sqrt`` is IEEE; some CPU builds of torch
     vectorize FP32 ``sqrt`` with an approximation that is off by an ulp for ~1 in 7 inputs, so on CPU it is

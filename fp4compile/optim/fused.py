@@ -614,9 +614,11 @@ def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE:
     b = b * s
     if PROF & 1:  # timing only: approximate sqrt / divisions (not the reference's numerics)
         r = tl.sqrt(a * a + b * b) * si
+        r = tl.where(r > 1.2676506002282294e30, 1.2676506002282294e30, r)
         p32 = p * decay - step_size * (m / (r / bc2s + eps))
     else:
         r = tl.sqrt_rn(a * a + b * b) * si
+        r = tl.where(r > 1.2676506002282294e30, 1.2676506002282294e30, r)  # codec.saturate_sqrt_v (2^100)
         denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
         p32 = p * decay - step_size * tl.math.div_rn(m, denom)
     return m, r, p32

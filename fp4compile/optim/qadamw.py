@@ -7,7 +7,7 @@ Per parameter of at least ``min_numel`` elements, 2-D or more, with ``numel % ti
 * first moment m: flat vector -> RHT-``m_hadamard`` (fixed random signs per tensor, kept in the state)
   -> NVFP4 with stochastic rounding and 4/6 block scaling (defaults; configurable);
 * second moment v: r = sqrt(v) -> BF16 mean of each ``tile`` (32) consecutive elements subtracted ->
-  RHT-``v_hadamard`` -> NVFP4 (RTN + 4/6 by default, SR configurable); reconstruction v = max(deq + mean, 0)^2
+  RHT-``v_hadamard`` -> NVFP4 (SR + 4/6 by default); reconstruction v = max(deq + mean, 0)^2
   (clamped at the block's resolution, see ``codec.decode_v_sqrt``). Tile 32 and 4/6 were chosen on real
   tiny-GPT states (docs/OPTIM.md): tile 128 spans several rows of narrow matrices and loses the row scale.
   The update's denominator uses the reconstructed sqrt(v) directly, plus eps (> 0 keeps it finite).
@@ -126,7 +126,7 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True, chunk=ch)
     m = m + (g32 - m) * (1 - beta1)
     # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
-    r = codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2))
+    r = codec.saturate_sqrt_v(codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2)))
     decay, step_size, bc2_sqrt = adam_coefficients(step, lr, beta1, beta2, weight_decay)
     denom = r / bc2_sqrt + eps
     p32 = p.reshape(-1).to(torch.float32) * decay
@@ -331,7 +331,7 @@ def check_group(group: dict):
 
 
 QADAMW_DEFAULTS = dict(quantize=True, min_numel=4096, tile=32, m_hadamard=16, v_hadamard=16,
-                       m_rounding="sr", m_four_over_six=True, v_rounding="rtn", v_four_over_six=True,
+                       m_rounding="sr", m_four_over_six=True, v_rounding="sr", v_four_over_six=True,
                        bf16_master="sr", seed=0)
 
 
@@ -453,7 +453,9 @@ class QAdamW(Optimizer):
         min_numel: tensors with fewer elements (or 1-D, or numel % tile != 0) keep FP32 states (4096).
         tile: second-moment mean tile (32 elements, one BF16 mean each).
         m_hadamard / v_hadamard: RHT size for m / v (16; None disables).
-        m_rounding, m_four_over_six: "sr", True.   v_rounding, v_four_over_six: "rtn", True.
+        m_rounding, m_four_over_six: "sr", True.   v_rounding, v_four_over_six: "sr", True. (``v_rounding="rtn"``
+            has the lower one-shot error but is biased under repeated re-encoding: with little gradient its
+            sqrt(v) stalls and then grows geometrically instead of decaying, docs/OPTIM.md; avoid it in training.)
         bf16_master: how BF16 parameters absorb FP32 updates: "sr" | "kahan" | "rtn".
         seed: base seed of the per-tensor Hadamard signs and stochastic-rounding streams.
     compile: torch.compile the per-parameter torch step where it runs (None: on CUDA only).

@@ -1,0 +1,99 @@
+"""Does Q-AdamW's stored second moment follow the exact one when it is re-encoded every step? (CPU, ~1 minute)
+
+v is decoded, updated and re-encoded at every step, so a rounding bias of the codec compounds. Two measurements,
+for ``v_rounding`` RTN (the default before session 17) and SR (the default since):
+
+1. synthetic: a 16x1024 parameter gets one gradient with magnitudes spread over decades (lognormal, sigma 2), then
+   zero gradients; the exact sqrt(v) decays by sqrt(beta2) a step. Printed: decoded / exact sqrt(v), summed over
+   elements and for the largest element, at steps 100-600, seeds 0 and 1.
+2. replay (when the file is there): 256 rows of the tied embedding's state saved from the 30M full-stack run at
+   300M tokens on the H200 (session 17), in which RTN had grown some tiles' sqrt(v) to 1e14 and beyond. Forty
+   more steps with gradients of 1e-5: the largest sqrt(v) relative to its start, against the exact decay.
+
+    python bench/qadamw_v_drift.py [--steps 600] [--state docs/bench_logs/session17_qadamw_embed_v_state_...]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from fp4compile.optim import QAdamW, codec
+from fp4compile.optim.qadamw import SCALE_CHUNK
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE = ROOT / "docs" / "bench_logs" / "session17_qadamw_embed_v_state_rows256-511_h200_2026-12-02.safetensors"
+BETA2 = 0.95
+
+
+def decoded_sqrt_v(opt: QAdamW, p: torch.Tensor) -> torch.Tensor:
+    st, grp = opt.state[p], opt.param_groups[0]
+    return codec.decode_v_sqrt(st["v_codes"], st["v_scales"], st["v_gbits"], st["v_mean"], st["v_signs"].float(),
+                               tile=grp["tile"], floor=True, chunk=SCALE_CHUNK).double()
+
+
+def synthetic(v_rounding: str, seed: int, steps: int, report) -> list[str]:
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.zeros(16, 1024))
+    opt = QAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, BETA2), v_rounding=v_rounding)
+    g0 = torch.randn(16, 1024).sign() * torch.exp(2.0 * torch.randn(16, 1024))
+    p.grad = g0
+    opt.step()
+    p.grad = torch.zeros_like(g0)
+    cells = []
+    for t in range(2, steps + 1):
+        opt.step()
+        if t in report:
+            exact = math.sqrt(1 - BETA2) * g0.abs().double().reshape(-1) * math.sqrt(BETA2) ** (t - 1)
+            r = decoded_sqrt_v(opt, p)
+            cells.append(f"{float(r.sum() / exact.sum()):.3g} / {float(r.max() / exact.max()):.3g}")
+    return cells
+
+
+def replay(path: Path, v_rounding: str, steps: int = 40) -> tuple[float, float]:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    rows = saved["v_mean"].numel() * 32 // 640
+    p = torch.nn.Parameter(torch.zeros(rows, 640))
+    opt = QAdamW([p], lr=2e-4, weight_decay=0.1, betas=(0.9, BETA2), v_rounding=v_rounding)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # creates the state; then it is replaced by the saved one
+    for k, v in saved.items():
+        opt.state[p][k].copy_(v.reshape(opt.state[p][k].shape))
+    start = float(decoded_sqrt_v(opt, p).max())
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        p.grad = torch.randn(rows, 640, generator=gen) * 1e-5
+        opt.step()
+    return float(decoded_sqrt_v(opt, p).max()) / start, math.sqrt(BETA2) ** steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--state", type=Path, default=STATE)
+    args = ap.parse_args(argv)
+    report = [t for t in (100, 200, 300, 400, 600) if t <= args.steps]
+    print("decoded / exact sqrt(v) after one gradient then zeros (sum over elements / largest element)\n")
+    print("| v rounding | seed | " + " | ".join(f"step {t}" for t in report) + " |")
+    print("|---|---|" + "---|" * len(report))
+    for vr in ("rtn", "sr"):
+        for seed in (0, 1):
+            print(f"| {vr} | {seed} | " + " | ".join(synthetic(vr, seed, args.steps, report)) + " |", flush=True)
+    if args.state.is_file():
+        print(f"\nreplay of {args.state.name}: 40 steps, gradient 1e-5; largest sqrt(v) / its start\n")
+        print("| v rounding | largest sqrt(v) / start | exact decay |")
+        print("|---|---|---|")
+        for vr in ("rtn", "sr"):
+            got, exact = replay(args.state, vr)
+            print(f"| {vr} | {got:.3f} | {exact:.3f} |", flush=True)
+    else:
+        print(f"\n(no replay: {args.state} not found)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
