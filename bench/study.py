@@ -217,6 +217,22 @@ def hand_over(src: Path, dst: Path, step: int) -> None:
     tmp.rename(dst)
 
 
+#: seconds an arm needs to be started at all (compile + a useful stretch of training), unless it is nearly done
+MIN_START_S = 120
+
+
+def start_need(summary: dict | None, target: int) -> float:
+    """Seconds of time budget that make an arm worth starting: :data:`MIN_START_S`, or less for a resumed run close
+    to ``target``: its last call's time to the first step (compile) + its remaining steps at its last rate + 30 s
+    (evals, checkpoint) + the 40 s the driver keeps in reserve. A run without those numbers needs MIN_START_S."""
+    s = summary or {}
+    step, tps, first, tokens = (s.get(k) for k in ("step", "tok_per_s", "first_step_s", "tokens"))
+    if not (step and tps and first and tokens):
+        return MIN_START_S
+    need = first + max(target - step, 0) * (tokens / step) / tps + 30 + 40
+    return min(MIN_START_S, need)
+
+
 def summaries(out: Path, arms):
     res = {}
     for arm in arms:
@@ -355,7 +371,8 @@ def main(argv=None) -> int:
             if any: the compile mode is not part of a checkpoint, so resuming in another mode continues the same
             run). Its exit code, or None when too little time is left to start it."""
             left = args.time_budget - (time.time() - t_start)
-            if left < 120:
+            target = int(flags[flags.index("--stop-after") + 1]) if "--stop-after" in flags else steps
+            if left < start_need(summaries(out, [arm]).get(arm), target):
                 print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
                 return None
             cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + flags, warmup, **ddp)

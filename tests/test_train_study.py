@@ -147,6 +147,36 @@ def test_an_arm_failing_under_cuda_graphs_is_retried_without_them(study, tmp_pat
     assert "WARNING bf16 failed under CUDA graphs (exit 1)" in capsys.readouterr().out
 
 
+def test_a_nearly_done_arm_starts_in_less_than_the_usual_budget(study, tmp_path, monkeypatch, capsys):
+    """An arm needs MIN_START_S (120 s) of budget to start, unless its run is nearly done: then its last compile time
+    plus its remaining steps at its last rate, plus margins, is enough (session 17: bf16root stopped 27 steps short
+    and two 75-85 s calls refused to finish it)."""
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    run = tmp_path / "30m" / "bf16"
+    (run / "checkpoint").mkdir(parents=True)
+
+    def summary(step, tok_per_s=940_000.0):
+        (run / "summary.json").write_text(json.dumps(
+            {"status": "time_budget", "step": step, "steps": 100, "tokens": step * 65536, "tok_per_s": tok_per_s,
+             "first_step_s": 17.0, "peak_mem_mib": 1024.0}))
+
+    def main(budget):
+        calls.clear()
+        assert study.main(["--arms", "bf16", "--tokens", "6553600", "--skip-data", "--out", str(tmp_path),
+                           "--time-budget", str(budget)]) == 0
+        return len(calls)
+
+    summary(97)  # 3 steps left: 17 + 0.2 + 30 + 40 s
+    assert study.start_need(json.loads((run / "summary.json").read_text()), 100) == pytest.approx(87.2, abs=0.1)
+    assert main(85) == 0 and "85s left: stopping before bf16" in capsys.readouterr().out
+    assert main(95) == 1
+    summary(40, tok_per_s=94_000.0)  # 60 steps left at 0.7 s each: the estimate (129 s) is capped at 120 s
+    assert main(110) == 0
+    assert main(125) == 1
+    assert study.start_need({"step": 40}, 100) == study.MIN_START_S
+
+
 def _fake_train(calls, fail=(), budget=None, crash_at=None):
     """A stand-in for ``fp4compile train`` under bench/study.py: records the command, then does what the loop does
     to a run directory: resumes at the step of its summary, trains to ``--stop-after`` (nothing when already there)
