@@ -328,6 +328,9 @@ def check_group(group: dict):
             raise ValueError(f"{k} must be 'rtn' or 'sr', got {group[k]!r}")
     if group["bf16_master"] not in _MASTER:
         raise ValueError(f"bf16_master must be one of {_MASTER}, got {group['bf16_master']!r}")
+    if group["quantize"] and group["v_rounding"] == "rtn":
+        _warn_once("fp4compile.optim: v_rounding='rtn' is biased when v is re-encoded every step: with little "
+                   "gradient sqrt(v) grows instead of decaying (docs/OPTIM.md); the default 'sr' is not")
 
 
 QADAMW_DEFAULTS = dict(quantize=True, min_numel=4096, tile=32, m_hadamard=16, v_hadamard=16,
