@@ -240,7 +240,7 @@ def tile_mean(r: torch.Tensor, tile: int) -> torch.Tensor:
     return tree_sum(r.reshape(-1, tile)) / tile
 
 
-#: the largest sqrt(v) a quantized second moment holds (2^100; v itself would overflow FP32 above ~1.8e19). The
+#: the largest sqrt(v) a quantized second moment holds (2^100; v itself would overflow FP32 once sqrt(v) > ~1.8e19). The
 #: v update saturates here so that every later step of the encode (tile sums of 32 elements, the Hadamard
 #: butterflies, the BF16 tile mean) stays finite: a state the optimizer writes always decodes and always loads.
 SQRT_V_MAX = 2.0 ** 100
