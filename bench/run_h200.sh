@@ -93,7 +93,9 @@ study124)
   # fullbest's checkpoint at its switch step). SIZE=30m runs the 30M study the same way (run directories in
   # .study30m_TOKENS/), e.g. the 30M arms at the 300M tokens in one session (~22 minutes of training):
   # SIZE=30m ... study124 300e6 bf16root:425,fullbest+fullbest_late+fullbest_late_all:130, then twice
-  # ... fullbest+fullbest_late+fullbest_late_all:570 while the machine is warm (docs/RESULTS.md, session 16)
+  # ... fullbest+fullbest_late+fullbest_late_all:570 while the machine is warm (docs/RESULTS.md, session 16). Session 17
+  # ran that: bf16root:425 ended 27 steps short (give it 445), fullbest took 0.157 s/step (~720 s for 4,577 steps), so
+  # one late arm fits and two do not; a nearly finished arm now starts with less than 120 s (bench/study.py start_need)
   tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124
   [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
   step data 60 python bench/study.py --data-only
