@@ -20,36 +20,37 @@ from pathlib import Path
 
 import torch
 
-from fp4compile.optim import QAdamW, codec
-from fp4compile.optim.qadamw import SCALE_CHUNK
+from fp4compile.optim import QAdamW
+from fp4compile.optim.qadamw import decoded_sqrt_v
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / "docs" / "bench_logs" / "session17_qadamw_embed_v_state_rows256-511_h200_2026-12-02.safetensors"
 BETA2 = 0.95
 
 
-def decoded_sqrt_v(opt: QAdamW, p: torch.Tensor) -> torch.Tensor:
-    st, grp = opt.state[p], opt.param_groups[0]
-    return codec.decode_v_sqrt(st["v_codes"], st["v_scales"], st["v_gbits"], st["v_mean"], st["v_signs"].float(),
-                               tile=grp["tile"], floor=True, chunk=SCALE_CHUNK).double()
+def sqrt_v(opt: QAdamW, p: torch.Tensor) -> torch.Tensor:
+    """The decoded sqrt(v) of ``p`` (first param group), FP64."""
+    return decoded_sqrt_v(opt.state[p], opt.param_groups[0]).double()
 
 
-def synthetic(v_rounding: str, seed: int, steps: int, report) -> list[str]:
+def synthetic(seed: int, steps: int, report, **qkw) -> dict[int, tuple[float, float]]:
+    """One lognormal gradient, then zeros, into ``QAdamW(**qkw)``: {step: (decoded / exact sqrt(v) summed over
+    elements, of the largest element)} at the ``report`` steps."""
     torch.manual_seed(seed)
     p = torch.nn.Parameter(torch.zeros(16, 1024))
-    opt = QAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, BETA2), v_rounding=v_rounding)
+    opt = QAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, BETA2), **qkw)
     g0 = torch.randn(16, 1024).sign() * torch.exp(2.0 * torch.randn(16, 1024))
     p.grad = g0
     opt.step()
     p.grad = torch.zeros_like(g0)
-    cells = []
+    ratios = {}
     for t in range(2, steps + 1):
         opt.step()
         if t in report:
             exact = math.sqrt(1 - BETA2) * g0.abs().double().reshape(-1) * math.sqrt(BETA2) ** (t - 1)
-            r = decoded_sqrt_v(opt, p)
-            cells.append(f"{float(r.sum() / exact.sum()):.3g} / {float(r.max() / exact.max()):.3g}")
-    return cells
+            r = sqrt_v(opt, p)
+            ratios[t] = (float(r.sum() / exact.sum()), float(r.max() / exact.max()))
+    return ratios
 
 
 def replay(path: Path, v_rounding: str, steps: int = 40) -> tuple[float, float]:
@@ -63,12 +64,12 @@ def replay(path: Path, v_rounding: str, steps: int = 40) -> tuple[float, float]:
     opt.step()  # creates the state; then it is replaced by the saved one
     for k, v in saved.items():
         opt.state[p][k].copy_(v.reshape(opt.state[p][k].shape))
-    start = float(decoded_sqrt_v(opt, p).max())
+    start = float(sqrt_v(opt, p).max())
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         p.grad = torch.randn(rows, 640, generator=gen) * 1e-5
         opt.step()
-    return float(decoded_sqrt_v(opt, p).max()) / start, math.sqrt(BETA2) ** steps
+    return float(sqrt_v(opt, p).max()) / start, math.sqrt(BETA2) ** steps
 
 
 def main(argv=None) -> int:
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     print("|---|---|" + "---|" * len(report))
     for vr in ("rtn", "sr"):
         for seed in (0, 1):
-            print(f"| {vr} | {seed} | " + " | ".join(synthetic(vr, seed, args.steps, report)) + " |", flush=True)
+            cells = synthetic(seed, args.steps, report, v_rounding=vr).values()
+            print(f"| {vr} | {seed} | " + " | ".join(f"{s:.3g} / {m:.3g}" for s, m in cells) + " |", flush=True)
     if args.state.is_file():
         print(f"\nreplay of {args.state.name}: 40 steps, gradient 1e-5; largest sqrt(v) / its start\n")
         print("| v rounding | largest sqrt(v) / start | exact decay |")

@@ -17,10 +17,11 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from fp4compile.optim import QAdamW, codec
-from fp4compile.optim.qadamw import SCALE_CHUNK
+from fp4compile.optim import QAdamW
+from fp4compile.optim.qadamw import decoded_sqrt_v
 from fp4compile.train.data import TokenBatches, get_tokenizer, load_tokens, padded_vocab
 from fp4compile.train.model import GPT, config_from_preset
 
@@ -34,9 +35,7 @@ def drift(opt, p, v_exact) -> tuple[int, float]:
     if not st or "v_mean" not in st:
         return 0, float("nan")
     tile = opt.param_groups[0]["tile"]
-    r = codec.decode_v_sqrt(st["v_codes"], st["v_scales"], st["v_gbits"], st["v_mean"], st["v_signs"].float(),
-                            tile=tile, floor=True, chunk=SCALE_CHUNK)
-    got = r.double().reshape(-1, tile).mean(-1)
+    got = decoded_sqrt_v(st, opt.param_groups[0]).double().reshape(-1, tile).mean(-1)
     exact = v_exact.reshape(-1).sqrt().reshape(-1, tile).mean(-1).clamp(min=1e-30)
     ratio = got / exact
     return int((ratio > 10).sum()), float(ratio.max())
@@ -44,8 +43,6 @@ def drift(opt, p, v_exact) -> tuple[int, float]:
 
 def cut_vocab(tokens, keep: int, counts):
     """Token ids -> ranks by ``counts`` (most frequent 0); ranks >= keep - 1 become keep - 1."""
-    import numpy as np
-
     rank = np.empty(len(counts), dtype=np.int64)
     rank[np.argsort(-counts, kind="stable")] = np.arange(len(counts))
     return np.minimum(rank[np.asarray(tokens, dtype=np.int64)], keep - 1).astype(np.int32)
@@ -101,11 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-tokens", type=int, default=4_000_000)
     ap.add_argument("--data-dir", type=Path, default=DATA)
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = get_tokenizer(str(args.data_dir / "gpt2.tiktoken"))
     corpus = args.data_dir / "corpus"
-    import numpy as np
-
     tr = load_tokens(str(corpus / "train-00.txt.xz"), tok, max_tokens=args.train_tokens)
     va = load_tokens(str(corpus / "val.txt.xz"), tok)
     counts = np.bincount(np.asarray(tr, dtype=np.int64), minlength=tok.vocab_size)

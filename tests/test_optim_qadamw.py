@@ -1,15 +1,12 @@
 """QAdamW: drop-in behaviour, parity with torch.optim.AdamW, bit-exact resume, validated loading."""
 import copy
 import io
-import math
 
 import pytest
 import torch
 
 import fp4compile
-from fp4compile.optim import QAdamW, codec, load_safetensors_state, save_safetensors_state
-from fp4compile.optim import qadamw
-from fp4compile.optim.qadamw import SCALE_CHUNK
+from fp4compile.optim import QAdamW, codec, load_safetensors_state, save_safetensors_state, qadamw
 
 
 def _model(seed=0):
@@ -118,39 +115,33 @@ def test_extreme_gradients_stay_finite():
     assert float((p.grad.new_tensor(0) + opt.state[p]["step"])) == 6
 
 
-def _decoded_sqrt_v(opt, p):
-    st, grp = opt.state[p], opt.param_groups[0]
-    return codec.decode_v_sqrt(st["v_codes"], st["v_scales"], st["v_gbits"], st["v_mean"], st["v_signs"].float(),
-                               tile=grp["tile"], floor=True, chunk=SCALE_CHUNK).double()
+@pytest.fixture(scope="module")
+def drift():
+    """bench/qadamw_v_drift.py, the measurement these tests assert on."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("qadamw_v_drift",
+                                                  Path(__file__).resolve().parents[1] / "bench" / "qadamw_v_drift.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.mark.parametrize("v_rounding", ["sr", "rtn"])
-def test_second_moment_decays_when_the_gradient_stops(v_rounding):
+def test_second_moment_decays_when_the_gradient_stops(drift, v_rounding):
     """One gradient with magnitudes spread over decades (lognormal, like an embedding's rows), then none: the exact
     sqrt(v) decays by sqrt(beta2) a step. The stored state is re-encoded every step and must follow it. RTN does
     not: a 2.5 % decrease is below half an FP4 step and rounds back, and with the RHT and 4/6 the rounding error
     compounds upwards, so sqrt(v) grows geometrically (what a 300M-token run on the H200 did to 0.8 % of its
     embedding's tiles, up to Inf; docs/OPTIM.md). SR, the default, is unbiased and tracks the decay."""
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.zeros(16, 1024))
     if v_rounding == "sr":
-        opt = QAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, 0.95))
+        assert qadamw.QADAMW_DEFAULTS["v_rounding"] == "sr"
+        ratios = drift.synthetic(0, 600, (300, 600))                   # the default settings
     else:
         qadamw._warn_once.__defaults__[0].clear()  # the warning is once per process
         with pytest.warns(UserWarning, match="v_rounding='rtn' is biased"):
-            opt = QAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, 0.95), v_rounding="rtn")
-    assert opt.param_groups[0]["v_rounding"] == v_rounding
-    g0 = torch.randn(16, 1024).sign() * torch.exp(2.0 * torch.randn(16, 1024))
-    p.grad = g0
-    opt.step()
-    p.grad = torch.zeros_like(g0)
-    ratios = {}
-    for t in range(2, 601):
-        opt.step()
-        if t in (300, 600):
-            exact = math.sqrt(0.05) * g0.abs().double().reshape(-1) * math.sqrt(0.95) ** (t - 1)
-            r = _decoded_sqrt_v(opt, p)
-            ratios[t] = (float(r.sum() / exact.sum()), float(r.max() / exact.max()))
+            ratios = drift.synthetic(0, 600, (300, 600), v_rounding="rtn")
     growth = ratios[600][0] / ratios[300][0]
     if v_rounding == "sr":
         # elements far below their run's resolution are over-estimated (the decoder's floor), which lifts the
@@ -161,17 +152,10 @@ def test_second_moment_decays_when_the_gradient_stops(v_rounding):
         assert growth > 10.0, ratios
 
 
-def test_the_runaway_state_saved_on_the_h200_decays_under_sr():
+def test_the_runaway_state_saved_on_the_h200_decays_under_sr(drift):
     """bench/qadamw_v_drift.py's replay: 256 embedding rows of the state the 300M-token H200 run wrote (RTN v,
     sqrt(v) up to 1e14 where the gradients are ~1e-5). 40 more steps with gradients of 1e-5: RTN keeps growing it
     (x1.5), SR lets it decay about as the exact second moment does (x0.32; exact x0.36)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "qadamw_v_drift.py"
-    spec = importlib.util.spec_from_file_location("qadamw_v_drift", path)
-    drift = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drift)
     assert drift.STATE.is_file()
     got_rtn, exact = drift.replay(drift.STATE, "rtn")
     got_sr, _ = drift.replay(drift.STATE, "sr")
@@ -193,7 +177,7 @@ def test_huge_gradients_saturate_and_the_state_still_loads():
     assert torch.isfinite(p).all()
     st = opt.state[p]
     assert torch.isfinite(st["v_mean"].view(torch.bfloat16).float()).all()
-    r = _decoded_sqrt_v(opt, p)
+    r = qadamw.decoded_sqrt_v(st, opt.param_groups[0])
     assert torch.isfinite(r).all() and float(r.max()) <= codec.SQRT_V_MAX * 1.01
     p2 = torch.nn.Parameter(p.detach().clone())
     opt2 = QAdamW([p2], lr=1e-3)

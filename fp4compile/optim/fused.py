@@ -48,6 +48,7 @@ import triton.language as tl
 from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
                                 _e4m3_value, _fwht)
 from . import qadamw as _qa
+from .codec import SQRT_V_MAX
 
 CH = _qa.SCALE_CHUNK
 #: which Q-AdamW kernel runs: 2 = :func:`_qadamw_kernel` (block per thread, default), 1 = :func:`_qadamw_kernel_v1`
@@ -67,6 +68,7 @@ PROF = int(os.environ.get("FP4COMPILE_QADAMW_PROF", "0"))
 RHT_IMPL = int(os.environ.get("FP4COMPILE_QADAMW_RHT_IMPL", "1"))
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FTYPES = tl.constexpr((tl.float32, tl.bfloat16, tl.float16))  # Triton element type of each _KIND
+_SQRT_V_MAX = tl.constexpr(SQRT_V_MAX)  # sqrt(v) saturates here, as in the reference (codec.saturate_sqrt_v)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # pointer-table columns
@@ -614,11 +616,12 @@ def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE:
     b = b * s
     if PROF & 1:  # timing only: approximate sqrt / divisions (not the reference's numerics)
         r = tl.sqrt(a * a + b * b) * si
-        r = tl.where(r > 1.2676506002282294e30, 1.2676506002282294e30, r)
-        p32 = p * decay - step_size * (m / (r / bc2s + eps))
     else:
         r = tl.sqrt_rn(a * a + b * b) * si
-        r = tl.where(r > 1.2676506002282294e30, 1.2676506002282294e30, r)  # codec.saturate_sqrt_v (2^100)
+    r = tl.where(r > _SQRT_V_MAX, _SQRT_V_MAX, r)  # codec.saturate_sqrt_v
+    if PROF & 1:
+        p32 = p * decay - step_size * (m / (r / bc2s + eps))
+    else:
         denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
         p32 = p * decay - step_size * tl.math.div_rn(m, denom)
     return m, r, p32

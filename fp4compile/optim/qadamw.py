@@ -186,6 +186,15 @@ def _compiled(fn):
 QSTATE_KEYS = ("step", "seed", "m_codes", "m_scales", "m_gbits", "v_codes", "v_scales", "v_gbits", "v_mean")
 
 
+def decoded_sqrt_v(state: dict, group: dict) -> torch.Tensor:
+    """The flat FP32 sqrt(v) that a quantized parameter ``state`` holds under ``group``'s settings: what the next
+    step reads (the decoder's floor included). For inspection: drift studies, tests."""
+    signs = state.get("v_signs")
+    return codec.decode_v_sqrt(state["v_codes"], state["v_scales"], state["v_gbits"], state["v_mean"],
+                               None if signs is None else signs.to(torch.float32), tile=group["tile"], floor=True,
+                               chunk=SCALE_CHUNK)
+
+
 def n_chunks(n: int) -> int:
     """Number of per-chunk global scales of an ``n``-element quantized state."""
     return -(-n // SCALE_CHUNK)
