@@ -284,12 +284,15 @@ def main(argv=None):
         k = "tiny" if args.tiny else "124M"
         jobs.append(("profile " + k, lambda: profile_step(k, sets[k], device, rows)))
     if "warps" not in skip and not args.tiny:
-        # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, all off
+        # launch config, then ablations (what each part of the kernel costs): no 4/6, no RHT, RTN m, RTN v (the
+        # default before session 17: the cost of v's stochastic rounding), all off
         no46 = dict(m_four_over_six=False, v_four_over_six=False)
         norht = dict(m_hadamard=None, v_hadamard=None)
+        rtn = dict(m_rounding="rtn", v_rounding="rtn")
         # (warps 2 = the block-per-thread kernel's default; bench/qadamw_variants.py compares kernels and options)
         configs = [(2, 1, None, True), (1, 1, None, None), (2, 1, no46, None), (2, 1, norht, None),
-                   (2, 1, dict(m_rounding="rtn"), None), (2, 1, {**no46, **norht, "m_rounding": "rtn"}, None)]
+                   (2, 1, dict(m_rounding="rtn"), None), (2, 1, dict(v_rounding="rtn"), None),
+                   (2, 1, {**no46, **norht, **rtn}, None)]
         jobs += [(f"config warps={w} rht_impl={i} sse64={e} {q or ''}", lambda w=w, i=i, q=q, e=e: bench_adamw(
             "124M", SETS["124M"], device, iters, warmup, rows, warps=w, impl=i, qkw=q, sse64=e))
             for w, i, q, e in configs]
