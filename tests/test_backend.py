@@ -163,6 +163,51 @@ def test_entry_point_trains_without_importing_fp4compile():
     assert res["losses"][-1] < res["losses"][0] - 0.2, res
 
 
+SOURCE_TREE_SCRIPT = textwrap.dedent("""
+    import importlib.metadata as md, json, sys
+    sys.path.insert(0, {root!r})
+    if {hide}:  # what a source tree without `pip install` looks like: no fp4compile distribution, no entry point
+        real_dist, real_eps = md.distribution, md.entry_points
+        def distribution(name):
+            if name == "fp4compile":
+                raise md.PackageNotFoundError(name)
+            return real_dist(name)
+        def entry_points(**kw):
+            eps = real_eps(**kw)
+            if kw.get("group") != "torch_dynamo_backends":
+                return eps
+            return md.EntryPoints(ep for ep in eps if ep.value.split(".")[0] != "fp4compile")
+        md.distribution, md.entry_points = distribution, entry_points
+    import torch
+    import fp4compile
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    compiled = torch.compile(model, backend="fullstack_fp4", options={{"debug": True, "policy": "bf16"}})
+    out = compiled(x)
+    out.sum().backward()
+    from torch._dynamo.backends import registry
+    print(json.dumps(dict(err=float((out - model(x)).abs().max()), loaded="fp4compile.backend" in sys.modules,
+                          via=registry._COMPILER_FNS["fullstack_fp4"].__module__,
+                          grad=model.weight.grad is not None)))
+""")
+
+
+@pytest.mark.parametrize("hide", [True, False], ids=["source_tree", "installed"])
+def test_backend_name_works_after_import_with_or_without_the_entry_point(hide):
+    """Without the entry point (source tree, PYTHONPATH only) ``import fp4compile`` registers the backend; installed,
+    importing fp4compile before compiling must not register it a second time (Dynamo asserts on a duplicate name
+    when the entry point loads), so the entry point's function is the one used."""
+    root = os.path.dirname(HERE)
+    out = subprocess.run([sys.executable, "-c", SOURCE_TREE_SCRIPT.format(root=root, hide=hide)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["loaded"] and res["grad"], res
+    assert res["err"] < 1e-5, res  # the BF16 policy on a float32 model: the plain linear
+    assert res["via"] == ("fp4compile" if hide else "fp4compile.backend"), res
+
 # ------------------------------------------------------------------------------------------------
 class Stack(nn.Module):
     """A linear stack (no non-linearity), shapes chosen so every tensor shape is distinct."""
