@@ -19,13 +19,13 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
     -> Inductor partitions and compiles the rest around the opaque fp4compile ops
 
 This module does not register itself (the entry point does; self-registration would trip Dynamo's
-duplicate-name assertion; a source tree without the entry point is registered by ``import fp4compile``). Options: ``policy`` (a :class:`~fp4compile.policy.Policy` or preset name,
-default ``full_stack``), ``dump_dir`` (write graphs, Inductor code and Triton kernel sources), ``debug``
-(CPU debug variant: same passes, partitioned graphs run eagerly -- for tests), ``gemm_lowering`` ("op":
-one opaque ``fp4compile::gemm`` per NVFP4 GEMM, default; "dequant_mm": exact bf16 block dequantization +
-FP32-output cuBLAS GEMM + scale/cast as aten ops fused into the consumer; see passes/linear.py), ``mode``
-(a torch.compile mode, for use together with other options: ``torch.compile`` refuses ``mode=`` next to
-``options=``).
+duplicate-name assertion; a source tree without the entry point is registered by ``import fp4compile``).
+Options: ``policy`` (a :class:`~fp4compile.policy.Policy` or preset name, default ``full_stack``), ``dump_dir``
+(write graphs, Inductor code and Triton kernel sources), ``debug`` (CPU debug variant: same passes, partitioned
+graphs run eagerly -- for tests), ``gemm_lowering`` ("op": one opaque ``fp4compile::gemm`` per NVFP4 GEMM,
+default; "dequant_mm": exact bf16 block dequantization + FP32-output cuBLAS GEMM + scale/cast as aten ops fused
+into the consumer; see passes/linear.py), ``mode`` (a torch.compile mode, for use together with other options:
+``torch.compile`` refuses ``mode=`` next to ``options=``).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
