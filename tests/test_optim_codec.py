@@ -1,19 +1,42 @@
 """NVFP4 optimizer-state codecs: bit-exact RTN vs the format reference, unbiased SR, safe v reconstruction."""
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from fp4compile.formats import hadamard, nvfp4
 from fp4compile.optim import codec
 
 
+def _exact_block_sse(x, codes, scales_u8, gs):
+    """Per-16-block squared error of a stored encoding against x, in float64 with exact products
+    (E2M1 value x E4M3 scale x FP32 global scale needs at most 2 + 4 + 24 significant bits)."""
+    q = nvfp4.e2m1_decode(nvfp4.unpack_nibbles(codes)).double().reshape(-1, 16)
+    sf = scales_u8.view(torch.float8_e4m3fn).double().unsqueeze(-1)
+    return ((x.double().reshape(-1, 16) - q * sf * gs.double()) ** 2).sum(-1)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), logscale=st.floats(-20, 20), fos=st.booleans())
+@example(seed=41848, logscale=0.0, fos=True)  # block 21: both 4/6 candidates decode to the same values (6·40 = 4·60)
+@example(seed=41848, logscale=0.0, fos=False)
 def test_rtn_matches_format_reference_bitwise(seed, logscale, fos):
+    """``codec.encode`` (one global scale, RTN) against ``formats.nvfp4.quantize_rtn_``: the same global scale, and
+    the same codes and block scales in every block but 4/6 ties. The two compute the candidates' squared errors
+    with different roundings (the codec: x - code·(S·g); the format reference: x·s_enc - code·S in FP32), so a
+    block whose two candidates are exactly as good may be resolved either way (CI found one: seed 41848). A block
+    may differ only with 4/6 on and only if the two stored choices' exact errors agree to 1e-6 (relative)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(512, generator=g) * torch.rand(512, generator=g) ** 3 * 2.0 ** logscale
     c, s, gs = codec.encode(x, rounding="rtn", four_over_six=fos)
     c2, s2, g2 = nvfp4.quantize_rtn_(x, False, fos)
-    assert torch.equal(c, c2) and torch.equal(s, s2.view(torch.uint8)) and torch.equal(gs, g2)
+    s2 = s2.view(torch.uint8)
+    assert torch.equal(gs, g2)
+    differ = (c.reshape(-1, 8) != c2.reshape(-1, 8)).any(-1) | (s != s2)
+    if not fos:
+        assert not differ.any()
+        return
+    e, e2 = _exact_block_sse(x, c, s, gs)[differ], _exact_block_sse(x, c2, s2, g2)[differ]
+    assert torch.all((e - e2).abs() <= 1e-6 * torch.maximum(e, e2)), (differ.nonzero().flatten(), e, e2)
+    assert differ.sum() <= 2  # ties are rare: a systematic difference is not one
 
 
 def test_zero_tensor_roundtrips_to_zero():

@@ -156,13 +156,15 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
     """Flat FP32 x [n] (n % 16 == 0) -> (codes u8 [n/2], scales u8 [n/16], global fp32).
 
     ``chunk=None``: one per-tensor global scale (0-dim) and RTN is bit-identical to
-    ``formats.nvfp4.quantize_rtn_`` on the same input. ``chunk=c`` (a multiple of 16): the second scaling
+    ``formats.nvfp4.quantize_rtn_`` on the same input, except in 4/6 ties: a block whose two candidates are
+    exactly as good (e.g. both decode to the same values) may store the other candidate's scale and codes,
+    because the two compute the errors with different roundings (here x - code·(S·g); there x·s_enc - code·S). ``chunk=c`` (a multiple of 16): the second scaling
     level is per run of ``c`` consecutive elements instead of per tensor (``global`` is ``[ceil(n/c)]``):
     the same two-level arithmetic, applied to each run as if it were a tensor of its own, so a fused kernel
     can encode each run without a tensor-wide reduction. With ``rounding="sr"`` the block scales (and the
     4/6 choice, made by RTN error) are the same and the elements are rounded stochastically with ``u`` [n].
-    ``sse64``: the 4/6 choice compares per-block squared-error sums in FP64 (the format reference's rule) or,
-    with False, in FP32 (same adjacent-pair tree; differs from FP64 only in near-ties).
+    ``sse64``: the 4/6 choice compares per-block squared-error sums in FP64 or, with False, in FP32 (the same
+    adjacent-pair tree as the format reference's ``tree_sum``; differs from FP64 only in near-ties).
     """
     x = x.to(torch.float32)
     n = x.numel()
