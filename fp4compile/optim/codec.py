@@ -158,7 +158,9 @@ def encode(x: torch.Tensor, *, rounding: str, four_over_six: bool, u: torch.Tens
     ``chunk=None``: one per-tensor global scale (0-dim) and RTN is bit-identical to
     ``formats.nvfp4.quantize_rtn_`` on the same input, except in 4/6 ties: a block whose two candidates are
     exactly as good (e.g. both decode to the same values) may store the other candidate's scale and codes,
-    because the two compute the errors with different roundings (here x - code·(S·g); there x·s_enc - code·S). ``chunk=c`` (a multiple of 16): the second scaling
+    because the two compute the errors with different roundings (here x - code·(S·g); there x·s_enc - code·S;
+    the fused kernel computes them as here, and rounding code·S first would cost it a multiply per element).
+    ``chunk=c`` (a multiple of 16): the second scaling
     level is per run of ``c`` consecutive elements instead of per tensor (``global`` is ``[ceil(n/c)]``):
     the same two-level arithmetic, applied to each run as if it were a tensor of its own, so a fused kernel
     can encode each run without a tensor-wide reduction. With ``rounding="sr"`` the block scales (and the
