@@ -96,13 +96,20 @@ study124)
   # ... fullbest+fullbest_late+fullbest_late_all:570 while the machine is warm (docs/RESULTS.md, session 16). Session 17
   # ran that: bf16root:425 ended 27 steps short (give it 445), fullbest took 0.157 s/step (~720 s for 4,577 steps), so
   # one late arm fits and two do not; a nearly finished arm now starts with less than 120 s (bench/study.py start_need)
-  tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124
+  # SEED=S (session 19) trains seed S into its own run directories (.study..._seedS); PAR=1 runs the ARM:SECONDS
+  # items at the same time on the one GPU (time-sliced: their tokens/s are not a measurement), e.g. session 19's
+  # SIZE=30m SEED=1 PAR=1 ... study124 300e6 bf16root:540,fullbest+fullbest_late:540
+  tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
   [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
+  extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
   step data 60 python bench/study.py --data-only
   for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
-    step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" --pair-late \
-        --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}"
-  done ;;
+    run_arm() { step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" \
+        --pair-late --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}" \
+        "${extra[@]}"; }
+    if [ "$par" = 1 ]; then run_arm & else run_arm; fi
+  done
+  wait ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
