@@ -101,6 +101,8 @@ study124)
   # SIZE=30m SEED=1 PAR=1 ... study124 300e6 bf16root:540,fullbest+fullbest_late:540
   tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
   [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
+  # 124M runs of another length than session 15's 100e6 get their own directories (a warm machine would resume them)
+  [ "$size" = 124m ] && [ "$tokens" != 100e6 ] && dir=.study124_$tokens
   extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
   step data 60 python bench/study.py --data-only
   for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
