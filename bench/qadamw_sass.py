@@ -21,8 +21,9 @@ from fp4compile.optim import fused as F  # noqa: E402
 
 _SIG = {"qtab": "*i64", "ptab": "*i64", "coef": "*fp32", "coef_stride": "i32", "chunks": "*i32", "b1c": "fp32",
         "sb2": "fp32", "sb2c": "fp32", "eps": "fp32"}
-#: the default QAdamW group (tile 32, RHT-16 on both moments, SR + 4/6 for m, RTN + 4/6 for v, FP32 params)
-DEFAULT = dict(N=1024, NQ=12, TILE=32, MH=16, VH=16, MNORM=0.25, VNORM=0.25, M_SR=True, M_FOS=True, V_SR=False,
+#: the default QAdamW group (tile 32, RHT-16 on both moments, SR + 4/6 for m and for v since session 17, FP32
+#: params); session 11's counts below the defaults of the day had RTN v ('{"V_SR": false}')
+DEFAULT = dict(N=1024, NQ=12, TILE=32, MH=16, VH=16, MNORM=0.25, VNORM=0.25, M_SR=True, M_FOS=True, V_SR=True,
                V_FOS=True, P_KIND=0, G_KIND=0, MASTER=0, MAXIMIZE=False, SSE64=False)
 
 

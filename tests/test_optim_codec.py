@@ -1,4 +1,6 @@
 """NVFP4 optimizer-state codecs: bit-exact RTN vs the format reference, unbiased SR, safe v reconstruction."""
+import numpy as np
+import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
@@ -75,6 +77,61 @@ def test_stochastic_rounding_is_unbiased():
     mean = acc / n
     # worst-case per-element std of one draw is step/2 <= 1; 5 sigma of the mean of 400 draws
     assert float((mean - x).abs().max()) < 5 * 1.0 / n ** 0.5
+
+
+def test_shared_sr_uniforms_are_the_two_halves_of_one_hash_and_independent():
+    """Q-AdamW's two SR streams (m: high 16 bits, v: low 16 bits of one hash word) against bit operations in
+    numpy on the hash words, then uniformity (chi-square per stream) and independence (correlation of the two
+    streams, and of the joint 4x4 histogram) over 2^16 elements."""
+    n, seed = 1 << 16, torch.tensor(11)
+    um, uv = codec.shared_sr_uniforms(n, seed, "cpu")
+    h = codec.hash_bits(n, seed, "cpu").numpy().astype(np.uint64)
+    np.testing.assert_array_equal(um.numpy(), (h >> np.uint64(16)).astype(np.float64) / 65536.0)
+    np.testing.assert_array_equal(uv.numpy(), (h & np.uint64(0xFFFF)).astype(np.float64) / 65536.0)
+    # the high half is the 24-bit stream's top 16 bits
+    np.testing.assert_array_equal(um.numpy(), np.floor(codec.uniform_hash(n, seed, "cpu").numpy() * 65536) / 65536)
+    expected = n / 16
+    for u in (um, uv):
+        assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+        chi2 = float(((torch.histc(u, bins=16, min=0, max=1) - expected) ** 2 / expected).sum())
+        assert chi2 < 50  # 15 dof: p ~ 1e-5
+    rho = float(np.corrcoef(um.numpy(), uv.numpy())[0, 1])
+    assert abs(rho) < 5 / n ** 0.5  # 5 sigma of the sample correlation of independent streams
+    joint = np.histogram2d(um.numpy(), uv.numpy(), bins=4, range=[[0, 1], [0, 1]])[0]
+    chi2 = float(((joint - n / 16) ** 2 / (n / 16)).sum())
+    assert chi2 < 50  # 15 dof
+
+
+def test_stochastic_rounding_with_16_bit_shared_uniforms_is_unbiased():
+    """Both 16-bit streams round without bias: the mean of N draws approaches x as 1/sqrt(N) (the bias of a
+    16-bit uniform, < 2^-16 of a grid step, is far below the 5-sigma bound)."""
+    x = torch.linspace(-5.9, 5.9, 64)
+    acc_m, acc_v = torch.zeros_like(x), torch.zeros_like(x)
+    n = 400
+    for i in range(n):
+        um, uv = codec.shared_sr_uniforms(64, torch.tensor(i), "cpu")
+        acc_m += codec.e2m1_decode(codec.e2m1_sr_codes(x, um))
+        acc_v += codec.e2m1_decode(codec.e2m1_sr_codes(x, uv))
+    for acc in (acc_m, acc_v):
+        assert float((acc / n - x).abs().max()) < 5 * 1.0 / n ** 0.5
+
+
+def test_encode_takes_given_uniforms_and_rejects_wrong_ones():
+    m = torch.randn(1024)
+    s = hadamard.random_signs(16, torch.Generator().manual_seed(0))
+    um, uv = codec.shared_sr_uniforms(1024, torch.tensor(5), "cpu")
+    # the given uniforms decide the rounding: u = 0 rounds every off-grid element up, u -> 1 down
+    up = codec.encode_m(m, s, u=torch.zeros(1024))
+    down = codec.encode_m(m, s, u=torch.full((1024,), 1 - 2 ** -16))
+    assert not torch.equal(up[0], down[0])
+    assert torch.equal(up[1], down[1])  # scales and the 4/6 choice do not depend on them
+    # the low half is another stream than the seed's 24-bit one (the high half is its top 16 bits)
+    assert not torch.equal(codec.encode_m(m, s, u=uv)[0], codec.encode_m(m, s, seed=torch.tensor(5))[0])
+    assert all(torch.equal(x, y) for x, y in zip(codec.encode_m(m, s, u=um), codec.encode_m(m, s, u=um.clone())))
+    with pytest.raises(ValueError, match="float32 \\[1024\\]"):
+        codec.encode_m(m, s, u=um[:512])
+    with pytest.raises(ValueError, match="for 'sr' only"):
+        codec.encode_v(m.abs(), s, tile=32, rounding="rtn", u=um)
 
 
 def test_bf16_stochastic_round_unbiased():

@@ -145,8 +145,9 @@ def test_second_moment_decays_when_the_gradient_stops(drift, v_rounding):
     growth = ratios[600][0] / ratios[300][0]
     if v_rounding == "sr":
         # elements far below their run's resolution are over-estimated (the decoder's floor), which lifts the
-        # sum (~3x here) and slowly, but the largest values follow the decay
-        assert ratios[600][0] < 4.0 and 0.7 < ratios[600][1] < 2.0 and growth < 1.5, ratios
+        # sum (~3x here) and slowly, but the largest values follow the decay: the largest 1 % of the elements
+        # (0.84-0.90 at step 600 over seeds 0-5; the single largest is one random walk, 0.65-1.40)
+        assert ratios[600][0] < 4.0 and 0.75 < ratios[600][2] < 1.5 and growth < 1.5, ratios
     else:
         # the failure SR fixes (measured: x87 and x2e7 from step 300 to 600 at seeds 0 and 1)
         assert growth > 10.0, ratios

@@ -85,6 +85,20 @@ def uniform_hash(n: int, seed: torch.Tensor, device) -> torch.Tensor:
     return (hash_bits(n, seed, device) >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
+def shared_sr_uniforms(n: int, seed: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two streams of n uniforms in [0, 1) from ONE :func:`hash_bits` word per element: the high 16 bits for the
+    first stream, the low 16 bits for the second (16-bit resolution each, k / 2^16).
+
+    Q-AdamW's step draws both moments' SR bits this way (m: high half, v: low half), so its fused kernel
+    hashes each element once instead of once per moment (the two hashes were ~11 % of the kernel's sm_90
+    instructions, ``bench/qadamw_sass.py``). The halves of a well-mixed 32-bit word are independent for this
+    purpose (``tests/test_optim_codec.py`` checks their correlation and uniformity). With 16 bits, SR rounds up
+    with probability ceil(f * 2^16) / 2^16 for a fractional position f: a bias below 2^-16 of a grid step.
+    """
+    h = hash_bits(n, seed, device)
+    return (h >> 16).to(torch.float32) * (1.0 / 65536.0), (h & 0xFFFF).to(torch.float32) * (1.0 / 65536.0)
+
+
 def bf16_stochastic_round(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     """FP32 -> BF16 with unbiased stochastic rounding: add 16 random bits below the BF16 mantissa, truncate.
 
@@ -277,13 +291,28 @@ def scaled_hypot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # the two moment codecs
+def _sr_uniforms(n: int, rounding: str, seed, u, device):
+    """The SR uniforms of an encode: ``u`` when given (the caller's stream), else :func:`uniform_hash` of ``seed``."""
+    if rounding != "sr":
+        if u is not None:
+            raise ValueError(f"uniforms were given for rounding={rounding!r}; they are for 'sr' only")
+        return None
+    if u is None:
+        return uniform_hash(n, seed, device)
+    if u.shape != (n,) or u.dtype != torch.float32:
+        raise ValueError(f"SR uniforms must be float32 [{n}], got {u.dtype} {tuple(u.shape)}")
+    return u
+
+
 def encode_m(m: torch.Tensor, signs: torch.Tensor, *, rounding="sr", four_over_six=True, seed=None,
-             chunk: int | None = None, sse64: bool = True):
+             chunk: int | None = None, sse64: bool = True, u: torch.Tensor | None = None):
     """First moment: RHT along the flat vector, then NVFP4 (SR + 4/6 by default). ``chunk``: see
-    :func:`encode` (the optimizer uses per-chunk global scales, ``qadamw.SCALE_CHUNK``)."""
+    :func:`encode` (the optimizer uses per-chunk global scales, ``qadamw.SCALE_CHUNK``). SR draws its uniforms
+    from ``seed`` (:func:`uniform_hash`) or takes them as ``u`` (float32 [numel], e.g. from
+    :func:`shared_sr_uniforms`)."""
     m = m.reshape(-1).to(torch.float32)
     y = rht(m, signs) if signs is not None else m
-    u = uniform_hash(m.numel(), seed, m.device) if rounding == "sr" else None
+    u = _sr_uniforms(m.numel(), rounding, seed, u, m.device)
     codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g)
 
@@ -296,10 +325,11 @@ def decode_m(codes, scales, gbits, signs, chunk: int | None = None) -> torch.Ten
 
 
 def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", four_over_six=False, seed=None,
-             from_sqrt: bool = False, chunk: int | None = None, sse64: bool = True):
+             from_sqrt: bool = False, chunk: int | None = None, sse64: bool = True, u: torch.Tensor | None = None):
     """Second moment: r = sqrt(v); mu = BF16 tile mean of r; NVFP4(RHT(r - mu)).
 
     ``from_sqrt=True`` means the input already is r = sqrt(v) (saves a sqrt/square pair in the step).
+    SR uniforms: from ``seed`` or given as ``u``, as in :func:`encode_m`.
     Returns (codes, scales, gbits, mean_bits int16 [n/tile]).
     """
     v = v.reshape(-1).to(torch.float32)
@@ -307,7 +337,7 @@ def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", 
     mu = tile_mean(r, tile).to(torch.bfloat16)
     res = (r.reshape(-1, tile) - mu.to(torch.float32).unsqueeze(-1)).reshape(-1)
     y = rht(res, signs) if signs is not None else res
-    u = uniform_hash(v.numel(), seed, v.device) if rounding == "sr" else None
+    u = _sr_uniforms(v.numel(), rounding, seed, u, v.device)
     codes, scales, g = encode(y, rounding=rounding, four_over_six=four_over_six, u=u, chunk=chunk, sse64=sse64)
     return codes, scales, bits_from_f32(g), mu.view(torch.int16)
 

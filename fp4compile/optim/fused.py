@@ -236,9 +236,10 @@ def _sr_codes(v, u):
 
 
 @triton.jit
-def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N: tl.constexpr,
+def _encode_store(y, u, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N: tl.constexpr,
                   FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr):
-    """``codec.encode`` of one run (its own second-level scale) -> stores codes, scale bytes, global."""
+    """``codec.encode`` of one run (its own second-level scale) -> stores codes, scale bytes, global. ``u``: the
+    run's SR uniforms [N] (read only when SR)."""
     NB: tl.constexpr = N // 16
     xb = tl.reshape(y, (NB, 16))
     ab = tl.max(tl.abs(xb), axis=1)
@@ -252,7 +253,6 @@ def _encode_store(y, offs, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, n, N
         enc = tl.where(pick4, enc4, enc)
     scaled = xb * enc[:, None]
     if SR:
-        u = (_hash(offs, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
         q = _sr_codes(scaled, tl.reshape(u, (NB, 16)))
     else:
         q = _e2m1_rne(scaled)
@@ -352,16 +352,22 @@ def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps
     r = tl.where(mask, r, 0.0)
     if MH > 0:
         m = _rht(m, m_signs, N, MH, MNORM, IMPL)
-    _encode_store(m, offs, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c, base, n, N,
-                  M_FOS, M_SR, SSE64)
+    # one hash per element for both moments' SR (``codec.shared_sr_uniforms``: m the high 16 bits, v the low)
+    if M_SR or V_SR:
+        h = _hash(offs, _step_seed(base_seed, step_f, 0))
+        um = (h >> 16).to(tl.float32) * 1.52587890625e-05
+        uv = (h & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+    else:
+        um = 0.0
+        uv = 0.0
+    _encode_store(m, um, m_codes, m_scales, m_gbits, c, base, n, N, M_FOS, M_SR, SSE64)
     mu = _bf16_rne(_tree_rows(tl.reshape(r, (N // TILE, TILE)), N // TILE, TILE) * (1.0 / TILE))
     tl.store(v_mean + ot, mu, mask=ot < n // TILE)
     res = tl.reshape(tl.reshape(r, (N // TILE, TILE)) - mu.to(tl.float32)[:, None], (N,))
     res = tl.where(mask, res, 0.0)
     if VH > 0:
         res = _rht(res, v_signs, N, VH, VNORM, IMPL)
-    _encode_store(res, offs, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c, base, n, N,
-                  V_FOS, V_SR, SSE64)
+    _encode_store(res, uv, v_codes, v_scales, v_gbits, c, base, n, N, V_FOS, V_SR, SSE64)
     _write_param(p_ptr, tl.load(row + 11), p32, offs, mask, base_seed, step_f, MASTER)
 
 
@@ -528,18 +534,31 @@ def _q_pack(m, x, SH: tl.constexpr):
 
 
 @triton.jit
-def _q_uniform(idx0, K: tl.constexpr, seed):
-    """``codec.uniform_hash`` of quarter K (uint32 element indices idx0 + 4K + j, mod 2^32)."""
+def _q_hash(idx0, K: tl.constexpr, seed):
+    """``codec.hash_bits`` of quarter K (uint32 element indices idx0 + 4K + j, mod 2^32): uint32 [NB, 4]."""
     i = idx0[:, None] + (4 * K + tl.arange(0, 4)).to(tl.uint32)[None, :]
-    return (_hash(i, seed) >> 8).to(tl.float32) * 5.9604644775390625e-08
+    return _hash(i, seed)
 
 
 @triton.jit
-def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
+def _hi16(h):
+    """``codec.shared_sr_uniforms``' first stream: the high 16 bits of a hash word as a uniform in [0, 1)."""
+    return (h >> 16).to(tl.float32) * 1.52587890625e-05
+
+
+@triton.jit
+def _lo16(h):
+    """``codec.shared_sr_uniforms``' second stream: the low 16 bits as a uniform in [0, 1)."""
+    return (h & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+
+
+@triton.jit
+def _q_encode_store(x0, x1, x2, x3, u0, u1, u2, u3, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
                     NB: tl.constexpr, FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr,
                     REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr):
     """``codec.encode`` of one run held as quarters (its own second-level scale) -> stores the packed codes
-    (two int32 words per block), the scale bytes and the global decode scale."""
+    (two int32 words per block), the scale bytes and the global decode scale. ``u0..u3``: the quarters' SR
+    uniforms (read only when SR)."""
     a0 = tl.abs(x0)
     a1 = tl.abs(x1)
     a2 = tl.abs(x2)
@@ -571,10 +590,10 @@ def _q_encode_store(x0, x1, x2, x3, idx0, seed, codes_ptr, scales_ptr, gbits_ptr
         m2 = _q_sr_mag(a2 * e2, 0.5)
         m3 = _q_sr_mag(a3 * e2, 0.5)
     elif SR:
-        m0 = _q_sr_mag(a0 * e2, _q_uniform(idx0, 0, seed))
-        m1 = _q_sr_mag(a1 * e2, _q_uniform(idx0, 1, seed))
-        m2 = _q_sr_mag(a2 * e2, _q_uniform(idx0, 2, seed))
-        m3 = _q_sr_mag(a3 * e2, _q_uniform(idx0, 3, seed))
+        m0 = _q_sr_mag(a0 * e2, u0)
+        m1 = _q_sr_mag(a1 * e2, u1)
+        m2 = _q_sr_mag(a2 * e2, u2)
+        m3 = _q_sr_mag(a3 * e2, u3)
     elif FOS and REUSE:
         p4 = pick4[:, None]
         m0 = tl.where(p4, m4a, m6a)
@@ -690,7 +709,17 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     idx0 = (base & 0xFFFFFFFF).to(tl.uint32) + (blk * 16).to(tl.uint32)  # hash index mod 2^32
     if MH > 0:
         m0, m1, m2, m3 = _q_rht(m0, m1, m2, m3, m_signs, NB, MH, MNORM)
-    _q_encode_store(m0, m1, m2, m3, idx0, _step_seed(base_seed, step_f, 0), m_codes, m_scales, m_gbits, c,
+    # one hash per element for both moments' SR (``codec.shared_sr_uniforms``: m the high 16 bits, v the low),
+    # drawn where it is first needed (drawn here for a v-only SR, it would hold 40 more registers through m's encode)
+    sd = _step_seed(base_seed, step_f, 0)
+    if M_SR and not (PROF & 2):
+        h0, h1, h2, h3 = _q_hash(idx0, 0, sd), _q_hash(idx0, 1, sd), _q_hash(idx0, 2, sd), _q_hash(idx0, 3, sd)
+    else:  # no uniforms read (dead code after compilation)
+        h0 = tl.zeros((NB, 4), dtype=tl.uint32)
+        h1 = h0
+        h2 = h0
+        h3 = h0
+    _q_encode_store(m0, m1, m2, m3, _hi16(h0), _hi16(h1), _hi16(h2), _hi16(h3), m_codes, m_scales, m_gbits, c,
                     base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF)
 
     # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
@@ -713,7 +742,9 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     r3 = tl.where(bm, r3 - mub, 0.0)
     if VH > 0:
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
-    _q_encode_store(r0, r1, r2, r3, idx0, _step_seed(base_seed, step_f, 1), v_codes, v_scales, v_gbits, c,
+    if V_SR and not M_SR and not (PROF & 2):
+        h0, h1, h2, h3 = _q_hash(idx0, 0, sd), _q_hash(idx0, 1, sd), _q_hash(idx0, 2, sd), _q_hash(idx0, 3, sd)
+    _q_encode_store(r0, r1, r2, r3, _lo16(h0), _lo16(h1), _lo16(h2), _lo16(h3), v_codes, v_scales, v_gbits, c,
                     base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF)
 
 

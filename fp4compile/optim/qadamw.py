@@ -28,7 +28,7 @@ reference, bit for bit, and runs where Triton does not (CPU; ``fused=False``; ``
 The second-level NVFP4 scale of the states is per run of ``SCALE_CHUNK`` (1024) elements instead of per
 tensor, so no tensor-wide amax is needed before encoding. Stochastic rounding draws its bits from a
 counter-based hash of (element, per-tensor seed, step), so a resumed run reproduces the uninterrupted one
-bit for bit.
+bit for bit; one hash word per element serves both moments (``codec.shared_sr_uniforms``).
 """
 from __future__ import annotations
 
@@ -131,11 +131,15 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     denom = r / bc2_sqrt + eps
     p32 = p.reshape(-1).to(torch.float32) * decay
     p32 = p32 - step_size * (m / denom)
-    mc, msc, mg = codec.encode_m(m, ms, rounding=m_rounding, four_over_six=m_four_over_six,
-                                 seed=codec.step_seed(seed, step, 0), chunk=ch, sse64=SSE64_4OVER6)
+    # one hash per element serves both moments' SR: m takes its high 16 bits, v the low 16 (codec.shared_sr_uniforms)
+    um = uv = None
+    if m_rounding == "sr" or v_rounding == "sr":
+        um, uv = codec.shared_sr_uniforms(m.numel(), codec.step_seed(seed, step, 0), m.device)
+    mc, msc, mg = codec.encode_m(m, ms, rounding=m_rounding, four_over_six=m_four_over_six, chunk=ch,
+                                 sse64=SSE64_4OVER6, u=um if m_rounding == "sr" else None)
     vc, vsc, vg, vmu = codec.encode_v(r, vs, tile=tile, rounding=v_rounding, four_over_six=v_four_over_six,
-                                      seed=codec.step_seed(seed, step, 1), from_sqrt=True, chunk=ch,
-                                      sse64=SSE64_4OVER6)
+                                      from_sqrt=True, chunk=ch, sse64=SSE64_4OVER6,
+                                      u=uv if v_rounding == "sr" else None)
     m_codes.copy_(mc)
     m_scales.copy_(msc)
     m_gbits.copy_(mg)
