@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     for vr in ("rtn", "sr"):
         for seed in (0, 1):
             cells = synthetic(seed, args.steps, report, v_rounding=vr).values()
-            print(f"| {vr} | {seed} | " + " | ".join(f"{s:.3g} / {m:.3g} / {t:.3g}" for s, m, t in cells) + " |", flush=True)
+            row = " | ".join(f"{s:.3g} / {m:.3g} / {t:.3g}" for s, m, t in cells)
+            print(f"| {vr} | {seed} | {row} |", flush=True)
     if args.state.is_file():
         print(f"\nreplay of {args.state.name}: 40 steps, gradient 1e-5; largest sqrt(v) / its start\n")
         print("| v rounding | largest sqrt(v) / start | exact decay |")
