@@ -355,8 +355,8 @@ def _qadamw_kernel_v1(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps
     # one hash per element for both moments' SR (``codec.shared_sr_uniforms``: m the high 16 bits, v the low)
     if M_SR or V_SR:
         h = _hash(offs, _step_seed(base_seed, step_f, 0))
-        um = (h >> 16).to(tl.float32) * 1.52587890625e-05
-        uv = (h & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+        um = _hi16(h)
+        uv = _lo16(h)
     else:
         um = 0.0
         uv = 0.0
@@ -541,6 +541,12 @@ def _q_hash(idx0, K: tl.constexpr, seed):
 
 
 @triton.jit
+def _q_hashes(idx0, seed):
+    """:func:`_q_hash` of the four quarters."""
+    return _q_hash(idx0, 0, seed), _q_hash(idx0, 1, seed), _q_hash(idx0, 2, seed), _q_hash(idx0, 3, seed)
+
+
+@triton.jit
 def _hi16(h):
     """``codec.shared_sr_uniforms``' first stream: the high 16 bits of a hash word as a uniform in [0, 1)."""
     return (h >> 16).to(tl.float32) * 1.52587890625e-05
@@ -713,7 +719,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     # drawn where it is first needed (drawn here for a v-only SR, it would hold 40 more registers through m's encode)
     sd = _step_seed(base_seed, step_f, 0)
     if M_SR and not (PROF & 2):
-        h0, h1, h2, h3 = _q_hash(idx0, 0, sd), _q_hash(idx0, 1, sd), _q_hash(idx0, 2, sd), _q_hash(idx0, 3, sd)
+        h0, h1, h2, h3 = _q_hashes(idx0, sd)
     else:  # no uniforms read (dead code after compilation)
         h0 = tl.zeros((NB, 4), dtype=tl.uint32)
         h1 = h0
@@ -743,7 +749,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if VH > 0:
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
     if V_SR and not M_SR and not (PROF & 2):
-        h0, h1, h2, h3 = _q_hash(idx0, 0, sd), _q_hash(idx0, 1, sd), _q_hash(idx0, 2, sd), _q_hash(idx0, 3, sd)
+        h0, h1, h2, h3 = _q_hashes(idx0, sd)
     _q_encode_store(r0, r1, r2, r3, _lo16(h0), _lo16(h1), _lo16(h2), _lo16(h3), v_codes, v_scales, v_gbits, c,
                     base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF)
 
