@@ -176,10 +176,11 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
 
 def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float | None, extra: list,
                 warmup: int | None = None, nproc: int = 1, batch_size: int | None = None,
-                master_port: int = 29500) -> list:
+                master_port: int = 29500, deadline: float | None = None) -> list:
     """The arm's ``fp4compile train`` command. ``nproc > 1``: launched by torchrun with ``--parallel ddp`` and
     ``batch_size // nproc`` sequences per rank, so the global batch (and with it the schedule, the data order
-    and the tokens per step) stays the config's ``batch_size``."""
+    and the tokens per step) stays the config's ``batch_size``. ``max_seconds`` / ``deadline`` (a Unix time): the
+    run's time budget (``--max-seconds`` counts from its training loop's start, ``--deadline`` includes start-up)."""
     a = ARMS[arm]
     if nproc > 1:
         if batch_size is None or batch_size % nproc:
@@ -197,6 +198,8 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
         cmd += ["--warmup-steps", str(warmup)]
     if max_seconds is not None:
         cmd += ["--max-seconds", f"{max_seconds:.0f}"]
+    if deadline is not None:
+        cmd += ["--deadline", f"{deadline:.0f}"]
     if "lora_rank" in a:
         cmd += ["--lora-rank", str(a["lora_rank"])]
     if a.get("lora_train_factors") is False:
@@ -219,17 +222,25 @@ def hand_over(src: Path, dst: Path, step: int) -> None:
 
 #: seconds an arm needs to be started at all (compile + a useful stretch of training), unless it is nearly done
 MIN_START_S = 120
+#: seconds the driver keeps after an arm's deadline (its own bookkeeping: a --pair-late hand-over, the export)
+POST_S = 15
+#: seconds an arm takes to reach its training loop (imports, data, model, checkpoint load), for start_need
+STARTUP_S = 25
 
 
 def start_need(summary: dict | None, target: int) -> float:
     """Seconds of time budget that make an arm worth starting: :data:`MIN_START_S`, or less for a resumed run close
-    to ``target``: its last call's time to the first step (compile) + its remaining steps at its last rate + 30 s
-    (evals, checkpoint) + the 40 s the driver keeps in reserve. A run without those numbers needs MIN_START_S."""
+    to ``target``: its start-up (:data:`STARTUP_S`) + its last call's time to the first step (compile) + its
+    remaining steps at its last rate + the loop's checkpoint reserve (``checkpoint_reserve`` of the save time its
+    summary records, 30 s without one) + :data:`POST_S`. A run without those numbers needs MIN_START_S."""
+    from fp4compile.train.loop import checkpoint_reserve
+
     s = summary or {}
     step, tps, first, tokens = (s.get(k) for k in ("step", "tok_per_s", "first_step_s", "tokens"))
     if not (step and tps and first and tokens):
         return MIN_START_S
-    need = first + max(target - step, 0) * (tokens / step) / tps + 30 + 40
+    need = (STARTUP_S + first + max(target - step, 0) * (tokens / step) / tps
+            + checkpoint_reserve(s.get("checkpoint_s")) + POST_S)
     return min(MIN_START_S, need)
 
 
@@ -375,15 +386,17 @@ def main(argv=None) -> int:
             if left < start_need(summaries(out, [arm]).get(arm), target):
                 print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
                 return None
-            cmd = arm_command(args.size, arm, out, steps, left - 40, args.extra + flags, warmup, **ddp)
+            # the arm stops by a deadline (not a duration): its own start-up counts, the driver keeps POST_S
+            deadline = t_start + args.time_budget - POST_S
+            cmd = arm_command(args.size, arm, out, steps, None, args.extra + flags, warmup, deadline=deadline, **ddp)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             if rc != 0 and cuda_graphs:
                 left = args.time_budget - (time.time() - t_start)
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)
-                cmd = arm_command(args.size, arm, out, steps, left - 40,
-                                  args.extra + flags + ["--compile-mode", "default"], warmup, **ddp)
+                cmd = arm_command(args.size, arm, out, steps, None, args.extra + flags + ["--compile-mode", "default"],
+                                  warmup, deadline=deadline, **ddp)
                 rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             return rc
 

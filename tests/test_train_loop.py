@@ -334,6 +334,47 @@ def test_time_budget_checkpoints_and_resumes(tmp_path):
     assert [s for s, _ in losses(tmp_path / "run")] == list(range(1, r.step + 3))
 
 
+def test_time_budget_reserve_follows_the_measured_checkpoint_time():
+    # 30 s until a save has been timed, then 2 x the save + 5 s (session 20: 30 s kept for ~10 s of saving)
+    assert L.checkpoint_reserve(None) == L.CKPT_RESERVE_S == 30.0
+    assert L.checkpoint_reserve(0.0) == 30.0
+    assert L.checkpoint_reserve(2.5) == 10.0
+    assert L.checkpoint_reserve(40.0) == 85.0      # a slow save gets more than the default, not less
+    steps = [70.0, 9.0, 1.0, 1.0]
+    assert L.out_of_time(238.0, steps, 250.0, reserve=10.0)      # 238 + 3 + 10 > 250
+    assert not L.out_of_time(236.0, steps, 250.0, reserve=10.0)
+    assert L.out_of_time(236.0, steps, 250.0)                    # the default 30 s would have stopped it
+
+
+def test_deadline_is_the_smaller_budget_and_counts_from_the_clock():
+    assert L.time_budget(None, None, 1000.0) is None
+    assert L.time_budget(120.0, None, 1000.0) == 120.0
+    assert L.time_budget(None, 1100.0, 1000.0) == 100.0
+    assert L.time_budget(120.0, 1100.0, 1000.0) == 100.0
+    assert L.time_budget(80.0, 1100.0, 1000.0) == 80.0
+    assert L.time_budget(None, 990.0, 1000.0) == -10.0           # already past: stop after the first step
+
+
+def test_deadline_stops_checkpoints_records_the_save_and_resume_reserves_it(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path, steps=50, val_data="", deadline=time.time() - 1.0)
+    r = L.train(cfg)
+    assert r.status == "time_budget" and 1 <= r.step < 50
+    save_s = json.loads((tmp_path / "run" / "summary.json").read_text())["checkpoint_s"]
+    assert save_s is not None and save_s > 0
+    seen = []
+    real = L.out_of_time
+
+    def spy(elapsed, step_times, max_seconds, ahead=3, reserve=L.CKPT_RESERVE_S):
+        seen.append((max_seconds, reserve))
+        return real(elapsed, step_times, max_seconds, ahead, reserve)
+
+    monkeypatch.setattr(L, "out_of_time", spy)
+    r2 = L.train(dataclasses.replace(cfg, steps=r.step + 2, deadline=time.time() + 3600.0, resume=True))
+    assert r2.status == "done" and r2.step == r.step + 2
+    assert seen and all(res == pytest.approx(2.0 * save_s + 5.0) for _, res in seen)
+    assert all(3000.0 < b <= 3600.0 for b, _ in seen)
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
     cfg = tiny_cfg(tmp_path, "intr", steps=400, val_data="", log_interval=1, schedule="constant")
     metrics = tmp_path / "intr" / "metrics.jsonl"

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,25 @@ def test_a_nearly_done_arm_starts_in_less_than_the_usual_budget(study, tmp_path,
     assert main(110) == 0
     assert main(125) == 1
     assert study.start_need({"step": 40}, 100) == study.MIN_START_S
+    # a summary that records its checkpoint save (2 s) keeps 2 x 2 + 5 s for it instead of 30 s
+    s = {"step": 97, "tokens": 97 * 65536, "tok_per_s": 940_000.0, "first_step_s": 17.0, "checkpoint_s": 2.0}
+    assert study.start_need(s, 100) == pytest.approx(87.2 - 30.0 + 9.0, abs=0.1)
+
+
+def test_arms_get_the_calls_deadline_not_a_duration(study, tmp_path, monkeypatch):
+    """Each arm runs to a Unix-time deadline of the call's start + budget - POST_S (start-up counts against it), not
+    to --max-seconds from its loop's start with 40 s guessed for the rest (session 20 lost 45-60 s per arm and call)."""
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
+    t0 = time.time()
+    assert study.main(["--arms", "bf16,quartet2", "--tokens", "6553600", "--skip-data", "--out", str(tmp_path),
+                       "--time-budget", "300"]) == 0
+    t1 = time.time()
+    assert len(calls) == 2
+    for cmd in calls:
+        assert "--max-seconds" not in cmd
+        deadline = float(cmd[cmd.index("--deadline") + 1])
+        assert t0 + 300 - study.POST_S - 1 <= deadline <= t1 + 300 - study.POST_S + 1
 
 
 def _fake_train(calls, fail=(), budget=None, crash_at=None):

@@ -9,11 +9,17 @@ Everything a run writes goes to ``out_dir``:
     metrics.jsonl      one JSON object per line: {"step", "tokens", "loss", "lr"} per step, plus
                        throughput lines ({"tok_per_s", ...}) and eval lines ({"val_loss", "brown_loss"})
     checkpoint/        model.safetensors + state.pt (optimizer, LR schedule, RNG, step, data position)
-    summary.json       final numbers (loss, val/brown loss, tokens/s, compile time, peak memory)
+    summary.json       final numbers (loss, val/brown loss, tokens/s, compile time, checkpoint save time, peak
+                       memory)
 
 Resume (``resume=True``) continues bit-exactly: batches are a pure function of (seed, sample index), the
 optimizer/schedule/RNG state is restored, and metric lines past the checkpoint are dropped. Ctrl-C (SIGINT)
 finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once).
+
+Time budget (``max_seconds`` from the loop's start, or ``deadline``, a Unix time that start-up counts against;
+the smaller wins): the run stops, checkpoints and returns while three more steps and the checkpoint still fit. It
+keeps 30 s for the save until one has been timed, then twice the slowest save of the run (this call's, or the
+one the resumed call's ``summary.json`` records) plus 5 s (``checkpoint_reserve``).
 
 Fork (``init_from=RUN_DIR``): start a new run at another run's checkpoint (its weights, optimizer state, LR
 schedule, RNG and step) with the same model, optimizer and data order but, typically, another backend or
@@ -132,6 +138,8 @@ class TrainConfig:
     init_from: str = ""                       # fork: start at another run's checkpoint (weights, optimizer state,
                                               # schedule, RNG, step); it may add LoRA-SVD or change backend/policy
     max_seconds: Optional[float] = None       # wall-clock budget: checkpoint and stop before it runs out
+    deadline: Optional[float] = None          # the same as a Unix time (time.time()) by which the run has saved
+                                              # its checkpoint: start-up before the loop counts against it
     stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run;
                                               # resumed at or past it, the run trains nothing and stops)
     device: str = "auto"
@@ -856,18 +864,41 @@ def evaluate(model_fn, batches: D.TokenBatches, n_batches: int, batch_size: int,
     return float(total / n)
 
 
-def out_of_time(elapsed: float, step_times: list[float], max_seconds: float, ahead: int = 3) -> bool:
+#: seconds a time budget keeps for the final checkpoint while no save of the run has been timed
+CKPT_RESERVE_S = 30.0
+
+
+def checkpoint_reserve(save_s: Optional[float]) -> float:
+    """Seconds a time budget keeps for the final checkpoint and the exit: :data:`CKPT_RESERVE_S` until a save of
+    this run has been timed (``save_s``: the slowest one, this call's or the summary's of the call it resumes),
+    then twice that plus 5 s. Session 20's 124M runs kept 30 s for saves that, with start-up and exit, took 22-24 s
+    in all: 45-60 s of every call went unused, enough for both arms to have finished."""
+    return CKPT_RESERVE_S if not save_s else 2.0 * save_s + 5.0
+
+
+def time_budget(max_seconds: Optional[float], deadline: Optional[float], now: float) -> Optional[float]:
+    """The loop's budget in seconds from ``now`` (``time.time()`` at its start): ``max_seconds``, or what is left
+    until ``deadline``, whichever is smaller; None without either."""
+    left = None if deadline is None else deadline - now
+    if max_seconds is None:
+        return left
+    return max_seconds if left is None else min(max_seconds, left)
+
+
+def out_of_time(elapsed: float, step_times: list[float], max_seconds: float, ahead: int = 3,
+                reserve: float = CKPT_RESERVE_S) -> bool:
     """Whether a run ``elapsed`` seconds in, with these per-step times so far, must stop to keep ``max_seconds``.
 
     It keeps room for ``ahead`` more steps (three; under DDP, where the ranks decide together only every
-    ``log_interval`` steps, that many more) and 30 s for the checkpoint. The step time is the mean of the steps
-    after the first two, which compile (and, with CUDA graphs, warm up and capture): those two only count against
-    the budget through ``elapsed``, or one compile-length step would stop a short budget before it trained at all.
+    ``log_interval`` steps, that many more) and ``reserve`` seconds for the checkpoint (:func:`checkpoint_reserve`).
+    The step time is the mean of the steps after the first two, which compile (and, with CUDA graphs, warm up and
+    capture): those two only count against the budget through ``elapsed``, or one compile-length step would stop a
+    short budget before it trained at all.
     """
     if len(step_times) <= 2:
-        return elapsed + 30 > max_seconds
+        return elapsed + reserve > max_seconds
     steady = step_times[2:]           # host times; on CUDA the log-step syncs amortize
-    return elapsed + ahead * sum(steady) / len(steady) + 30 > max_seconds
+    return elapsed + ahead * sum(steady) / len(steady) + reserve > max_seconds
 
 
 def load_run_data(cfg: TrainConfig):
@@ -1042,6 +1073,7 @@ def train(cfg: TrainConfig) -> RunResult:
         bar = tqdm(total=cfg.steps, initial=start_step, desc=Path(cfg.out_dir).name, unit="step",
                    dynamic_ncols=True)
     t_start = time.perf_counter()
+    budget_s = time_budget(cfg.max_seconds, cfg.deadline, time.time())
     step_times: List[float] = []
     pending: List[tuple] = []                     # (step, loss tensor, lr): synced every log_interval
     recent_losses: List[float] = []
@@ -1070,7 +1102,18 @@ def train(cfg: TrainConfig) -> RunResult:
             log.write(step=step, tokens=step * tokens_per_step, **{f"{name}_loss": v},
                       eval_s=round(time.perf_counter() - t0, 3))
 
+    # the slowest checkpoint save of this run so far (this call's, or the resumed call's from its summary): what a
+    # time budget keeps for the final one (checkpoint_reserve)
+    save_s = None
+    if resume_step is not None and (out_dir / "summary.json").is_file():
+        try:
+            save_s = float(json.loads((out_dir / "summary.json").read_text()).get("checkpoint_s") or 0) or None
+        except (ValueError, TypeError, AttributeError):   # an unreadable summary: keep the default reserve
+            save_s = None
+
     def checkpoint(step):
+        nonlocal save_s
+        t_save = time.perf_counter()
         extra = {"tokens": step * tokens_per_step, "train_fingerprint": train_fingerprint}
         if lora_handle is not None:
             extra["lora"] = lora_state(lora_handle)
@@ -1078,6 +1121,7 @@ def train(cfg: TrainConfig) -> RunResult:
             DP.save_train_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
         elif is_main:
             save_checkpoint(out_dir, model, optimizer, schedule, cfg, step, extra)
+        save_s = max(save_s or 0.0, time.perf_counter() - t_save)
 
     step = start_step
     with _sigint_flag() as flag:
@@ -1150,9 +1194,9 @@ def train(cfg: TrainConfig) -> RunResult:
             # together, at the log steps (where they synchronize anyway), or one rank would stop and checkpoint
             # while the others train on into a collective that never completes
             if denv is None or step % cfg.log_interval == 0 or step == cfg.steps:
-                stop = [flag["stop"], cfg.max_seconds is not None and step < cfg.steps and out_of_time(
-                    time.perf_counter() - t_start, step_times, cfg.max_seconds,
-                    3 if denv is None else 3 + cfg.log_interval)]
+                stop = [flag["stop"], budget_s is not None and step < cfg.steps and out_of_time(
+                    time.perf_counter() - t_start, step_times, budget_s,
+                    3 if denv is None else 3 + cfg.log_interval, checkpoint_reserve(save_s))]
                 if denv is not None:                  # any rank's flag stops every rank: mean over ranks > 0
                     stop = (DP.all_reduce_mean(torch.tensor(stop, dtype=torch.float32)) > 0).tolist()
                 if stop[0]:
@@ -1179,6 +1223,7 @@ def train(cfg: TrainConfig) -> RunResult:
         **{f"{k}_loss": v for k, v in eval_results.items()},
         "tok_per_s": tokens_per_step * len(steady) / sum(steady) if steady else None,
         "first_step_s": first_step_s,
+        "checkpoint_s": save_s,
         "wall_s": time.perf_counter() - t_start,
         "peak_mem_mib": peak_memory_mib(device),
         "params": model.num_params(),
