@@ -63,6 +63,33 @@ def test_state_is_nvfp4_and_small():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("maximize", [False, True])
+def test_first_step_is_adamw_in_float64(maximize):
+    """From the zero state the decoded moments are exactly zero, so step 1's update is AdamW's own, which an
+    independent float64 formula gives: p (1 - lr wd) -/+ lr / (1 - b1) * m / (sqrt(v) / sqrt(1 - b2) + eps) with
+    m = (1 - b1) g, v = (1 - b2) g^2. eps is set to the gradients' size so that its place in the denominator shows."""
+    torch.manual_seed(3)
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.95, 1e-3
+    p0 = torch.randn(64, 64)
+    g = torch.randn(64, 64) * 1e-3
+    p = torch.nn.Parameter(p0.clone())
+    p.grad = g.clone()
+    opt = QAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, maximize=maximize, fused=False)
+    opt.step()
+    assert "m_codes" in opt.state[p]                  # the quantized path, not the FP32-state fallback
+    gd = (-g if maximize else g).double()
+    m = (1 - b1) * gd
+    v = (1 - b2) * gd * gd
+    kept = p0.double() * (1 - lr * wd)
+    upd = lr / (1 - b1) * m / (v.sqrt() / (1 - b2) ** 0.5 + eps)
+    err = (p.detach().double() - (kept - upd)).abs()
+    # FP32 rounding of the two terms (a handful of roundings each, 2^-24 apiece), not of their difference,
+    # which cancels where p0 (1 - lr wd) ~ the update
+    bound = 1e-6 * (kept.abs() + upd.abs())
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound).max()):.3g}"
+    assert float(upd.abs().max()) > 1e-3               # the update is not lost under the tolerance
+
+
 def test_parity_200_steps_vs_torch_adamw():
     """Tolerance: the geometric-mean loss over steps 100-199 within a factor 1.5 of AdamW's, and the loss halves.
 

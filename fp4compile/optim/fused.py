@@ -644,11 +644,12 @@ def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE:
     else:
         r = tl.sqrt_rn(a * a + b * b) * si
     r = tl.where(r > _SQRT_V_MAX, _SQRT_V_MAX, r)  # codec.saturate_sqrt_v
+    # (step_size bc2s) * m / (r + eps bc2s): the reference's one division per element (torch's form has two)
+    denom = r + eps * bc2s
     if PROF & 1:
-        p32 = p * decay - step_size * (m / (r / bc2s + eps))
+        p32 = p * decay - (step_size * bc2s) * (m / denom)
     else:
-        denom = tl.math.div_rn(r, tl.broadcast_to(bc2s, r.shape)) + eps
-        p32 = p * decay - step_size * tl.math.div_rn(m, denom)
+        p32 = p * decay - (step_size * bc2s) * tl.math.div_rn(m, denom)
     return m, r, p32
 
 

@@ -128,9 +128,11 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
     r = codec.saturate_sqrt_v(codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2)))
     decay, step_size, bc2_sqrt = adam_coefficients(step, lr, beta1, beta2, weight_decay)
-    denom = r / bc2_sqrt + eps
+    # torch's step_size * m / (r / bc2_sqrt + eps), as (step_size bc2_sqrt) * m / (r + eps bc2_sqrt): the same real
+    # number with one division per element instead of two (both factors are per-tensor scalars)
+    denom = r + eps * bc2_sqrt
     p32 = p.reshape(-1).to(torch.float32) * decay
-    p32 = p32 - step_size * (m / denom)
+    p32 = p32 - (step_size * bc2_sqrt) * (m / denom)
     # one hash per element serves both moments' SR: m takes its high 16 bits, v the low 16 (codec.shared_sr_uniforms)
     um = uv = None
     if m_rounding == "sr" or v_rounding == "sr":
