@@ -14,7 +14,8 @@ from fp4compile.train import loop as L  # noqa: E402
 
 def main(out_dir: str) -> int:
     rank = int(os.environ["RANK"])
-    L.out_of_time = lambda elapsed, step_times, max_seconds, ahead=3, reserve=30.0: rank == 1 and len(step_times) >= 3
+    L.out_of_time = (lambda elapsed, step_times, max_seconds, ahead=3, reserve=30.0:
+                     rank == 1 and len(step_times) >= 3)
     cfg = L.TrainConfig(model="tiny", seq_len=32, batch_size=2, steps=12, warmup_steps=2, log_interval=4,
                         eval_batches=1, val_data="", backend="none", parallel="ddp", device="cpu",
                         max_seconds=1e6, progress=False, out_dir=out_dir)

@@ -62,7 +62,6 @@ def test_state_is_nvfp4_and_small():
     assert qbytes / (2 * 4 * m[0].weight.numel()) <= 0.16
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("maximize", [False, True])
 def test_first_step_is_adamw_in_float64(maximize):
     """From the zero state the decoded moments are exactly zero, so step 1's update is AdamW's own, which an
@@ -90,6 +89,7 @@ def test_first_step_is_adamw_in_float64(maximize):
     assert float(upd.abs().max()) > 1e-3               # the update is not lost under the tolerance
 
 
+@pytest.mark.slow
 def test_parity_200_steps_vs_torch_adamw():
     """Tolerance: the geometric-mean loss over steps 100-199 within a factor 1.5 of AdamW's, and the loss halves.
 

@@ -183,7 +183,7 @@ def test_a_nearly_done_arm_starts_in_less_than_the_usual_budget(study, tmp_path,
 
 def test_arms_get_the_calls_deadline_not_a_duration(study, tmp_path, monkeypatch):
     """Each arm runs to a Unix-time deadline of the call's start + budget - POST_S (start-up counts against it), not
-    to --max-seconds from its loop's start with 40 s guessed for the rest (session 20 lost 45-60 s per arm and call)."""
+    to --max-seconds from its loop's start with 40 s guessed for the rest (session 20 lost 45-51 s per arm and call)."""
     calls = []
     monkeypatch.setattr(study.subprocess, "run", _fake_train(calls))
     t0 = time.time()

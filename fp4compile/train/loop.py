@@ -871,8 +871,8 @@ CKPT_RESERVE_S = 30.0
 def checkpoint_reserve(save_s: Optional[float]) -> float:
     """Seconds a time budget keeps for the final checkpoint and the exit: :data:`CKPT_RESERVE_S` until a save of
     this run has been timed (``save_s``: the slowest one, this call's or the summary's of the call it resumes),
-    then twice that plus 5 s. Session 20's 124M runs kept 30 s for saves that, with start-up and exit, took 22-24 s
-    in all: 45-60 s of every call went unused, enough for both arms to have finished."""
+    then twice that plus 5 s. In session 20's 124M runs this 30 s and the 40 s ``bench/study.py`` kept for start-up
+    covered what took 22-24 s in all: every arm ended 45-51 s before its budget, in every call."""
     return CKPT_RESERVE_S if not save_s else 2.0 * save_s + 5.0
 
 
