@@ -9,6 +9,8 @@ same step, so a run stopped early by a time budget is compared at its last step.
 adds the train gap over step ranges and its change from the first range, per pair and per label (e.g. the jump
 of the gap across a realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
 the first common step, ``fp4compile.train.cli.gap_curve``), one colour per label.
+``--val-png`` draws each pair's val gap at every eval both runs logged against tokens seen (for pairs on different
+schedules, e.g. ``--pair 100M ... --pair 200M ...``).
 
     python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
         --pair quartet2 s1/bf16 s1/quartet2 --pair lora s1/bf16 s1/lora --diff quartet2 lora --png gaps.png
@@ -56,6 +58,38 @@ def pair_gaps(base_run, arm_run, steps: Sequence[int] = (), window: int = 10,
     for k in EVALS:
         out[k] = {s: 100 * (ae[k][s] - be[k][s]) / be[k][s] for s in sorted(ae[k]) if s in be[k]}
     out["windows"] = {w: _window_gap(at, bt, *w) for w in windows}
+    return out
+
+
+def eval_gap_points(base_run, arm_run, key: str = "val_loss") -> List[Tuple[float, float]]:
+    """(tokens seen, gap in %) of ``arm_run``'s eval ``key`` to ``base_run``'s at every step both evaluated: the
+    x axis of runs with different schedules (e.g. the same model on a 100M- and a 200M-token schedule)."""
+    def evals(run):
+        return {r["step"]: (r["tokens"], r[key]) for r in read_metrics(run) if key in r and "tokens" in r}
+    b, a = evals(base_run), evals(arm_run)
+    return [(a[s][0], 100 * (a[s][1] - b[s][1]) / b[s][1]) for s in sorted(a) if s in b]
+
+
+def plot_eval_gaps(pairs, out: Path, key: str = "val_loss") -> Path:
+    """One line per pair: its :func:`eval_gap_points` against tokens (in millions)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, base, arm in pairs:
+        pts = eval_gap_points(base, arm, key)
+        ax.plot([t / 1e6 for t, _ in pts], [g for _, g in pts], "o-", lw=1.2, label=label)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("tokens seen (M)")
+    ax.set_ylabel(f"{key.replace('_', ' ')} gap to the baseline (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
     return out
 
 
@@ -127,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", default="", help="comma-separated step ranges FIRST-LAST (e.g. 560-600,601-620): "
                     "the train gap over each, and its change from the first range, per pair and per label")
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--val-png", type=Path, help="the val gap at every eval both runs logged, against tokens seen, "
+                    "one line per pair (runs on different schedules)")
     args = ap.parse_args(argv)
     steps = [int(s) for s in args.steps.split(",") if s]
     windows = [tuple(int(v) for v in w.split("-")) for w in args.windows.split(",") if w]
@@ -166,6 +202,8 @@ def main(argv=None) -> int:
         _print_windows(rows, windows)
     if args.png:
         print(f"\nwrote {plot(args.pair, args.png)}")
+    if args.val_png:
+        print(f"\nwrote {plot_eval_gaps(args.pair, args.val_png)}")
     return 0
 
 

@@ -433,6 +433,28 @@ def _write_metrics(run, losses, evals=()):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
+def test_seed_gaps_val_png_puts_runs_of_different_schedules_on_tokens(tmp_path):
+    """--val-png: each pair's val gap at the evals both runs logged, at the tokens seen there (the eval lines'
+    "tokens"), so runs with different steps or batch sizes share one axis; evals only one run logged are left out."""
+    sg = _bench_module("seed_gaps")
+
+    def run(name, evals, tokens_per_step):
+        d = tmp_path / name
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+            {"step": 0, "event": "start"}, {"step": 1, "tokens": tokens_per_step, "loss": 3.0},
+            *({"step": s, "tokens": s * tokens_per_step, "val_loss": v} for s, v in evals)]))
+        return d
+
+    b, a = run("b", [(10, 2.0), (20, 1.5), (30, 1.2)], 100), run("a", [(10, 2.02), (20, 1.53)], 100)
+    assert sg.eval_gap_points(b, a) == [(1000, pytest.approx(1.0)), (2000, pytest.approx(2.0))]
+    b2, a2 = run("b2", [(5, 2.0)], 400), run("a2", [(5, 2.1)], 400)
+    assert sg.eval_gap_points(b2, a2) == [(2000, pytest.approx(5.0))]
+    sg.main(["--pair", "short", str(b), str(a), "--pair", "long", str(b2), str(a2),
+             "--val-png", str(tmp_path / "v.png")])
+    assert (tmp_path / "v.png").stat().st_size > 0
+
+
 def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys):
     """bench/seed_gaps.py: train gaps over the 10-step window ending at a step both runs reached (an arm stopped
     early is compared at its own last step), eval gaps at common eval steps, mean ± standard error per label
