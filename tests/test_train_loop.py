@@ -291,6 +291,22 @@ def test_qroot_ns_shift_reaches_the_root_group():
         L.TrainConfig(optimizer="adamw", ns_shift=False).validate()
 
 
+def test_qadamw_v_state_reaches_every_qadamw_group():
+    """--qadamw-v-state sets Q-AdamW's v_state (QAdamW, and QRoot's Q-AdamW part); None keeps "floored"; an
+    optimizer without Q-AdamW, or a value Q-AdamW does not know, is refused."""
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    for opt_name in ("qadamw", "qroot"):
+        for value, expect in ((None, "floored"), ("signed", "signed")):
+            cfg = L.TrainConfig(model="tiny", optimizer=opt_name, policy="bf16", qadamw_v_state=value)
+            cfg.validate()
+            groups = L.build_optimizer(model, cfg, None).param_groups
+            assert {g["v_state"] for g in groups} == {expect}
+    with pytest.raises(ValueError, match="qadamw_v_state"):
+        L.TrainConfig(optimizer="qroot+adamw", qadamw_v_state="signed").validate()
+    with pytest.raises(ValueError, match="qadamw_v_state"):
+        L.TrainConfig(optimizer="qadamw", qadamw_v_state="clamped").validate()
+
+
 def test_qroot_ns_steps_reaches_the_root_group():
     """--ns-steps sets QRoot's ns_steps on the Root group (None keeps 5); QRoot validates it; other optimizers
     refuse it."""

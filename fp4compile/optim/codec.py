@@ -343,7 +343,7 @@ def encode_v(v: torch.Tensor, signs: torch.Tensor, *, tile=128, rounding="rtn", 
 
 
 def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bool = False,
-                  chunk: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, signed: bool = False) -> torch.Tensor:
     """Reconstructed sqrt(v) = max(dequant + mean, 0) (>= 0 and finite by construction).
 
     ``floor=True`` (what the optimizer uses) instead clamps at the *resolution* of the element's block: half
@@ -351,12 +351,19 @@ def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bo
     rotation spans several blocks). A value the codec cannot resolve is never read back as ~0, so the update
     m / (sqrt(v) + eps) cannot blow up by 1/eps; unresolvable v are over- (never under-) estimated, which
     only shrinks their steps.
+
+    ``signed=True``: dequant + mean as it is, negative values included (the state of Q-AdamW's
+    ``v_state="signed"``, whose EMA keeps the sign; not with ``floor``).
     """
+    if signed and floor:
+        raise ValueError("decode_v_sqrt: signed and floor exclude each other")
     g = f32_from_bits(gbits)
     y = decode(codes, scales, g, chunk)
     res = inverse_rht(y, signs) if signs is not None else y
     mu = mean_bits.view(torch.bfloat16).to(torch.float32)
     r = (res.reshape(-1, tile) + mu.unsqueeze(-1)).reshape(-1)
+    if signed:
+        return r
     if not floor:
         return r.clamp(min=0)
     lo = scales.view(torch.float8_e4m3fn).to(torch.float32) * per_block(g, r.numel(), chunk) * 0.25

@@ -109,11 +109,12 @@ SSE64_4OVER6 = False
 def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v_mean, m_signs, v_signs, step,
                  lr, comp, seed, *, beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
                  tile: int, m_rounding: str, m_four_over_six: bool, v_rounding: str, v_four_over_six: bool,
-                 master: str):
+                 master: str, v_state: str = "floored"):
     """One Q-AdamW step of one parameter: decode m, v -> AdamW update -> encode m, v -> write p.
 
     All state tensors are updated in place. ``m_signs``/``v_signs`` may be None (no Hadamard). This is the
-    reference of the fused Triton kernel (``fused.py``), which reproduces it bit for bit.
+    reference of the fused Triton kernel (``fused.py``), which reproduces it bit for bit (``v_state="floored"``;
+    the experimental ``"signed"`` runs only here, see :data:`QADAMW_DEFAULTS`).
     """
     step.add_(1)
     ch = SCALE_CHUNK
@@ -127,6 +128,14 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     m = m + (g32 - m) * (1 - beta1)
     # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
     r = codec.saturate_sqrt_v(codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2)))
+    r_state = r
+    if v_state == "signed":
+        # the stored EMA starts from the unclamped decode and keeps its sign (with g = 0 a linear, unbiased decay
+        # under SR); the floored r above only guards this step's denominator
+        rs = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, signed=True, chunk=ch)
+        hyp = codec.saturate_sqrt_v(codec.scaled_hypot(rs.abs() * math.sqrt(beta2),
+                                                       g32.abs() * math.sqrt(1 - beta2)))
+        r_state = torch.where(rs < 0, -hyp, hyp)
     decay, step_size, bc2_sqrt = adam_coefficients(step, lr, beta1, beta2, weight_decay)
     # torch's step_size * m / (r / bc2_sqrt + eps), as (step_size bc2_sqrt) * m / (r + eps bc2_sqrt): the same real
     # number with one division per element instead of two (both factors are per-tensor scalars)
@@ -139,7 +148,7 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
         um, uv = codec.shared_sr_uniforms(m.numel(), codec.step_seed(seed, step, 0), m.device)
     mc, msc, mg = codec.encode_m(m, ms, rounding=m_rounding, four_over_six=m_four_over_six, chunk=ch,
                                  sse64=SSE64_4OVER6, u=um if m_rounding == "sr" else None)
-    vc, vsc, vg, vmu = codec.encode_v(r, vs, tile=tile, rounding=v_rounding, four_over_six=v_four_over_six,
+    vc, vsc, vg, vmu = codec.encode_v(r_state, vs, tile=tile, rounding=v_rounding, four_over_six=v_four_over_six,
                                       from_sqrt=True, chunk=ch, sse64=SSE64_4OVER6,
                                       u=uv if v_rounding == "sr" else None)
     m_codes.copy_(mc)
@@ -341,6 +350,8 @@ def check_group(group: dict):
     for k in ("m_rounding", "v_rounding"):
         if group[k] not in ("rtn", "sr"):
             raise ValueError(f"{k} must be 'rtn' or 'sr', got {group[k]!r}")
+    if group.get("v_state", "floored") not in V_STATES:
+        raise ValueError(f"v_state must be one of {V_STATES}, got {group.get('v_state')!r}")
     if group["bf16_master"] not in _MASTER:
         raise ValueError(f"bf16_master must be one of {_MASTER}, got {group['bf16_master']!r}")
     if group["quantize"] and group["v_rounding"] == "rtn":
@@ -350,7 +361,12 @@ def check_group(group: dict):
 
 QADAMW_DEFAULTS = dict(quantize=True, min_numel=4096, tile=32, m_hadamard=16, v_hadamard=16,
                        m_rounding="sr", m_four_over_six=True, v_rounding="sr", v_four_over_six=True,
-                       bf16_master="sr", seed=0)
+                       bf16_master="sr", seed=0, v_state="floored")
+#: ``v_state`` values: "floored" (default; the decoder's floor and its clamp at 0 feed the stored EMA) and the
+#: experimental "signed" (the stored EMA keeps the unclamped decode's sign; the floor only guards the update's
+#: denominator). "signed" halves the zero-gradient drift of the stored sqrt(v) on the CPU stress (docs/OPTIM.md,
+#: session 20) but is untried in training, and runs only in the per-parameter torch step (no fused kernel).
+V_STATES = ("floored", "signed")
 
 
 class _LrBuffers:
@@ -390,7 +406,7 @@ def run_adamw_update(p, state, group, gi, lr_bufs, use_compile):
            state["v_gbits"], state["v_mean"], state.get("m_signs"), state.get("v_signs"), state["step"], lr,
            comp, state["seed"], tile=group["tile"], m_rounding=group["m_rounding"],
            m_four_over_six=bool(group["m_four_over_six"]), v_rounding=group["v_rounding"],
-           v_four_over_six=bool(group["v_four_over_six"]), **kw)
+           v_four_over_six=bool(group["v_four_over_six"]), v_state=group.get("v_state", "floored"), **kw)
     else:
         fn = _compiled(adamw_step) if use_compile else adamw_step
         fn(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, comp, state["seed"], **kw)
@@ -475,6 +491,7 @@ class QAdamW(Optimizer):
             has the lower one-shot error but is biased under repeated re-encoding: with little gradient its
             sqrt(v) stalls and then grows geometrically instead of decaying, docs/OPTIM.md; avoid it in training.)
         bf16_master: how BF16 parameters absorb FP32 updates: "sr" | "kahan" | "rtn".
+        v_state: "floored" (default) | "signed" (experimental, per-parameter step only; :data:`V_STATES`).
         seed: base seed of the per-tensor Hadamard signs and stochastic-rounding streams.
     compile: torch.compile the per-parameter torch step where it runs (None: on CUDA only).
     """

@@ -112,6 +112,7 @@ class TrainConfig:
     ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
     ns_shift: Optional[bool] = None           # QRoot's identity-shifted NVFP4 NS products (None: QRoot's default, on)
     ns_steps: Optional[int] = None            # QRoot's Newton–Schulz steps per update (None: QRoot's default, 5)
+    qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
@@ -174,6 +175,12 @@ class TrainConfig:
         for name, value in self._root_group_settings().items():
             if value is not None and not self.optimizer.startswith("qroot"):
                 raise ValueError(f"{name} is QRoot's Newton–Schulz setting; optimizer={self.optimizer!r} has none")
+        if self.qadamw_v_state is not None:
+            from ..optim.qadamw import V_STATES
+
+            one_of("qadamw_v_state", V_STATES)
+            if self.optimizer not in ("qadamw", "qroot"):
+                raise ValueError(f"qadamw_v_state is a Q-AdamW setting; optimizer={self.optimizer!r} has no Q-AdamW")
         if self.parallel != "fsdp2" and (not self.fsdp_reshard or self.fsdp_bf16_params):
             raise ValueError("fsdp_reshard / fsdp_bf16_params are FSDP2 settings; they need parallel='fsdp2'")
         if self.lora and self.parallel == "fsdp2":
@@ -431,7 +438,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
         if cfg.optimizer == "adamw":
             extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
             return torch.optim.AdamW(groups, **adam_kw, **extra)
-        return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw)
+        return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw,
+                               v_state=cfg.qadamw_v_state)
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
     hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
     ids = {id(p) for p in hidden}
@@ -443,7 +451,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
               {"params": vectors, "use_root": False, "weight_decay": 0.0}]
     return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
                            adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
-                           cuda_graphs=bool(cfg.optim_cuda_graphs) or None, **adam_kw)
+                           cuda_graphs=bool(cfg.optim_cuda_graphs) or None, v_state=cfg.qadamw_v_state, **adam_kw)
 
 
 class LRSchedule:
