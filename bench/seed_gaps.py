@@ -70,20 +70,18 @@ def eval_gap_points(base_run, arm_run, key: str = "val_loss") -> List[Tuple[floa
     return [(a[s][0], 100 * (a[s][1] - b[s][1]) / b[s][1]) for s in sorted(a) if s in b]
 
 
-def plot_eval_gaps(pairs, out: Path, key: str = "val_loss") -> Path:
-    """One line per pair: its :func:`eval_gap_points` against tokens (in millions)."""
+def _gap_figure(draw, xlabel: str, ylabel: str, out: Path) -> Path:
+    """A gap plot written to ``out``: ``draw(ax, plt)`` adds the lines; a zero line, labels, grid and legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, base, arm in pairs:
-        pts = eval_gap_points(base, arm, key)
-        ax.plot([t / 1e6 for t, _ in pts], [g for _, g in pts], "o-", lw=1.2, label=label)
+    draw(ax, plt)
     ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("tokens seen (M)")
-    ax.set_ylabel(f"{key.replace('_', ' ')} gap to the baseline (%)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -91,6 +89,16 @@ def plot_eval_gaps(pairs, out: Path, key: str = "val_loss") -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_eval_gaps(pairs, out: Path, key: str = "val_loss") -> Path:
+    """One line per pair: its :func:`eval_gap_points` against tokens (in millions)."""
+    def draw(ax, plt):
+        for label, base, arm in pairs:
+            pts = eval_gap_points(base, arm, key)
+            ax.plot([t / 1e6 for t, _ in pts], [g for _, g in pts], "o-", lw=1.2, label=label)
+
+    return _gap_figure(draw, "tokens seen (M)", f"{key.replace('_', ' ')} gap to the baseline (%)", out)
 
 
 def mean_se(xs: List[float]) -> Tuple[float, Optional[float]]:
@@ -104,32 +112,20 @@ def _fmt(m: float, se: Optional[float]) -> str:
 
 
 def plot(pairs, out: Path) -> Path:
-    import matplotlib
+    """Every pair's train-loss gap curve (EMA 0.9), one colour per label."""
+    def draw(ax, plt):
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        order = list(dict.fromkeys(p[0] for p in pairs))
+        seen = set()
+        for label, base, arm in pairs:
+            bt, _ = _curves(base)
+            at, _ = _curves(arm)
+            common, gap = gap_curve(bt, at, 0.9)
+            ax.plot(common, gap, color=colors[order.index(label) % len(colors)], lw=1.2,
+                    label=None if label in seen else label)
+            seen.add(label)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    order = list(dict.fromkeys(p[0] for p in pairs))
-    seen = set()
-    for label, base, arm in pairs:
-        bt, _ = _curves(base)
-        at, _ = _curves(arm)
-        common, gap = gap_curve(bt, at, 0.9)
-        ax.plot(common, gap, color=colors[order.index(label) % len(colors)], lw=1.2,
-                label=None if label in seen else label)
-        seen.add(label)
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train-loss gap to the same-seed baseline (%, EMA 0.9)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _gap_figure(draw, "step", "train-loss gap to the same-seed baseline (%, EMA 0.9)", out)
 
 
 def _print_windows(rows: Dict[str, List[dict]], windows: Sequence[Tuple[int, int]]) -> None:
