@@ -174,13 +174,13 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
         print(f"[study] tokenized {name}: {meta['n_tokens']:,} tokens in {time.time() - t0:.0f}s", flush=True)
 
 
-def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float | None, extra: list,
-                warmup: int | None = None, nproc: int = 1, batch_size: int | None = None,
-                master_port: int = 29500, deadline: float | None = None) -> list:
+def arm_command(size: str, arm: str, out: Path, steps: int, extra: list, warmup: int | None = None,
+                nproc: int = 1, batch_size: int | None = None, master_port: int = 29500,
+                deadline: float | None = None) -> list:
     """The arm's ``fp4compile train`` command. ``nproc > 1``: launched by torchrun with ``--parallel ddp`` and
     ``batch_size // nproc`` sequences per rank, so the global batch (and with it the schedule, the data order
-    and the tokens per step) stays the config's ``batch_size``. ``max_seconds`` / ``deadline`` (a Unix time): the
-    run's time budget (``--max-seconds`` counts from its training loop's start, ``--deadline`` includes start-up)."""
+    and the tokens per step) stays the config's ``batch_size``. ``deadline`` (a Unix time): the run's time budget
+    (``--deadline``: it stops and checkpoints in time for it, start-up included)."""
     a = ARMS[arm]
     if nproc > 1:
         if batch_size is None or batch_size % nproc:
@@ -196,8 +196,6 @@ def arm_command(size: str, arm: str, out: Path, steps: int, max_seconds: float |
                     "--resume", "--no-progress"] + ddp
     if warmup is not None:
         cmd += ["--warmup-steps", str(warmup)]
-    if max_seconds is not None:
-        cmd += ["--max-seconds", f"{max_seconds:.0f}"]
     if deadline is not None:
         cmd += ["--deadline", f"{deadline:.0f}"]
     if "lora_rank" in a:
@@ -364,7 +362,7 @@ def main(argv=None) -> int:
         return 0
     if args.print_commands:
         for arm in arms:
-            print(" ".join(arm_command(args.size, arm, out, steps, None, args.extra, warmup, **ddp)))
+            print(" ".join(arm_command(args.size, arm, out, steps, args.extra, warmup, **ddp)))
         return 0
     if not args.report:
         t_start = time.time()
@@ -388,14 +386,14 @@ def main(argv=None) -> int:
                 return None
             # the arm stops by a deadline (not a duration): its own start-up counts, the driver keeps POST_S
             deadline = t_start + args.time_budget - POST_S
-            cmd = arm_command(args.size, arm, out, steps, None, args.extra + flags, warmup, deadline=deadline, **ddp)
+            cmd = arm_command(args.size, arm, out, steps, args.extra + flags, warmup, deadline=deadline, **ddp)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             if rc != 0 and cuda_graphs:
                 left = args.time_budget - (time.time() - t_start)
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)
-                cmd = arm_command(args.size, arm, out, steps, None, args.extra + flags + ["--compile-mode", "default"],
+                cmd = arm_command(args.size, arm, out, steps, args.extra + flags + ["--compile-mode", "default"],
                                   warmup, deadline=deadline, **ddp)
                 rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
             return rc

@@ -203,6 +203,14 @@ def test_v_state_is_validated_and_signed_skips_the_fused_kernel(monkeypatch):
         p.grad = torch.randn(64, 64)
         opt.step()
         assert fused._eligible(p, opt.state[p], opt.param_groups[0]) is eligible
+    # a state dict saved before v_state existed loads as "floored" (what it was trained with)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["v_state"]
+    opt2 = QAdamW([p], v_state="signed", fused=False)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["v_state"] == "floored"
+    opt2.step()
 
 
 def test_the_runaway_state_saved_on_the_h200_decays_under_sr(drift):

@@ -366,10 +366,15 @@ def decode_v_sqrt(codes, scales, gbits, mean_bits, signs, *, tile=128, floor: bo
         return r
     if not floor:
         return r.clamp(min=0)
-    lo = scales.view(torch.float8_e4m3fn).to(torch.float32) * per_block(g, r.numel(), chunk) * 0.25
+    return torch.maximum(r, v_floor(scales, gbits, signs, r.numel(), chunk))
+
+
+def v_floor(scales, gbits, signs, n: int, chunk: int | None = None) -> torch.Tensor:
+    """The decoder's floor of :func:`decode_v_sqrt` (``floor=True``) for each of the ``n`` elements: 0.25 *
+    scale_b * global, the max over the Hadamard group when the rotation spans several blocks."""
+    lo = scales.view(torch.float8_e4m3fn).to(torch.float32) * per_block(f32_from_bits(gbits), n, chunk) * 0.25
     d = 16 if signs is None else max(16, signs.numel())
-    lo = lo.reshape(-1, d // 16).amax(-1, keepdim=True).expand(-1, d).reshape(-1)
-    return torch.maximum(r, lo)
+    return lo.reshape(-1, d // 16).amax(-1, keepdim=True).expand(-1, d).reshape(-1)
 
 
 def decode_v(codes, scales, gbits, mean_bits, signs, *, tile=128, chunk: int | None = None) -> torch.Tensor:

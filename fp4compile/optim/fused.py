@@ -820,7 +820,7 @@ def _eligible(p: torch.Tensor, st: dict, group: dict) -> bool:
         return False
     if "m_codes" in st:
         tile = group["tile"]
-        if CH % tile or tile & (tile - 1) or group.get("v_state", "floored") != "floored":
+        if CH % tile or tile & (tile - 1) or group["v_state"] != "floored":
             return False  # (v_state "signed" has no kernel: the per-parameter torch step runs it)
         return all(st[k].is_contiguous() and st[k].device == p.device for k in _Q_COLS[1:]
                    if k in st) and st["m_gbits"].numel() == _qa.n_chunks(p.numel())

@@ -124,7 +124,11 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     ms = None if m_signs is None else m_signs.to(torch.float32)
     vs = None if v_signs is None else v_signs.to(torch.float32)
     m = codec.decode_m(m_codes, m_scales, m_gbits, ms, chunk=ch)
-    r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True, chunk=ch)
+    if v_state == "signed":  # one decode serves both: the signed state, and its floored copy for the update
+        rs = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, signed=True, chunk=ch)
+        r = torch.maximum(rs, codec.v_floor(v_scales, v_gbits, vs, rs.numel(), ch))
+    else:
+        r = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, floor=True, chunk=ch)
     m = m + (g32 - m) * (1 - beta1)
     # sqrt(beta2 r^2 + (1 - beta2) g^2) without squaring into FP32 overflow (|g| up to ~1e38 stays finite)
     r = codec.saturate_sqrt_v(codec.scaled_hypot(r * math.sqrt(beta2), g32.abs() * math.sqrt(1 - beta2)))
@@ -132,7 +136,6 @@ def q_adamw_step(p, g, m_codes, m_scales, m_gbits, v_codes, v_scales, v_gbits, v
     if v_state == "signed":
         # the stored EMA starts from the unclamped decode and keeps its sign (with g = 0 a linear, unbiased decay
         # under SR); the floored r above only guards this step's denominator
-        rs = codec.decode_v_sqrt(v_codes, v_scales, v_gbits, v_mean, vs, tile=tile, signed=True, chunk=ch)
         hyp = codec.saturate_sqrt_v(codec.scaled_hypot(rs.abs() * math.sqrt(beta2),
                                                        g32.abs() * math.sqrt(1 - beta2)))
         r_state = torch.where(rs < 0, -hyp, hyp)
@@ -350,8 +353,8 @@ def check_group(group: dict):
     for k in ("m_rounding", "v_rounding"):
         if group[k] not in ("rtn", "sr"):
             raise ValueError(f"{k} must be 'rtn' or 'sr', got {group[k]!r}")
-    if group.get("v_state", "floored") not in V_STATES:
-        raise ValueError(f"v_state must be one of {V_STATES}, got {group.get('v_state')!r}")
+    if group["v_state"] not in V_STATES:
+        raise ValueError(f"v_state must be one of {V_STATES}, got {group['v_state']!r}")
     if group["bf16_master"] not in _MASTER:
         raise ValueError(f"bf16_master must be one of {_MASTER}, got {group['bf16_master']!r}")
     if group["quantize"] and group["v_rounding"] == "rtn":
@@ -406,7 +409,7 @@ def run_adamw_update(p, state, group, gi, lr_bufs, use_compile):
            state["v_gbits"], state["v_mean"], state.get("m_signs"), state.get("v_signs"), state["step"], lr,
            comp, state["seed"], tile=group["tile"], m_rounding=group["m_rounding"],
            m_four_over_six=bool(group["m_four_over_six"]), v_rounding=group["v_rounding"],
-           v_four_over_six=bool(group["v_four_over_six"]), v_state=group.get("v_state", "floored"), **kw)
+           v_four_over_six=bool(group["v_four_over_six"]), v_state=group["v_state"], **kw)
     else:
         fn = _compiled(adamw_step) if use_compile else adamw_step
         fn(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, comp, state["seed"], **kw)
@@ -468,10 +471,13 @@ def invalidate_plans(opt) -> None:
 
 
 def restore_plan_fields(opt) -> None:
-    """After unpickling: the fused-step fields that are not part of an optimizer's pickled state."""
+    """After unpickling or ``load_state_dict``: the fused-step fields that are not part of an optimizer's pickled
+    state, and the group settings that state dicts saved before them lack (their behaviour then)."""
     opt.__dict__.setdefault("_fused_flag", None)
     opt.__dict__["_plans"] = {}
     opt.__dict__.setdefault("_plan_version", 0)
+    for g in opt.param_groups:
+        g.setdefault("v_state", "floored")   # session 20
 
 class QAdamW(Optimizer):
     """AdamW with NVFP4 moment states (see the module docstring for the storage format).
