@@ -109,12 +109,31 @@ def test_fake_quant_1d_matches_ml_dtypes():
     got = R.quantize_p(p, -2).numpy()
     want = _np_fake_quant(p.numpy().T.copy(), R.G_NUM, np.float32(R.P_GLOBAL)).T
     np.testing.assert_array_equal(got, want)
-    # dS: per-64x64-tile global
-    ds = torch.randn(64, 64) * 1e-3
-    amax = np.float32(ds.abs().max().item())
-    s_enc = np.float32(R.G_NUM) / amax
-    got = R.quantize_ds(ds, -1).numpy()
-    np.testing.assert_array_equal(got, _np_fake_quant(ds.numpy(), s_enc, np.float32(1) / s_enc))
+    # dS: per-64x64-tile global, 2688/amax floored to a power of two (here from the FP32 quotient's float64 log2)
+    for ds in (torch.randn(64, 64) * 1e-3, torch.randn(64, 64) * 7.5):
+        amax = np.float32(ds.abs().max().item())
+        s_enc = np.float32(2.0 ** np.floor(np.log2(np.float64(np.float32(R.G_NUM) / amax))))
+        got = R.quantize_ds(ds, -1).numpy()
+        np.testing.assert_array_equal(got, _np_fake_quant(ds.numpy(), s_enc, np.float32(1) / s_enc))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(min_value=-60.0, max_value=60.0), st.integers(0, 2**32 - 1))
+def test_ds_tile_scales_are_powers_of_two_that_keep_amax_in_range(log2_amax, seed):
+    """Every tile's s_enc is a power of two (so g_dec = 1/s_enc is exact and can ride in the BF16 operand), the
+    largest such that amax·s_enc <= 2688, and it is per 64x64 tile (ragged edges included)."""
+    g = torch.Generator().manual_seed(seed)
+    ds = torch.randn(100, 70, generator=g) * 2.0 ** log2_amax
+    s_enc, g_dec = R.tile_scales(ds)
+    m, e = torch.frexp(s_enc)
+    assert torch.all(m == 0.5) and torch.equal(g_dec * s_enc, torch.ones_like(s_enc))
+    for r0 in (0, 64):
+        for c0 in (0, 64):
+            t = ds[r0:r0 + 64, c0:c0 + 64]
+            amax = t.abs().max().to(torch.float64)
+            s = s_enc[r0, c0].to(torch.float64)
+            assert torch.all(s_enc[r0:r0 + 64, c0:c0 + 64] == s_enc[r0, c0])
+            assert amax * s <= R.G_NUM * (1 + 2 ** -23) and amax * s * 2 > R.G_NUM * (1 - 2 ** -23)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -365,11 +384,13 @@ I._patch_lang_tensor = _patched
 from fp4compile.kernels import attention as A, attention_ref as R
 import triton, triton.language as tl
 @triton.jit
-def E2M1_CHECK(X, Y, Z, N: tl.constexpr):
+def E2M1_CHECK(X, Y, Z, W, U, N: tl.constexpr):
     o = tl.arange(0, N)
     a = tl.load(X + o)
     tl.store(Y + o, A._e2m1_rne(a))
     tl.store(Z + o, A._e2m1_value(A._e2m1_mag_code(a)))
+    tl.store(W + o, A._e2m1_round(-a))
+    tl.store(U + o, A._e2m1_round(a))
 def rel(a, b):
     a, b = a.double(), b.double(); return ((a - b).norm() / b.norm()).item()
 DEV = os.environ.get("QATTN_TEST_DEVICE", "cpu")
@@ -393,8 +414,11 @@ x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, f
 x = x.to(DEV)
 y = torch.empty_like(x)
 z = torch.empty_like(x)
-E2M1_CHECK[(1,)](x, y, z, N=4096)
+w = torch.empty_like(x)
+u = torch.empty_like(x)
+E2M1_CHECK[(1,)](x, y, z, w, u, N=4096)
 assert torch.equal(y, z), "_e2m1_rne != threshold form"
+assert torch.equal(u, z) and torch.equal(w, -z), "_e2m1_round(+-x) != +-(threshold form)"
 for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
         q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))

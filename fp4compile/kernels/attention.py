@@ -132,33 +132,58 @@ if triton is not None:
         return r * step
 
     @triton.jit
-    def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr):
+    def _e2m1_round(x):
+        """Signed fp32 (x*enc) -> its E2M1 value with the sign, round-to-nearest-even, saturating at +-6; equal to
+        ``sign(x) * _e2m1_rne(|x|)`` for every x (a zero may come back as +0 where that gives -0). The E2M1 grid's
+        step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e >= 0, and 1/2 below 1, so adding and subtracting
+        M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x to the grid with fp32's
+        own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2, 5 -> 4). M is made from
+        x's exponent bits; 7 instructions, no selects."""
+        c = tl.minimum(tl.maximum(x, -6.0), 6.0)
+        bits = c.to(tl.uint32, bitcast=True)
+        e = tl.maximum(bits & 0x7F800000, 0x3F800000)
+        m = ((e + 0x0B400000) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        return (c + m) - m
+
+    @triton.jit
+    def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False):
         """Fake-quantize fp32 [R, C] with 1x16 blocks along C; returns code*E4M3-scale (exact in bf16), i.e.
-        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product).
+        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product), or,
+        with ``FOLD``, code*E4M3-scale*``g_dec`` (still exact in bf16 when ``g_dec`` is a power of two, as dS's
+        per-tile globals are: the product then accumulates straight into the MMA accumulator).
         ``s_enc`` / ``g_dec``: scalars, or [R, 1] (one two-level scale per row band)."""
         xb = tl.reshape(x, [R, C // 16, 16])
         amax = tl.max(tl.abs(xb), axis=2)
         sf = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0)).to(tl.float32)
-        enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
-        a = xb * enc[:, :, None]
-        mag = _e2m1_rne(tl.abs(a))
-        val = tl.where(a < 0, -mag, mag)
-        return tl.reshape(val * sf[:, :, None], [R, C])
+        sfg = sf * g_dec
+        enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sfg))
+        val = _e2m1_round(xb * enc[:, :, None])
+        if FOLD:
+            return tl.reshape(val * sfg[:, :, None], [R, C])
+        else:
+            return tl.reshape(val * sf[:, :, None], [R, C])
+
+    @triton.jit
+    def _pow2_floor(x):
+        """Positive normal fp32 -> the largest power of two <= x (the exponent bits alone)."""
+        return (x.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _band_scales(x, R: tl.constexpr, C: tl.constexpr):
         """Two-level scales of an fp32 [R, C] tile of dS (C == DS_TILE, R a multiple of it), one per
         DS_TILE x DS_TILE band of rows: (s_enc, g_dec), each [R, 1] (scalars when R == DS_TILE), from the band's
-        amax (0 -> (1, 0))."""
+        amax (0 -> (1, 0)). s_enc = 2688/amax floored to a power of two (``attention_ref.tile_scales``), so
+        g_dec = 1/s_enc is exact and folds into the BF16 operand."""
         if R == DS_TILE_C:  # one tile: scalar scales
             amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            s_enc = tl.where(amax < AMAX_FLUSH, 1.0, tl.math.div_rn(G_NUM_C, amax))
+            s_enc = tl.where(amax < AMAX_FLUSH, 1.0, _pow2_floor(tl.math.div_rn(G_NUM_C, amax)))
             g_dec = tl.where(amax < AMAX_FLUSH, 0.0, tl.math.div_rn(1.0, s_enc))
         else:
             rmax = tl.max(tl.abs(x), axis=1)  # [R]
             band = tl.max(tl.reshape(rmax, [R // DS_TILE_C, DS_TILE_C]), axis=1)  # [R / DS_TILE]
             amax = tl.reshape(tl.broadcast_to(band[:, None], [R // DS_TILE_C, DS_TILE_C]), [R, 1])
-            s_enc = tl.where(amax < AMAX_FLUSH, 1.0, tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax))
+            s_enc = tl.where(amax < AMAX_FLUSH, 1.0,
+                             _pow2_floor(tl.math.div_rn(tl.full(amax.shape, G_NUM_C, tl.float32), amax)))
             g_dec = tl.where(amax < AMAX_FLUSH, 0.0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc))
         return s_enc, g_dec
 
@@ -427,10 +452,11 @@ if triton is not None:
     @triton.jit
     def _ds_dot(ds, other, acc, FP4: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
         """``acc + dS · other`` for a dS tile [R, C]: in NVFP4 (rows quantized along C, one two-level scale per
-        DS_TILE-row band, the decode scale applied to the product) or in BF16."""
+        DS_TILE-row band; the power-of-two decode scale is folded into the exact BF16 operand, so the product
+        accumulates in place) or in BF16."""
         if FP4:
             s_enc, g_dec = _band_scales(ds, R, C)
-            acc = acc + _mma(_to_bf16(_fq_rows(ds, s_enc, g_dec, R, C)), other) * g_dec
+            acc = _mma_acc(_to_bf16(_fq_rows(ds, s_enc, g_dec, R, C, True)), other, acc)
         else:
             acc = _mma_acc(_to_bf16(ds), other, acc)
         return acc
