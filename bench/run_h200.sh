@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -391,6 +391,18 @@ fsdp_optim)
       --optim qadamw --micro-batch 64 --json "$OUT/qadamw_none.json"
   step qadamw_fsdp2 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
       --optim qadamw --micro-batch 64 --no-reshard --bf16-params --json "$OUT/qadamw_fsdp2.json" ;;
+attn_ab)
+  # issue 4 + 5 on one nvidia-h200 (~8 min): the attention GPU tests and bench (checks, tile sweep, table) of
+  # this tree, the same table from an older tree when one is carried under .ab/old (its fp4compile/ and bench/,
+  # e.g. git archive REV fp4compile bench | tar -x -C .ab/old), then the fused Q-AdamW test and timing
+  step attn_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  step attn_bench 170 python bench/attention.py --phase all --all-checks --sweep-budget 60 --json "$OUT/attn.json"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step attn_bench_old 90 python bench/attention.py --phase table \
+        --json "$OUT/attn_old.json" )
+  fi
+  step optim_tests 60 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_fused.py
+  step optim 110 python bench/optim.py --skip check,peak,root --out "$OUT/optim.json" ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
