@@ -1,12 +1,13 @@
 """Q-Attn on the GPU: correctness against the float64 reference, then time vs torch SDPA (cuDNN/flash, BF16).
 
-    python bench/attention.py [--phase checks|sweep|table|all] [--json FILE] [--quick]
+    python bench/attention.py [--phase checks|sweep|table|profile|all] [--json FILE] [--quick]
     python bench/attention.py --compile-worker I/N     # fill Triton's disk cache with the sweep's kernels
 
 Phases: ``checks`` (correctness, below), ``sweep`` (kernel-level times of the tile configurations in SWEEP at
 T = 1024, 2048 and 4096; each config's output is compared with the default config's; the fastest valid config per
 (head dim, kernel) becomes the configuration of the ``table`` phase in the same process, and is printed), and
-``table`` (the issue's grid, op level). ``--compile-worker`` processes started in parallel compile the sweep's
+``table`` (the issue's grid, op level); ``profile`` (not in ``all``): device time per kernel of one
+forward+backward at T = 4096 for SDPA and both splits (torch.profiler). ``--compile-worker`` processes started in parallel compile the sweep's
 kernels on tiny inputs of the same Triton specialization, so the timing process loads them from the cache.
 
 Correctness (FlashAttention's rule, relative Frobenius errors): err(Triton) <= 2·err(torch FP32 + BF16-rounding
@@ -36,7 +37,7 @@ import fp4compile.ops  # noqa: E402,F401
 from fp4compile.kernels import attention as A  # noqa: E402
 from fp4compile.kernels import attention_ref as R  # noqa: E402
 from fp4compile.passes.attention import qattn_sdpa  # noqa: E402
-from bench.timing import host_us  # noqa: E402
+from bench.timing import host_us, kernel_table  # noqa: E402
 
 CEILING = 790.0
 LOG = []
@@ -322,6 +323,35 @@ def host_breakdown(results, T=1024, D=64):
                 say(f"host {name} failed: {type(ex).__name__}: {str(ex)[:200]}")
 
 
+def kernel_profile(results, T=4096, B=4, H=16, steps=5):
+    """Device time per kernel of one forward+backward (torch.profiler, ``steps`` calls after a warm-up) for SDPA
+    and the two Q-Attn splits at T, d = 64 and 128: where the paper split's time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = results.setdefault("kernel_profile", {})
+    for D in (64, 128):
+        q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        impls = {
+            "sdpa": lambda *a: F.scaled_dot_product_attention(*a, is_causal=True),
+            "qattn paper": lambda *a: qattn_sdpa(*a, is_causal=True, fp4_roles=R.PAPER_ROLES),
+            "qattn bf16": lambda *a: qattn_sdpa(*a, is_causal=True, fp4_roles=0),
+        }
+        for name, f in impls.items():
+            def fb():
+                return torch.autograd.grad(f(*leaves), leaves, do)
+            fb()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    fb()
+                torch.cuda.synchronize()
+            table = kernel_table(prof, steps, top=8)
+            out[f"{name} T{T} d{D}"] = table
+            say(f"kernels, {name}, fwd+bwd, T{T} d{D}:\n" + table)
+        del q, k, v, do, leaves
+
+
 def _graphed(fn):
     """fn captured in a CUDA graph (host overhead removed); None if capture fails."""
     try:
@@ -391,7 +421,7 @@ def bench(results, quick=False, graphed=False, B=4, H=16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--phase", default="all", choices=["checks", "sweep", "table", "all"])
+    ap.add_argument("--phase", default="all", choices=["checks", "sweep", "table", "profile", "all"])
     ap.add_argument("--json", default=None, help="write the measurements here")
     ap.add_argument("--quick", action="store_true", help="table at T in {1024, 2048} only")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
@@ -458,6 +488,8 @@ def main():
                 bench(results, args.quick, graphed=True)
             if DEV == "cuda":  # last: the profiler (kernel counts) may leave CUPTI hooks that slow later launches
                 host_overhead(results)
+        if args.phase == "profile" and DEV == "cuda":
+            kernel_profile(results)
     finally:
         say(f"total {time.time() - t0:.0f} s")
         if args.json:

@@ -19,7 +19,9 @@ The numerics (which operand is quantized how, which copy is reused, the scale le
 * ``attention_bwd``: FlashAttention-2 structure: a dK/dV kernel (one program per BN-key block and KV head,
   looping over the GQA group's query heads and query blocks) and a dQ kernel (one program per BM-query block).
   dS is quantized on the fly with 1x16 blocks along each product's contraction axis and a per-64x64-tile global
-  (``DS_TILE``; a 128-row register tile holds two scale tiles, one global per 64-row band).
+  (``DS_TILE``; a 128-row register tile holds two scale tiles, one global per 64-row band). The tile's global is
+  a power of two (``attention_ref.tile_scales``), so code x E4M3 scale x global is still exact in BF16 and dS·K,
+  dSᵀ·Q accumulate into the MMA accumulator in place (session 21: 1-7 % off the paper split's forward+backward).
 
 Tile configurations: ``FWD_CONFIGS`` / ``BWD_CONFIGS``, chosen from the H200 sweep in ``bench/attention.py``
 (docs/BENCHMARKS.md, "Attention").
@@ -146,14 +148,9 @@ if triton is not None:
         return (c + m) - m
 
     @triton.jit
-    def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False):
-        """Fake-quantize fp32 [R, C] with 1x16 blocks along C; returns code*E4M3-scale (exact in bf16), i.e.
-        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product), or,
-        with ``FOLD``, code*E4M3-scale*``g_dec`` (still exact in bf16 when ``g_dec`` is a power of two, as dS's
-        per-tile globals are: the product then accumulates straight into the MMA accumulator).
-        ``s_enc`` / ``g_dec``: scalars, or [R, 1] (one two-level scale per row band)."""
-        xb = tl.reshape(x, [R, C // 16, 16])
-        amax = tl.max(tl.abs(xb), axis=2)
+    def _fq_blocks(xb, amax, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr):
+        """:func:`_fq_rows` from the [R, C/16, 16] view ``xb`` and its block maxima ``amax`` = max |xb| over
+        the last axis (computed once by the caller when it also needs them for the tile's global)."""
         sf = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0)).to(tl.float32)
         sfg = sf * g_dec
         enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sfg))
@@ -164,22 +161,32 @@ if triton is not None:
             return tl.reshape(val * sf[:, :, None], [R, C])
 
     @triton.jit
+    def _fq_rows(x, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False):
+        """Fake-quantize fp32 [R, C] with 1x16 blocks along C; returns code*E4M3-scale (exact in bf16), i.e.
+        the NVFP4 value without the global decode scale ``g_dec`` (the caller applies it to the product), or,
+        with ``FOLD``, code*E4M3-scale*``g_dec`` (still exact in bf16 when ``g_dec`` is a power of two, as dS's
+        per-tile globals are: the product then accumulates straight into the MMA accumulator).
+        ``s_enc`` / ``g_dec``: scalars, or [R, 1] (one two-level scale per row band)."""
+        xb = tl.reshape(x, [R, C // 16, 16])
+        return _fq_blocks(xb, tl.max(tl.abs(xb), axis=2), s_enc, g_dec, R, C, FOLD)
+
+    @triton.jit
     def _pow2_floor(x):
         """Positive normal fp32 -> the largest power of two <= x (the exponent bits alone)."""
         return (x.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _band_scales(x, R: tl.constexpr, C: tl.constexpr):
-        """Two-level scales of an fp32 [R, C] tile of dS (C == DS_TILE, R a multiple of it), one per
-        DS_TILE x DS_TILE band of rows: (s_enc, g_dec), each [R, 1] (scalars when R == DS_TILE), from the band's
-        amax (0 -> (1, 0)). s_enc = 2688/amax floored to a power of two (``attention_ref.tile_scales``), so
-        g_dec = 1/s_enc is exact and folds into the BF16 operand."""
+    def _band_scales(bmax, R: tl.constexpr, C: tl.constexpr):
+        """Two-level scales of an fp32 [R, C] tile of dS (C == DS_TILE, R a multiple of it) from its 1x16 block
+        maxima ``bmax`` [R, C/16], one per DS_TILE x DS_TILE band of rows: (s_enc, g_dec), each [R, 1] (scalars
+        when R == DS_TILE), from the band's amax (0 -> (1, 0)). s_enc = 2688/amax floored to a power of two
+        (``attention_ref.tile_scales``), so g_dec = 1/s_enc is exact and folds into the BF16 operand."""
         if R == DS_TILE_C:  # one tile: scalar scales
-            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            amax = tl.max(tl.max(bmax, axis=1), axis=0)
             s_enc = tl.where(amax < AMAX_FLUSH, 1.0, _pow2_floor(tl.math.div_rn(G_NUM_C, amax)))
             g_dec = tl.where(amax < AMAX_FLUSH, 0.0, tl.math.div_rn(1.0, s_enc))
         else:
-            rmax = tl.max(tl.abs(x), axis=1)  # [R]
+            rmax = tl.max(bmax, axis=1)  # [R]
             band = tl.max(tl.reshape(rmax, [R // DS_TILE_C, DS_TILE_C]), axis=1)  # [R / DS_TILE]
             amax = tl.reshape(tl.broadcast_to(band[:, None], [R // DS_TILE_C, DS_TILE_C]), [R, 1])
             s_enc = tl.where(amax < AMAX_FLUSH, 1.0,
@@ -455,8 +462,10 @@ if triton is not None:
         DS_TILE-row band; the power-of-two decode scale is folded into the exact BF16 operand, so the product
         accumulates in place) or in BF16."""
         if FP4:
-            s_enc, g_dec = _band_scales(ds, R, C)
-            acc = _mma_acc(_to_bf16(_fq_rows(ds, s_enc, g_dec, R, C, True)), other, acc)
+            xb = tl.reshape(ds, [R, C // 16, 16])
+            bmax = tl.max(tl.abs(xb), axis=2)  # once: the blocks' scales and the tile's global
+            s_enc, g_dec = _band_scales(bmax, R, C)
+            acc = _mma_acc(_to_bf16(_fq_blocks(xb, bmax, s_enc, g_dec, R, C, True)), other, acc)
         else:
             acc = _mma_acc(_to_bf16(ds), other, acc)
         return acc
