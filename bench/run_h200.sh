@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -403,6 +403,23 @@ attn_ab)
   fi
   step optim_tests 60 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_fused.py
   step optim 110 python bench/optim.py --skip check,peak,root --out "$OUT/optim.json" ;;
+attn_step)
+  # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
+  # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the
+  # GPT-124M training step with CUDA graphs, full stack (incl. Q-Attn) and quartet2, each against BF16
+  step attn_table 80 python bench/attention.py --phase table --json "$OUT/attn_new.json"
+  step attn_profile 80 python bench/attention.py --phase profile --json "$OUT/attn_profile_new.json"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step attn_table_old 80 python bench/attention.py --phase table \
+        --json "$OUT/attn_old.json" )
+    cp bench/attention.py .ab/old/bench/attention_profile.py 2>/dev/null
+    ( cd .ab/old && export PYTHONPATH=$PWD && step attn_profile_old 80 python bench/attention_profile.py \
+        --phase profile --json "$OUT/attn_profile_old.json" )
+  fi
+  step step_full_stack 200 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  step step_quartet2 170 python bench/train_step.py --policy quartet2 --modes reduce-overhead --steps 20 \
+      --warmup 3 --json "$OUT/train_step.jsonl" ;;
 dist_cg)
   # issue 8 with CUDA graphs: 1 GPU vs DDP on 2 GPUs, both with mode=reduce-overhead (FSDP2 has none)
   CUDA_VISIBLE_DEVICES=0 step dist_1gpu_cg 120 python bench/distributed.py --model 124m --parallel none \
