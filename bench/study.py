@@ -226,20 +226,26 @@ POST_S = 15
 STARTUP_S = 25
 
 
-def start_need(summary: dict | None, target: int) -> float:
-    """Seconds of time budget that make an arm worth starting: :data:`MIN_START_S`, or less for a resumed run close
-    to ``target``: its start-up (:data:`STARTUP_S`) + its last call's time to the first step (compile) + its
-    remaining steps at its last rate + the loop's checkpoint reserve (``checkpoint_reserve`` of the save time its
-    summary records, 30 s without one) + :data:`POST_S`. A run without those numbers needs MIN_START_S."""
+def finish_need(summary: dict | None, target: int) -> float | None:
+    """Seconds of time budget that should take a resumed arm to ``target`` in one call: its start-up
+    (:data:`STARTUP_S`) + its last call's time to the first step (compile) + its remaining steps at its last rate +
+    the loop's checkpoint reserve (``checkpoint_reserve`` of the save time its summary records, 30 s without one) +
+    :data:`POST_S`. None for a run without those numbers."""
     from fp4compile.train.loop import checkpoint_reserve
 
     s = summary or {}
     step, tps, first, tokens = (s.get(k) for k in ("step", "tok_per_s", "first_step_s", "tokens"))
     if not (step and tps and first and tokens):
-        return MIN_START_S
-    need = (STARTUP_S + first + max(target - step, 0) * (tokens / step) / tps
+        return None
+    return (STARTUP_S + first + max(target - step, 0) * (tokens / step) / tps
             + checkpoint_reserve(s.get("checkpoint_s")) + POST_S)
-    return min(MIN_START_S, need)
+
+
+def start_need(summary: dict | None, target: int) -> float:
+    """Seconds of time budget that make an arm worth starting: :data:`MIN_START_S`, or less for a resumed run close
+    to ``target`` (:func:`finish_need`, when that is smaller)."""
+    need = finish_need(summary, target)
+    return MIN_START_S if need is None else min(MIN_START_S, need)
 
 
 def summaries(out: Path, arms):
@@ -381,8 +387,10 @@ def main(argv=None) -> int:
             run). Its exit code, or None when too little time is left to start it."""
             left = args.time_budget - (time.time() - t_start)
             target = int(flags[flags.index("--stop-after") + 1]) if "--stop-after" in flags else steps
-            if left < start_need(summaries(out, [arm]).get(arm), target):
-                print(f"[study] {left:.0f}s left: stopping before {arm}; run the same command again to continue")
+            need = start_need(summaries(out, [arm]).get(arm), target)
+            if left < need:
+                print(f"[study] {left:.0f}s left: stopping before {arm} (it needs {need:.0f}s to start); run the "
+                      "same command again to continue")
                 return None
             # the arm stops by a deadline (not a duration): its own start-up counts, the driver keeps POST_S
             deadline = t_start + args.time_budget - POST_S
@@ -404,8 +412,10 @@ def main(argv=None) -> int:
             if rc != 0:
                 print(f"[study] {arm} failed with exit code {rc}; continuing with the next arm", flush=True)
             elif s.get("step") != target:
+                need = finish_need(s, target)
+                more = f" (~{need:.0f}s of budget would take it to step {target})" if need else ""
                 print(f"[study] {arm} stopped at step {s.get('step')}/{steps} ({s.get('status')}): "
-                      "run the same command again to continue", flush=True)
+                      f"run the same command again to continue{more}", flush=True)
             return rc == 0 and s.get("step") == target
 
         unpaired = set()        # late arms whose base cannot hand them its run: not trained (they would be unpaired)

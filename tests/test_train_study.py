@@ -173,12 +173,28 @@ def test_a_nearly_done_arm_starts_in_less_than_the_usual_budget(study, tmp_path,
     assert main(85) == 0 and "85s left: stopping before bf16" in capsys.readouterr().out
     assert main(95) == 1
     summary(40, tok_per_s=94_000.0)  # 60 steps left at 0.7 s each: the estimate (129 s) is capped at 120 s
-    assert main(110) == 0
+    assert main(110) == 0 and "110s left: stopping before bf16 (it needs 120s to start)" in capsys.readouterr().out
+    assert study.finish_need(json.loads((run / "summary.json").read_text()), 100) == pytest.approx(128.8, abs=0.1)
     assert main(125) == 1
     assert study.start_need({"step": 40}, 100) == study.MIN_START_S
     # a summary that records its checkpoint save (2 s) keeps 2 x 2 + 5 s for it instead of 30 s
     s = {"step": 97, "tokens": 97 * 65536, "tok_per_s": 940_000.0, "first_step_s": 17.0, "checkpoint_s": 2.0}
     assert study.start_need(s, 100) == pytest.approx(87.2 - 30.0 + 9.0, abs=0.1)
+
+
+def test_an_arm_stopped_by_its_budget_says_what_budget_would_finish_it(study, tmp_path, monkeypatch, capsys):
+    """After an arm stops short, the study prints the budget that would take it to the end in the next call
+    (start-up + its compile time + its remaining steps at its rate + checkpoint reserve + POST_S), so chained device
+    calls can give it enough (session 22: a budget under the arm's start need skipped it twice)."""
+    calls = []
+    monkeypatch.setattr(study.subprocess, "run", _fake_train(calls, budget={"bf16": 40}, first_step_s=17.0))
+    assert study.main(["--arms", "bf16", "--tokens", "6553600", "--skip-data", "--out", str(tmp_path),
+                       "--time-budget", "300"]) == 0
+    out = capsys.readouterr().out
+    need = study.STARTUP_S + 17.0 + 60 * 65536 / 1e5 + 30.0 + study.POST_S  # no save time recorded: 30 s reserve
+    assert len(calls) == 1
+    assert f"bf16 stopped at step 40/100 (time_budget): run the same command again to continue (~{need:.0f}s of " \
+           "budget would take it to step 100)" in out
 
 
 def test_arms_get_the_calls_deadline_not_a_duration(study, tmp_path, monkeypatch):
@@ -197,12 +213,13 @@ def test_arms_get_the_calls_deadline_not_a_duration(study, tmp_path, monkeypatch
         assert t0 + 300 - study.POST_S - 1 <= deadline <= t1 + 300 - study.POST_S + 1
 
 
-def _fake_train(calls, fail=(), budget=None, crash_at=None):
+def _fake_train(calls, fail=(), budget=None, crash_at=None, first_step_s=None):
     """A stand-in for ``fp4compile train`` under bench/study.py: records the command, then does what the loop does
     to a run directory: resumes at the step of its summary, trains to ``--stop-after`` (nothing when already there)
     or ``--steps``, or ``budget[arm]`` more steps per call (a time budget), and writes checkpoint/ and summary.json.
     Exit 1 at once for arms in ``fail``; ``crash_at=(arm, step)``: that arm exits 1 after training up to the step and
-    writing its run (a crash at teardown)."""
+    writing its run (a crash at teardown). ``first_step_s``: recorded in the summary (the compile time the study's
+    budget estimates read)."""
     class Done:
         def __init__(self, rc):
             self.returncode = rc
@@ -224,7 +241,8 @@ def _fake_train(calls, fail=(), budget=None, crash_at=None):
             f.write(json.dumps({"run": out.name, "late": late, "from": start, "to": step}) + "\n")
         (out / "summary.json").write_text(json.dumps(
             {"status": status, "step": step, "steps": steps, "tokens": step * 65536, "loss": 3.0,
-             "tok_per_s": 1e5 if step > start else None, "peak_mem_mib": 1024.0}))
+             "tok_per_s": 1e5 if step > start else None, "peak_mem_mib": 1024.0,
+             **({"first_step_s": first_step_s} if first_step_s else {})}))
         return Done(1 if crash_at == (out.name, step) and step > start else 0)
     return run
 
