@@ -151,21 +151,25 @@ def fake_quant_1d(x: Tensor, dim: int, s_enc: Tensor, g_dec: Tensor) -> Tensor:
     return out.movedim(-1, dim)
 
 
-def tile_scales(x: Tensor, tile: int = DS_TILE) -> tuple[Tensor, Tensor]:
+def tile_scales(x: Tensor, tile: int = DS_TILE, pow2: bool = True) -> tuple[Tensor, Tensor]:
     """Per-(tile x tile) two-level scales of the last two dims: (s_enc, g_dec), broadcast to ``x.shape``.
 
     s_enc is the FP32 quotient 2688 / amax rounded *down to a power of two* (so g_dec = 1/s_enc is exact): the
     tile's largest block scale lands in (224, 448] instead of at 448, and each block's E4M3 scale keeps its
     3-bit mantissa; what the tile gives up is at most one binade at the bottom of the E4M3 range. The kernels
     gain an exact BF16 operand code x E4M3 scale x g_dec, so dS·K accumulates into the MMA accumulator in
-    place instead of through a separate product scaled by a per-tile FP32 global."""
+    place instead of through a separate product scaled by a per-tile FP32 global. ``pow2=False``: the exact
+    quotient (what the kernels did before; ``bench/attention_ds_global.py`` compares the two)."""
     M, N = x.shape[-2:]
     xp = _pad_to(_pad_to(x.abs().to(torch.float32), -2, tile), -1, tile)
     t = xp.unflatten(-1, (-1, tile)).unflatten(-3, (-1, tile)).amax(dim=(-3, -1), keepdim=True)
     t = t.expand(*t.shape[:-4], t.shape[-4], tile, t.shape[-2], tile).flatten(-4, -3).flatten(-2)[..., :M, :N]
     zero = t < nvfp4.AMAX_FLUSH
-    _, e = torch.frexp(torch.full_like(t, G_NUM) / torch.where(zero, torch.ones_like(t), t))
-    s_enc = torch.where(zero, torch.ones_like(t), torch.ldexp(torch.ones_like(t), e - 1))
+    quot = torch.full_like(t, G_NUM) / torch.where(zero, torch.ones_like(t), t)
+    if pow2:
+        _, e = torch.frexp(quot)
+        quot = torch.ldexp(torch.ones_like(t), e - 1)
+    s_enc = torch.where(zero, torch.ones_like(t), quot)
     g_dec = torch.where(zero, torch.zeros_like(t), 1.0 / s_enc)
     return s_enc, g_dec
 
