@@ -402,6 +402,14 @@ xs = [x, (torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3).to(DEV),
 for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + one quantize launch for three
     assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t))), "quantize_many != reference"
     assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
+# the backward's prep launch dequantizes two saved copies of different lengths (ragged last row block), one of
+# them with E4M3-subnormal scales (rows over seven decades), to the reference's exact bf16 code x scale
+y = (torch.randn(3, 1, 70, 64) * torch.logspace(-7, 0, 70)[:, None]).bfloat16().to(DEV)
+cq = [R.quantize_2d(t) for t in (x, y)]
+assert ((cq[1][1] & 0x78) == 0).any() and (cq[1][1] > 0).any(), "no subnormal scale to check"
+one = torch.ones((), device=DEV)
+for (c, sc, _), d in zip(cq, A.dequantize_many([(c, sc) for c, sc, _ in cq])):
+    assert torch.equal(d, R.dequantize_2d(c, sc, one, torch.bfloat16)), "dequantize_many != reference"
 # the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
 # non-default tiles (the fp4-dS backward: 128-row dS tiles holding two 64x64 scale tiles)
 CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),

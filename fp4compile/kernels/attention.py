@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..formats import nvfp4 as _nvfp4
+from .dequant import _dequant_rows
 from .launch import cdiv, placeholder
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
 
@@ -311,23 +312,13 @@ if triton is not None:
                         NP2, WD2)
 
     @triton.jit
-    def _deq_body(codes_ptr, scales_ptr, out_ptr, pid, R, BT: tl.constexpr, D: tl.constexpr):
-        """code x E4M3 scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a contiguous [R, D] copy."""
-        if pid * BT < R:
-            rows = pid * BT + tl.arange(0, BT)
-            m = rows < R
-            od = tl.arange(0, D)
-            byte = tl.load(codes_ptr + rows[:, None] * (D // 2) + od[None, :] // 2, mask=m[:, None], other=0)
-            code = (byte.to(tl.int32) >> ((od[None, :] % 2) * 4)) & 15
-            sb = tl.load(scales_ptr + rows[:, None] * (D // 16) + od[None, :] // 16, mask=m[:, None], other=0)
-            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * D + od[None, :], _to_bf16(_e2m1_value(code) * sf), mask=m[:, None])
-
-    @triton.jit
     def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
-                         BT: tl.constexpr, D: tl.constexpr):
+                         BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
-        [BT] row block; tasks 1, 2: code x scale of a saved NVFP4 copy (Q and/or K), elementwise."""
+        [BT] row block; tasks 1, 2: code x scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a
+        saved contiguous [R, D] NVFP4 copy (Q and/or K), by the GEMM's dequantization
+        (:func:`fp4compile.kernels.dequant._dequant_rows`: whole code bytes and scale rows as vector loads;
+        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only)."""
         pid = tl.program_id(0)
         task = tl.program_id(1)
         if task == 0:
@@ -345,9 +336,11 @@ if triton is not None:
                             other=0.0).to(tl.float32)
                 tl.store(DELTA + bh * T + offs_t, tl.sum(do * o, axis=1), mask=mt)
         elif task == 1:
-            _deq_body(C0, S0, Y0, pid, R0, BT, D)
+            if pid * BT < R0:
+                _dequant_rows(C0, S0, Y0, R0, D // 2, pid, 0, BT, D, DEQUANT_ASM)
         else:
-            _deq_body(C1, S1, Y1, pid, R1, BT, D)
+            if pid * BT < R1:
+                _dequant_rows(C1, S1, Y1, R1, D // 2, pid, 0, BT, D, DEQUANT_ASM)
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
@@ -785,7 +778,11 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         delta, B, H, T, n0 = None, 1, 1, 0, 0
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
-    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, num_warps=4)
+    from .gemm import DEFAULT_DEQUANT  # not at import time: gemm imports ops, which imports this module
+
+    asm = dev.type == "cuda" and DEFAULT_DEQUANT == "asm"
+    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, DEQUANT_ASM=asm,
+                              num_warps=4)
     return delta, deqs
 
 

@@ -50,13 +50,8 @@ All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few conf
 use a GROUP_M-swizzled tile order; M, N tails wrap in the loads and are masked in the store, a K tail (K a
 multiple of 16 but not of BLOCK_K) is masked.
 
-Two dequantization paths (``DEQUANT``):
-
-* ``"fp32"``: portable Triton (runs under ``TRITON_INTERPRET=1``): integer ops build FP32 bit patterns, one
-  FP32 multiply by the scale, one convert to BF16.
-* ``"asm"``: inline PTX, 4 packed bytes (8 codes) at a time: one ``prmt``, shifts/masks that build
-  ``bf16x2`` bit patterns for two codes at once, and one ``mul.rn.bf16x2`` by the scale per two codes
-  (sm_90 only).
+Two dequantization paths (``DEQUANT``): ``"fp32"`` (portable Triton, runs under ``TRITON_INTERPRET=1``) and
+``"asm"`` (inline PTX, sm_90), both in :mod:`fp4compile.kernels.dequant` (shared with the attention backward).
 
 Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU tensors under the interpreter),
 :func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`, :func:`gemm_dequant_triton`,
@@ -71,6 +66,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
+from .dequant import _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
 from .launch import cdiv, launch
 
 try:
@@ -131,42 +127,6 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
     return "dq_triton"
 
 
-# One invocation handles 4 code bytes ($4) = 8 codes, with the bf16 scales of those 4 bytes ($5 = bytes 0,1;
-# $6 = bytes 2,3). Outputs: $0 = low nibbles of bytes 0,1; $1 = low nibbles of bytes 2,3; $2, $3 the high
-# nibbles. After prmt, t = [b0, b2, b1, b3]: 16-bit lane 0 holds b0 (low byte) and b2, lane 1 holds b1 and b3,
-# so one shift/mask sequence decodes the same nibble of two bytes into a bf16x2 word
-# (magnitude bits -> bits 6..8, sign -> bit 15 of each lane).
-_DEQUANT_ASM = """
-{
-.reg .b32 t, u, v, w;
-prmt.b32 t, $4, $4, 0x3120;
-shl.b32 u, t, 6;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 12;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $0, w, $5;
-shr.b32 u, t, 2;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 4;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $1, w, $6;
-shl.b32 u, t, 2;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 8;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $2, w, $5;
-shr.b32 u, t, 6;
-and.b32 u, u, 0x01C001C0;
-and.b32 v, t, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $3, w, $6;
-}
-"""
-
-
 def _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
     for name, t in (("a_codes", a_codes), ("a_scales", a_scales), ("b_codes", b_codes), ("b_scales", b_scales)):
         if t.dim() != 2:
@@ -193,9 +153,6 @@ def _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_
 
 
 if triton is not None:
-    # read at compile time by the jitted helper
-    _DEQUANT_ASM_CONST = tl.constexpr(_DEQUANT_ASM)
-
     @triton.jit
     def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
         """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row-tiles in a row share their
@@ -206,25 +163,6 @@ if triton is not None:
         pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
         pid_n = (tile_id % num_pid_in_group) // group_size_m
         return pid_m, pid_n
-
-    @triton.jit
-    def _dequant_tile(codes, scales, BR: tl.constexpr, BK: tl.constexpr, DEQUANT_ASM: tl.constexpr):
-        """codes u8 [BR, BK/2], scales u8 (E4M3 bytes) [BR, BK/16] -> bf16 [BR, BK] equal to q*S*2^-8."""
-        s = scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 332306998946228968225951765070086144.0
-        if DEQUANT_ASM:
-            sb = s.to(tl.bfloat16)
-            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BR, BK // 16, 8)), (BR, BK // 2))
-            lo, hi = tl.inline_asm_elementwise(
-                _DEQUANT_ASM_CONST, "=r,=r,=r,=r,r,r,r", [codes, sb],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            return tl.reshape(tl.join(lo, hi), (BR, BK))
-        else:
-            c = codes.to(tl.uint32)
-            lo = ((c & 0x8) << 28) | ((c & 0x7) << 22)
-            hi = ((c & 0x80) << 24) | ((c & 0x70) << 18)
-            q = tl.reshape(tl.join(lo, hi), (BR, BK)).to(tl.float32, bitcast=True)
-            sf = tl.reshape(tl.broadcast_to(s[:, :, None], (BR, BK // 16, 16)), (BR, BK))
-            return (q * sf).to(tl.bfloat16)
 
     @triton.jit
     def _nvfp4_gemm_kernel(a_ptr, as_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr,
@@ -520,22 +458,6 @@ if triton is not None:
         ptrs = ws_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-
-    @triton.jit
-    def _dequant_rows(c_ptr, s_ptr, o_ptr, R, KH, pid_r, pid_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DEQUANT_ASM: tl.constexpr):
-        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        rmask = rr[:, None] < R
-        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * KH + kb[None, :], mask=rmask & (kb[None, :] < KH),
-                        other=0)
-        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * (KH // 8) + ks[None, :],
-                         mask=rmask & (ks[None, :] < KH // 8), other=0)
-        v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
-        tl.store(o_ptr + rr.to(tl.int64)[:, None] * (2 * KH) + ko[None, :], v.to(tl.bfloat16),
-                 mask=rmask & (ko[None, :] < 2 * KH))
 
     @triton.jit
     def _dequant2_kernel(ac_ptr, as_ptr, ao_ptr, RA, bc_ptr, bs_ptr, bo_ptr, RB, KH, NBLK_A,
