@@ -85,19 +85,23 @@ if triton is not None:
 
     @triton.jit
     def _dequant_rows(c_ptr, s_ptr, o_ptr, R, KH, pid_r, pid_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DEQUANT_ASM: tl.constexpr):
-        """Rows [pid_r*BLOCK_R, +BLOCK_R) x columns [pid_k*BLOCK_K, +BLOCK_K) of a contiguous NVFP4 matrix (codes
-        [R, KH] bytes, E4M3 scale bytes [R, KH/8]) to exact bf16 ``q * S`` in the contiguous [R, 2*KH] ``o_ptr``;
-        code bytes and scale rows are loaded whole (vector loads), ragged rows and columns masked."""
+                      DEQUANT_ASM: tl.constexpr, stride_c=None, stride_s=None, stride_o=None):
+        """Rows [pid_r*BLOCK_R, +BLOCK_R) x columns [pid_k*BLOCK_K, +BLOCK_K) of an NVFP4 matrix (codes [R, KH]
+        bytes, E4M3 scale bytes [R, KH/8]) to exact bf16 ``q * S`` in ``o_ptr`` [R, 2*KH]; code bytes and scale
+        rows are loaded whole (vector loads), ragged rows and columns masked. Row strides default to the
+        contiguous ones (KH, KH/8, 2*KH)."""
+        sc = KH if stride_c is None else stride_c
+        ss = KH // 8 if stride_s is None else stride_s
+        so = 2 * KH if stride_o is None else stride_o
         rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
         ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         rmask = rr[:, None] < R
-        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * KH + kb[None, :], mask=rmask & (kb[None, :] < KH),
+        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * sc + kb[None, :], mask=rmask & (kb[None, :] < KH),
                         other=0)
-        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * (KH // 8) + ks[None, :],
+        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * ss + ks[None, :],
                          mask=rmask & (ks[None, :] < KH // 8), other=0)
         v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
-        tl.store(o_ptr + rr.to(tl.int64)[:, None] * (2 * KH) + ko[None, :], v.to(tl.bfloat16),
+        tl.store(o_ptr + rr.to(tl.int64)[:, None] * so + ko[None, :], v.to(tl.bfloat16),
                  mask=rmask & (ko[None, :] < 2 * KH))

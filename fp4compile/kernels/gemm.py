@@ -363,20 +363,8 @@ if triton is not None:
     def _dequant_kernel(c_ptr, s_ptr, o_ptr, R, KH, stride_c, stride_s, stride_o,
                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """Stand-alone dequantization to bf16 ``q * S`` (no global scale); for the cuBLAS baseline."""
-        pid_r = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        kb = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        ks = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        ko = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        rmask = rr[:, None] < R
-        codes = tl.load(c_ptr + rr.to(tl.int64)[:, None] * stride_c + kb[None, :],
-                        mask=rmask & (kb[None, :] < KH), other=0)
-        scales = tl.load(s_ptr + rr.to(tl.int64)[:, None] * stride_s + ks[None, :],
-                         mask=rmask & (ks[None, :] < KH // 8), other=0)
-        v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
-        tl.store(o_ptr + rr.to(tl.int64)[:, None] * stride_o + ko[None, :], v.to(tl.bfloat16),
-                 mask=rmask & (ko[None, :] < 2 * KH))
+        _dequant_rows(c_ptr, s_ptr, o_ptr, R, KH, tl.program_id(0), tl.program_id(1), BLOCK_R, BLOCK_K, DEQUANT_ASM,
+                      stride_c, stride_s, stride_o)
 
 
     @triton.jit
