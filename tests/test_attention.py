@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -482,6 +483,21 @@ def test_triton_kernels_interpreter_fa_rule(tmp_path):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     _run_kernel_script(tmp_path, env)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_bwd_prep_loads_codes_and_scales_as_vectors(D):
+    """The backward's prep launch compiled for sm_90 (CPU, bench/attention_sass.py): the saved NVFP4 Q/K copies are
+    read with vector loads, not one byte load per element (what it did until session 22: 128 per thread at d=128)."""
+    pytest.importorskip("triton")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_sass", os.path.join(REPO, "bench", "attention_sass.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ptx = mod.compile_kernel("prep", D, True, upto="ptx")
+    assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx)
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
 
 @pytest.mark.gpu
