@@ -7,7 +7,8 @@ The backward kernels scale each 64x64 tile of dS with s_enc = 2688/amax floored 
 isolates what that floor does to the quantization error: the float64 reference backward with only dS in NVFP4
 (roles DSK | DSQ), once with the floored global and once with the exact quotient 2688/amax, each against the
 exact float64 gradients (all roles BF16, no quantization). Prints each case's relative Frobenius errors of dQ and
-dK (also with q scaled by 4: peaked softmax rows, a heavier-tailed dS) and their means; a ratio near 1 means the floor costs nothing measurable.
+dK (also with q scaled by 4: peaked softmax rows, a heavier-tailed dS) and their means; a ratio near 1 means the
+floor costs nothing measurable.
 """
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=4)
     args = ap.parse_args(argv)
-    floored = floored_tile_scales
     errs = {"floor": ([], []), "exact": ([], [])}
-    print("| seed | T | d | causal | q scale | dQ floor | dQ exact | dK floor | dK exact |\n|---|---|---|---|---|---|---|---|---|")
+    print("| seed | T | d | causal | q scale | dQ floor | dQ exact | dK floor | dK exact |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for seed in range(args.seeds):
         for T, D, causal, qs in ((256, 64, True, 1), (320, 128, True, 1), (256, 64, False, 1), (256, 64, True, 4)):
             g = torch.Generator().manual_seed(seed)
@@ -52,12 +53,12 @@ def main(argv=None) -> int:
             q = q * qs  # qs = 4: peaked softmax rows, a heavier-tailed dS
             g0 = grads(q, k, v, do, causal, 0)
             row = {}
-            for name, fn in (("floor", floored), ("exact", exact_tile_scales)):
+            for name, fn in (("floor", floored_tile_scales), ("exact", exact_tile_scales)):
                 R.tile_scales = fn
                 try:
                     gq = grads(q, k, v, do, causal, R.DSK | R.DSQ)
                 finally:
-                    R.tile_scales = floored
+                    R.tile_scales = floored_tile_scales
                 row[name] = (rel(gq[0], g0[0]), rel(gq[1], g0[1]))
                 errs[name][0].append(row[name][0])
                 errs[name][1].append(row[name][1])

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fp4compile.kernels import attention as A  # noqa: E402
 from fp4compile.kernels.offline import compile_offline, sass_stats  # noqa: E402
 
-_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "Y0", "Y1")
+_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "O", "Y0", "Y1")
 _FP32_PTRS = ("Gq", "Gk", "Gv", "Gdo", "Bias", "LSE", "DELTA", "DQ", "DK", "DV")
 _U8_PTRS = ("C0", "S0", "C1", "S1")
 
@@ -29,7 +29,7 @@ def _signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             continue
-        if name in _BF16_PTRS or name in ("DO", "O"):
+        if name in _BF16_PTRS:
             sig[name] = "*bf16"
         elif name in _FP32_PTRS:
             sig[name] = "*fp32"
@@ -72,8 +72,8 @@ def main() -> int:
             for fp4 in ((False, True) if kernel != "prep" else (True,)):
                 s = kernel_stats(kernel, D, fp4)
                 roles = "paper split" if fp4 else "all BF16"
-                print(f"| {kernel} | {D} | {roles} | {s['instructions']} | {s['registers']} | {s['ldl']} / {s['stl']} |",
-                      flush=True)
+                print(f"| {kernel} | {D} | {roles} | {s['instructions']} | {s['registers']} | "
+                      f"{s['ldl']} / {s['stl']} |", flush=True)
     return 0
 
 

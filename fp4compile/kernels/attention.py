@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..formats import nvfp4 as _nvfp4
+from . import dequant as _dequant
 from .dequant import _dequant_rows
 from .launch import cdiv, placeholder
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
@@ -778,9 +779,7 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         delta, B, H, T, n0 = None, 1, 1, 0, 0
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
-    from .gemm import DEFAULT_DEQUANT  # not at import time: gemm imports ops, which imports this module
-
-    asm = dev.type == "cuda" and DEFAULT_DEQUANT == "asm"
+    asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
     _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, DEQUANT_ASM=asm,
                               num_warps=4)
     return delta, deqs

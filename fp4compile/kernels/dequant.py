@@ -12,10 +12,16 @@ Two paths, chosen by the ``DEQUANT_ASM`` constexpr:
 * ``True`` (inline PTX, sm_90): 4 packed bytes (8 codes) at a time: one ``prmt``, shifts/masks that build
   ``bf16x2`` bit patterns for two codes at once, and one ``mul.rn.bf16x2`` by the scale per two codes.
 
-Private helpers (jitted functions, no public names); the references are
+Public name: :data:`DEFAULT_DEQUANT`; the rest are private jitted helpers. The references are
 :func:`fp4compile.formats.nvfp4.dequantize_codes` and the GEMM tests.
 """
 from __future__ import annotations
+
+import os
+
+#: dequantization path of the CUDA kernels ("asm" or "fp32"): the GEMM op and the attention backward's prep launch
+#: (``fp4compile.kernels.gemm.DEFAULT_DEQUANT`` is this value); the env var overrides it for experiments
+DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
 
 try:
     import triton

@@ -66,7 +66,7 @@ from typing import Optional
 import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
-from .dequant import _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
+from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
 from .launch import cdiv, launch
 
 try:
@@ -83,8 +83,6 @@ __all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16
            "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
 
-#: dequantization path used by the registered CUDA op ("asm" or "fp32"); env var overrides for experiments
-DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
 #: implementation used by the registered CUDA op: "auto" (per shape, see :func:`choose_impl`), "half" (the
 #: operand with fewer rows pre-dequantized to bf16 by one Triton pass, the other dequantized tile by tile
 #: inside the GEMM), "half_rega", "full" (both dequantized inside the GEMM), "dequant_cublas" (both
