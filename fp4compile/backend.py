@@ -16,6 +16,8 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
       5. reuse      one FP4 copy per tensor/layout/rounding; backward from forward    passes/reuse.py
                     copies; weight quantizes MUST_RECOMPUTE
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
+      7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
+                    their Triton kernels into Triton's disk cache while Inductor compiles
     -> Inductor partitions and compiles the rest around the opaque fp4compile ops
 
 This module does not register itself (the entry point does; self-registration would trip Dynamo's
@@ -25,7 +27,8 @@ Options: ``policy`` (a :class:`~fp4compile.policy.Policy` or preset name, defaul
 graphs run eagerly -- for tests), ``gemm_lowering`` ("op": one opaque ``fp4compile::gemm`` per NVFP4 GEMM,
 default; "dequant_mm": exact bf16 block dequantization + FP32-output cuBLAS GEMM + scale/cast as aten ops fused
 into the consumer; see passes/linear.py), ``mode`` (a torch.compile mode, for use together with other options:
-``torch.compile`` refuses ``mode=`` next to ``options=``).
+``torch.compile`` refuses ``mode=`` next to ``options=``), ``precompile`` (False: no worker processes compiling
+fp4compile's Triton kernels ahead of their first launch; default: on unless ``FP4COMPILE_PRECOMPILE=0``).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
@@ -46,6 +49,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import ops  # noqa: F401  (registers the fp4compile:: custom ops)
+from . import precompile
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
@@ -54,7 +58,7 @@ from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import Policy
 
-OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode")
+OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
@@ -71,12 +75,14 @@ class Settings:
     recorder: Optional[Any] = None          # fp4compile.inspect.Recorder
     gemm_lowering: str = "op"               # passes/linear.py LOWERINGS
     mode: Optional[str] = None              # torch.compile mode (e.g. "reduce-overhead": CUDA graphs)
+    precompile: Optional[bool] = None       # fp4compile/precompile.py (None: FP4COMPILE_PRECOMPILE, default on)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
-        is not a path, a ``mode`` that is not a string or a policy of the wrong type."""
+        is not a path, a ``mode`` that is not a string, a ``precompile`` that is not a bool or a policy of the
+        wrong type."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -90,8 +96,11 @@ class Settings:
         mode = options.get("mode")
         if mode is not None and not isinstance(mode, str):
             raise TypeError(f"fullstack_fp4: mode must be a torch.compile mode name, got {mode!r}")
+        precompile = options.get("precompile")
+        if precompile is not None and not isinstance(precompile, bool):
+            raise TypeError(f"fullstack_fp4: precompile must be True or False, got {precompile!r}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
-                   bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode)
+                   bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile)
 
 
 class FP4JointPass(CustomGraphPass):
@@ -100,9 +109,11 @@ class FP4JointPass(CustomGraphPass):
     ``uuid()`` hashes the pass sources, the policy and the site table, so Inductor's / AOTAutograd's caches
     hit for the same policy and miss when anything that changes the rewrite changes."""
 
-    def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None, gemm_lowering: str = "op"):
+    def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None, gemm_lowering: str = "op",
+                 precompile: Optional[bool] = None):
         self.policy, self.table, self.recorder = policy, table, recorder
         self.gemm_lowering = gemm_lowering
+        self.precompile = precompile  # not part of uuid(): it changes no graph
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
@@ -116,6 +127,8 @@ class FP4JointPass(CustomGraphPass):
         graph.lint()
         if self.recorder is not None:
             self.recorder.joint(graph, records)
+        if precompile.enabled(self.precompile):
+            precompile.start(graph)                     # 7. the graph's Triton kernels, compiled in workers
 
     def uuid(self) -> bytes:
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
@@ -139,7 +152,8 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
-    joint = FP4JointPass(policy, table, settings.recorder, settings.gemm_lowering)  # 4-6
+    joint = FP4JointPass(policy, table, settings.recorder, settings.gemm_lowering,  # 4-7
+                         settings.precompile)
     if settings.debug:
         return _debug_compile(gm, example_inputs, joint, settings)
     from torch._inductor.compile_fx import compile_fx

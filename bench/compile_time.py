@@ -1,0 +1,200 @@
+"""Where the first training step's time goes (issue 3's "first compile <= 1.5x Inductor's"), cold caches.
+
+    python bench/compile_time.py                      # BF16 Inductor vs fullstack_fp4 full_stack, GPT-124M,
+                                                      # B=16, T=1024, mode reduce-overhead (bench/train_step.py)
+    python bench/compile_time.py --policies quartet2,full_stack --mode default
+    python bench/compile_time.py --policies full_stack,full_stack:noprecompile --warm   # precompile on / off
+
+Each backend runs its first step in its own child process with empty Triton and Inductor cache directories
+(a fresh machine), and the child reports:
+
+* ``first step``: Dynamo + AOT + backend compile + the first forward/backward/AdamW step (what
+  ``bench/train_step.py`` reports as "first compile");
+* ``backend``: time inside the backend callable (fullstack_fp4's passes and Inductor's ``compile_fx``,
+  including the wait for Inductor's parallel kernel compiles), summed over the graphs it compiled;
+* ``triton jit``: seconds in ``triton.compile`` called from this process (kernels compiled lazily at their
+  first launch: fp4compile's own Triton kernels; Inductor compiles its kernels in worker processes),
+  with the number of compiles and the top kernels;
+* ``autotune``: seconds in Triton autotuners' config benchmarking (compiles of the configs included);
+* ``workers``: fp4compile.precompile's worker processes started, and how many had finished when the first step
+  ended (a policy suffixed ``:noprecompile`` runs with ``FP4COMPILE_PRECOMPILE=0``).
+
+``--warm`` runs one BF16 child first and reports it apart: the first process on a fresh machine also pays
+for reading torch's files from disk, which would otherwise fall on the BF16 baseline alone.
+
+Prints one table; ``--json`` writes the children's reports.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _instrument():
+    """Wrap triton.compile and Autotuner.run; returns the shared record."""
+    import triton
+    import triton.compiler as tc
+    from triton.runtime import autotuner
+
+    rec = dict(jit=collections.defaultdict(float), jit_n=collections.Counter(), autotune=0.0, autotune_n=0)
+    real_compile = tc.compile
+    depth = threading.local()
+
+    def compile_timed(src, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real_compile(src, *a, **k)
+        finally:
+            name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
+            rec["jit"][name] += time.perf_counter() - t0
+            rec["jit_n"][name] += 1
+
+    tc.compile = compile_timed
+    triton.compile = compile_timed
+    real_run = autotuner.Autotuner.run
+
+    def run_timed(self, *a, **k):
+        if getattr(depth, "n", 0):
+            return real_run(self, *a, **k)
+        before = len(self.cache)
+        depth.n = 1
+        t0 = time.perf_counter()
+        try:
+            return real_run(self, *a, **k)
+        finally:
+            depth.n = 0
+            if len(self.cache) != before:  # a cache miss: the configs were benchmarked
+                rec["autotune"] += time.perf_counter() - t0
+                rec["autotune_n"] += 1
+
+    autotuner.Autotuner.run = run_timed
+    return rec
+
+
+def child(args):
+    import torch
+
+    rec = _instrument()
+    from bench.train_step import GPT, policy_for
+
+    dev = "cpu" if args.tiny else "cuda"
+    torch.manual_seed(0)
+    dims = dict(vocab=256, d=64, n_layer=2, n_head=2, block_size=args.T) if args.tiny else {}
+    model = GPT(**dims).to(device=dev, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not args.tiny)
+    backend_s = [0.0]
+    if args.child == "bf16":  # exactly bench/train_step.py's baseline; compile_fx timed where Inductor looks it up
+        import torch._inductor.compile_fx as cfx
+        real_fx = cfx.compile_fx
+
+        def compile_fx_timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_fx(*a, **k)
+            finally:
+                backend_s[0] += time.perf_counter() - t0
+
+        cfx.compile_fx = compile_fx_timed
+        step_fn = torch.compile(model, backend="inductor", mode=args.mode)
+    else:
+        from fp4compile.backend import fullstack_fp4
+        args.child = args.child.split(":")[0]
+
+        def backend(gm, ex):
+            t0 = time.perf_counter()
+            try:
+                return fullstack_fp4(gm, ex, options=dict(policy=policy_for(args.child), mode=args.mode))
+            finally:
+                backend_s[0] += time.perf_counter() - t0
+
+        step_fn = torch.compile(model, backend=backend)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    d = torch.randint(0, model.wte.num_embeddings, (args.B, args.T + 1), generator=g).to(dev)
+    if not args.tiny:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if args.mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+    loss = step_fn(d[:, :-1], d[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss.item()
+    first = time.perf_counter() - t0
+    from fp4compile import precompile
+    workers = [p.poll() for p in precompile._WORKERS]
+    jit = sorted(rec["jit"].items(), key=lambda kv: -kv[1])
+    out = dict(backend=args.child, mode=args.mode, first_step_s=first, backend_s=backend_s[0],
+               triton_jit_s=sum(v for _, v in jit), triton_jit_n=sum(rec["jit_n"].values()),
+               autotune_s=rec["autotune"], autotune_n=rec["autotune_n"],
+               top_jit=[(k, round(v, 2), rec["jit_n"][k]) for k, v in jit[:12]],
+               workers=len(workers), workers_done=sum(c is not None for c in workers))
+    print("REPORT " + json.dumps(out), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default="full_stack", help="comma list of bench/train_step.py policies")
+    ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode ('default' for none)")
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--json")
+    ap.add_argument("--warm", action="store_true", help="a BF16 child first, reported apart (see above)")
+    ap.add_argument("--tiny", action="store_true", help="toy model on the CPU (a smoke run of this script)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mode == "default":
+        args.mode = None
+    if args.child:
+        return child(args)
+    reports = []
+    names = (["bf16 (first process)"] if args.warm else []) + ["bf16"] + args.policies.split(",")
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
+                       TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
+            if name.endswith(":noprecompile"):
+                env["FP4COMPILE_PRECOMPILE"] = "0"
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", name.split(" ")[0], "--B", str(args.B), "--T", str(args.T),
+                   "--mode", args.mode or "default"] + (["--tiny"] if args.tiny else [])
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+        line = [x for x in p.stdout.splitlines() if x.startswith("REPORT ")]
+        if p.returncode or not line:
+            print(f"{name}: child failed (rc {p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
+            continue
+        r = json.loads(line[-1][7:])
+        r["process_s"], r["backend"] = wall, name
+        reports.append(r)
+        print(f"{name}: {json.dumps(r)}", flush=True)
+    if not reports:
+        return 1
+    base = next((r["first_step_s"] for r in reports if r["backend"] == "bf16"), float("nan"))
+    print(f"\n| backend | first step s | vs BF16 | backend s | triton jit s (n) | autotune s (n) | workers (done) "
+          f"| process s |\n|---|---|---|---|---|---|---|---|")
+    for r in reports:
+        print(f"| {r['backend']} | {r['first_step_s']:.1f} | {r['first_step_s'] / base:.2f}x | {r['backend_s']:.1f} | "
+              f"{r['triton_jit_s']:.1f} ({r['triton_jit_n']}) | {r['autotune_s']:.1f} ({r['autotune_n']}) | "
+              f"{r['workers']} ({r['workers_done']}) | {r['process_s']:.1f} |")
+    for r in reports:
+        if r["backend"].startswith("bf16"):
+            continue
+        print(f"{r['backend']} top in-process Triton compiles (name, s, n): {r['top_jit']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
