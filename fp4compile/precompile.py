@@ -239,7 +239,7 @@ def replay(calls: List[dict], log=None) -> dict:
 
 def _main() -> int:
     calls = json.loads(sys.stdin.read() or "[]")
-    import fp4compile.ops  # noqa: F401  (registers the ops and their CUDA kernels)
+    import fp4compile.backend  # noqa: F401  (registers every op: fp4compile.ops and the passes' own)
 
     t0 = time.perf_counter()
     counts = replay(calls, log=sys.stdout)
