@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from typing import Iterable, List, Optional
 
 import torch
@@ -116,7 +117,11 @@ def start(graph: torch.fx.Graph, max_workers: int = MAX_WORKERS) -> int:
     Under torchrun only local rank 0 starts workers: the ranks of a host share Triton's cache directory."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return 0
-    calls = [c for c in op_calls(graph) if c["device"].startswith("cuda")]
+    try:
+        calls = [c for c in op_calls(graph) if c["device"].startswith("cuda")]
+    except Exception as e:  # a graph this module does not understand: no head start, never a failed compile
+        warnings.warn(f"fp4compile.precompile: no workers started ({type(e).__name__}: {e})", stacklevel=2)
+        return 0
     fresh = []
     for c in calls:
         key = json.dumps(c, sort_keys=True)

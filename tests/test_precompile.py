@@ -109,6 +109,13 @@ def test_start_sends_new_cuda_calls_once_and_never_raises(monkeypatch):
     assert P.start(None) == 1 and json.loads(started[0].data) == [cuda_call]
     assert P.start(None) == 0  # already sent
 
+    def broken(g):
+        raise KeyError("val")
+    monkeypatch.setattr(P, "op_calls", broken)
+    with pytest.warns(UserWarning, match="no workers started"):
+        assert P.start(None) == 0
+    monkeypatch.setattr(P, "op_calls", lambda g: [cuda_call, cpu_call])
+
     def no_fork(*a, **k):
         raise OSError("fork failed")
     monkeypatch.setattr(P, "_SENT", set())
