@@ -138,18 +138,20 @@ def start(graph: torch.fx.Graph, max_workers: int = MAX_WORKERS) -> int:
     started = 0
     for i in range(n):
         part = fresh[i::n]
+        log = subprocess.DEVNULL
         try:
-            log = open(os.path.join(log_dir, f"precompile-{os.getpid()}-{len(_WORKERS)}.log"), "w") \
-                if log_dir else subprocess.DEVNULL
+            if log_dir:
+                log = open(os.path.join(log_dir, f"precompile-{os.getpid()}-{len(_WORKERS)}.log"), "w")
             p = subprocess.Popen([sys.executable, "-m", "fp4compile.precompile"], stdin=subprocess.PIPE,
                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            if log is not subprocess.DEVNULL:
-                log.close()
+            _WORKERS.append(p)  # (killed at exit if still running, whatever happens next)
             p.stdin.write(json.dumps(part).encode())
             p.stdin.close()
         except OSError:
             break
-        _WORKERS.append(p)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
         started += 1
     return started
 
