@@ -11,7 +11,8 @@ Each backend runs its first step in its own child process with empty Triton and 
 * ``first step``: Dynamo + AOT + backend compile + the first forward/backward/AdamW step (what
   ``bench/train_step.py`` reports as "first compile");
 * ``backend``: time inside the backend callable (fullstack_fp4's passes and Inductor's ``compile_fx``,
-  including the wait for Inductor's parallel kernel compiles), summed over the graphs it compiled;
+  including the wait for Inductor's parallel kernel compiles), summed over the graphs it compiled (outermost
+  calls only; AOTAutograd compiles the backward lazily, at the first backward, outside this number);
 * ``triton jit``: seconds in ``triton.compile`` called from this process (kernels compiled lazily at their
   first launch: fp4compile's own Triton kernels; Inductor compiles its kernels in worker processes),
   with the number of compiles and the top kernels;
@@ -96,11 +97,17 @@ def child(args):
         import torch._inductor.compile_fx as cfx
         real_fx = cfx.compile_fx
 
-        def compile_fx_timed(*a, **k):
+        nested = [0]
+
+        def compile_fx_timed(*a, **k):  # compile_fx calls itself inside its config patches: the outermost call
+            if nested[0]:
+                return real_fx(*a, **k)
+            nested[0] = 1
             t0 = time.perf_counter()
             try:
                 return real_fx(*a, **k)
             finally:
+                nested[0] = 0
                 backend_s[0] += time.perf_counter() - t0
 
         cfx.compile_fx = compile_fx_timed
