@@ -4,6 +4,7 @@
                                                       # B=16, T=1024, mode reduce-overhead (bench/train_step.py)
     python bench/compile_time.py --policies quartet2,full_stack --mode default
     python bench/compile_time.py --policies full_stack,full_stack:noprecompile --warm   # precompile on / off
+    python bench/compile_time.py --policies full_stack --warm --repeat 3     # 3 rounds: the run-to-run spread
 
 Each backend runs its first step in its own child process with empty Triton and Inductor cache directories
 (a fresh machine), and the child reports:
@@ -31,6 +32,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +158,8 @@ def main():
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--json")
     ap.add_argument("--warm", action="store_true", help="a BF16 child first, reported apart (see above)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of [bf16, policies...]; each ratio is against its own round's BF16 child")
     ap.add_argument("--tiny", action="store_true", help="toy model on the CPU (a smoke run of this script)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,8 +168,9 @@ def main():
     if args.child:
         return child(args)
     reports = []
-    names = (["bf16 (first process)"] if args.warm else []) + ["bf16"] + args.policies.split(",")
-    for name in names:
+    rounds = [(0, "bf16 (first process)")] if args.warm else []
+    rounds += [(i + 1, n) for i in range(args.repeat) for n in ["bf16"] + args.policies.split(",")]
+    for rnd, name in rounds:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
                        TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
@@ -181,18 +186,30 @@ def main():
             print(f"{name}: child failed (rc {p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
             continue
         r = json.loads(line[-1][7:])
-        r["process_s"], r["backend"] = wall, name
+        r["process_s"], r["backend"], r["round"] = wall, name, rnd
         reports.append(r)
         print(f"{name}: {json.dumps(r)}", flush=True)
     if not reports:
         return 1
-    base = next((r["first_step_s"] for r in reports if r["backend"] == "bf16"), float("nan"))
-    print(f"\n| backend | first step s | vs BF16 | backend s | triton jit s (n) | autotune s (n) | workers (done) "
-          f"| process s |\n|---|---|---|---|---|---|---|---|")
+    base = {r["round"]: r["first_step_s"] for r in reports if r["backend"] == "bf16"}
+    base[0] = base.get(1, float("nan"))
     for r in reports:
-        print(f"| {r['backend']} | {r['first_step_s']:.1f} | {r['first_step_s'] / base:.2f}x | {r['backend_s']:.1f} | "
-              f"{r['triton_jit_s']:.1f} ({r['triton_jit_n']}) | {r['autotune_s']:.1f} ({r['autotune_n']}) | "
-              f"{r['workers']} ({r['workers_done']}) | {r['process_s']:.1f} |")
+        r["vs_bf16"] = r["first_step_s"] / base.get(r["round"], float("nan"))
+    print(f"\n| round | backend | first step s | vs BF16 | backend s | triton jit s (n) | autotune s (n) | workers "
+          f"(done) | process s |\n|---|---|---|---|---|---|---|---|---|")
+    for r in reports:
+        print(f"| {r['round']} | {r['backend']} | {r['first_step_s']:.1f} | {r['vs_bf16']:.2f}x | "
+              f"{r['backend_s']:.1f} | {r['triton_jit_s']:.1f} ({r['triton_jit_n']}) | "
+              f"{r['autotune_s']:.1f} ({r['autotune_n']}) | {r['workers']} ({r['workers_done']}) | "
+              f"{r['process_s']:.1f} |")
+    if args.repeat > 1:
+        by = collections.defaultdict(list)
+        for r in reports:
+            if r["round"] > 0 and r["backend"] != "bf16":
+                by[r["backend"]].append(r["vs_bf16"])
+        for name, ratios in by.items():
+            print(f"{name}: vs BF16 per round {', '.join(f'{x:.2f}x' for x in ratios)}; "
+                  f"median {statistics.median(ratios):.2f}x")
     for r in reports:
         if r["backend"].startswith("bf16"):
             continue

@@ -56,7 +56,7 @@ from .passes.common import tangent_closure
 from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
-from .policy import Policy
+from .policy import NVFP4, Policy
 
 OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile")
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -148,7 +148,7 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     sites = find_sites(gm, example_inputs)                                        # 1
     specs = assign(gm, sites, policy)                                             # 2
     table = {s.name: SiteInfo(s.path, tuple(specs[s.name].items()), _weight_pos(gm, s)) for s in sites}
-    _swap_attention(gm, policy)                                                   # 3
+    attn = _swap_attention(gm, policy)                                            # 3
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
@@ -163,7 +163,13 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     kw = {}
     if settings.dump_dir or settings.recorder is not None:
         kw["inner_compile"] = _recording_inner(settings)
-    return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+    nvfp4_sites = any(isinstance(spec, NVFP4) for name in specs for spec in specs[name].values())
+    if precompile.enabled(settings.precompile) and (nvfp4_sites or attn):
+        precompile.prestart(example_inputs)       # 7: workers set up meanwhile (graphs with CUDA inputs)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+    finally:
+        precompile.release()                      # workers 7 left without calls exit
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,7 +194,8 @@ def _weight_pos(gm, site) -> int:
     return 0 if _is_param(operands[0], params) else 1
 
 
-def _swap_attention(gm, policy) -> None:
+def _swap_attention(gm, policy) -> list:
+    """Step 3: the attention sites sent to ``fp4compile::qattn`` (none without ``passes/attention.py``)."""
     try:
         from .passes.attention import swap_attention
     except ImportError:                        # no attention pass in this build: say so if it mattered
@@ -203,8 +210,8 @@ def _swap_attention(gm, policy) -> None:
                     isinstance(policy.resolve(module_path(n), r), NVFP4) for r in attn_roles):
                 warnings.warn(f"fp4compile: {n.name} ({module_path(n) or '<root>'}, attention) stays BF16: "
                               f"fp4compile.passes.attention is not available", stacklevel=2)
-        return
-    swap_attention(gm, policy)
+        return []
+    return swap_attention(gm, policy)
 
 
 def _site_paths(gm) -> List[str]:

@@ -3,14 +3,21 @@
 fp4compile's Triton kernels (quantize, GEMM, attention, ...) are compiled by Triton's JIT at their first launch,
 one after another in the training process, in the middle of the first step: ~19 compiles, ~10 s of the
 GPT-124M full-stack first step on the H200 (``bench/compile_time.py``). Inductor compiles its own kernels in
-parallel worker processes; this module does the same for ours. When the joint-graph pass has rewritten the
-graph, :func:`start` collects every ``fp4compile::`` op call of it (op, argument shapes, strides, storage
-offsets, dtypes, constants; see :func:`op_calls`), drops the ones already sent, and hands them to up to
-:data:`MAX_WORKERS` background processes (``python -m fp4compile.precompile``). Each worker runs its calls once
-on random inputs of exactly those shapes and layouts on the same GPU, so Triton compiles the same
-specializations (alignment, divisibility, constexprs) and writes them to its on-disk cache (autotuned GEMMs:
-every config). When the training process reaches a kernel, Triton's JIT finds it in that cache instead of
-compiling it.
+parallel worker processes; this module does the same for ours, in three steps:
+
+* :func:`prestart`, at the backend's entry: up to :data:`MAX_WORKERS` background processes (``python -m
+  fp4compile.precompile --device cuda:N``) start importing fp4compile and set up CUDA and Triton while
+  AOTAutograd traces the joint graph and the passes rewrite it;
+* :func:`start`, at the end of the joint-graph pass: every ``fp4compile::`` op call of the graph (op, argument
+  shapes, strides, storage offsets, dtypes, constants; see :func:`op_calls`) not sent before is queued, calls
+  that compile the same kernels together and the slowest compiles first (:func:`plan`), and each waiting worker
+  gets its queue;
+* :func:`release`, when the compile is over: idle workers exit.
+
+Each worker runs its calls once on random inputs of exactly those shapes and layouts on the same GPU, so Triton
+compiles the same specializations (alignment, divisibility, constexprs) and writes them to its on-disk cache
+(autotuned GEMMs: every config, and the autotuner's choice, ``kernels/gemm.py``). When the training process
+reaches a kernel, Triton's JIT finds it in that cache instead of compiling it.
 
 Nothing waits for the workers and nothing depends on them: a kernel that is not ready yet is compiled by the
 training process as before (Triton's cache writes are atomic), a call a worker cannot replay (an exception, not
@@ -29,19 +36,26 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from typing import Iterable, List, Optional
 
 import torch
 
-__all__ = ["enabled", "op_calls", "start", "wait", "replay", "MAX_WORKERS", "MEMORY_FACTOR"]
+__all__ = ["enabled", "op_calls", "plan", "prestart", "start", "release", "wait", "replay", "MAX_WORKERS",
+           "MEMORY_FACTOR", "COMPILE_COST"]
 
 #: most worker processes per :func:`start` (each pays a torch import and a CUDA context, ~300 MiB of GPU memory)
 MAX_WORKERS = 4
 #: a worker replays a call only with this many times its inputs' bytes free on the GPU (outputs, workspace)
 MEMORY_FACTOR = 4
-_WORKERS: List[subprocess.Popen] = []
+#: rough seconds of Triton compiling at an op's first call (the H200's worker logs, session 23): :func:`plan`
+#: orders and spreads the calls by it (ops not listed: 0.5)
+COMPILE_COST = {"qattn_bwd": 3.2, "qattn": 2.3, "gemm": 1.5, "quantize": 1.5, "dequantize": 1.4}
+_WORKERS: List[subprocess.Popen] = []   # every worker started (killed at exit if still running)
+_IDLE: List[subprocess.Popen] = []      # prestarted workers that have no calls yet
+_FEEDERS: List = []                     # the threads writing the workers' calls
 _SENT: set = set()
 _NS = "fp4compile"
 
@@ -111,10 +125,122 @@ def _tensors(descs: Iterable):
 
 
 # ------------------------------------------------------------------------------------------------ main process
+def _kernel_key(call) -> str:
+    """Calls that most likely compile the same Triton kernels: same op, constants and dtypes (shapes aside).
+    They go to one worker, which compiles them once (other workers would compile the same kernel again)."""
+    def strip(d):
+        if "tensor" in d:
+            return {"tensor": [len(d["tensor"][0]), d["tensor"][3]]}
+        if "list" in d:
+            return {"list": [strip(i) for i in d["list"]]}
+        return d
+    return json.dumps([call["op"], [strip(a) for a in call["args"]],
+                       {k: strip(v) for k, v in sorted(call["kwargs"].items())}])
+
+
+def _op_name(call) -> str:
+    return call["op"].split("::")[-1].split(".")[0]
+
+
+def plan(calls: List[dict], n: int) -> List[List[dict]]:
+    """Split ``calls`` into at most ``n`` worker queues: calls grouped by :func:`_kernel_key`, groups assigned
+    most expensive first (:data:`COMPILE_COST`) to the least loaded queue (longest-processing-time-first), so the
+    attention backward, the slowest compile, starts at the head of a queue of its own."""
+    groups: dict = {}
+    for c in calls:
+        groups.setdefault(_kernel_key(c), []).append(c)
+
+    def cost(g):
+        return COMPILE_COST.get(_op_name(g[0]), 0.5) + 0.05 * (len(g) - 1)
+    queues: List[List[dict]] = [[] for _ in range(max(1, n))]
+    load = [0.0] * len(queues)
+    for g in sorted(groups.values(), key=cost, reverse=True):  # (stable: ties keep the graph's order)
+        i = load.index(min(load))
+        queues[i].extend(g)
+        load[i] += cost(g)
+    return [q for q in queues if q]
+
+
+def _n_workers(max_workers: int) -> int:
+    return max(1, min(max_workers, (os.cpu_count() or 2) // 2))
+
+
+def _spawn(device: Optional[str] = None) -> subprocess.Popen:
+    """One worker process; it imports fp4compile (and with ``device``, sets up CUDA and Triton) and then waits
+    for its calls on stdin. Registered for the exit-time kill at once."""
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FP4COMPILE_PRECOMPILE="0")  # a worker never starts workers
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_dir = os.environ.get("FP4COMPILE_PRECOMPILE_LOG")
+    log = subprocess.DEVNULL
+    cmd = [sys.executable, "-m", "fp4compile.precompile"] + (["--device", device] if device else [])
+    try:
+        if log_dir:
+            log = open(os.path.join(log_dir, f"precompile-{os.getpid()}-{len(_WORKERS)}.log"), "w")
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+    finally:
+        if log is not subprocess.DEVNULL:
+            log.close()
+    _WORKERS.append(p)  # (killed at exit if still running, whatever happens next)
+    return p
+
+
+def _feed(p: subprocess.Popen, calls: List[dict]) -> None:
+    """Send a worker its calls and close its stdin, from a thread: a prestarted worker reads them only when its
+    set-up is done, and a queue larger than the pipe's buffer must not stall the compile meanwhile."""
+    def send():
+        try:
+            p.stdin.write(json.dumps(calls).encode())
+            p.stdin.close()
+        except (OSError, ValueError):  # the worker died: only a missed head start
+            pass
+    t = threading.Thread(target=send, name="fp4compile-precompile-feed", daemon=True)
+    t.start()
+    _FEEDERS.append(t)
+
+
+def _cuda_device(example_inputs) -> Optional[str]:
+    for x in example_inputs or ():
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            return str(x.device if x.device.index is not None else torch.device("cuda", 0))
+    return None
+
+
+def prestart(example_inputs, max_workers: int = MAX_WORKERS) -> int:
+    """Start idle workers at the backend's entry, when the graph has CUDA inputs: their imports, CUDA context
+    and Triton set-up (a few seconds each) then overlap AOTAutograd's tracing and the joint-graph passes, and
+    :func:`start` only hands them their calls. Returns how many it started; never raises. Call :func:`release`
+    when the compile is over (the idle ones exit)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return 0
+    device = _cuda_device(example_inputs)
+    if device is None:
+        return 0
+    started = 0
+    for _ in range(_n_workers(max_workers) - len(_IDLE)):
+        try:
+            _IDLE.append(_spawn(device))
+        except OSError:
+            break
+        started += 1
+    return started
+
+
+def release() -> int:
+    """Let the idle prestarted workers go (an empty queue: they exit); returns how many."""
+    n = 0
+    while _IDLE:
+        _feed(_IDLE.pop(), [])
+        n += 1
+    return n
+
+
 def start(graph: torch.fx.Graph, max_workers: int = MAX_WORKERS) -> int:
-    """Send ``graph``'s not yet sent CUDA op calls to new worker processes; returns how many it started.
-    Never raises for a worker problem (it then starts none: the kernels compile at first launch as before).
-    Under torchrun only local rank 0 starts workers: the ranks of a host share Triton's cache directory."""
+    """Send ``graph``'s not yet sent CUDA op calls to workers (prestarted ones first, else new ones), split by
+    :func:`plan`; returns how many workers got calls. Never raises for a worker problem (the kernels then compile
+    at first launch as before). Under torchrun only local rank 0 sends: the ranks of a host share Triton's cache
+    directory."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return 0
     try:
@@ -130,36 +256,24 @@ def start(graph: torch.fx.Graph, max_workers: int = MAX_WORKERS) -> int:
             fresh.append(c)
     if not fresh:
         return 0
-    n = max(1, min(max_workers, len(fresh), (os.cpu_count() or 2) // 2))
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, FP4COMPILE_PRECOMPILE="0")  # a worker never starts workers
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log_dir = os.environ.get("FP4COMPILE_PRECOMPILE_LOG")
     started = 0
-    for i in range(n):
-        part = fresh[i::n]
-        log = subprocess.DEVNULL
+    for queue in plan(fresh, _n_workers(max_workers)):
         try:
-            if log_dir:
-                log = open(os.path.join(log_dir, f"precompile-{os.getpid()}-{len(_WORKERS)}.log"), "w")
-            p = subprocess.Popen([sys.executable, "-m", "fp4compile.precompile"], stdin=subprocess.PIPE,
-                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            _WORKERS.append(p)  # (killed at exit if still running, whatever happens next)
-            p.stdin.write(json.dumps(part).encode())
-            p.stdin.close()
+            p = _IDLE.pop(0) if _IDLE else _spawn()
         except OSError:
             break
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
+        _feed(p, queue)
         started += 1
     return started
 
 
 def wait(timeout: Optional[float] = None) -> List[int]:
     """Wait for the workers started so far (benchmarks and tests; training never needs to): their exit codes,
-    None for one still running at ``timeout`` seconds."""
+    None for one still running at ``timeout`` seconds. Idle prestarted workers are released first."""
+    release()
     t_end = None if timeout is None else time.monotonic() + timeout
+    for t in list(_FEEDERS):
+        t.join(None if t_end is None else max(0.0, t_end - time.monotonic()))
     codes = []
     for p in _WORKERS:
         try:
@@ -244,10 +358,38 @@ def replay(calls: List[dict], log=None) -> dict:
     return counts
 
 
-def _main() -> int:
-    calls = json.loads(sys.stdin.read() or "[]")
+def _warm_up(device: str) -> None:
+    """A prestarted worker's set-up while it waits for its calls: the CUDA context, and one tiny Triton compile
+    and launch (loads Triton's CUDA backend and its launcher stub, ~1 s the first real compile would pay)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fp4compile_warm_up(x_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)
+
+    dev = torch.device(device)
+    torch.cuda.set_device(dev)
+    x = torch.zeros(16, device=dev)
+    _fp4compile_warm_up[(1,)](x, N=16)
+    torch.cuda.synchronize(dev)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    device = argv[argv.index("--device") + 1] if "--device" in argv else None
+    t0 = time.perf_counter()
     import fp4compile.backend  # noqa: F401  (registers every op: fp4compile.ops and the passes' own)
 
+    if device is not None and device.startswith("cuda"):
+        try:
+            _warm_up(device)
+        except Exception as e:  # the replay reports its own errors; this was only a head start
+            print(f"warm-up failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if device is not None:
+        print(f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    calls = json.loads(sys.stdin.read() or "[]")
     t0 = time.perf_counter()
     counts = replay(calls, log=sys.stdout)
     print(f"done: {counts} in {time.perf_counter() - t0:.1f} s", flush=True)

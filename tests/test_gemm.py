@@ -338,3 +338,34 @@ def test_choose_impl_is_near_best_on_the_measured_table():
         M, N, K = row[:3]
         got = row[col[choose_impl(M, N, K)]]
         assert got <= 1.2 * min(row[3:]), (row, choose_impl(M, N, K))
+
+
+def test_tma_autotune_choice_round_trips_through_the_disk_cache(tmp_path, monkeypatch):
+    """The TMA GEMM's autotune choice, stored in Triton's cache dir by one process, is found by the next one for
+    the same shape only; a corrupt entry, a config that is not a candidate, or the cache switched off give None."""
+    from fp4compile.kernels import gemm as G
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(G, "AUTOTUNE_CACHE", True)
+    key = (4096, 768, 3072, torch.bfloat16, 0, False, False)
+    assert G._load_tuned(key) is None
+    choice = dict(G.TMA_CONFIGS[2])
+    G._store_tuned(key, choice)
+    assert G._load_tuned(key) == choice
+    assert G._load_tuned((4096, 768, 3072, torch.float32, 0, False, False)) is None  # another out dtype
+    assert G._load_tuned((4096, 768, 2048, torch.bfloat16, 0, False, False)) is None  # another shape
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100")
+    assert G._load_tuned(key) is None  # another GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    path = G._tuned_cache(key).get_file(G._TUNED_FILE)
+    with open(path, "w") as f:
+        json.dump({"config": dict(choice, BLOCK_M=96)}, f)  # not one of TMA_CONFIGS
+    assert G._load_tuned(key) is None
+    with open(path, "w") as f:
+        f.write("{corrupt")
+    assert G._load_tuned(key) is None
+    G._store_tuned(key, choice)
+    assert G._load_tuned(key) == choice  # a new choice replaces the corrupt entry
+    monkeypatch.setattr(G, "AUTOTUNE_CACHE", False)
+    assert G._load_tuned(key) is None

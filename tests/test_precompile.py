@@ -68,13 +68,41 @@ def test_replay_runs_the_calls_and_counts_failures_without_raising():
     assert P.replay(calls + [bad]) == {"ok": 4, "skipped": 0, "failed": 1}
 
 
-def test_worker_process_end_to_end_on_cpu():
+@pytest.mark.parametrize("prestarted", [False, True])
+def test_worker_process_end_to_end_on_cpu(prestarted):
     calls = P.op_calls(_graph())
-    p = subprocess.run([sys.executable, "-m", "fp4compile.precompile"], input=json.dumps(calls), text=True,
-                       capture_output=True, cwd=ROOT, timeout=300,
+    p = subprocess.run([sys.executable, "-m", "fp4compile.precompile"] + (["--device", "cpu"] if prestarted else []),
+                       input=json.dumps(calls), text=True, capture_output=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert p.returncode == 0, p.stderr
     assert p.stdout.count(": ok ") == 4 and "'failed': 0" in p.stdout, p.stdout
+    assert ("ready in" in p.stdout) == prestarted  # a prestarted worker reports its set-up, then reads its calls
+
+
+def _call(op, shape, *consts):
+    return {"op": f"fp4compile::{op}.default", "device": "cuda:0", "kwargs": {},
+            "args": [{"tensor": [list(shape), [shape[1], 1], 0, "bfloat16", "cuda:0"]}]
+            + [{"const": c} for c in consts]}
+
+
+def test_plan_groups_calls_of_one_kernel_and_puts_the_slowest_compiles_first():
+    calls = [_call("quantize", (64, 32), "rtn"), _call("quantize", (128, 32), "rtn"), _call("gemm", (64, 32)),
+             _call("quantize", (64, 32), "ms_eden"), _call("qattn", (64, 64)), _call("qattn_bwd", (64, 64)),
+             _call("dequantize", (64, 32)), _call("rht_signs", (1, 16))]
+    for n in (1, 2, 4, 8):
+        queues = P.plan(calls, n)
+        assert len(queues) == min(n, 7)  # 7 kernel groups: the two rtn quantizes share one
+        flat = [c for q in queues for c in q]
+        assert sorted(map(json.dumps, flat)) == sorted(map(json.dumps, calls))  # every call exactly once
+        assert queues[0][0]["op"] == "fp4compile::qattn_bwd.default"  # the slowest compile starts first
+        rtn = [i for i, q in enumerate(queues) for c in q if c["args"][1:] == [{"const": "rtn"}]]
+        assert len(rtn) == 2 and rtn[0] == rtn[1]  # one worker compiles the rtn kernel, once
+    q1 = P.plan(calls, 1)[0]
+    costs = [P.COMPILE_COST.get(c["op"].split("::")[1].split(".")[0], 0.5) for c in q1]
+    assert costs == sorted(costs, reverse=True)
+    q2 = P.plan(calls, 2)
+    assert [c["op"] for c in q2[1][:1]] == ["fp4compile::qattn.default"]  # the second slowest: the other worker
+    assert P.plan([], 4) == []
 
 
 def test_start_sends_new_cuda_calls_once_and_never_raises(monkeypatch):
@@ -99,14 +127,21 @@ def test_start_sends_new_cuda_calls_once_and_never_raises(monkeypatch):
         def poll(self):
             return 0
 
+        def wait(self, timeout=None):
+            return 0
+
     monkeypatch.setattr(P, "op_calls", lambda g: [cuda_call, cpu_call])
     monkeypatch.setattr(P, "_SENT", set())
     monkeypatch.setattr(P, "_WORKERS", [])
+    monkeypatch.setattr(P, "_IDLE", [])
+    monkeypatch.setattr(P, "_FEEDERS", [])
     monkeypatch.setattr(P.subprocess, "Popen", FakePopen)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert P.start(None) == 0 and not started  # torchrun: local rank 0's workers serve the host
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert P.start(None) == 1 and json.loads(started[0].data) == [cuda_call]
+    assert P.start(None) == 1
+    P.wait()  # (the calls are written from a thread)
+    assert json.loads(started[0].data) == [cuda_call]
     assert P.start(None) == 0  # already sent
 
     def broken(g):
@@ -121,6 +156,50 @@ def test_start_sends_new_cuda_calls_once_and_never_raises(monkeypatch):
     monkeypatch.setattr(P, "_SENT", set())
     monkeypatch.setattr(P.subprocess, "Popen", no_fork)
     assert P.start(None) == 0
+
+
+def test_prestarted_workers_get_the_calls_and_idle_ones_are_released(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    procs = []
+
+    class FakePopen:
+        def __init__(self, cmd, stdin, **kw):
+            self.cmd, self.data, self.closed, self.stdin = cmd, b"", False, self
+            procs.append(self)
+
+        def write(self, b):
+            self.data += b
+
+        def close(self):
+            self.closed = True
+
+        def poll(self):
+            return 0 if self.closed else None
+
+        def wait(self, timeout=None):
+            return 0
+
+    calls = [_call("qattn_bwd", (64, 64)), _call("quantize", (64, 32), "rtn"), _call("gemm", (64, 32))]
+    monkeypatch.setattr(P, "op_calls", lambda g: calls)
+    for name, value in (("_SENT", set()), ("_WORKERS", []), ("_IDLE", []), ("_FEEDERS", [])):
+        monkeypatch.setattr(P, name, value)
+    monkeypatch.setattr(P.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(P.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert P.prestart([torch.zeros(2)]) == 0 and not procs  # CPU inputs: nothing to precompile
+    with FakeTensorMode():
+        inputs = [torch.zeros(2), torch.empty(4, device="cuda")]
+    assert P.prestart(inputs) == P.MAX_WORKERS == len(procs)
+    assert all(p.cmd[-2:] == ["--device", "cuda:0"] for p in procs)
+    assert P.prestart(inputs) == 0  # the idle ones are still there
+    assert P.start(None) == 3 and len(procs) == P.MAX_WORKERS  # no new process: three idle ones got queues
+    assert P.release() == P.MAX_WORKERS - 3
+    P.wait()
+    queues = [json.loads(p.data) for p in procs]
+    assert sorted(len(q) for q in queues) == [0] + [1] * 3 and all(p.closed for p in procs)
+    assert queues[0] == [calls[0]]  # the first idle worker got the slowest compile
+    assert P.release() == 0
 
 
 def test_enabled_and_the_backend_option(monkeypatch):

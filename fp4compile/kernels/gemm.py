@@ -46,7 +46,8 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
 What it costs is memory traffic and, for the graph, transient bf16 operand copies (freed after the GEMM,
 never saved for backward: the op takes packed codes).
 
-All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few configs; see ``*_CONFIGS``) and
+All Triton GEMMs are autotuned per (M, N, K, out dtype) on first use (a few configs; see ``*_CONFIGS``; the
+choice is kept in Triton's disk cache for later processes, :data:`AUTOTUNE_CACHE`) and
 use a GROUP_M-swizzled tile order; M, N tails wrap in the loads and are masked in the store, a K tail (K a
 multiple of 16 but not of BLOCK_K) is masked.
 
@@ -60,6 +61,8 @@ Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU ten
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Optional
 
@@ -527,7 +530,7 @@ def _get_tuned_kernel(impl="full"):
                                  num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
         _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
                                        prune_configs_by={"early_config_prune": _prune_configs},
-                                       warmup=5, rep=20)(fn)
+                                       warmup=5, rep=20, cache_results=AUTOTUNE_CACHE)(fn)
     return _tuned[impl]
 
 
@@ -553,6 +556,49 @@ _SMS: dict = {}
 #: the autotuner's choice per (M, N, K, out dtype, device, warp_specialize, flatten) of the TMA GEMM: later
 #: calls launch that config directly, skipping the autotuner's per-call work (same kernel, same numerics)
 _TMA_BEST: dict = {}
+#: keep the TMA GEMM autotuner's choices on disk, in Triton's cache next to the compiled kernels (Triton's own
+#: ``cache_results`` skips kernels with a config pre-hook, as this one has): a later process, or the training
+#: process after a precompile worker (``fp4compile/precompile.py``) has tuned the shape, launches the chosen
+#: config without benchmarking. Keyed by Triton's version, the kernel's source hash, the GPU's name, the shape and
+#: the configs. ``FP4COMPILE_AUTOTUNE_CACHE=0``: tune in every process.
+AUTOTUNE_CACHE = os.environ.get("FP4COMPILE_AUTOTUNE_CACHE", "1") != "0"
+_TUNED_FILE = "bf16_tma_gemm.autotune.json"
+
+
+def _tuned_cache(tuned_key):
+    """Triton's cache manager (directory) of one TMA GEMM autotune choice."""
+    from triton.runtime.cache import get_cache_manager
+
+    M, N, K, out_dtype, index, warp_specialize, flatten = tuned_key
+    ident = [triton.__version__, _bf16_tma_gemm_kernel.cache_key, torch.cuda.get_device_name(index),
+             [M, N, K, str(out_dtype), warp_specialize, flatten], TMA_CONFIGS]
+    return get_cache_manager(hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest())
+
+
+def _load_tuned(tuned_key) -> Optional[dict]:
+    """The TMA GEMM config chosen for ``tuned_key`` by an earlier process, or None (none stored, the cache off, or a
+    stored entry that is not one of :data:`TMA_CONFIGS`: it is ignored)."""
+    if not AUTOTUNE_CACHE:
+        return None
+    try:
+        path = _tuned_cache(tuned_key).get_file(_TUNED_FILE)
+        if path is None:
+            return None
+        with open(path) as f:
+            config = json.load(f)["config"]
+        return config if config in TMA_CONFIGS else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_tuned(tuned_key, config: dict) -> None:
+    if not AUTOTUNE_CACHE:
+        return
+    try:
+        _tuned_cache(tuned_key).put(json.dumps({"shape": list(tuned_key[:3]), "config": config}), _TUNED_FILE,
+                                    binary=False)
+    except OSError:  # a read-only or full cache directory: the choice stays in this process only
+        pass
 
 
 def _num_sms(device) -> int:
@@ -613,6 +659,10 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
     if config is None:
         config = _TMA_BEST.get(tuned_key)  # autotuned before: launch its config directly (no autotuner pass)
+    if config is None and on_cuda:
+        config = _load_tuned(tuned_key)  # ... or in an earlier process (AUTOTUNE_CACHE)
+        if config is not None:
+            _TMA_BEST[tuned_key] = config
     dummy = [1, 1]
     if config is not None:
         c = dict(config)
@@ -640,6 +690,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     if not torch.cuda.is_current_stream_capturing():
         best = kern.best_config
         _TMA_BEST[tuned_key] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+        _store_tuned(tuned_key, _TMA_BEST[tuned_key])
     return out
 
 
