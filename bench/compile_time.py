@@ -48,18 +48,23 @@ def _instrument():
     import triton.compiler as tc
     from triton.runtime import autotuner
 
-    rec = dict(jit=collections.defaultdict(float), jit_n=collections.Counter(), autotune=0.0, autotune_n=0)
+    rec = dict(jit=collections.defaultdict(float), jit_n=collections.Counter(), autotune=0.0, autotune_n=0,
+               events=[])
     real_compile = tc.compile
     depth = threading.local()
 
     def compile_timed(src, *a, **k):
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         try:
             return real_compile(src, *a, **k)
         finally:
             name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
-            rec["jit"][name] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            rec["jit"][name] += dt
             rec["jit_n"][name] += 1
+            if dt > 0.05:  # a real compile, not a disk-cache hit: when, and which specialization (hash as the
+                key = src.hash()[:12] if hasattr(src, "hash") else "?"  # precompile workers log theirs)
+                rec["events"].append((name, round(w0, 2), round(dt, 2), key))
 
     tc.compile = compile_timed
     triton.compile = compile_timed
@@ -95,6 +100,7 @@ def child(args):
     model = GPT(**dims).to(device=dev, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not args.tiny)
     backend_s = [0.0]
+    marks = {}  # wall-clock (time.time()) marks of the first step, to line up with the workers' logs
     if args.child == "bf16":  # exactly bench/train_step.py's baseline; compile_fx timed where Inductor looks it up
         import torch._inductor.compile_fx as cfx
         real_fx = cfx.compile_fx
@@ -115,8 +121,15 @@ def child(args):
         cfx.compile_fx = compile_fx_timed
         step_fn = torch.compile(model, backend="inductor", mode=args.mode)
     else:
+        from fp4compile import precompile as pc
         from fp4compile.backend import fullstack_fp4
         args.child = args.child.split(":")[0]
+        real_start = pc.start
+
+        def start_logged(graph, *a, **k):  # the joint-graph pass's end: when the workers get their calls
+            marks["precompile_start"] = round(time.time(), 2)
+            return real_start(graph, *a, **k)
+        pc.start = start_logged
 
         def backend(gm, ex):
             t0 = time.perf_counter()
@@ -131,14 +144,18 @@ def child(args):
     if not args.tiny:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    marks["step"] = round(time.time(), 2)
     if args.mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
     loss = step_fn(d[:, :-1], d[:, 1:])
+    marks["backward"] = round(time.time(), 2)
     loss.backward()
+    marks["optimizer"] = round(time.time(), 2)
     opt.step()
     opt.zero_grad(set_to_none=True)
     loss.item()
     first = time.perf_counter() - t0
+    marks["end"] = round(time.time(), 2)
     from fp4compile import precompile
     workers = [p.poll() for p in precompile._WORKERS]
     jit = sorted(rec["jit"].items(), key=lambda kv: -kv[1])
@@ -146,7 +163,8 @@ def child(args):
                triton_jit_s=sum(v for _, v in jit), triton_jit_n=sum(rec["jit_n"].values()),
                autotune_s=rec["autotune"], autotune_n=rec["autotune_n"],
                top_jit=[(k, round(v, 2), rec["jit_n"][k]) for k, v in jit[:12]],
-               workers=len(workers), workers_done=sum(c is not None for c in workers))
+               workers=len(workers), workers_done=sum(c is not None for c in workers), marks=marks,
+               compiles=rec["events"])
     print("REPORT " + json.dumps(out), flush=True)
 
 
@@ -214,6 +232,11 @@ def main():
         if r["backend"].startswith("bf16"):
             continue
         print(f"{r['backend']} top in-process Triton compiles (name, s, n): {r['top_jit']}")
+        t = r.get("marks", {}).get("step")
+        if t:
+            marks = ", ".join(f"{k} +{v - t:.1f}" for k, v in r["marks"].items() if k != "step")
+            events = ", ".join(f"{n} +{w - t:.1f} ({dt} s, {key})" for n, w, dt, key in r.get("compiles", []))
+            print(f"{r['backend']} timeline, s after the step began: {marks}; compiles: {events or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

@@ -376,6 +376,25 @@ def _warm_up(device: str) -> None:
     torch.cuda.synchronize(dev)
 
 
+def _log_compiles() -> None:
+    """A worker's log gets one line per ``triton.compile`` (kernel, wall-clock start, seconds, the source's
+    specialization hash), to compare with the training process's compiles (bench/compile_time.py)."""
+    import triton
+    import triton.compiler as tc
+
+    real = tc.compile
+
+    def logged(src, *a, **k):
+        t0, w0 = time.perf_counter(), time.time()
+        try:
+            return real(src, *a, **k)
+        finally:
+            key = src.hash()[:12] if hasattr(src, "hash") else "?"
+            print(f"  triton.compile {getattr(src, 'name', '?')} at {w0:.2f} {time.perf_counter() - t0:.2f} s "
+                  f"key {key}", flush=True)
+    tc.compile = triton.compile = logged
+
+
 def _main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     device = argv[argv.index("--device") + 1] if "--device" in argv else None
@@ -389,7 +408,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
             print(f"warm-up failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     if device is not None:
         print(f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        _log_compiles()
+    except (ImportError, AttributeError):
+        pass
     calls = json.loads(sys.stdin.read() or "[]")
+    print(f"calls received at {time.time():.2f}", flush=True)
     t0 = time.perf_counter()
     counts = replay(calls, log=sys.stdout)
     print(f"done: {counts} in {time.perf_counter() - t0:.1f} s", flush=True)
