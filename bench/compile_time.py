@@ -65,6 +65,9 @@ def _instrument():
             if dt > 0.05:  # a real compile, not a disk-cache hit: when, and which specialization (hash as the
                 key = src.hash()[:12] if hasattr(src, "hash") else "?"  # precompile workers log theirs)
                 rec["events"].append((name, round(w0, 2), round(dt, 2), key))
+                if os.environ.get("FP4COMPILE_PRECOMPILE_SPEC"):  # the whole specialization (diagnosis)
+                    print(f"SPEC {name} attrs {getattr(src, 'attrs', '?')} sig {getattr(src, 'signature', '?')} "
+                          f"consts {getattr(src, 'constants', '?')}", flush=True)
 
     tc.compile = compile_timed
     triton.compile = compile_timed
@@ -200,6 +203,9 @@ def main():
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
         line = [x for x in p.stdout.splitlines() if x.startswith("REPORT ")]
+        for x in p.stdout.splitlines():
+            if x.startswith("SPEC "):
+                print(f"{name}: {x}", flush=True)
         if p.returncode or not line:
             print(f"{name}: child failed (rc {p.returncode})\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
             continue

@@ -392,6 +392,9 @@ def _log_compiles() -> None:
             key = src.hash()[:12] if hasattr(src, "hash") else "?"
             print(f"  triton.compile {getattr(src, 'name', '?')} at {w0:.2f} {time.perf_counter() - t0:.2f} s "
                   f"key {key}", flush=True)
+            if os.environ.get("FP4COMPILE_PRECOMPILE_SPEC"):  # the whole specialization (diagnosis)
+                print(f"    attrs {getattr(src, 'attrs', '?')} sig {getattr(src, 'signature', '?')} "
+                      f"consts {getattr(src, 'constants', '?')}", flush=True)
     tc.compile = triton.compile = logged
 
 
