@@ -1,4 +1,10 @@
-"""kernels.launch: the cached fast launch path keys every compiled-kernel specialization Triton makes."""
+"""kernels.launch: the cached fast launch path keys every compiled-kernel specialization Triton makes; Triton cache keys
+do not depend on launch order."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -100,3 +106,69 @@ def test_devcache_builds_each_entry_once():
     a = cached(cache, "k", "cpu", make)
     b = cached(cache, "k", "cpu", make)
     assert a is b and len(calls) == 1 and torch.equal(a, torch.arange(3.0))
+
+
+_ORDER_SRC = '''
+import triton
+import triton.language as tl
+
+FLAG = tl.constexpr(True)
+
+
+@triton.jit
+def callee(x):
+    if FLAG:
+        return x + 1
+    else:
+        return x
+
+
+@triton.jit
+def caller(x_ptr):
+    tl.store(x_ptr, callee(tl.load(x_ptr)))
+'''
+
+
+def _fresh_module(tmp_path, name):
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(_ORDER_SRC)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreted kernels have no cache key")
+def test_stable_cache_keys_makes_a_kernels_key_independent_of_which_key_was_computed_first(tmp_path):
+    """Triton 3.6 leaves a callee's global constexprs out of its caller's key unless the callee's key came first;
+    stable_cache_keys computes them in definition order (callees first), the same in every process."""
+    from fp4compile.kernels.launch import stable_cache_keys
+
+    callee_first = _fresh_module(tmp_path, "order_callee_first")
+    callee_first.callee.cache_key
+    expected = callee_first.caller.cache_key
+    fixed = _fresh_module(tmp_path, "order_fixed")
+    stable_cache_keys(vars(fixed))
+    assert fixed.caller.cache_key == expected
+    assert any(name == "FLAG" for name, _ in fixed.caller.used_global_vals)
+
+
+def test_every_kernel_modules_keys_are_computed_at_import():
+    """In a fresh process (no interpreter): after import, every @triton.jit function of the kernel modules has its
+    cache key, so no launch order can change it (the precompile workers' disk-cache entries must match)."""
+    code = textwrap.dedent('''
+        import triton
+        from fp4compile.kernels import attention, dequant, gemm, quantize
+        from fp4compile.optim import fused
+        for m in (attention, dequant, gemm, quantize, fused):
+            fns = [v for v in vars(m).values() if isinstance(v, triton.runtime.JITFunction)]
+            assert fns, m.__name__
+            missing = [f.__name__ for f in fns if f.hash is None]
+            assert not missing, (m.__name__, missing)
+        print("ok")
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr

@@ -41,7 +41,7 @@ import torch
 from ..formats import nvfp4 as _nvfp4
 from . import dequant as _dequant
 from .dequant import _dequant_rows
-from .launch import cdiv, placeholder
+from .launch import cdiv, placeholder, stable_cache_keys
 from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
 
 try:
@@ -930,3 +930,6 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
         *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *tail,
         DSK_FP4=bool(mask & DSK), MASK_M=Tq % BM2 != 0, BM=BM2, BN=BN2, **flags, **c2)
     return dq, dk, dv
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from .launch import stable_cache_keys
+
 #: dequantization path of the CUDA kernels ("asm" or "fp32"): the GEMM op and the attention backward's prep launch
 #: (``fp4compile.kernels.gemm.DEFAULT_DEQUANT`` is this value); the env var overrides it for experiments
 DEFAULT_DEQUANT = os.environ.get("FP4COMPILE_GEMM_DEQUANT", "asm")
@@ -111,3 +113,6 @@ if triton is not None:
         v = _dequant_tile(codes, scales, BLOCK_R, BLOCK_K, DEQUANT_ASM).to(tl.float32) * 256.0
         tl.store(o_ptr + rr.to(tl.int64)[:, None] * so + ko[None, :], v.to(tl.bfloat16),
                  mask=rmask & (ko[None, :] < 2 * KH))
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

@@ -70,7 +70,7 @@ import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
 from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
-from .launch import cdiv, launch
+from .launch import cdiv, launch, stable_cache_keys
 
 try:
     import triton
@@ -944,3 +944,6 @@ def _dequantize_blocks_cuda(codes, scales):
 
 
 _ops.register_cuda("dequantize_blocks", _dequantize_blocks_cuda)
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

@@ -31,9 +31,10 @@ import torch
 from ..devcache import cached
 
 try:
+    import triton as _triton
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - Triton is a dependency on Linux
-    _knobs = None
+    _triton = _knobs = None
 
 #: the fast path is on (set FP4COMPILE_FAST_LAUNCH=0 to launch every kernel through ``fn[grid](...)``)
 FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -41,6 +42,24 @@ FAST = os.environ.get("FP4COMPILE_FAST_LAUNCH", "1") != "0" and os.environ.get("
 _CACHE: dict = {}
 _I32 = 2 ** 31
 _PLACEHOLDERS: dict = {}
+
+
+def stable_cache_keys(namespace: dict) -> None:
+    """Compute the Triton cache key of every ``@triton.jit`` function of a module, in definition order; called at
+    the end of each kernel module's import.
+
+    Triton 3.6 folds a callee's global constexprs (``_DOT_F32``, ...) into its caller's key only when the callee's
+    own key was computed before the caller's; otherwise they are left out. Computed lazily, at first launch, a
+    kernel's key -- and with it the name of its entry in Triton's disk cache -- then depends on which kernels the
+    process happened to launch first: the attention backward compiled by a precompile worker
+    (``fp4compile/precompile.py``) was never found by the training process, which compiled it again (session 24).
+    Computed here, at import, helpers come before the kernels that call them, in every process alike."""
+    jit = getattr(getattr(_triton, "runtime", None), "JITFunction", None) if _triton is not None else None
+    if jit is None:
+        return
+    for v in list(namespace.values()):
+        if isinstance(v, jit):  # (under TRITON_INTERPRET=1 kernels are not JITFunctions: nothing to do)
+            v.cache_key
 
 
 def placeholder(device, dtype: torch.dtype) -> torch.Tensor:

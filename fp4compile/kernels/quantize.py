@@ -46,7 +46,7 @@ import triton.language as tl
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import EDEN_INV_VAL_MAX, EDEN_VAL_MAX, block_max_targets, global_numerator
-from .launch import cdiv, launch, placeholder
+from .launch import cdiv, launch, placeholder, stable_cache_keys
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
 AMAX_FLUSH = tl.constexpr(_AMAX_FLUSH_PY)
@@ -1198,3 +1198,6 @@ def _register():
 
 
 _register()
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

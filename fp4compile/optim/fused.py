@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.launch import stable_cache_keys
 from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
                                 _e4m3_value, _fwht)
 from . import qadamw as _qa
@@ -940,3 +941,6 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
                 num_warps=4, **_launch_opts(dev))
         t0 += len(b.params)
     return plan.rest
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
