@@ -17,7 +17,8 @@ parallel worker processes; this module does the same for ours, in three steps:
 Each worker runs its calls once on random inputs of exactly those shapes and layouts on the same GPU, so Triton
 compiles the same specializations (alignment, divisibility, constexprs) and writes them to its on-disk cache
 (autotuned GEMMs: every config, and the autotuner's choice, ``kernels/gemm.py``). When the training process
-reaches a kernel, Triton's JIT finds it in that cache instead of compiling it.
+reaches a kernel, Triton's JIT finds it in that cache instead of compiling it. (That needs kernel cache keys that
+do not depend on the order in which a process launches kernels: :func:`fp4compile.kernels.launch.stable_cache_keys`.)
 
 Nothing waits for the workers and nothing depends on them: a kernel that is not ready yet is compiled by the
 training process as before (Triton's cache writes are atomic), a call a worker cannot replay (an exception, not
