@@ -59,6 +59,7 @@ _IDLE: List[subprocess.Popen] = []      # prestarted workers that have no calls 
 _FEEDERS: List = []                     # the threads writing the workers' calls
 _SENT: set = set()
 _NS = "fp4compile"
+_SPAWN_ERRORS = (OSError, ValueError, subprocess.SubprocessError)  # a worker that cannot start: no head start
 
 
 def enabled(option: Optional[bool] = None) -> bool:
@@ -222,7 +223,7 @@ def prestart(example_inputs, max_workers: int = MAX_WORKERS) -> int:
     for _ in range(_n_workers(max_workers) - len(_IDLE)):
         try:
             _IDLE.append(_spawn(device))
-        except OSError:
+        except _SPAWN_ERRORS:
             break
         started += 1
     return started
@@ -261,7 +262,7 @@ def start(graph: torch.fx.Graph, max_workers: int = MAX_WORKERS) -> int:
     for queue in plan(fresh, _n_workers(max_workers)):
         try:
             p = _IDLE.pop(0) if _IDLE else _spawn()
-        except OSError:
+        except _SPAWN_ERRORS:
             break
         _feed(p, queue)
         started += 1
