@@ -163,8 +163,8 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     kw = {}
     if settings.dump_dir or settings.recorder is not None:
         kw["inner_compile"] = _recording_inner(settings)
-    nvfp4_sites = any(isinstance(spec, NVFP4) for name in specs for spec in specs[name].values())
-    if precompile.enabled(settings.precompile) and (nvfp4_sites or attn):
+    nvfp4_sites = any(isinstance(spec, NVFP4) for roles in specs.values() for spec in roles.values())
+    if precompile.enabled(settings.precompile) and (nvfp4_sites or any(a.swapped for a in attn)):
         precompile.prestart(example_inputs)       # 7: workers set up meanwhile (graphs with CUDA inputs)
     try:
         return compile_fx(gm, example_inputs, config_patches=patches, **kw)
