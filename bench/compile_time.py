@@ -44,33 +44,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _instrument():
     """Wrap triton.compile and Autotuner.run; returns the shared record."""
-    import triton
-    import triton.compiler as tc
     from triton.runtime import autotuner
+
+    from fp4compile.precompile import trace_compiles
 
     rec = dict(jit=collections.defaultdict(float), jit_n=collections.Counter(), autotune=0.0, autotune_n=0,
                events=[])
-    real_compile = tc.compile
     depth = threading.local()
 
-    def compile_timed(src, *a, **k):
-        t0, w0 = time.perf_counter(), time.time()
-        try:
-            return real_compile(src, *a, **k)
-        finally:
-            name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
-            dt = time.perf_counter() - t0
-            rec["jit"][name] += dt
-            rec["jit_n"][name] += 1
-            if dt > 0.05:  # a real compile, not a disk-cache hit: when, and which specialization (hash as the
-                key = src.hash()[:12] if hasattr(src, "hash") else "?"  # precompile workers log theirs)
-                rec["events"].append((name, round(w0, 2), round(dt, 2), key))
-                if os.environ.get("FP4COMPILE_PRECOMPILE_SPEC"):  # the whole specialization (diagnosis)
-                    print(f"SPEC {name} attrs {getattr(src, 'attrs', '?')} sig {getattr(src, 'signature', '?')} "
-                          f"consts {getattr(src, 'constants', '?')}", flush=True)
+    def on_compile(name, w0, dt, key, spec):
+        rec["jit"][name] += dt
+        rec["jit_n"][name] += 1
+        if dt > 0.05:  # a real compile, not a disk-cache hit: when, and which specialization (as the workers log)
+            rec["events"].append((name, round(w0, 2), round(dt, 2), key))
+            if spec:
+                print(f"SPEC {name} {spec}", flush=True)
 
-    tc.compile = compile_timed
-    triton.compile = compile_timed
+    trace_compiles(on_compile)
     real_run = autotuner.Autotuner.run
 
     def run_timed(self, *a, **k):

@@ -40,12 +40,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
-__all__ = ["enabled", "op_calls", "plan", "prestart", "start", "release", "wait", "replay", "MAX_WORKERS",
-           "MEMORY_FACTOR", "COMPILE_COST"]
+__all__ = ["enabled", "op_calls", "plan", "prestart", "start", "release", "wait", "replay", "trace_compiles",
+           "MAX_WORKERS", "MEMORY_FACTOR", "COMPILE_COST"]
 
 #: most worker processes per :func:`start` (each pays a torch import and a CUDA context, ~300 MiB of GPU memory)
 MAX_WORKERS = 4
@@ -378,26 +378,35 @@ def _warm_up(device: str) -> None:
     torch.cuda.synchronize(dev)
 
 
-def _log_compiles() -> None:
-    """A worker's log gets one line per ``triton.compile`` (kernel, wall-clock start, seconds, the source's
-    specialization hash), to compare with the training process's compiles (bench/compile_time.py)."""
+def trace_compiles(on_compile: Callable) -> None:
+    """Wrap ``triton.compile`` in this process: after each call, ``on_compile(name, wall_start, seconds, key,
+    spec)`` with the kernel's name, its wall-clock start (``time.time()``), the seconds it took (a disk-cache hit
+    takes ~0), the first 12 hex digits of the source's specialization hash (what Triton's cache key is built from)
+    and, with ``FP4COMPILE_PRECOMPILE_SPEC=1``, the whole specialization as text (else None). The workers log it;
+    ``bench/compile_time.py`` lines the training process's compiles up against theirs."""
     import triton
     import triton.compiler as tc
 
     real = tc.compile
 
-    def logged(src, *a, **k):
+    def traced(src, *a, **k):
         t0, w0 = time.perf_counter(), time.time()
         try:
             return real(src, *a, **k)
         finally:
+            name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
             key = src.hash()[:12] if hasattr(src, "hash") else "?"
-            print(f"  triton.compile {getattr(src, 'name', '?')} at {w0:.2f} {time.perf_counter() - t0:.2f} s "
-                  f"key {key}", flush=True)
-            if os.environ.get("FP4COMPILE_PRECOMPILE_SPEC"):  # the whole specialization (diagnosis)
-                print(f"    attrs {getattr(src, 'attrs', '?')} sig {getattr(src, 'signature', '?')} "
-                      f"consts {getattr(src, 'constants', '?')}", flush=True)
-    tc.compile = triton.compile = logged
+            spec = (f"attrs {getattr(src, 'attrs', '?')} sig {getattr(src, 'signature', '?')} "
+                    f"consts {getattr(src, 'constants', '?')}") if os.environ.get("FP4COMPILE_PRECOMPILE_SPEC") \
+                else None
+            on_compile(name, w0, time.perf_counter() - t0, key, spec)
+    tc.compile = triton.compile = traced
+
+
+def _log_compile(name, w0, dt, key, spec) -> None:
+    print(f"  triton.compile {name} at {w0:.2f} {dt:.2f} s key {key}", flush=True)
+    if spec:
+        print(f"    {spec}", flush=True)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
@@ -414,7 +423,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if device is not None:
         print(f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        _log_compiles()
+        trace_compiles(_log_compile)
     except (ImportError, AttributeError):
         pass
     calls = json.loads(sys.stdin.read() or "[]")

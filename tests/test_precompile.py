@@ -202,6 +202,30 @@ def test_prestarted_workers_get_the_calls_and_idle_ones_are_released(monkeypatch
     assert P.release() == 0
 
 
+def test_trace_compiles_reports_each_compile_with_its_specialization(monkeypatch):
+    import triton
+    import triton.compiler as tc
+
+    class Src:
+        name = "_k"
+        attrs, signature, constants = {(0,): [["tt.divisibility", 16]]}, {"x": "*fp32"}, {(1,): 64}
+
+        def hash(self):
+            return "0123456789abcdef"
+
+    monkeypatch.setattr(tc, "compile", lambda src, *a, **k: "compiled")
+    monkeypatch.setattr(triton, "compile", tc.compile)
+    seen = []
+    P.trace_compiles(lambda *r: seen.append(r))
+    monkeypatch.delenv("FP4COMPILE_PRECOMPILE_SPEC", raising=False)
+    assert triton.compile(Src()) == "compiled" and tc.compile is triton.compile
+    monkeypatch.setenv("FP4COMPILE_PRECOMPILE_SPEC", "1")
+    tc.compile(Src())
+    (name, w0, dt, key, spec), second = seen
+    assert (name, key, spec) == ("_k", "0123456789ab", None) and dt >= 0 and w0 > 1.7e9
+    assert second[4] == "attrs {(0,): [['tt.divisibility', 16]]} sig {'x': '*fp32'} consts {(1,): 64}"
+
+
 def test_enabled_and_the_backend_option(monkeypatch):
     monkeypatch.delenv("FP4COMPILE_PRECOMPILE", raising=False)
     assert P.enabled() and not P.enabled(False)
