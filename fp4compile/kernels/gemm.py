@@ -37,6 +37,10 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
 * ``"dq_splitk"``: the same dequantization, then a deterministic split-K TMA GEMM (:func:`bf16_gemm_splitk`:
   FP32 partial sums per K range, summed in FP32, scaled, rounded once) for long-K GEMMs with few output
   tiles (wgrad: K = tokens, 768x768 outputs are 36 tiles on 132 SMs).
+* ``"wgmma"`` (:func:`fp4compile.kernels.gemm_wgmma.nvfp4_gemm_wgmma`, Gluon): codes staged by cp.async,
+  dequantized in the main loop into double-buffered shared memory while the tensor cores run the previous
+  K-tile's async wgmma; no bf16 copy in global memory. K % 64 == 0. Measured slower than ``"dq_triton"``
+  (0.15-0.55x cuBLAS vs 0.3-0.95x, session 25): never picked by ``"auto"``; the module says why.
 * ``"auto"``: one of the above per shape (:func:`choose_impl`).
 * ``"tuned"``: the fastest of :data:`TUNED_CANDIDATES`, timed on the first call of each shape (a
   measurement tool; choices in :data:`TUNED_CHOICES`).
@@ -70,6 +74,7 @@ import torch
 
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
 from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
+from .gemm_wgmma import nvfp4_gemm_wgmma
 from .launch import cdiv, launch, stable_cache_keys
 
 try:
@@ -92,7 +97,7 @@ __all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16
 #: pre-dequantized, cuBLAS), "dq_triton" / "dq_splitk" (both pre-dequantized, Triton TMA GEMM with the scaled
 #: epilogue; split-K for long K on small outputs). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
-IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk")
+IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk", "wgmma")
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
@@ -772,8 +777,10 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
             with fewer rows pre-dequantized to exact bf16 by :func:`dequantize_bf16`, the other dequantized
             in registers tile by tile and stored to shared memory for the wgmma), ``"half_rega"`` (same
             split, the NVFP4 operand is the wgmma register operand), ``"full"`` (both dequantized in
-            registers; no bf16 copy at all), ``"dequant_cublas"``, ``"dq_triton"`` or ``"dq_splitk"``;
-            default :data:`DEFAULT_IMPL`.
+            registers; no bf16 copy at all), ``"dequant_cublas"``, ``"dq_triton"``, ``"dq_splitk"`` or
+            ``"wgmma"`` (the Gluon kernel of :mod:`fp4compile.kernels.gemm_wgmma`: in-loop dequantization
+            overlapped with async wgmma; CUDA, K % 64 == 0; slower, an experiment); default
+            :data:`DEFAULT_IMPL`.
         config: explicit tile config (keys of :data:`GEMM_CONFIGS`); default autotunes on CUDA and uses a
             small fixed tile under the interpreter.
         dequant: ``"asm"`` (inline PTX, sm_90) or ``"fp32"`` (portable); default :data:`DEFAULT_DEQUANT` on
@@ -795,6 +802,10 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
         raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
+    if impl == "wgmma":
+        if not on_cuda:
+            raise RuntimeError("impl='wgmma' (Gluon, sm_90) runs on CUDA only")
+        return nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, config=config)
     if impl == "dequant_cublas":
         return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     if impl in ("dq_triton", "dq_splitk"):

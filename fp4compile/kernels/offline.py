@@ -35,7 +35,10 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
     if upto not in STAGES:
         raise ValueError(f"upto must be one of {STAGES}, got {upto!r}")
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
-    src = ASTSource(fn, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs, attrs=attrs)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = CUDABackend(target)
     opts = backend.parse_options({"num_warps": num_warps, "enable_fp_fusion": False, **options})
@@ -46,7 +49,8 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
     stages, metadata = {}, {}
     backend.add_stages(stages, opts, src.language)
     for name in STAGES[:STAGES.index(upto) + 1]:
-        mod = stages[name](mod, metadata)
+        if name in stages:  # a Gluon kernel starts at ttgir
+            mod = stages[name](mod, metadata)
     return mod
 
 

@@ -1,0 +1,157 @@
+"""The Gluon NVFP4 GEMM (``impl="wgmma"``, fp4compile/kernels/gemm_wgmma.py) on the H200: checks, then GPU time
+against cuBLAS BF16 and the current default lowering, all measured in the same process.
+
+Checks (each must pass before any time is printed for the kernel):
+  * exact decode: A = every code byte (256) x every finite E4M3 scale byte (127 rows), B = the identity in NVFP4
+    (code 1.0, scale 1.0); the FP32 output must equal the reference dequantization bit for bit (this also proves
+    that both operands see the same K permutation);
+  * against a float64 reference (``bench.gemm.reference64``): FP32 output relative error < 1e-5 on every
+    benchmarked shape (when it fits in memory) and on tail shapes (rows not a multiple of the tile, a single K-tile),
+    for every config of ``WGMMA_CONFIGS``.
+
+Timing: ``triton.testing.do_bench_cudagraph`` (GPU time, no launch cost), median, microseconds; ratio = cuBLAS
+BF16 time / time. Columns: ``cuBLAS`` (torch.mm on the exact bf16 operands), ``dq_triton`` (dequantize both
+operands, then the TMA GEMM: the default lowering on these shapes), ``wgmma <cfg>`` per config, ``auto``
+(the op as registered). Sums per training step (12 layers x 12 linear GEMMs for GPT-124M, 16 x 12 for ~1B).
+
+    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import gemm as BG  # noqa: E402
+from fp4compile.formats import nvfp4  # noqa: E402
+from fp4compile.kernels import gemm as G  # noqa: E402
+from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
+
+
+def _cfg_name(c):
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
+            + {0: "", 1: " NODEQ", 2: " NOMMA"}[c.get("DIAG", 0)])
+
+
+#: checked and timed
+CHECKED = W.WGMMA_CONFIGS
+#: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
+#: words are stored as they are) and without the MMA (NOMMA)
+DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
+
+
+def check_decode_exact(cfg) -> int:
+    """Mismatches of the exhaustive decode check (see module docstring)."""
+    dev = "cuda"
+    K = 512
+    a_codes = torch.arange(256, dtype=torch.uint8, device=dev).repeat(127, 1)           # [127, 256] -> K = 512
+    a_scales = torch.arange(127, dtype=torch.uint8, device=dev)[:, None].expand(127, K // 16).contiguous()
+    # B = identity: row n has code 1.0 (0x2) at element n, 0 elsewhere; scale 1.0 (E4M3 0x38)
+    b = torch.zeros(K, K, dtype=torch.uint8, device=dev)
+    idx = torch.arange(K, device=dev)
+    b[idx, idx] = 2
+    b_codes = (b[:, 0::2] | (b[:, 1::2] << 4)).contiguous()
+    b_scales = torch.full((K, K // 16), 0x38, dtype=torch.uint8, device=dev)
+    one = torch.ones((), device=dev)
+    got = W.nvfp4_gemm_wgmma(a_codes, a_scales, one, b_codes, b_scales, one, torch.float32, config=cfg)
+    ref = nvfp4.dequantize_codes(a_codes, a_scales.view(torch.float8_e4m3fn), one)
+    return int((got != ref).sum().item())
+
+
+def check_shape(M, N, K, cfg, seed=1) -> float:
+    args = BG.make_operands(M, N, K, seed=seed)
+    out = W.nvfp4_gemm_wgmma(*args, torch.float32, config=cfg)
+    return BG.rel_err(out, BG.reference64(args))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rep", type=int, default=20)
+    ap.add_argument("--only", default="124M,1B,square")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    BG.CUDAGRAPH = True
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}; torch {torch.__version__}; triton {BG.triton.__version__}; "
+          f"do_bench_cudagraph rep={args.rep} ms, median, us; ratio = cuBLAS BF16 / time", flush=True)
+    ok = True
+    for cfg in CHECKED:
+        bad = check_decode_exact(cfg)
+        print(f"decode check {_cfg_name(cfg)}: {bad} mismatches", flush=True)
+        ok &= bad == 0
+        for M, N, K in [(300, 200, 832), (1000, 1000, 64), (129, 257, 4096), (16384, 768, 768)]:
+            e = check_shape(M, N, K, cfg)
+            print(f"  {M}x{N}x{K} fp32 rel err {e:.2e}", flush=True)
+            ok &= e < 1e-5
+    print("checks:", "PASS" if ok else "FAIL", flush=True)
+
+    shapes = []
+    only = tuple(args.only.split(","))
+    for tag, d in (("124M", 768), ("1B", 2048)):
+        if tag in only:
+            shapes += [(f"{tag} {n}", m, nn, k) for n, m, nn, k in BG.linear_shapes(d)]
+    if "square" in only:
+        shapes += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
+    cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in CHECKED] + ["auto"]
+            + [f"diag {_cfg_name(c)}" for c in DIAG])
+    print("| shape | M | N | K | " + " | ".join(cols) + " | best wgmma / cuBLAS | dq_triton / cuBLAS |", flush=True)
+    print("|" + "---|" * (len(cols) + 6), flush=True)
+    rows = []
+    t0 = time.time()
+    for name, M, N, K in shapes:
+        ops = BG.make_operands(M, N, K)
+        a16 = G.dequantize_bf16(ops[0], ops[1])
+        b16 = G.dequantize_bf16(ops[3], ops[4])
+        ref = BG.reference64(ops) if M * N * K <= 2 ** 36 else None
+
+        def us(fn):
+            try:
+                return 1e3 * BG.bench_ms(fn, args.rep)
+            except Exception as e:  # noqa: BLE001
+                print(f"  ERROR {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                return float("nan")
+
+        t = {"cuBLAS": us(lambda: torch.mm(a16, b16.t())),
+             "dq_triton": us(lambda: G.nvfp4_gemm(*ops, impl="dq_triton"))}
+        for c in CHECKED:
+            key = f"wgmma {_cfg_name(c)}"
+            if ref is not None:
+                e = BG.rel_err(W.nvfp4_gemm_wgmma(*ops, torch.float32, config=c), ref)
+                if not e < 1e-5:
+                    print(f"  WRONG {name} {key}: fp32 rel err {e:.2e}", flush=True)
+                    ok = False
+            t[key] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
+        t["auto"] = us(lambda: torch.ops.fp4compile.gemm(*ops))
+        for c in DIAG:
+            t[f"diag {_cfg_name(c)}"] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
+        best = min(t[k] for k in t if k.startswith("wgmma"))
+        line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)
+                + f" | {t['cuBLAS'] / best:.2f} | {t['cuBLAS'] / t['dq_triton']:.2f} |")
+        print(line, f"[{time.time() - t0:.0f}s]", flush=True)
+        rows.append(dict(name=name, M=M, N=N, K=K, us=t))
+        del ops, a16, b16
+    by = {(r["M"], r["N"], r["K"]): r for r in rows}
+    for tag, d, nl in (("124M", 768, 12), ("1B", 2048, 16)):
+        full = [(m, n, k) for _, m, n, k in BG._all_linear(d)]
+        if not all(s in by for s in full):
+            continue
+        tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols}
+        bestw = nl * sum(min(v for k, v in by[s]["us"].items() if k.startswith("wgmma")) for s in full) / 1e3
+        print(f"{tag} step ({nl} layers x 12 linear GEMMs), ms: " + ", ".join(f"{c} {v:.2f}" for c, v in tot.items())
+              + f", best wgmma per shape {bestw:.2f}; ratios to cuBLAS: dq_triton {tot['cuBLAS'] / tot['dq_triton']:.3f}"
+              f", best wgmma {tot['cuBLAS'] / bestw:.3f}, auto {tot['cuBLAS'] / tot['auto']:.3f}", flush=True)
+    print("checks (incl. benchmarked shapes):", "PASS" if ok else "FAIL", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev, rows=rows, ok=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""NVFP4 x NVFP4 GEMM for sm_90 written in Gluon: dequantization in the main loop, overlapped with async wgmma.
+
+**Status: correct, and slower than the default lowering; kept as ``impl="wgmma"`` (never chosen by ``"auto"``) as
+the measured answer to "what does in-loop dequantization cost on Hopper" and as the base for a warp-specialized
+version.** H200, session 25 (docs/BENCHMARKS.md): 0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the
+4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad shapes, against 0.64-0.95x for ``"dq_triton"`` (dequantize
+each operand once, then a BF16 TMA GEMM).
+
+Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
+``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
+same exact BF16 operand values ``q * S * 2^-8`` (the shift/mask PTX of :mod:`fp4compile.kernels.dequant`), so the
+result equals the other implementations' up to the FP32 summation order of the wgmma.
+
+Why Gluon: Triton's ``tl`` cannot overlap the dequantization of K-tile k+1 with the tensor cores' work on K-tile
+k inside one program. An operand produced in registers and stored with ``local_alloc`` is single buffered, so every
+K-tile ends with ``wgmma.wait_group 0`` (docs/BENCHMARKS.md, ## GEMM, "Why"). Gluon (``triton.experimental.gluon``,
+Triton 3.6) exposes the shared-memory buffers, the async wgmma and its wait, so this kernel pipelines by hand:
+
+* a 3-stage cp.async ring holds the NVFP4 code words (16 bytes per thread) and scale words (4 scale bytes of a
+  row = one int32) of the next K-tiles;
+* two BF16 shared-memory buffers per operand (128-byte swizzle); iteration k issues the wgmma on buffer k % 2
+  *asynchronously*, then reads tile k+1's codes from the ring, dequantizes them (8 codes per ``prmt`` +
+  shift/mask group, one ``mul.rn.bf16x2`` per two codes), waits for the wgmma of k-1 (the last reader of the other
+  buffer), stores, fences (generic -> async proxy) and refills the ring after the fence;
+* the 8 codes of a word land in shared memory in the order (0, 2), (4, 6), (1, 3), (5, 7): a GEMM may permute K
+  inside a scale block when both operands get the same permutation, and this one needs no re-pairing instruction;
+* the epilogue multiplies the FP32 accumulator by ``2^16 * a_global * b_global``, rounds once, stores coalesced.
+
+What the measurements say (``bench/gemm_wgmma.py``'s timing-only diagnostics): without the MMA the kernel still
+takes 1.5x cuBLAS's time at 8192^3 (dequantization, shared-memory stores, barriers), and without the decode ALU
+work 1.8x. In-loop dequantization decodes every A tile once per N-tile and every B tile once per M-tile,
+MNK (1/BLOCK_M + 1/BLOCK_N) elements: at 128 x 256 tiles ~1.2 % of the MACs, i.e. ~22 decoded elements per
+cycle and SM at full wgmma rate, which at ~2.6 integer-pipe instructions each is the whole integer throughput of
+the SM; the decoded bytes then cross shared memory once more than with TMA-fed operands. Dequantizing once
+(memory-bound, 2.56 bytes per element) and running a BF16 GEMM is cheaper on Hopper. Two earlier versions of this
+kernel (codes loaded into registers one and two tiles ahead) measured the same or slower; ptxas turns the proxy
+fence into ``MEMBAR.ALL.CTA``, which waits for loads in flight, and spreads register-only decode work between the
+HGMMAs of a tile unless that work depends on a shared-memory read placed after a barrier (both are why the
+codes go through the cp.async ring; ``tests/test_gemm_wgmma.py`` checks the second property on the SASS).
+
+Shapes: K % 64 == 0 (whole 64-wide K-tiles, :func:`supports`); M, N any (row tails wrap in the loads and are
+masked in the store). No BF16 copy of either operand exists in global memory.
+
+Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
+:data:`WGMMA_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .launch import cdiv, stable_cache_keys
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton without Gluon
+    gluon = None
+
+__all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS"]
+
+#: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
+WGMMA_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4),
+]
+
+
+def supports(M: int, N: int, K: int) -> bool:
+    """The kernel takes this shape: whole 64-wide K-tiles (M, N: any)."""
+    return K > 0 and K % 64 == 0
+
+
+def available() -> bool:
+    """Gluon is importable (the kernel itself needs an sm_90 GPU)."""
+    return gluon is not None
+
+
+if gluon is not None:
+    # 8 codes (one 32-bit word of 4 code bytes, all in one 16-element block) -> four bf16x2 words of
+    # q * S * 2^-8, $5 = the block's scale as bf16x2 (both halves). The same shift/mask/multiply groups as
+    # kernels/dequant.py's PTX; the output words hold the codes in the order (0, 2), (4, 6), (1, 3), (5, 7).
+    # A GEMM may permute K freely if both operands get the same permutation inside each scale block, so the
+    # tiles go to shared memory in that order and no instruction re-pairs them.
+    STAGES = gl.constexpr(3)  # K-tiles of NVFP4 codes in flight (cp.async ring)
+    _ASM = gl.constexpr("""
+{
+.reg .b32 t, u, v, w;
+prmt.b32 t, $4, $4, 0x3120;
+shl.b32 u, t, 6;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 12;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $0, w, $5;
+shr.b32 u, t, 2;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 4;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $1, w, $5;
+shl.b32 u, t, 2;
+and.b32 u, u, 0x01C001C0;
+shl.b32 v, t, 8;
+and.b32 v, v, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $2, w, $5;
+shr.b32 u, t, 6;
+and.b32 u, u, 0x01C001C0;
+and.b32 v, t, 0x80008000;
+or.b32 w, u, v;
+mul.rn.bf16x2 $3, w, $5;
+}
+""")
+
+    @gluon.jit
+    def _issue_tile(c_ptr, s_ptr, c_buf, s_buf, row0, R, k0, stride_w, stride_s,
+                    ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
+        """cp.async of one K-tile's code words [ROWS, BLOCK_K/8] (16 bytes per thread) and scale bytes
+        [ROWS, BLOCK_K/16] (4 bytes per thread) of rows row0.. (wrapped mod R) into shared memory."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
+        rw = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LC))) % R
+        kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, LC))
+        wp = c_ptr.to(gl.pointer_type(gl.int32))
+        async_copy.async_copy_global_to_shared(
+            c_buf, wp + gl.expand_dims(rw.to(gl.int64), 1) * stride_w + (k0 // 8 + gl.expand_dims(kw, 0)))
+        # the tile's 4 scale bytes of a row are one aligned int32 word (BLOCK_K = 64, K % 64 == 0)
+        LSC: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [gl.num_warps(), 1], [1, 0])
+        rs = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LSC))) % R
+        ks = gl.arange(0, 1, layout=gl.SliceLayout(0, LSC))
+        sp = s_ptr.to(gl.pointer_type(gl.int32))
+        async_copy.async_copy_global_to_shared(
+            s_buf, sp + gl.expand_dims(rs.to(gl.int64), 1) * stride_s + (k0 // 64 + gl.expand_dims(ks, 0)))
+
+    @gluon.jit
+    def _read_tile(c_buf, s_buf, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, L3: gl.constexpr):
+        """The staged code words as [ROWS, BLOCK_K/16, 2] in L3 and scale bytes [ROWS, BLOCK_K/16] in its slice."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
+        c = c_buf.load(LC)
+        c = gl.convert_layout(gl.reshape(c, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
+        LS: gl.constexpr = gl.SliceLayout(2, L3)
+        w = s_buf.load(LS).broadcast_to(ROWS, BLOCK_K // 16)
+        sh = gl.expand_dims(gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, LS)), 0) * 8
+        return c, ((w >> sh) & 0xFF).to(gl.uint8)
+
+    @gluon.jit
+    def _dequant(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
+        """[ROWS, BLOCK_K/16, 2] code words + [ROWS, BLOCK_K/16] E4M3 bytes -> int32 [ROWS, BLOCK_K/2]: bf16x2
+        words of q*S*2^-8, K permuted inside each 8-code word (see _ASM)."""
+        sf = s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 332306998946228968225951765070086144.0
+        sh = sf.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        sw = gl.expand_dims(sh | (sh << 16), 2).broadcast_to(ROWS, BLOCK_K // 16, 2)
+        if DIAG == 1:  # timing diagnostic: no decode ALU work (the code words themselves are stored)
+            o0, o1, o2, o3 = c, c, c | sw, c
+        else:
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+        w = gl.join(gl.join(o0, o2), gl.join(o1, o3))                  # [ROWS, BLK, 2, 2, 2]: o0 o1 o2 o3
+        return gl.reshape(w, (ROWS, BLOCK_K // 2))
+
+    @gluon.jit
+    def _nvfp4_wgmma_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
+                            stride_aw, stride_as, stride_bw, stride_bs, stride_om,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                            GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr,
+                            num_warps: gl.constexpr):
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        gsize = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % gsize
+        pid_n = (pid % group) // gsize
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+
+        # register layout of a code tile: 16 consecutive bytes (two scale blocks) per thread
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        # BF16 operand tiles, double buffered, wgmma's swizzled layout
+        a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+        b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], a_sl)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], b_sl)
+        # the same bytes as bf16x2 words: the swizzle of an NVMMA layout is defined on bytes
+        w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        a_wds = a_smem._reinterpret(gl.int32, [2, BLOCK_M, BLOCK_K // 2], w_sl)
+        b_wds = b_smem._reinterpret(gl.int32, [2, BLOCK_N, BLOCK_K // 2], w_sl)
+        # NVFP4 staging ring (cp.async), STAGES K-tiles of codes and scales
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        ac_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, BLOCK_K // 8], plain)
+        bc_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], plain)
+        as_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 1], plain)
+        bs_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 1], plain)
+
+        num_k = K // BLOCK_K
+        # tile indices past the end wrap to valid ones (their values are never read): no branch in the loop
+        for t in gl.static_range(STAGES):
+            kt = (t % num_k) * BLOCK_K
+            _issue_tile(a_c, a_s, ac_buf.index(t), as_buf.index(t), off_m, M, kt, stride_aw, stride_as,
+                        BLOCK_M, BLOCK_K)
+            _issue_tile(b_c, b_s, bc_buf.index(t), bs_buf.index(t), off_n, N, kt, stride_bw, stride_bs,
+                        BLOCK_N, BLOCK_K)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        ca, sa = _read_tile(ac_buf.index(0), as_buf.index(0), BLOCK_M, BLOCK_K, L3)
+        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3)
+        a_wds.index(0).store(_dequant(ca, sa, BLOCK_M, BLOCK_K, DIAG))
+        b_wds.index(0).store(_dequant(cb, sb, BLOCK_N, BLOCK_K, DIAG))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+        for ki in range(num_k):
+            buf = ki % 2
+            if DIAG != 2:  # DIAG 2, timing diagnostic: no MMA
+                acc = warpgroup_mma(a_smem.index(buf), b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+            # tile ki + 1's codes are in the ring (tile ki + 2 may still be in flight). The shared-memory reads
+            # below cannot move above this barrier, so neither can the dequantization that uses them: the four
+            # HGMMAs of tile ki issue back to back (else ptxas spreads the ALU work between them and the tensor
+            # cores idle)
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            st = (ki + 1) % STAGES
+            ca, sa = _read_tile(ac_buf.index(st), as_buf.index(st), BLOCK_M, BLOCK_K, L3)
+            cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3)
+            ta = _dequant(ca, sa, BLOCK_M, BLOCK_K, DIAG)       # tile ki + 1, overlapping the wgmma of tile ki
+            tb = _dequant(cb, sb, BLOCK_N, BLOCK_K, DIAG)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            gl.thread_barrier()                      # both warpgroups are done reading buffer 1 - buf
+            a_wds.index(1 - buf).store(ta)
+            b_wds.index(1 - buf).store(tb)
+            fence_async_shared()
+            gl.thread_barrier()
+            # refill the ring slot of tile ki (read two iterations ago) with tile ki + STAGES, issued after the
+            # fence: ptxas makes the fence a MEMBAR.ALL.CTA, which would wait for copies issued before it
+            sl = ki % STAGES
+            kt = ((ki + STAGES) % num_k) * BLOCK_K
+            _issue_tile(a_c, a_s, ac_buf.index(sl), as_buf.index(sl), off_m, M, kt, stride_aw, stride_as,
+                        BLOCK_M, BLOCK_K)
+            _issue_tile(b_c, b_s, bc_buf.index(sl), bs_buf.index(sl), off_n, N, kt, stride_bw, stride_bs,
+                        BLOCK_N, BLOCK_K)
+            async_copy.commit_group()
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        alpha = gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0
+        res = acc * alpha
+        # coalesced stores: each warp writes whole 16-byte pieces of output rows
+        EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
+        if OUT_FP32:
+            val = gl.convert_layout(res, EPI)
+        else:
+            val = gl.convert_layout(res.to(gl.bfloat16), EPI)
+        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, EPI))
+        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPI))
+        offs = gl.expand_dims(rm.to(gl.int64), 1) * stride_om + gl.expand_dims(rn, 0)
+        mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
+        gl.store(out_ptr + offs, val, mask=mask)
+
+    @gluon.constexpr_function
+    def _epilogue_layout(block_n, out_fp32, num_warps):
+        vec = 4 if out_fp32 else 8                      # 16 bytes per thread
+        tn = min(32, block_n // vec)
+        return gl.BlockedLayout([1, vec], [32 // tn, tn], [num_warps, 1], [1, 0])
+
+
+def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: int = 0) -> bytes:
+    """The sm_90 cubin of :func:`_nvfp4_wgmma_kernel` for ``config``, compiled on any machine (no GPU needed;
+    :func:`fp4compile.kernels.offline.compile_offline`), specialized as a launch on contiguous operands with
+    K % 128 == 0 would be (code-row strides of K/8 words divisible by 16). For tests and SASS inspection."""
+    from .offline import compile_offline
+
+    cfg = dict(config or WGMMA_CONFIGS[0])
+    sig = dict(a_c="*u8", a_s="*u8", b_c="*u8", b_s="*u8", ag_ptr="*fp32", bg_ptr="*fp32",
+               out_ptr="*fp32" if out_fp32 else "*bf16", M="i32", N="i32", K="i32", stride_aw="i32",
+               stride_as="i32", stride_bw="i32", stride_bs="i32", stride_om="i32")
+    const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
+                 OUT_FP32=out_fp32, DIAG=diag, num_warps=cfg["num_warps"])
+    return compile_offline(_nvfp4_wgmma_kernel, sig, const, cfg["num_warps"], upto="cubin",
+                           divisible_by_16=["a_c", "a_s", "b_c", "b_s", "out_ptr", "K", "stride_aw", "stride_bw",
+                                            "stride_om"])
+
+
+def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
+                     config: Optional[dict] = None):
+    """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel` (sm_90 only). Arguments as for
+    :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS`
+    (default the first)."""
+    if gluon is None:
+        raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
+    if not a_codes.is_cuda:
+        raise RuntimeError("impl='wgmma' runs on CUDA (sm_90) only")
+    M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
+    if not supports(M, N, K):
+        raise ValueError(f"impl='wgmma' needs K % 64 == 0 (whole 64-wide K-tiles), got K={K}")
+    for t in (a_codes, a_scales, b_codes, b_scales):
+        if t.stride(-1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
+            raise ValueError("impl='wgmma' needs contiguous rows with 4-byte aligned strides and 16-byte aligned bases")
+    out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    cfg = dict(config or WGMMA_CONFIGS[0])
+    bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    ag = a_global.reshape(1).to(torch.float32)
+    bg = b_global.reshape(1).to(torch.float32)
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    _nvfp4_wgmma_kernel[grid](a_codes, a_scales, b_codes, b_scales, ag, bg, out, M, N, K,
+                              a_codes.stride(0) // 4, a_scales.stride(0) // 4, b_codes.stride(0) // 4, b_scales.stride(0) // 4,
+                              out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                              OUT_FP32=out_dtype == torch.float32,
+                              DIAG=cfg.get("DIAG", 0), num_warps=nw)
+    return out
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

@@ -1,0 +1,132 @@
+"""The Gluon NVFP4 GEMM (``fp4compile/kernels/gemm_wgmma.py``, ``impl="wgmma"``).
+
+CPU: the kernel compiles for sm_90 on this machine (Triton's own ptxas), and its SASS has the structure the design
+relies on: HGMMA (wgmma) instructions, no register spills, and in the main loop the four HGMMAs of a K-tile issued
+before any of the next tile's decode work (HMUL2) -- the property whose absence halved the speed of the first
+version (docs/BENCHMARKS.md, session 25). The argument checks. GPU: exact decode of every code byte x every E4M3
+scale byte through the GEMM, and float64-reference agreement on ragged shapes, for every config.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from fp4compile.formats import nvfp4
+from fp4compile.kernels import gemm_wgmma as W
+from fp4compile.kernels.offline import sass_stats
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
+
+
+def _sass(cubin: bytes) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def _main_loop(sass: str) -> list:
+    """Opcodes of the main K loop: the body of the backward branch that contains HGMMAs."""
+    lines = sass.splitlines()
+    ops = []
+    for ln in lines:
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*)", ln)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    for i, (addr, op, rest) in enumerate(ops):
+        t = re.search(r"\(\.L_x_\d+\)", rest)
+        if op == "BRA" and t:
+            label = t.group(0)[1:-1]
+            start = next((j for j, ln in enumerate(lines) if ln.startswith(label + ":")), None)
+            if start is None:
+                continue
+            first = next(j for j, o in enumerate(ops) if o[0] >= _addr_after(lines, start))
+            body = [o[1] for o in ops[first:i + 1]]
+            if first < i and any(o.startswith("HGMMA") for o in body):
+                return body
+    raise AssertionError("no main loop with HGMMA found")
+
+
+def _addr_after(lines, idx):
+    for ln in lines[idx + 1:]:
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/", ln)
+        if m:
+            return int(m.group(1), 16)
+    raise AssertionError("label at the end")
+
+
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}")
+def test_sm90_sass_structure(cfg):
+    cubin = W.offline_cubin(cfg)
+    n, ops, regs, local = sass_stats(cubin)
+    assert local == 0, f"register spills: {local} bytes of local memory"
+    assert regs <= 255
+    body = _main_loop(_sass(cubin))
+    hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
+    assert len(hg) >= cfg["BLOCK_K"] // 16                    # one HGMMA per 16-deep K step (and per M half)
+    # the decode of the next tile (one HMUL2 per two codes) starts only after the last HGMMA of this tile
+    hm = [i for i, o in enumerate(body) if o.startswith("HMUL2")]
+    assert hm and min(hm) > max(hg), "ptxas interleaved the decode with the HGMMAs"
+    assert "LDGSTS.E.BYPASS.128" in body, "code words are staged with 16-byte cp.async"
+
+
+@needs_gluon
+def test_fp32_output_variant_compiles():
+    _, _, _, local = sass_stats(W.offline_cubin(W.WGMMA_CONFIGS[0], out_fp32=True))
+    assert local == 0
+
+
+def test_supports_and_argument_checks():
+    assert W.supports(16384, 768, 768) and W.supports(1, 1, 64)
+    assert not W.supports(128, 128, 784) and not W.supports(128, 128, 0)
+    if not W.available():
+        pytest.skip("needs Triton's Gluon")
+    q = nvfp4.quantize(torch.randn(32, 128))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        W.nvfp4_gemm_wgmma(q.codes, q.scales.view(torch.uint8), q.global_scale,
+                           q.codes, q.scales.view(torch.uint8), q.global_scale)
+
+
+@pytest.mark.gpu
+@cuda
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}")
+def test_gpu_exact_decode_and_reference(cfg):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    dev = "cuda"
+    K = 512
+    # A: every code byte in every row, each row one finite E4M3 scale byte; B: the identity in NVFP4 -> C = A exactly
+    a_codes = torch.arange(256, dtype=torch.uint8, device=dev).repeat(127, 1)
+    a_scales = torch.arange(127, dtype=torch.uint8, device=dev)[:, None].expand(127, K // 16).contiguous()
+    e = torch.zeros(K, K, dtype=torch.uint8, device=dev)
+    e[torch.arange(K), torch.arange(K)] = 2                       # E2M1 code of 1.0
+    b_codes = (e[:, 0::2] | (e[:, 1::2] << 4)).contiguous()
+    b_scales = torch.full((K, K // 16), 0x38, dtype=torch.uint8, device=dev)  # E4M3 1.0
+    one = torch.ones((), device=dev)
+    got = W.nvfp4_gemm_wgmma(a_codes, a_scales, one, b_codes, b_scales, one, torch.float32, config=cfg)
+    ref = nvfp4.dequantize_codes(a_codes, a_scales.view(torch.float8_e4m3fn), one)
+    assert torch.equal(got, ref)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for M, N, K in [(300, 200, 832), (1000, 1000, 64), (129, 257, 4096), (2304, 768, 2048)]:
+        qa = nvfp4.quantize(torch.randn(M, K, device=dev, generator=g))
+        qb = nvfp4.quantize(torch.randn(N, K, device=dev, generator=g))
+        args = (qa.codes, qa.scales.view(torch.uint8), qa.global_scale,
+                qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
+        ref = (qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t())
+        out = W.nvfp4_gemm_wgmma(*args, torch.float32, config=cfg).double()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+        out16 = W.nvfp4_gemm_wgmma(*args, torch.bfloat16, config=cfg).double()
+        assert ((out16 - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6 * ref.abs().max()).all()
