@@ -144,8 +144,8 @@ def main(argv=None):
         tot = {c: nl * sum(by[s]["us"][c] for s in full) / 1e3 for c in cols}
         bestw = nl * sum(min(v for k, v in by[s]["us"].items() if k.startswith("wgmma")) for s in full) / 1e3
         print(f"{tag} step ({nl} layers x 12 linear GEMMs), ms: " + ", ".join(f"{c} {v:.2f}" for c, v in tot.items())
-              + f", best wgmma per shape {bestw:.2f}; ratios to cuBLAS: dq_triton {tot['cuBLAS'] / tot['dq_triton']:.3f}"
-              f", best wgmma {tot['cuBLAS'] / bestw:.3f}, auto {tot['cuBLAS'] / tot['auto']:.3f}", flush=True)
+              + f", best wgmma per shape {bestw:.2f}; ratios to cuBLAS: "
+              f"dq_triton {tot['cuBLAS'] / tot['dq_triton']:.3f}, best wgmma {tot['cuBLAS'] / bestw:.3f}, auto {tot['cuBLAS'] / tot['auto']:.3f}", flush=True)
     print("checks (incl. benchmarked shapes):", "PASS" if ok else "FAIL", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -53,12 +53,12 @@ import torch
 from .launch import cdiv, stable_cache_keys
 
 try:
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from .dequant import _DEQUANT_ASM
 except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton without Gluon
     gluon = None
 
@@ -83,41 +83,13 @@ def available() -> bool:
 
 
 if gluon is not None:
-    # 8 codes (one 32-bit word of 4 code bytes, all in one 16-element block) -> four bf16x2 words of
-    # q * S * 2^-8, $5 = the block's scale as bf16x2 (both halves). The same shift/mask/multiply groups as
-    # kernels/dequant.py's PTX; the output words hold the codes in the order (0, 2), (4, 6), (1, 3), (5, 7).
-    # A GEMM may permute K freely if both operands get the same permutation inside each scale block, so the
-    # tiles go to shared memory in that order and no instruction re-pairs them.
     STAGES = gl.constexpr(3)  # K-tiles of NVFP4 codes in flight (cp.async ring)
-    _ASM = gl.constexpr("""
-{
-.reg .b32 t, u, v, w;
-prmt.b32 t, $4, $4, 0x3120;
-shl.b32 u, t, 6;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 12;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $0, w, $5;
-shr.b32 u, t, 2;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 4;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $1, w, $5;
-shl.b32 u, t, 2;
-and.b32 u, u, 0x01C001C0;
-shl.b32 v, t, 8;
-and.b32 v, v, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $2, w, $5;
-shr.b32 u, t, 6;
-and.b32 u, u, 0x01C001C0;
-and.b32 v, t, 0x80008000;
-or.b32 w, u, v;
-mul.rn.bf16x2 $3, w, $5;
-}
-""")
+    # 8 codes (one 32-bit word of 4 code bytes, all in one 16-element block) -> four bf16x2 words of q * S * 2^-8:
+    # the PTX of kernels/dequant.py with one scale register ($5 = the block's scale as bf16x2) for all four words.
+    # The output words hold the codes in the order (0, 2), (4, 6), (1, 3), (5, 7). A GEMM may permute K freely if
+    # both operands get the same permutation inside each scale block, so the tiles go to shared memory in that
+    # order and no instruction re-pairs them.
+    _ASM = gl.constexpr(_DEQUANT_ASM.replace("$6", "$5"))
 
     @gluon.jit
     def _issue_tile(c_ptr, s_ptr, c_buf, s_buf, row0, R, k0, stride_w, stride_s,
@@ -296,7 +268,8 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel` (sm_90 only). Arguments as for
     :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS`
-    (default the first)."""
+    (default the first; ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
+    the timing-only diagnostics of ``bench/gemm_wgmma.py``, whose results are not the product."""
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
     if not a_codes.is_cuda:
@@ -304,19 +277,23 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
     M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
     if not supports(M, N, K):
         raise ValueError(f"impl='wgmma' needs K % 64 == 0 (whole 64-wide K-tiles), got K={K}")
-    for t in (a_codes, a_scales, b_codes, b_scales):
-        if t.stride(-1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
-            raise ValueError("impl='wgmma' needs contiguous rows with 4-byte aligned strides and 16-byte aligned bases")
+    for t, align in ((a_codes, 16), (a_scales, 4), (b_codes, 16), (b_scales, 4)):
+        if t.stride(-1) != 1 or t.stride(0) % 4 or t.data_ptr() % align:
+            raise ValueError("impl='wgmma' needs contiguous rows, row strides of whole 4-byte words, 16-byte aligned "
+                             "codes and 4-byte aligned scales")
     out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
     cfg = dict(config or WGMMA_CONFIGS[0])
     bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if bk != 64:
+        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
     _nvfp4_wgmma_kernel[grid](a_codes, a_scales, b_codes, b_scales, ag, bg, out, M, N, K,
-                              a_codes.stride(0) // 4, a_scales.stride(0) // 4, b_codes.stride(0) // 4, b_scales.stride(0) // 4,
+                              a_codes.stride(0) // 4, a_scales.stride(0) // 4,
+                              b_codes.stride(0) // 4, b_scales.stride(0) // 4,
                               out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                               OUT_FP32=out_dtype == torch.float32,
                               DIAG=cfg.get("DIAG", 0), num_warps=nw)
