@@ -130,3 +130,12 @@ def test_gpu_exact_decode_and_reference(cfg):
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         out16 = W.nvfp4_gemm_wgmma(*args, torch.bfloat16, config=cfg).double()
         assert ((out16 - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6 * ref.abs().max()).all()
+    # through the op's launcher: impl="wgmma" dispatches here, after the launcher's own argument checks
+    from fp4compile.kernels import gemm as G
+
+    assert torch.equal(G.nvfp4_gemm(*args, torch.float32, impl="wgmma", config=cfg),
+                       W.nvfp4_gemm_wgmma(*args, torch.float32, config=cfg))
+    with pytest.raises(ValueError, match="K % 64"):
+        q = nvfp4.quantize(torch.randn(64, 80, device=dev))
+        G.nvfp4_gemm(q.codes, q.scales.view(torch.uint8), q.global_scale, q.codes, q.scales.view(torch.uint8),
+                     q.global_scale, impl="wgmma")
