@@ -8,62 +8,37 @@ scale byte through the GEMM, and float64-reference agreement on ragged shapes, f
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
 from fp4compile.formats import nvfp4
 from fp4compile.kernels import gemm_wgmma as W
-from fp4compile.kernels.offline import sass_stats
+from fp4compile.kernels.offline import disassemble, sass_stats
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
 
 
-def _sass(cubin: bytes) -> str:
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
 def _main_loop(sass: str) -> list:
-    """Opcodes of the main K loop: the body of the backward branch that contains HGMMAs."""
-    lines = sass.splitlines()
-    ops = []
-    for ln in lines:
-        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*)", ln)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(3), m.group(4)))
-    for i, (addr, op, rest) in enumerate(ops):
-        t = re.search(r"\(\.L_x_\d+\)", rest)
-        if op == "BRA" and t:
-            label = t.group(0)[1:-1]
-            start = next((j for j, ln in enumerate(lines) if ln.startswith(label + ":")), None)
-            if start is None:
-                continue
-            first = next(j for j, o in enumerate(ops) if o[0] >= _addr_after(lines, start))
-            body = [o[1] for o in ops[first:i + 1]]
-            if first < i and any(o.startswith("HGMMA") for o in body):
-                return body
+    """Opcodes of the main K loop: the instructions from a label to the backward branch that targets it, for the
+    first such loop that contains HGMMAs."""
+    body = {}  # label -> opcodes since it
+    for ln in sass.splitlines():
+        label = re.match(r"(\.L_x_\d+):", ln)
+        if label:
+            body[label.group(1)] = []
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*)", ln)
+        if not m:
+            continue
+        for ops in body.values():
+            ops.append(m.group(2))
+        target = re.search(r"BRA `?\((\.L_x_\d+)\)", ln)
+        if target and target.group(1) in body and any(o.startswith("HGMMA") for o in body[target.group(1)]):
+            return body[target.group(1)]
     raise AssertionError("no main loop with HGMMA found")
-
-
-def _addr_after(lines, idx):
-    for ln in lines[idx + 1:]:
-        m = re.match(r"\s*/\*([0-9a-f]+)\*/", ln)
-        if m:
-            return int(m.group(1), 16)
-    raise AssertionError("label at the end")
 
 
 @needs_gluon
@@ -73,7 +48,7 @@ def test_sm90_sass_structure(cfg):
     n, ops, regs, local = sass_stats(cubin)
     assert local == 0, f"register spills: {local} bytes of local memory"
     assert regs <= 255
-    body = _main_loop(_sass(cubin))
+    body = _main_loop(disassemble(cubin))
     hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
     assert len(hg) >= cfg["BLOCK_K"] // 16                    # one HGMMA per 16-deep K step (and per M half)
     # the decode of the next tile (one HMUL2 per two codes) starts only after the last HGMMA of this tile

@@ -2,7 +2,7 @@
 
 Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin, the cubin with the ptxas bundled in the Triton wheel)
 run on any machine, so the code a kernel becomes on the H200 (sm_90) can be inspected on the CPU: instruction
-counts (:func:`sass_stats`; ``bench/qadamw_sass.py``, ``bench/quantize_sass.py``), or the order of memory
+counts (:func:`sass_stats`, on the text of :func:`disassemble`; ``bench/qadamw_sass.py``, ``bench/quantize_sass.py``), or the order of memory
 operations and synchronization (``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``).
 Built on Triton 3.6's compiler internals (``ASTSource``, the CUDA backend's stages): a tool for benchmarks and
 tests, not for the runtime path.
@@ -54,21 +54,32 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
     return mod
 
 
-def sass_stats(cubin: bytes):
-    """(SASS instruction count, ``Counter`` of opcodes, registers per thread, local-memory bytes) of a cubin, read
-    with the ``nvdisasm`` and ``cuobjdump`` bundled in the Triton wheel."""
+def _tool(name: str) -> str:
     import triton
 
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _run_on_cubin(cubin: bytes, *argv: str) -> str:
+    """stdout of a CUDA binary tool bundled in the Triton wheel (``argv[0]``) run on ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+        return subprocess.run([_tool(argv[0]), *argv[1:], f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin as text (``nvdisasm -c``), labels (``.L_x_N:``) included."""
+    return _run_on_cubin(cubin, "nvdisasm", "-c")
+
+
+def sass_stats(cubin: bytes):
+    """(SASS instruction count, ``Counter`` of opcodes, registers per thread, local-memory bytes) of a cubin, read
+    with the ``nvdisasm`` and ``cuobjdump`` bundled in the Triton wheel."""
+    sass = disassemble(cubin)
+    res = _run_on_cubin(cubin, "cuobjdump", "-res-usage")
     ops = collections.Counter()
     for line in sass.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
