@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -403,6 +403,18 @@ attn_ab)
   fi
   step optim_tests 60 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_fused.py
   step optim 110 python bench/optim.py --skip check,peak,root --out "$OUT/optim.json" ;;
+layout_ab)
+  # issue 3 + 4 on one nvidia-h200 (~6 min): Q-Attn outputs and gradients stored [B, T, H, D] (like SDPA's)
+  # against the tree carried under .ab/old (contiguous [B, H, T, D]): the attention GPU tests, the backward's
+  # layout microbenchmark, then the GPT-124M full-stack step of both (the new one profiled)
+  step attn_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  step attn_layout 120 python bench/attention_layout.py
+  step step_full_stack 170 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
+        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --json "$OUT/train_step_old.jsonl" )
+  fi ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
   # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the

@@ -213,14 +213,14 @@ _register_cuda_kernels()
 # Q-Attn: fp4compile::qattn / fp4compile::qattn_bwd  (numerics: kernels/attention_ref.py; kernels: attention.py)
 #
 #   fp4compile::qattn(q [B,H,Tq,D], k [B,Hkv,Tk,D], v [B,Hkv,Tk,D], attn_mask?, is_causal, scale, fp4_roles)
-#       -> (out [B,H,Tq,D], lse fp32 [B,H,Tq],
+#       -> (out [B,H,Tq,D] (stored as [B,Tq,H,D], like SDPA's), lse fp32 [B,H,Tq],
 #           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16-tile NVFP4 copy)
 #           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
 #       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5.
 #       A tensor with no NVFP4 consumer gets codes/scales of shape [0] and global 0.
 #       attn_mask: bool (True = attend) or additive float, broadcastable to [B,H,Tq,Tk]; not differentiated.
 #   fp4compile::qattn_bwd(grad_out, q?, k?, v?, <the nine view tensors>?, out, lse, attn_mask?, is_causal,
-#                         scale, fp4_roles) -> (dq, dk, dv)
+#                         scale, fp4_roles) -> (dq, dk, dv)   (each stored as [B, T, heads, D])
 #       consumes exactly what qattn's autograd saved: the FP4 views of Q/K (and V when attn.dov is NVFP4) and
 #       the BF16 tensors only where a BF16 role needs them (see attention_ref.saved_for_backward).
 # =========================================================================================================
@@ -234,6 +234,12 @@ def _qattn_views(views) -> "_aref.QuantizedQKV":
             t = torch.zeros((), dtype=torch.float32) if i % 3 == 2 else torch.empty((0,), dtype=torch.uint8)
         out.append(t)
     return _aref.QuantizedQKV(*out)
+
+
+def _bthd(t: Tensor) -> Tensor:
+    """``t`` [B, H, T, D] in the Q-Attn output layout, [B, T, H, D] storage (``kernels.attention.bthd_empty``)."""
+    B, H, T, D = t.shape
+    return t.new_empty((B, T, H, D)).transpose(1, 2).copy_(t)
 
 
 def _qattn_check(q: Tensor, k: Tensor, v: Tensor, fp4_roles: int):
@@ -259,14 +265,14 @@ def _qattn_fwd_ref(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     views = _aref.quantize_qkv(q, k, v, fp4_roles)
     out, lse = _aref.attention_fwd_ref(q, k, v, views, attn_mask, is_causal, scale, fp4_roles,
                                        dtype=torch.float32, emulate_bf16=True)
-    return (out, lse, *views)
+    return (_bthd(out), lse, *views)
 
 
 @qattn.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     _qattn_check(q, k, v, fp4_roles)
     B, H, Tq, D = q.shape
-    out = [q.new_empty(q.shape), q.new_empty((B, H, Tq), dtype=torch.float32)]
+    out = [q.new_empty((B, Tq, H, D)).transpose(1, 2), q.new_empty((B, H, Tq), dtype=torch.float32)]
     for x, need in zip((q, k, v), _aref.needs_fp4(fp4_roles)):
         if need:
             out += [x.new_empty((*x.shape[:-1], D // 2), dtype=torch.uint8),
@@ -292,8 +298,9 @@ def qattn_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Opt
 def _qattn_bwd_ref(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales,
                    v_global, out, lse, attn_mask, is_causal, scale, fp4_roles):
     views = _qattn_views((q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global))
-    return _aref.attention_bwd_ref(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles,
-                                   dtype=torch.float32, emulate_bf16=True)
+    grads = _aref.attention_bwd_ref(grad_out, q, k, v, views, out, lse, attn_mask, is_causal, scale, fp4_roles,
+                                    dtype=torch.float32, emulate_bf16=True)
+    return tuple(_bthd(g) for g in grads)
 
 
 def _qattn_kv_shape(k, k_codes, v, v_codes):
@@ -306,8 +313,10 @@ def _qattn_kv_shape(k, k_codes, v, v_codes):
 @qattn_bwd.register_fake
 def _(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global,
       out, lse, attn_mask, is_causal, scale, fp4_roles):
-    kv = _qattn_kv_shape(k, k_codes, v, v_codes)
-    return grad_out.new_empty(grad_out.shape), grad_out.new_empty(kv), grad_out.new_empty(kv)
+    B, Hkv, Tk, D = _qattn_kv_shape(k, k_codes, v, v_codes)
+    _, H, Tq, _ = grad_out.shape
+    return (grad_out.new_empty((B, Tq, H, D)).transpose(1, 2), grad_out.new_empty((B, Tk, Hkv, D)).transpose(1, 2),
+            grad_out.new_empty((B, Tk, Hkv, D)).transpose(1, 2))
 
 
 def _qattn_setup_context(ctx, inputs, output):
@@ -335,7 +344,9 @@ def _qattn_backward(ctx, grad_out, *unused):
     is_causal, scale, fp4_roles = ctx.qattn_args
     if grad_out is None:  # the output itself was not used
         return None, None, None, None, None, None, None
-    dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out.contiguous(), q, k, v, *views, out, lse, attn_mask,
+    if grad_out.stride(-1) != 1:  # the kernels take any [B, H, T, D] strides with a contiguous head dim
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out, q, k, v, *views, out, lse, attn_mask,
                                                 is_causal, scale, fp4_roles)
     return dq, dk, dv, None, None, None, None
 

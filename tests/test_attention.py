@@ -363,6 +363,36 @@ def test_opcheck_cpu():
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_outputs_are_stored_like_sdpa():
+    """O, dQ, dK, dV are [B, H, T, D] views of [B, T, H, D] storage, as SDPA's flash/cuDNN outputs: a model's
+    ``y.transpose(1, 2).reshape(B, T, H * D)`` is then a view and the Q/K/V gradients of a fused projection are
+    concatenated row by row. The fake functions (what Inductor plans with) give the same strides as the op, and a
+    gradient arriving in that layout is read in place."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, _ = _qkv(B=2, H=4, Hkv=2, Tq=24, Tk=24)
+    do = torch.randn(2, 24, 4, 64).bfloat16().transpose(1, 2)  # the layout the model's reshape hands back
+    for mask in (0, PAPER):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = torch.ops.fp4compile.qattn(*leaves, None, True, 0.125, mask)
+        grads = torch.autograd.grad(out[0], leaves, do)
+        for name, t in zip(("out", "dq", "dk", "dv"), (out[0], *grads)):
+            assert t.transpose(1, 2).is_contiguous(), (mask, name, t.stride())
+        o64, _, g64 = _run_ref(q, k, v, do, None, True, mask, out_dtype=torch.float64)
+        assert rel(out[0], o64) < 0.02 and all(rel(a, b) < 0.05 for a, b in zip(grads, g64)), mask
+        need = R.saved_for_backward(mask)
+        views = [t if need["qkv"[i // 3]][1] else None for i, t in enumerate(out[2:])]
+        bargs = (do, q if need["q"][0] else None, k if need["k"][0] else None, v if need["v"][0] else None,
+                 *views, out[0].detach(), out[1], None, True, 0.125, mask)
+        real = torch.ops.fp4compile.qattn_bwd(*bargs)
+        with FakeTensorMode(allow_non_fake_inputs=True) as fm:
+            fargs = [fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in bargs]
+            fake = torch.ops.fp4compile.qattn_bwd(*fargs)
+            ffwd = torch.ops.fp4compile.qattn(*(fm.from_tensor(t) for t in (q, k, v)), None, True, 0.125, mask)
+        assert [t.stride() for t in fake] == [t.stride() for t in real] == [g.stride() for g in grads], mask
+        assert ffwd[0].stride() == out[0].stride(), mask
+
+
 def test_bad_inputs_raise_clear_errors():
     q, k, v, _ = _qkv(H=3, Hkv=2)
     with pytest.raises(Exception, match="multiple of"):
@@ -446,6 +476,11 @@ for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     o64, l64 = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, out_dtype=torch.float64)
     opt, lpt = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
+    if not do.is_contiguous():  # a strided dO read in place or through the prep launch's contiguous copy
+        A.COPY_STRIDED_DO = not A.COPY_STRIDED_DO
+        g2 = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
+        A.COPY_STRIDED_DO = not A.COPY_STRIDED_DO
+        assert all(torch.equal(a, b) for a, b in zip(g, g2)), "dO copy changed the gradients"
     g64 = R.attention_bwd_ref(do, q, k, v, views, o64, l64, am, causal, sc, mask, out_dtype=torch.float64)
     gpt = R.attention_bwd_ref(do, q, k, v, views, opt, lpt, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     for name, a, b, c in [("o", o, opt, o64)] + list(zip(("dq", "dk", "dv"), g, gpt, g64)):

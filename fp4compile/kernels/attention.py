@@ -313,13 +313,14 @@ if triton is not None:
                         NP2, WD2)
 
     @triton.jit
-    def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
-                         BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+    def _bwd_prep_kernel(DO, O, DELTA, DOC, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh,
+                         sot, BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr, DO_COPY: tl.constexpr):
         """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
         [BT] row block; tasks 1, 2: code x scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a
         saved contiguous [R, D] NVFP4 copy (Q and/or K), by the GEMM's dequantization
         (:func:`fp4compile.kernels.dequant._dequant_rows`: whole code bytes and scale rows as vector loads;
-        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only)."""
+        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only). DO_COPY: task 0 also writes dO contiguous
+        [B*H, T, D] into ``DOC`` (the backward kernels then read their dO tiles from it)."""
         pid = tl.program_id(0)
         task = tl.program_id(1)
         if task == 0:
@@ -332,7 +333,10 @@ if triton is not None:
                 mt = offs_t < T
                 od = tl.arange(0, D)
                 do = tl.load(DO + b * sdb + h * sdh + offs_t[:, None] * sdt + od[None, :], mask=mt[:, None],
-                             other=0.0).to(tl.float32)
+                             other=0.0)
+                if DO_COPY:
+                    tl.store(DOC + (bh * T + offs_t[:, None]) * D + od[None, :], do, mask=mt[:, None])
+                do = do.to(tl.float32)
                 o = tl.load(O + b * sob + h * soh + offs_t[:, None] * sot + od[None, :], mask=mt[:, None],
                             other=0.0).to(tl.float32)
                 tl.store(DELTA + bh * T + offs_t, tl.sum(do * o, axis=1), mask=mt)
@@ -521,7 +525,8 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_dkdv_kernel(Q, Q2, K, V, DO, DO2, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DK, DV,
                               sqb, sqh, sqt, sq2b, sq2h, sq2t, skb, skh, skt, svb, svh, svt,
-                              sdb, sdh, sdt, sd2b, sd2h, sd2t, sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
+                              sdb, sdh, sdt, sd2b, sd2h, sd2t, sob, soh, sot, sbb, sbh, sbm, sbn, sm_scale, H,
+                              GROUPS, Tq, Tk,
                               QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                               DSQ_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                               MASK_M: tl.constexpr, MASK_N: tl.constexpr,
@@ -530,7 +535,8 @@ if triton is not None:
         blocks, which see the most queries, are scheduled first), looping over the GQA group's query heads and
         over BM-query blocks: the causal diagonal band masked, the blocks fully below it unmasked, the ragged
         query tail masked. Q: the attn.qk operand, Q2: the attn.dsq operand (read only when the two precisions
-        differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem)."""
+        differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem). DK and DV share the strides
+        (sob, soh, sot)."""
         pid_bhk = tl.program_id(0)
         pid_n = tl.program_id(1)
         Hkv = H // GROUPS
@@ -580,7 +586,7 @@ if triton is not None:
         if PDO_FP4:
             dv = dv * (tl.load(Gdo) * P_GLOBAL_C)
         od = tl.arange(0, D)
-        out_off = (pid_bhk * Tk + offs_n[:, None]) * D + od[None, :]
+        out_off = b * sob + hk * soh + offs_n[:, None] * sot + od[None, :]
         if MASK_N:
             tl.store(DK + out_off, _cast_like(dk * dk_scale, DK), mask=mn[:, None])
             tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
@@ -626,7 +632,7 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_dq_kernel(Q, K, K2, V, DO, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DQ,
                             sqb, sqh, sqt, skb, skh, skt, sk2b, sk2h, sk2t, svb, svh, svt, sdb, sdh, sdt,
-                            sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
+                            sob, soh, sot, sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                             QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr,
                             CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_M: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
@@ -672,7 +678,7 @@ if triton is not None:
         if DSK_FP4:
             dq_scale = dq_scale * tl.load(Gk)
         od = tl.arange(0, D)
-        dq_ptrs = DQ + (pid_bh * Tq + offs_m[:, None]) * D + od[None, :]
+        dq_ptrs = DQ + b * sob + h * soh + offs_m[:, None] * sot + od[None, :]
         if MASK_M:
             tl.store(dq_ptrs, _cast_like(dq * dq_scale, DQ), mask=mm[:, None])
         else:
@@ -751,9 +757,10 @@ def dequantize_many(pairs) -> list:
     return _bwd_prep(None, None, pairs)[1]
 
 
-def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
-    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given) and the code x scale tensors of
-    up to two NVFP4 copies ``pairs`` = [(codes, scales), ...]."""
+def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, do_copy: bool = False):
+    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given), the code x scale tensors of up
+    to two NVFP4 copies ``pairs`` = [(codes, scales), ...], and with ``do_copy`` a contiguous copy of ``do``.
+    Returns (delta, [code x scale, ...], the copy or None)."""
     _require_triton()
     if len(pairs) > 2:
         raise ValueError("_bwd_prep dequantizes at most two copies")
@@ -780,9 +787,10 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
     asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
-    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, DEQUANT_ASM=asm,
-                              num_warps=4)
-    return delta, deqs
+    doc = torch.empty(do.shape, dtype=do.dtype, device=dev) if do_copy else None
+    _bwd_prep_kernel[(nx, 3)](*dargs, doc if do_copy else dummy, *slots[0], *slots[1], T, H, B * H, *st,
+                              BT=BT, D=D, DEQUANT_ASM=asm, DO_COPY=do_copy, num_warps=4)
+    return delta, deqs, doc
 
 
 def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
@@ -799,6 +807,21 @@ def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
         bias = attn_mask.to(torch.float32)
     bias = bias.expand(B, H, Tq, Tk)
     return bias, tuple(bias.stride()), True
+
+
+#: attention_bwd: with True, a dO that is not contiguous (the gradient of the [B, T, H, D]-stored output) is copied
+#: contiguous by the prep launch, which reads it anyway, for the two backward kernels; with False they read it in
+#: place through its strides. Off until timed on the GPU (session 26).
+COPY_STRIDED_DO = False
+
+
+def bthd_empty(B: int, H: int, T: int, D: int, dtype: torch.dtype, device) -> Tensor:
+    """An uninitialized [B, H, T, D] tensor stored as [B, T, H, D] (``torch.empty((B, T, H, D)).transpose(1, 2)``):
+    the layout of every Q-Attn output and gradient (O, dQ, dK, dV), as torch SDPA's flash/cuDNN kernels return
+    theirs. A model's ``y.transpose(1, 2).reshape(B, T, H * D)`` is then a view, not a transposing copy, and the
+    gradients of Q/K/V split from one fused projection are concatenated row by row (the op's CPU implementation
+    and its fake functions, ``fp4compile/ops.py``, give the same strides)."""
+    return torch.empty((B, T, H, D), dtype=dtype, device=device).transpose(1, 2)
 
 
 def _st(t: Tensor):
@@ -864,7 +887,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, views: QuantizedQKV, attn_mas
     qa = dq_["q"] if mask & QK else q
     ka = dq_["k"] if mask & QK else k
     va = dq_["v"] if mask & PV else v
-    o = torch.empty((B, H, Tq, D), dtype=q.dtype, device=q.device)
+    o = bthd_empty(B, H, Tq, D, q.dtype, q.device)
     lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, q.device)
     cfg = _fwd_config(D, bool(mask & PV), config)
@@ -894,7 +917,11 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     fq, fk, _ = needs_fp4(mask)
     pairs = [(views.q_codes, views.q_scales)] if fq else []
     pairs += [(views.k_codes, views.k_scales)] if fk else []
-    delta, deqs = _bwd_prep(do, out, pairs)
+    # dO arrives in [B, T, H, D] (the layout of the op's output, so of its gradient): see COPY_STRIDED_DO
+    copy_do = COPY_STRIDED_DO and not do.is_contiguous()
+    delta, deqs, doc = _bwd_prep(do, out, pairs, do_copy=copy_do)
+    if copy_do:
+        do = doc
     qh = deqs.pop(0) if fq else None
     kh = deqs.pop(0) if fk else None
     q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)
@@ -911,9 +938,9 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     do_dov = doh if mask & DOV else do
     bias, sb, has_bias = _bias_args(attn_mask, B, H, Tq, Tk, dev)
     dtype = do.dtype
-    dq = torch.empty((B, H, Tq, D), dtype=dtype, device=dev)
-    dk = torch.empty((B, Hkv, Tk, D), dtype=dtype, device=dev)
-    dv = torch.empty((B, Hkv, Tk, D), dtype=dtype, device=dev)
+    dq = bthd_empty(B, H, Tq, D, dtype, dev)
+    dk = bthd_empty(B, Hkv, Tk, D, dtype, dev)
+    dv = bthd_empty(B, Hkv, Tk, D, dtype, dev)
     cfg = _bwd_config(D, bool(mask & (DSK | DSQ)), config)
     c1, c2 = dict(cfg["dkdv"]), dict(cfg["dq"])
     BM1, BN1, BM2, BN2 = c1.pop("BM"), c1.pop("BN"), c2.pop("BM"), c2.pop("BN")
@@ -922,12 +949,12 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
     _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(Tk, BN1))](
         q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,
-        *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *tail,
+        *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *_st(dk), *tail,
         PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), MASK_M=Tq % BM1 != 0, MASK_N=Tk % BN1 != 0,
         BM=BM1, BN=BN1, **flags, **c1)
     _attn_bwd_dq_kernel[(B * H, cdiv(Tq, BM2))](
         q_qk, k_qk, k_ds, v_dov, do_dov, *G, bias, lse, delta, dq,
-        *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *tail,
+        *_st(q_qk), *_st(k_qk), *_st(k_ds), *_st(v_dov), *_st(do_dov), *_st(dq), *tail,
         DSK_FP4=bool(mask & DSK), MASK_M=Tq % BM2 != 0, BM=BM2, BN=BN2, **flags, **c2)
     return dq, dk, dv
 
