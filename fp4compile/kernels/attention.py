@@ -811,8 +811,8 @@ def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
 
 #: attention_bwd: with True, a dO that is not contiguous (the gradient of the [B, T, H, D]-stored output) is copied
 #: contiguous by the prep launch, which reads it anyway, for the two backward kernels; with False they read it in
-#: place through its strides. Off until timed on the GPU (session 26).
-COPY_STRIDED_DO = False
+#: place through its strides. Off until timed on the GPU (session 26); FP4COMPILE_QATTN_COPY_DO=1 turns it on.
+COPY_STRIDED_DO = os.environ.get("FP4COMPILE_QATTN_COPY_DO", "0") == "1"
 
 
 def bthd_empty(B: int, H: int, T: int, D: int, dtype: torch.dtype, device) -> Tensor:
