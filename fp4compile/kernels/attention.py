@@ -811,7 +811,9 @@ def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
 
 #: attention_bwd: with True, a dO that is not contiguous (the gradient of the [B, T, H, D]-stored output) is copied
 #: contiguous by the prep launch, which reads it anyway, for the two backward kernels; with False they read it in
-#: place through its strides. Off until timed on the GPU (session 26); FP4COMPILE_QATTN_COPY_DO=1 turns it on.
+#: place through its strides. Off: on the H200 (session 26, ``bench/attention_layout.py``) it changed nothing at
+#: the GPT-124M step's shape (56.0 ms per step either way) nor on the paper split, and gained 1-3 % only for the
+#: all-BF16 kernels at T = 4096. FP4COMPILE_QATTN_COPY_DO=1 turns it on.
 COPY_STRIDED_DO = os.environ.get("FP4COMPILE_QATTN_COPY_DO", "0") == "1"
 
 
