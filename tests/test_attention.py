@@ -697,6 +697,38 @@ def test_handwritten_nanogpt_attention_is_swapped():
     torch.testing.assert_close(g1, g2)
 
 
+class ViewBlock(Block):
+    """Hand-written attention whose output is ``.view``-ed directly: valid on the contiguous ``att @ v``, not on
+    qattn's [B, T, H, D]-stored output without a copy."""
+
+    def forward(self, x, add_mask=None):
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3 * self.h, self.hd).transpose(1, 2)
+        q, k, v = qkv.split([self.h, self.h, self.h], dim=1)
+        att = ((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1))))
+        att = F.softmax(att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf")), dim=-1)
+        y = (att @ v).view(B, self.h, T * self.hd)  # merges T and D: needs contiguous [B, H, T, D]
+        return self.proj(y.view(B, self.h, T, self.hd).transpose(1, 2).reshape(B, T, C))
+
+
+def test_swap_keeps_direct_views_of_the_output_valid():
+    """qattn's output layout differs from ``att @ v``'s: a direct ``.view`` that needs the contiguous layout gets a
+    ``.contiguous()`` in front (the model compiles and matches its eager output); the usual transpose + reshape
+    gets none (that is where the layout saves the copy)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    m = ViewBlock(style="nanogpt")
+    be, out = _compile_run(m, Policy.full_stack(), x)
+    assert [(s.source, s.swapped) for s in be.sites] == [("handwritten", True)]
+    (attn,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    assert [u.target for u in attn.users] == ["contiguous"]
+    assert rel(out, m(x)) < 0.05
+    for style in ("sdpa", "nanogpt"):
+        be, _ = _compile_run(Block(style=style), Policy.full_stack(), x)
+        (attn,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+        assert "contiguous" not in [u.target for u in attn.users], style
+
+
 def test_handwritten_transformers_eager_attention_is_swapped():
     torch.manual_seed(0)
     m = Block(style="hf").eval()

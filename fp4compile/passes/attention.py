@@ -14,6 +14,8 @@ Produces: the SDPA node retargeted (hand-written chains replaced by one node) to
 SDPA-compatible entry that calls ``torch.ops.fp4compile.qattn`` with the six per-role precisions resolved by
 ``policy.resolve(module_path, role)`` for the roles ``attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq``.
 AOT autograd then traces the op's registered autograd (forward returns the FP4 Q/K views its backward uses).
+The op returns [B, H, T, D] over [B, T, H, D] storage, as SDPA's CUDA kernels do; a direct ``.view`` of the
+attention output that only a contiguous tensor allows (valid after ``att @ v``) gets a ``.contiguous()`` first.
 
 Left alone: sites whose six roles all resolve to BF16 (``Policy.bf16()``, ``quartet2``), and unsupported cases
 (dropout_p > 0, head dim not 64/128, masks of more than 4 dims or not broadcastable, a mask that requires grad,
@@ -350,6 +352,45 @@ def _match_handwritten(sm: fx.Node):
     return {"q": q, "k": k, "v": v, "mask": mask, "kind": kind, "scale": scale, "out": y, "chain": chain + [y]}
 
 
+def _is_view_of(u: fx.Node, node: fx.Node) -> bool:
+    return bool(u.args) and u.args[0] is node and (
+        (u.op == "call_method" and u.target == "view") or (u.op == "call_function" and u.target is torch.Tensor.view))
+
+
+def _view_ok_on_qattn_layout(val, sizes) -> bool:
+    """Whether ``.view(*sizes)`` is valid on a [B, H, T, D] tensor stored as [B, T, H, D] (qattn's output
+    layout, ``kernels.attention.bthd_empty``) of ``val``'s shape; False when that cannot be decided."""
+    shape = [_val(x) for x in sizes]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = list(shape[0])
+    dims = list(getattr(val, "shape", ()))
+    # static sizes only (never int() a SymInt here: that would specialize it); otherwise undecided
+    if len(dims) != 4 or not all(type(x) is int for x in dims + [x for x in shape if not isinstance(x, torch.dtype)]):
+        return False
+    B, H, T, D = dims
+    try:
+        torch.empty((B, T, H, D), device="meta").transpose(1, 2).view(*shape)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _guard_views(graph: fx.Graph, node: fx.Node):
+    """qattn returns [B, H, T, D] over [B, T, H, D] storage, as SDPA's CUDA kernels do, while ``att @ v`` (and
+    SDPA on CPU) give a contiguous tensor: a direct ``.view`` of the attention output that only the contiguous
+    layout allows gets a ``.contiguous()`` in front of it, so the rewrite never breaks a model. (The usual
+    ``y.transpose(1, 2).contiguous().view(B, T, C)`` / ``.reshape`` is left alone: there the layout saves a copy.)"""
+    val = _val(node)
+    for u in list(node.users):
+        if not _is_view_of(u, node) or (val is not None and _view_ok_on_qattn_layout(val, u.args[1:])):
+            continue
+        with graph.inserting_before(u):
+            c = graph.call_method("contiguous", (node,))
+        if val is not None:
+            c.meta["example_value"] = val
+        u.replace_input_with(node, c)
+
+
 def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
     """Rewrite SDPA and hand-written attention in a Dynamo graph into ``fp4compile::qattn`` (see module doc).
 
@@ -369,6 +410,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
             node.target = qattn_sdpa
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = kwargs
+            _guard_views(graph, node)
             changed = True
         elif _is_call(node, _SOFTMAX, ("softmax",)):
             m = _match_handwritten(node)
@@ -399,6 +441,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
                                           {"attn_mask": attn_mask, "scale": m["scale"], "fp4_roles": mask})
             new.meta = dict(out.meta)
             out.replace_all_uses_with(new)
+            _guard_views(graph, new)
             dead = [n for n in m["chain"]]
             while dead:  # erase consumers before producers
                 free = [n for n in dead if not n.users]
