@@ -61,7 +61,8 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                *, fp4_roles: int = PAPER_ROLES):
     """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
-    with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout."""
+    with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout. The output is
+    [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous)."""
     if dropout_p:
         raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
     if attn_mask is not None and is_causal:
