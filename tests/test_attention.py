@@ -535,6 +535,24 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D):
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
 
+def test_tile_sweep_starts_from_the_defaults():
+    """bench/attention.py's SWEEP lists each group's default configuration first (its rows report every config's
+    output difference against that first entry, and the docs read it as the default's time)."""
+    import importlib.util
+
+    from fp4compile.kernels import attention as A
+
+    spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(REPO, "bench", "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for (kind, D, *rest), cfgs in mod.SWEEP.items():
+        if kind == "fwd":
+            assert cfgs[0] == A.FWD_CONFIGS[D], (kind, D)
+        else:
+            want = A.BWD_CONFIGS[(D, rest[0])]
+            assert (cfgs[0][0], cfgs[0][1]) == (want["dkdv"], want["dq"]), (kind, D, rest)
+
+
 @pytest.mark.gpu
 def test_cuda_kernels_fa_rule(tmp_path):
     """The same cases compiled for the GPU (wgmma, hardware conversions), plus the CUDA op's zero globals."""
