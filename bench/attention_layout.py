@@ -3,9 +3,10 @@
 The op stores O, dQ, dK, dV as [B, T, H, D] (``kernels.attention.bthd_empty``, SDPA's layout), so that a GPT's
 head merge and the Q/K/V gradient concatenation are views or row copies; dO then arrives in that layout too. This
 times ``attention_bwd`` (kernel level, ``triton.testing.do_bench``, median) and each backward kernel (profiler) for
-dO contiguous [B, H, T, D] or [B, T, H, D] (read in place, or copied contiguous by the prep launch:
-``COPY_STRIDED_DO``), and gradients written [B, T, H, D] or contiguous (the latter by swapping ``bthd_empty`` for
-a contiguous allocation), at the GPT-124M step's shape and at the attention table's.
+dO contiguous [B, H, T, D] or [B, T, H, D] (read in place), and gradients written [B, T, H, D] or contiguous (the
+latter by swapping ``bthd_empty`` for a contiguous allocation), at the GPT-124M step's shape and at the attention
+table's. (Session 26 also timed a contiguous dO copy written by the backward's prep launch, commit 87f13e9: no gain
+in the step, removed.)
 
     python bench/attention_layout.py
 """
@@ -43,11 +44,9 @@ def main() -> int:
             o, lse = A.attention_fwd(q, k, v, views, None, True, D ** -0.5, mask)
             base = None
             do0 = torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16()
-            for do_l, g_l, copy in (("BHTD", "BHTD", False), ("BHTD", "BTHD", False), ("BTHD", "BHTD", False),
-                                    ("BTHD", "BTHD", False), ("BTHD", "BTHD", True)):
+            for do_l, g_l in (("BHTD", "BHTD"), ("BHTD", "BTHD"), ("BTHD", "BHTD"), ("BTHD", "BTHD")):
                 do = do0 if do_l == "BHTD" else do0.transpose(1, 2).contiguous().transpose(1, 2)
                 A.bthd_empty = BTHD if g_l == "BTHD" else _contig
-                A.COPY_STRIDED_DO = copy
                 fn = lambda: A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)  # noqa
                 ms = do_bench(fn, warmup=5, rep=50, return_mode="median")
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -56,10 +55,10 @@ def main() -> int:
                     torch.cuda.synchronize()
                 ks = {e.key: e.self_device_time_total / 5 for e in prof.key_averages() if "_kernel" in e.key}
                 base = base or ms
-                print(f"| {B}, {H}, {T}, {D} | {name} | {do_l}{' (prep copies it)' if copy else ''} | {g_l} | "
+                print(f"| {B}, {H}, {T}, {D} | {name} | {do_l} | {g_l} | "
                       f"{ms:.3f} | {base / ms:.3f} | {ks.get('_attn_bwd_dkdv_kernel', 0):.0f} | "
                       f"{ks.get('_attn_bwd_dq_kernel', 0):.0f} | {ks.get('_bwd_prep_kernel', 0):.0f} |", flush=True)
-            A.bthd_empty, A.COPY_STRIDED_DO = BTHD, True
+            A.bthd_empty = BTHD
     return 0
 
 

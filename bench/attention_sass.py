@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fp4compile.kernels import attention as A  # noqa: E402
 from fp4compile.kernels.offline import compile_offline, sass_stats  # noqa: E402
 
-_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "O", "Y0", "Y1", "DOC")
+_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "O", "Y0", "Y1")
 _FP32_PTRS = ("Gq", "Gk", "Gv", "Gdo", "Bias", "LSE", "DELTA", "DQ", "DK", "DV")
 _U8_PTRS = ("C0", "S0", "C1", "S1")
 
@@ -52,7 +52,7 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin"):
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
                      MASK_M=False, MASK_N=False, BM=64, BN=64, D=D)
     else:
-        fn, const, stages = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True, DO_COPY=False), 1
+        fn, const, stages = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True), 1
     sig = _signature(fn, const)
     # pointers 16-byte aligned, row strides multiples of 16 (what a launch on contiguous [B, H, T, D] gets)
     div = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n[-1] in "bht")]

@@ -406,14 +406,11 @@ attn_ab)
 layout_ab)
   # issue 3 + 4 on one nvidia-h200 (~6 min): Q-Attn outputs and gradients stored [B, T, H, D] (like SDPA's)
   # against the tree carried under .ab/old (contiguous [B, H, T, D]): the attention GPU tests, the backward's
-  # layout microbenchmark, then the GPT-124M full-stack step of both (the new one profiled, also with
-  # FP4COMPILE_QATTN_COPY_DO=1)
+  # layout microbenchmark, then the GPT-124M full-stack step of both (the new one profiled)
   step attn_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
   step attn_layout 120 python bench/attention_layout.py
   step step_full_stack 170 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  FP4COMPILE_QATTN_COPY_DO=1 step step_full_stack_copy_do 150 python bench/train_step.py --policy full_stack \
-      --modes reduce-overhead --steps 20 --warmup 3 --profile --json "$OUT/train_step_copy_do.jsonl"
   if [ -d .ab/old/fp4compile ]; then
     ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --json "$OUT/train_step_old.jsonl" )

@@ -213,7 +213,7 @@ _register_cuda_kernels()
 # Q-Attn: fp4compile::qattn / fp4compile::qattn_bwd  (numerics: kernels/attention_ref.py; kernels: attention.py)
 #
 #   fp4compile::qattn(q [B,H,Tq,D], k [B,Hkv,Tk,D], v [B,Hkv,Tk,D], attn_mask?, is_causal, scale, fp4_roles)
-#       -> (out [B,H,Tq,D] (stored as [B,Tq,H,D], like SDPA's), lse fp32 [B,H,Tq],
+#       -> (out [B,H,Tq,D] (stored as [B,Tq,H,D], like SDPA's: attention_ref.bthd_empty), lse fp32 [B,H,Tq],
 #           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16-tile NVFP4 copy)
 #           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
 #       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5.
@@ -237,9 +237,8 @@ def _qattn_views(views) -> "_aref.QuantizedQKV":
 
 
 def _bthd(t: Tensor) -> Tensor:
-    """``t`` [B, H, T, D] in the Q-Attn output layout, [B, T, H, D] storage (``kernels.attention.bthd_empty``)."""
-    B, H, T, D = t.shape
-    return t.new_empty((B, T, H, D)).transpose(1, 2).copy_(t)
+    """``t`` in the Q-Attn output layout (``attention_ref.bthd_empty``)."""
+    return _aref.bthd_empty(*t.shape, t.dtype, t.device).copy_(t)
 
 
 def _qattn_check(q: Tensor, k: Tensor, v: Tensor, fp4_roles: int):
@@ -272,7 +271,7 @@ def _qattn_fwd_ref(q, k, v, attn_mask, is_causal, scale, fp4_roles):
 def _(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     _qattn_check(q, k, v, fp4_roles)
     B, H, Tq, D = q.shape
-    out = [q.new_empty((B, Tq, H, D)).transpose(1, 2), q.new_empty((B, H, Tq), dtype=torch.float32)]
+    out = [_aref.bthd_empty(B, H, Tq, D, q.dtype, q.device), q.new_empty((B, H, Tq), dtype=torch.float32)]
     for x, need in zip((q, k, v), _aref.needs_fp4(fp4_roles)):
         if need:
             out += [x.new_empty((*x.shape[:-1], D // 2), dtype=torch.uint8),
@@ -313,10 +312,10 @@ def _qattn_kv_shape(k, k_codes, v, v_codes):
 @qattn_bwd.register_fake
 def _(grad_out, q, k, v, q_codes, q_scales, q_global, k_codes, k_scales, k_global, v_codes, v_scales, v_global,
       out, lse, attn_mask, is_causal, scale, fp4_roles):
-    B, Hkv, Tk, D = _qattn_kv_shape(k, k_codes, v, v_codes)
-    _, H, Tq, _ = grad_out.shape
-    return (grad_out.new_empty((B, Tq, H, D)).transpose(1, 2), grad_out.new_empty((B, Tk, Hkv, D)).transpose(1, 2),
-            grad_out.new_empty((B, Tk, Hkv, D)).transpose(1, 2))
+    kv = _qattn_kv_shape(k, k_codes, v, v_codes)
+    dt, dev = grad_out.dtype, grad_out.device
+    return (_aref.bthd_empty(*grad_out.shape, dt, dev), _aref.bthd_empty(*kv, dt, dev),
+            _aref.bthd_empty(*kv, dt, dev))
 
 
 def _qattn_setup_context(ctx, inputs, output):
@@ -344,8 +343,6 @@ def _qattn_backward(ctx, grad_out, *unused):
     is_causal, scale, fp4_roles = ctx.qattn_args
     if grad_out is None:  # the output itself was not used
         return None, None, None, None, None, None, None
-    if grad_out.stride(-1) != 1:  # the kernels take any [B, H, T, D] strides with a contiguous head dim
-        grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out, q, k, v, *views, out, lse, attn_mask,
                                                 is_causal, scale, fp4_roles)
     return dq, dk, dv, None, None, None, None
@@ -432,7 +429,7 @@ class _QAttnEager(torch.autograd.Function):
         saved = ctx.saved_tensors
         is_causal, scale, fp4_roles = ctx.qattn_args
         bwd = _IMPLS.get(grad_out.device.type, (_qattn_fwd_ref, _qattn_bwd_ref))[1]
-        dq, dk, dv = bwd(grad_out.contiguous(), *saved[:12], saved[12], saved[13], saved[14], is_causal, scale,
+        dq, dk, dv = bwd(grad_out, *saved[:12], saved[12], saved[13], saved[14], is_causal, scale,
                          fp4_roles)
         return dq, dk, dv, None, None, None, None
 

@@ -476,11 +476,6 @@ for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     o64, l64 = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, out_dtype=torch.float64)
     opt, lpt = R.attention_fwd_ref(q, k, v, views, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     g = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
-    if not do.is_contiguous():  # a strided dO read in place or through the prep launch's contiguous copy
-        A.COPY_STRIDED_DO = not A.COPY_STRIDED_DO
-        g2 = A.attention_bwd(do, q, k, v, views, o, lse, am, causal, sc, mask, config=bcfg)
-        A.COPY_STRIDED_DO = not A.COPY_STRIDED_DO
-        assert all(torch.equal(a, b) for a, b in zip(g, g2)), "dO copy changed the gradients"
     g64 = R.attention_bwd_ref(do, q, k, v, views, o64, l64, am, causal, sc, mask, out_dtype=torch.float64)
     gpt = R.attention_bwd_ref(do, q, k, v, views, opt, lpt, am, causal, sc, mask, dtype=torch.float32, emulate_bf16=True)
     for name, a, b, c in [("o", o, opt, o64)] + list(zip(("dq", "dk", "dv"), g, gpt, g64)):

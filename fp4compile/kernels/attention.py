@@ -42,7 +42,8 @@ from ..formats import nvfp4 as _nvfp4
 from . import dequant as _dequant
 from .dequant import _dequant_rows
 from .launch import cdiv, placeholder, stable_cache_keys
-from .attention_ref import DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, needs_fp4
+from .attention_ref import (DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, bthd_empty,
+                            needs_fp4)
 
 try:
     import triton
@@ -313,14 +314,13 @@ if triton is not None:
                         NP2, WD2)
 
     @triton.jit
-    def _bwd_prep_kernel(DO, O, DELTA, DOC, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh,
-                         sot, BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr, DO_COPY: tl.constexpr):
+    def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
+                         BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr):
         """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
         [BT] row block; tasks 1, 2: code x scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a
         saved contiguous [R, D] NVFP4 copy (Q and/or K), by the GEMM's dequantization
         (:func:`fp4compile.kernels.dequant._dequant_rows`: whole code bytes and scale rows as vector loads;
-        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only). DO_COPY: task 0 also writes dO contiguous
-        [B*H, T, D] into ``DOC`` (the backward kernels then read their dO tiles from it)."""
+        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only)."""
         pid = tl.program_id(0)
         task = tl.program_id(1)
         if task == 0:
@@ -333,10 +333,7 @@ if triton is not None:
                 mt = offs_t < T
                 od = tl.arange(0, D)
                 do = tl.load(DO + b * sdb + h * sdh + offs_t[:, None] * sdt + od[None, :], mask=mt[:, None],
-                             other=0.0)
-                if DO_COPY:
-                    tl.store(DOC + (bh * T + offs_t[:, None]) * D + od[None, :], do, mask=mt[:, None])
-                do = do.to(tl.float32)
+                             other=0.0).to(tl.float32)
                 o = tl.load(O + b * sob + h * soh + offs_t[:, None] * sot + od[None, :], mask=mt[:, None],
                             other=0.0).to(tl.float32)
                 tl.store(DELTA + bh * T + offs_t, tl.sum(do * o, axis=1), mask=mt)
@@ -757,10 +754,9 @@ def dequantize_many(pairs) -> list:
     return _bwd_prep(None, None, pairs)[1]
 
 
-def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, do_copy: bool = False):
-    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given), the code x scale tensors of up
-    to two NVFP4 copies ``pairs`` = [(codes, scales), ...], and with ``do_copy`` a contiguous copy of ``do``.
-    Returns (delta, [code x scale, ...], the copy or None)."""
+def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
+    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given) and the code x scale tensors of
+    up to two NVFP4 copies ``pairs`` = [(codes, scales), ...]."""
     _require_triton()
     if len(pairs) > 2:
         raise ValueError("_bwd_prep dequantizes at most two copies")
@@ -787,10 +783,9 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, do_copy: bool 
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
     asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
-    doc = torch.empty(do.shape, dtype=do.dtype, device=dev) if do_copy else None
-    _bwd_prep_kernel[(nx, 3)](*dargs, doc if do_copy else dummy, *slots[0], *slots[1], T, H, B * H, *st,
-                              BT=BT, D=D, DEQUANT_ASM=asm, DO_COPY=do_copy, num_warps=4)
-    return delta, deqs, doc
+    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, DEQUANT_ASM=asm,
+                              num_warps=4)
+    return delta, deqs
 
 
 def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
@@ -807,23 +802,6 @@ def _bias_args(attn_mask: Optional[Tensor], B, H, Tq, Tk, device):
         bias = attn_mask.to(torch.float32)
     bias = bias.expand(B, H, Tq, Tk)
     return bias, tuple(bias.stride()), True
-
-
-#: attention_bwd: with True, a dO that is not contiguous (the gradient of the [B, T, H, D]-stored output) is copied
-#: contiguous by the prep launch, which reads it anyway, for the two backward kernels; with False they read it in
-#: place through its strides. Off: on the H200 (session 26, ``bench/attention_layout.py``) it changed nothing at
-#: the GPT-124M step's shape (56.0 ms per step either way) nor on the paper split, and gained 1-3 % only for the
-#: all-BF16 kernels at T = 4096. FP4COMPILE_QATTN_COPY_DO=1 turns it on.
-COPY_STRIDED_DO = os.environ.get("FP4COMPILE_QATTN_COPY_DO", "0") == "1"
-
-
-def bthd_empty(B: int, H: int, T: int, D: int, dtype: torch.dtype, device) -> Tensor:
-    """An uninitialized [B, H, T, D] tensor stored as [B, T, H, D] (``torch.empty((B, T, H, D)).transpose(1, 2)``):
-    the layout of every Q-Attn output and gradient (O, dQ, dK, dV), as torch SDPA's flash/cuDNN kernels return
-    theirs. A model's ``y.transpose(1, 2).reshape(B, T, H * D)`` is then a view, not a transposing copy, and the
-    gradients of Q/K/V split from one fused projection are concatenated row by row (the op's CPU implementation
-    and its fake functions, ``fp4compile/ops.py``, give the same strides)."""
-    return torch.empty((B, T, H, D), dtype=dtype, device=device).transpose(1, 2)
 
 
 def _st(t: Tensor):
@@ -919,11 +897,7 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     fq, fk, _ = needs_fp4(mask)
     pairs = [(views.q_codes, views.q_scales)] if fq else []
     pairs += [(views.k_codes, views.k_scales)] if fk else []
-    # dO arrives in [B, T, H, D] (the layout of the op's output, so of its gradient): see COPY_STRIDED_DO
-    copy_do = COPY_STRIDED_DO and not do.is_contiguous()
-    delta, deqs, doc = _bwd_prep(do, out, pairs, do_copy=copy_do)
-    if copy_do:
-        do = doc
+    delta, deqs = _bwd_prep(do, out, pairs)  # dO may be [B, T, H, D]-strided (the output's layout): read in place
     qh = deqs.pop(0) if fq else None
     kh = deqs.pop(0) if fk else None
     q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)

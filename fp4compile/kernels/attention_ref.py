@@ -187,6 +187,15 @@ def quantize_ds(ds: Tensor, dim: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def bthd_empty(B: int, H: int, T: int, D: int, dtype: torch.dtype, device) -> Tensor:
+    """An uninitialized [B, H, T, D] tensor stored as [B, T, H, D] (``torch.empty((B, T, H, D)).transpose(1, 2)``):
+    the layout of every Q-Attn output and gradient (O, dQ, dK, dV), as torch SDPA's flash/cuDNN kernels return
+    theirs. A model's ``y.transpose(1, 2).reshape(B, T, H * D)`` is then a view, not a transposing copy, and the
+    gradients of Q/K/V split from one fused projection are concatenated row by row. Used by the Triton kernels'
+    launchers, the op's CPU implementation and fake functions (``fp4compile/ops.py``) and the attention swap."""
+    return torch.empty((B, T, H, D), dtype=dtype, device=device).transpose(1, 2)
+
+
 class QuantizedQKV(NamedTuple):
     """The FP4 views of Q, K, V (codes, scales, global per tensor; empty tensors when not quantized)."""
 

@@ -2,8 +2,9 @@
 
 Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin, the cubin with the ptxas bundled in the Triton wheel)
 run on any machine, so the code a kernel becomes on the H200 (sm_90) can be inspected on the CPU: instruction
-counts (:func:`sass_stats`, on the text of :func:`disassemble`; ``bench/qadamw_sass.py``, ``bench/quantize_sass.py``), or the order of memory
-operations and synchronization (``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``).
+counts (:func:`sass_stats`, on the text of :func:`disassemble`; ``bench/qadamw_sass.py``,
+``bench/quantize_sass.py``), or the order of memory operations and synchronization
+(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``).
 Built on Triton 3.6's compiler internals (``ASTSource``, the CUDA backend's stages): a tool for benchmarks and
 tests, not for the runtime path.
 """

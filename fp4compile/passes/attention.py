@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import ATTN_ROLES, PAPER_ROLES
+from ..kernels.attention_ref import ATTN_ROLES, PAPER_ROLES, bthd_empty
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -359,8 +359,8 @@ def _is_view_of(u: fx.Node, node: fx.Node) -> bool:
 
 
 def _view_ok_on_qattn_layout(val, sizes) -> bool:
-    """Whether ``.view(*sizes)`` is valid on a [B, H, T, D] tensor stored as [B, T, H, D] (qattn's output
-    layout, ``kernels.attention.bthd_empty``) of ``val``'s shape; False when that cannot be decided."""
+    """Whether ``.view(*sizes)`` is valid on qattn's output layout (``attention_ref.bthd_empty``) of ``val``'s
+    [B, H, T, D] shape; False when that cannot be decided."""
     shape = [_val(x) for x in sizes]
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = list(shape[0])
@@ -370,7 +370,7 @@ def _view_ok_on_qattn_layout(val, sizes) -> bool:
         return False
     B, H, T, D = dims
     try:
-        torch.empty((B, T, H, D), device="meta").transpose(1, 2).view(*shape)
+        bthd_empty(B, H, T, D, torch.float32, "meta").view(*shape)
         return True
     except RuntimeError:
         return False
