@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -414,6 +414,20 @@ layout_ab)
   if [ -d .ab/old/fp4compile ]; then
     ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --json "$OUT/train_step_old.jsonl" )
+  fi ;;
+requant_ab)
+  # issue 3 on one nvidia-h200 (~7 min): the backward's requantized operands dequantized straight into transposed
+  # tensors (session 27) against the tree carried under .ab/old (dequantize, then a transposing quantize): the
+  # quantize GPU tests, bench/requant.py (bytes equal, pair times, the transposed dequantization's tiles), then
+  # the GPT-124M full-stack step of both (the new one profiled)
+  step quant_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      tests/test_backend.py
+  step requant 90 python bench/requant.py --sweep
+  step step_full_stack 170 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
+        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
   fi ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under

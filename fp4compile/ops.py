@@ -23,7 +23,10 @@ Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
         ``seed=None`` a fresh one is drawn from torch's default generator on x's device at every call (so a
         compiled graph re-randomizes every step); ``hadamard`` without ``signs`` likewise draws fresh signs.
         The CUDA path does not check for NaN/Inf.
-    fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype) -> [R, C] in dtype
+    fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype, transpose) -> [R, C] in dtype
+        (inverse RHT included); with transpose=True the same values stored transposed, a contiguous [C, R]
+        tensor: the backward re-quantizes a forward copy along its other dim (W for dgrad, X for wgrad) from
+        that, row-wise, instead of transposing a [R, C] dequantization in a separate copy.
     fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> [M, N]
         TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global).
         CUDA (sm_90, no FP4 tensor cores): kernels/gemm.py, impl chosen per shape by ``choose_impl``: exact
@@ -119,16 +122,22 @@ quantize = _define("quantize", _quantize_op, _quantize_fake)
 
 
 def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,
-                   signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                   signs: Optional[Tensor] = None, dtype: torch.dtype = torch.bfloat16,
+                   transpose: bool = False) -> Tensor:
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
     if hadamard:
         vals = inverse_rht(vals, signs)
-    return vals.to(dtype)
+    if transpose and vals.dim() != 2:
+        raise ValueError(f"dequantize with transpose=True takes 2D codes, got shape {tuple(codes.shape)}")
+    vals = vals.to(dtype)
+    return vals.t().contiguous() if transpose else vals
 
 
-def _dequantize_fake(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16):
+def _dequantize_fake(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16, transpose=False):
+    if transpose:
+        return codes.new_empty((codes.shape[1] * 2, codes.shape[0]), dtype=dtype)
     return codes.new_empty((*codes.shape[:-1], codes.shape[-1] * 2), dtype=dtype)
 
 

@@ -75,6 +75,19 @@ def main():
             report[f"dequantize-{h}-{dt}"] = int((got != torch.ops.fp4compile.dequantize(c, s, g, h, sg, dt)).sum())
         except Exception as e:  # noqa: BLE001
             report[f"dequantize-{h}-{dt}"] = f"{type(e).__name__}: {e}"
+    # transposed store ([C, R] out): ragged row tiles (40 rows, 64-row tiles) and several column tiles
+    for h, dt in [(0, torch.bfloat16), (16, torch.float32), (128, torch.bfloat16)]:
+        x = data("heavy", (40, 384))
+        sg = SIGNS[:h] if h else None
+        c, s, g = ops._quantize_reference(x, "rtn", False, False, h, sg, None, False)
+        key = f"dequantize-T-{h}-{dt}"
+        try:
+            got = K.dequantize(c, s, g, h, sg, dt, transpose=True)
+            ref = torch.ops.fp4compile.dequantize(c, s, g, h, sg, dt)
+            report[key] = ("shape" if got.shape != (384, 40) or not got.is_contiguous()
+                           else int((got != ref.t()).sum()))
+        except Exception as e:  # noqa: BLE001
+            report[key] = f"{type(e).__name__}: {e}"
     report["e2m1"] = e2m1_mismatches()
     x = data("heavy", (32, 256))
     got = K.quantize(x, "sr", hadamard=32, signs=SIGNS[:32], seed=SEED, amax=K.amax(x, 32, SIGNS[:32]))

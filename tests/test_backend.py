@@ -107,6 +107,14 @@ def test_linear_stack_equals_eager_reference_exactly(lowering):
     assert (n_gemm, n_mm) == ((12, 0) if lowering == "op" else (0, 12)), (n_gemm, n_mm)
     if lowering == "dequant_mm":
         assert targets.count("fp4compile.dequantize_blocks.default") == 24
+    # the backward's requantized operands (Wᵀ for dgrad, Xᵀ for wgrad) are dequantized straight into transposed
+    # tensors and quantized row-wise: no transposed quantize (no transposing copy) of a dequantization
+    bwd = [gm for kind, gm in rec.partitions if kind == "bwd"][0]
+    DQ, Q = torch.ops.fp4compile.dequantize.default, torch.ops.fp4compile.quantize.default
+    deqs = [n for n in bwd.graph.nodes if n.target is DQ]
+    assert len(deqs) == 8 and all(n.args[6] is True for n in deqs), bwd.code
+    requants = [u for n in deqs for u in n.users]
+    assert len(requants) == 8 and all(u.target is Q and not u.args[7] for u in requants), bwd.code
 
 
 def test_nanogpt_all_linear_gemms_nvfp4_and_loss_decreases():

@@ -268,6 +268,11 @@ def test_opcheck_dequantize(h):
     torch.library.opcheck(torch.ops.fp4compile.dequantize.default, (c, sc, g), dict(hadamard=h, signs=s))
     torch.library.opcheck(torch.ops.fp4compile.dequantize.default, (c, sc, g),
                           dict(hadamard=h, signs=s, dtype=torch.float32))
+    torch.library.opcheck(torch.ops.fp4compile.dequantize.default, (c, sc, g),
+                          dict(hadamard=h, signs=s, transpose=True))
+    t = torch.ops.fp4compile.dequantize(c, sc, g, h, s, torch.float32, True)
+    assert t.shape == (128, 32) and t.is_contiguous()
+    assert torch.equal(t, torch.ops.fp4compile.dequantize(c, sc, g, h, s, torch.float32).t())
 
 
 def test_op_matches_eager_api_and_transpose():

@@ -155,8 +155,11 @@ def test_interpreter_e2m1_and_amax(interp_report):
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 @pytest.mark.parametrize("key", ["dequantize-0-torch.bfloat16", "dequantize-16-torch.float32",
-                                 "dequantize-128-torch.bfloat16"])
+                                 "dequantize-128-torch.bfloat16", "dequantize-T-0-torch.bfloat16",
+                                 "dequantize-T-16-torch.float32", "dequantize-T-128-torch.bfloat16"])
 def test_interpreter_dequantize(key, interp_report):
+    """The dequantize kernel equals the reference op bit for bit; ``-T-``: stored transposed ([C, R], contiguous)
+    it equals the reference's transpose."""
     assert interp_report[key] == 0
 
 
@@ -345,7 +348,12 @@ def test_gpu_dequantize_and_ops(h, dtype):
     sg = SIGNS[:h] if h else None
     c, s, g = ops._quantize_reference(x, "rtn", False, False, h, sg, None, False)
     got = torch.ops.fp4compile.dequantize(c.cuda(), s.cuda(), g.cuda(), h, None if sg is None else sg.cuda(), dtype)
-    assert torch.equal(got.cpu(), torch.ops.fp4compile.dequantize(c, s, g, h, sg, dtype))
+    ref = torch.ops.fp4compile.dequantize(c, s, g, h, sg, dtype)
+    assert torch.equal(got.cpu(), ref)
+    # stored transposed (the backward's requantization source), incl. a ragged row tile (500 of 512 rows)
+    got_t = torch.ops.fp4compile.dequantize(c[:500].cuda(), s[:500].cuda(), g.cuda(), h,
+                                            None if sg is None else sg.cuda(), dtype, True)
+    assert got_t.shape == (1024, 500) and got_t.is_contiguous() and torch.equal(got_t.cpu(), ref[:500].t())
     torch.library.opcheck(torch.ops.fp4compile.quantize.default, (x.cuda(),),
                           dict(rounding="ms_eden", hadamard=h, signs=None if sg is None else sg.cuda(),
                                seed=SEED.cuda()))

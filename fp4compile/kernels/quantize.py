@@ -876,7 +876,10 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
                        HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, OUT_BF16: tl.constexpr,
-                       BR: tl.constexpr, BC: tl.constexpr):
+                       BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr = False):
+    """One [BR, BC] tile of the [R, K] dequantization ``q * S * global`` (inverse RHT along K when HAD), stored
+    into ``out`` [R, K], or with TRANS into ``out`` [K, R] at the transposed position (one pass instead of a
+    dequantization and a transposing copy)."""
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -901,8 +904,12 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         vals = b.to(tl.float32, bitcast=True)
     cols = pid_c * BC + tl.arange(0, BC)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals.to(out_ptr.dtype.element_ty),
-             mask=rmask & (cols < K)[None, :])
+    if TRANS:
+        tl.store(out_ptr + cols.to(tl.int64)[None, :] * R + rows[:, None], vals.to(out_ptr.dtype.element_ty),
+                 mask=rmask & (cols < K)[None, :])
+    else:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals.to(out_ptr.dtype.element_ty),
+                 mask=rmask & (cols < K)[None, :])
 
 
 @triton.jit
@@ -944,11 +951,13 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: (``q_impl`` 1) is launched with programmatic dependent launch behind its amax kernel on sm_90+ (module
 #: docstring), the default: bit-exact with two ordinary launches (eagerly and in CUDA graphs) and, on the H200,
 #: RTN 4096x4096 at 0.864-0.875 of copy bandwidth against 0.840 without (16384x8192: 0.895 both; session 12,
-#: docs/BENCHMARKS.md); 0: two ordinary launches.
+#: docs/BENCHMARKS.md); 0: two ordinary launches. ``d_*``: the dequantize kernel's tile; ``dt_*``: its tile when it
+#: stores the transpose (``dequantize(..., transpose=True)``, the backward's requantization source; 64x64, 4 warps:
+#: 59.4 us at 16384x3072 vs 62.1-76.4 for the other tiles of ``bench/requant.py --sweep``, session 27).
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "dt_rows": 64, "dt_cols": 64, "dt_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1}
@@ -1158,8 +1167,9 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, hadamard: int = 0,
                signs: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16,
-               config: Optional[dict] = None) -> torch.Tensor:
-    """Launch the NVFP4 dequantize kernel: [R, C/2] codes + [R, C/16] scale bytes -> [R, C] in ``dtype``."""
+               config: Optional[dict] = None, transpose: bool = False) -> torch.Tensor:
+    """Launch the NVFP4 dequantize kernel: [R, C/2] codes + [R, C/16] scale bytes -> [R, C] in ``dtype``, or
+    with ``transpose`` the same values as a contiguous [C, R] tensor (tiles ``dt_*`` of :data:`CONFIG`)."""
     cfg = _config(codes.device, config)
     R, K = codes.shape[0], codes.shape[1] * 2
     if hadamard and signs is None:
@@ -1169,14 +1179,15 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
                          f"and {tuple(scales.shape)}")
     dev = codes.device
     sg = prepare_signs(signs, hadamard, dev)
-    out = torch.empty((R, K), dtype=dtype, device=dev)
+    out = torch.empty((K, R) if transpose else (R, K), dtype=dtype, device=dev)
     if out.numel() == 0:
         return out
-    bc = max(cfg["d_cols"], hadamard or 16)
-    launch(_dequantize_kernel, (cdiv(R, cfg["d_rows"]), cdiv(K, bc)),
+    pre = "dt" if transpose else "d"
+    br, bc = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16)
+    launch(_dequantize_kernel, (cdiv(R, br), cdiv(K, bc)),
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
         HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
-        BR=cfg["d_rows"], BC=bc, num_warps=cfg["d_warps"], **_launch_opts(dev))
+        BR=br, BC=bc, TRANS=bool(transpose), num_warps=cfg[pre + "_warps"], **_launch_opts(dev))
     return out
 
 
@@ -1186,8 +1197,8 @@ def _quantize_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadama
     return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
 
 
-def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16):
-    return dequantize(codes, scales, global_scale, hadamard, signs, dtype)
+def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16, transpose=False):
+    return dequantize(codes, scales, global_scale, hadamard, signs, dtype, transpose=transpose)
 
 
 def _register():

@@ -7,7 +7,9 @@
   ``fp4compile::quantize`` right after the source.
 - ``for_backward(...)`` gives a backward GEMM its non-gradient operand (W for dgrad, X for wgrad) from the
   forward's FP4 copy of that tensor: the copy itself when the layout and RTN quantization are identical,
-  otherwise ``quantize(dequantize(forward copy))`` (Quartet II: "requantized from the forward FP4 copy").
+  otherwise ``quantize(dequantize(forward copy))`` (Quartet II: "requantized from the forward FP4 copy"); a
+  requantization along the copy's other dim dequantizes into a transposed tensor (``dequantize(...,
+  transpose=True)``) and quantizes it row-wise, so no transposing copy of the BF16 values is made.
   Where the forward GEMM ran in BF16 (a BF16 fprop rule, a late switch), X is quantized for wgrad from X itself,
   with RHT signs drawn in the forward: the partitioner computes that copy in the forward and saves it packed (sites
   reading the same X may share it and its signs, after AOT's CSE: one copy per tensor, layout and rounding, as in
@@ -80,7 +82,7 @@ class QuantCache:
         self.tangents = tangent_nodes
         self.copies: Dict[Tuple, QCopy] = {}
         self.fwd: Dict[Tuple[str, str], QCopy] = {}
-        self.dequants: Dict[Node, Node] = {}
+        self.dequants: Dict[Tuple[Node, bool], Node] = {}
         self._recompute: Set[Node] = set()
         self.created: Set[Node] = set()
 
@@ -103,16 +105,17 @@ class QuantCache:
         self.copies[key] = copy
         return copy
 
-    def dequantize(self, copy: QCopy) -> Node:
-        """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype (made once per copy, right after
-        it, then reused)."""
-        d = self.dequants.get(copy.node)
+    def dequantize(self, copy: QCopy, transpose: bool = False) -> Node:
+        """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype, stored transposed if ``transpose``
+        (made once per copy and layout, right after it, then reused)."""
+        d = self.dequants.get((copy.node, transpose))
         if d is None:
             args = (*copy.outputs(), copy.qspec.hadamard, copy.signs, val(copy.src).dtype)
-            d = add_call(self.graph, DEQUANTIZE, args, after=copy.glob, anchor=copy.src)
+            d = add_call(self.graph, DEQUANTIZE, args + ((True,) if transpose else ()), after=copy.glob,
+                         anchor=copy.src)
             _copy_meta(copy.src, d)
             self.created.add(d)
-            self.dequants[copy.node] = d
+            self.dequants[(copy.node, transpose)] = d
         return d
 
     # -- policy of reuse -------------------------------------------------------------------------
@@ -144,12 +147,15 @@ class QuantCache:
             # forward's 2D copy, transposed (NVIDIA's W_fprop == W_bprop)
             copy = dataclasses.replace(self.quantize(src, transpose, qspec, signs), origin="2d fwd copy")
         else:
-            # dequantize(fwd) holds src, or src^T when the forward copy was the transposed one
-            copy = dataclasses.replace(self.quantize(self.dequantize(fwd), transpose != fwd.transpose, qspec, signs),
+            # dequantize(fwd) holds src, or src^T when the forward copy was the transposed one; where the
+            # requantization runs along the copy's other dim, the dequantization stores its result transposed
+            # and the quantize reads it row-wise (no separate transposing copy)
+            flip = transpose != fwd.transpose
+            copy = dataclasses.replace(self.quantize(self.dequantize(fwd, flip), False, qspec, signs),
                                        origin="requant of fwd copy")
         self._recompute.update(n for n in (copy.node, copy.codes, copy.scales, copy.glob) if n is not None)
-        if fwd is not None and fwd.node in self.dequants:
-            self._recompute.add(self.dequants[fwd.node])
+        if fwd is not None:
+            self._recompute.update(d for (node, _), d in self.dequants.items() if node is fwd.node)
         return copy
 
     def recompute(self, node: Node) -> None:
