@@ -73,6 +73,19 @@ def eden_pass1_spec(hadamard=128, cfg=None) -> KernelSpec:
     return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc)
 
 
+def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:
+    """The dequantize kernel (``_dequantize_kernel``, bf16 out, no RHT) with CONFIG's tile, row-major or stored
+    transposed (``dt_*``, the backward's requantization source), as launched on CUDA (native RNE cast)."""
+    cfg = cfg or K.CONFIG
+    pre = "dt" if transpose else "d"
+    br, bc = cfg[pre + "_rows"], cfg[pre + "_cols"]
+    sig = dict(codes_ptr="*u8", scales_ptr="*u8", gscale_ptr="*fp32", signs_ptr="*fp32", out_ptr="*bf16", R="i32",
+               K="i32")
+    const = dict(HAD=0, NORM=1.0, RHT_IMPL=cfg["rht_impl"], OUT_BF16=True, BR=br, BC=bc, TRANS=transpose,
+                 RNE_BITS=False)
+    return KernelSpec(K._dequantize_kernel, sig, const, cfg[pre + "_warps"], br * bc)
+
+
 def per_element(spec: KernelSpec):
     """(instructions, shuffles) per element and registers of the spec's sm_90 cubin."""
     n, ops, regs, _ = sass_stats(spec.compile("cubin"))
@@ -86,6 +99,8 @@ def measure(cfg=None) -> list:
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(eden_pass1_spec(had, cfg))))
+    rows.append(("dequantize, row-major", per_element(dequantize_spec(False, cfg))))
+    rows.append(("dequantize, stored transposed", per_element(dequantize_spec(True, cfg))))
     return rows
 
 

@@ -33,6 +33,23 @@ def _e2m1_probe(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, K._e2m1_fast(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
 
 
+@triton.jit
+def _e2m1_value_probe(out_ptr):
+    c = tl.arange(0, 16)
+    tl.store(out_ptr + c, K._e2m1_value_bits(c))
+
+
+def e2m1_decode_mismatches():
+    """_e2m1_value_bits on all 16 codes against ml_dtypes' float4_e2m1fn decode (signs of zero included)."""
+    import ml_dtypes
+    import numpy as np
+
+    out = torch.empty(16, dtype=torch.float32)
+    _e2m1_value_probe[(1,)](out)
+    ref = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return int((out.numpy().view(np.uint32) != ref.view(np.uint32)).sum())
+
+
 def e2m1_mismatches():
     """Every FP32 in [2^-3, 2^4) with the low 12 mantissa bits sampled at 0, 1, 2^11-1, 2^11, 2^11+1, 2^12-1
     (so every E2M1 tie and its neighbours), both signs, plus zeros, subnormals and huge values."""
@@ -89,6 +106,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             report[key] = f"{type(e).__name__}: {e}"
     report["e2m1"] = e2m1_mismatches()
+    report["e2m1-decode"] = e2m1_decode_mismatches()
     x = data("heavy", (32, 256))
     got = K.quantize(x, "sr", hadamard=32, signs=SIGNS[:32], seed=SEED, amax=K.amax(x, 32, SIGNS[:32]))
     report["given-amax"] = compare(got, ops._quantize_reference(x, "sr", False, False, 32, SIGNS[:32], SEED, False))

@@ -148,8 +148,10 @@ def test_interpreter_bit_exact(case, interp_report):
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 def test_interpreter_e2m1_and_amax(interp_report):
-    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; given-amax mode."""
+    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; _e2m1_value_bits (the
+    dequantize kernel's decode) on all 16 codes against ml_dtypes, bit for bit; given-amax mode."""
     assert interp_report["e2m1"] == 0
+    assert interp_report["e2m1-decode"] == 0
     assert interp_report["given-amax"] == {"codes": 0, "scales": 0, "global": 0}
 
 
@@ -240,6 +242,19 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
     assert 5 < counts[0] and counts == sorted(counts) and len(set(counts)) == 4, r
     assert r[names[0]][1] == 0 and r[names[3]][1] > 1 > r[names[2]][1], r
     assert all(0 < regs <= 255 for _, _, regs in r.values()), r
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_dequantize_decode_keeps_subnormals(transpose, sass):
+    """The dequantize kernel's E2M1 decode (_e2m1_value_bits) makes code 0.5 the subnormal 2^-127 before an exact
+    multiply by 2^126: compiled for sm_90 here, no float op of it flushes subnormals (.ftz), and the bf16 result is
+    the native RNE conversion (F2FP), not the interpreter's explicit bit rounding."""
+    spec = sass.dequantize_spec(transpose)
+    ptx = spec.compile("ptx")
+    assert "mul.rn.f32" in ptx or "mul.f32" in ptx
+    assert not re.search(r"\.ftz", ptx)
+    n, ops, _, _ = sass.sass_stats(spec.compile("cubin"))
+    assert ops.get("F2FP", 0) > 0 and ops.get("FSEL", 0) == 0, ops
 
 
 def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):

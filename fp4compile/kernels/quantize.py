@@ -221,6 +221,15 @@ def _e2m1_mag_value(c):
 
 
 @triton.jit
+def _e2m1_value_bits(code):
+    """E2M1 code (int32 0..15, sign in bit 3) -> FP32 value, exactly, by bit placement: the magnitude bits
+    ``e1 e0 m`` at float bits 24..22 and the sign at bit 31 make the float ``q * 2^-126`` for every code (0.5 becomes
+    the subnormal 2^-127), and the multiply by 2^126 is exact. 4 integer/FP ops against :func:`_e2m1_value`'s selects."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@triton.jit
 def _e2m1_value(code):
     v = _e2m1_mag_value(code & 7)
     return tl.where((code & 8) != 0, -v, v)
@@ -876,7 +885,8 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R, K,
                        HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, OUT_BF16: tl.constexpr,
-                       BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr = False):
+                       BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr = False,
+                       RNE_BITS: tl.constexpr = True):
     """One [BR, BC] tile of the [R, K] dequantization ``q * S * global`` (inverse RHT along K when HAD), stored
     into ``out`` [R, K], or with TRANS into ``out`` [K, R] at the transposed position (one pass instead of a
     dequantization and a transposing copy)."""
@@ -893,13 +903,13 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
     sc = tl.load(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + colsb[None, :],
                  mask=rmask & (colsb < K // 16)[None, :], other=0).to(tl.int32)
     s = _e4m3_value(sc) * tl.load(gscale_ptr)
-    vals = tl.reshape(_e2m1_value(q) * s[:, :, None], (BR, BC))
+    vals = tl.reshape(_e2m1_value_bits(q) * s[:, :, None], (BR, BC))
     if HAD > 0:
         sg = tl.load(signs_ptr + tl.arange(0, HAD))
         y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, RHT_IMPL)
         y = tl.reshape(y * NORM, (BR, BC // HAD, HAD)) * sg[None, None, :]
         vals = tl.reshape(y, (BR, BC))
-    if OUT_BF16:  # explicit RNE to bf16 (the interpreter's cast truncates); exact afterwards on every backend
+    if OUT_BF16 and RNE_BITS:  # explicit RNE to bf16 (the interpreter's cast truncates; the GPU's is RNE)
         b = vals.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         vals = b.to(tl.float32, bitcast=True)
@@ -1187,7 +1197,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     launch(_dequantize_kernel, (cdiv(R, br), cdiv(K, bc)),
         codes.contiguous(), scales.contiguous(), global_scale.to(torch.float32), sg, out, R, K,
         HAD=hadamard, NORM=_norm(hadamard), RHT_IMPL=cfg["rht_impl"], OUT_BF16=dtype == torch.bfloat16,
-        BR=br, BC=bc, TRANS=bool(transpose), num_warps=cfg[pre + "_warps"], **_launch_opts(dev))
+        BR=br, BC=bc, TRANS=bool(transpose), RNE_BITS=dev.type == "cpu", num_warps=cfg[pre + "_warps"],
+        **_launch_opts(dev))
     return out
 
 
