@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -429,6 +429,22 @@ requant_ab)
     ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
   fi ;;
+deq_ab)
+  # issues 3 + 4 on one nvidia-h200 (~7 min): the dequantize kernel's bit-placed decode (session 27) against the
+  # tree under .ab/deq0 (select-chain decode): its GPU tests, bench/requant.py of both, the full-stack step of both;
+  # then the Q-Attn kernels' device time at the step's shape for the trees under .ab/<rev> (a bisect of the dK/dV
+  # kernel's 3.24 -> 3.72 ms between sessions 22 and 26), this tree first and last
+  step deq_tests 120 python -m pytest -m gpu -q -x -p no:cacheprovider tests/test_quantize_kernels.py -k dequantize
+  step requant 50 python bench/requant.py --sweep
+  ( cd .ab/deq0 && export PYTHONPATH=$PWD && step requant_deq0 50 python bench/requant.py --sweep )
+  step step_full_stack 120 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --json "$OUT/train_step.jsonl"
+  ( cd .ab/deq0 && export PYTHONPATH=$PWD && step step_full_stack_deq0 100 python bench/train_step.py \
+      --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_deq0.jsonl" )
+  for t in head s22 prep cachekeys head2; do
+    if [ "${t:0:4}" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
+    PYTHONPATH=$P step "attn_at_$t" 70 python bench/attention_kernels_at.py --label "$t"
+  done ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
   # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the
