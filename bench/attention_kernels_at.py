@@ -4,13 +4,15 @@ For comparing kernel versions across commits in one device call (the same machin
 ``PYTHONPATH=.ab/<rev> python bench/attention_kernels_at.py --label <rev>`` for each tree. Uses only the kernel
 API that every tree since session 20 has (``attention_fwd`` / ``attention_bwd`` / ``quantize_2d`` and
 ``attention_ref.quantize_qkv``), with contiguous [B, H, T, D] inputs and dO, paper split and all-BF16 roles.
-Prints one table row per (roles, kernel): mean device µs over 20 forward+backward calls (profiler).
+Prints one table row per (roles, kernel): mean device µs over 20 forward+backward calls (profiler), and a digest of
+dQ, dK, dV (trees whose kernels compute the same values print the same digest).
 
     python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,8 +39,10 @@ def main() -> int:
             return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)
 
         for _ in range(3):
-            step()
+            grads = step()
         torch.cuda.synchronize()
+        digest = hashlib.sha256(b"".join(g.float().cpu().numpy().tobytes() for g in grads[:3])).hexdigest()[:16]
+        print(f"# {args.label} {name}: sha256 of dQ, dK, dV {digest}", flush=True)
         n = 20
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -441,10 +441,22 @@ deq_ab)
       --warmup 3 --json "$OUT/train_step.jsonl"
   ( cd .ab/deq0 && export PYTHONPATH=$PWD && step step_full_stack_deq0 100 python bench/train_step.py \
       --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_deq0.jsonl" )
-  for t in head s22 prep cachekeys head2; do
+  for t in ${BISECT:-head s22 prep cachekeys head2}; do
     if [ "${t:0:4}" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
     PYTHONPATH=$P step "attn_at_$t" 70 python bench/attention_kernels_at.py --label "$t"
   done ;;
+dkdv_ab)
+  # issue 4 on one nvidia-h200 (~2 min): the dK/dV kernel computing its [B, T, Hkv, D] output offsets itself
+  # (session 27) against .ab/cur (git archive 4888f81 fp4compile: the offsets from three stride arguments, 310 vs
+  # 269 us before f79a592), alternating, with a digest of dQ, dK, dV (same bits expected); then the attention GPU
+  # tests and the full-stack step
+  for t in cur new cur2 new2; do
+    if [ "${t:0:3}" = new ]; then P=$PWD; else P=$PWD/.ab/cur; fi
+    PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
+  done
+  step attn_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  step step_full_stack 120 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl" ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
   # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the
