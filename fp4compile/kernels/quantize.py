@@ -224,7 +224,8 @@ def _e2m1_mag_value(c):
 def _e2m1_value_bits(code):
     """E2M1 code (int32 0..15, sign in bit 3) -> FP32 value, exactly, by bit placement: the magnitude bits
     ``e1 e0 m`` at float bits 24..22 and the sign at bit 31 make the float ``q * 2^-126`` for every code (0.5 becomes
-    the subnormal 2^-127), and the multiply by 2^126 is exact. 4 integer/FP ops against :func:`_e2m1_value`'s selects."""
+    the subnormal 2^-127), and the multiply by 2^126 is exact (IEEE subnormals: no flush-to-zero). A few integer ops
+    and one multiply, against :func:`_e2m1_value`'s compare-and-select chain."""
     bits = ((code & 7) << 22) | ((code & 8) << 28)
     return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
@@ -962,12 +963,14 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: docstring), the default: bit-exact with two ordinary launches (eagerly and in CUDA graphs) and, on the H200,
 #: RTN 4096x4096 at 0.864-0.875 of copy bandwidth against 0.840 without (16384x8192: 0.895 both; session 12,
 #: docs/BENCHMARKS.md); 0: two ordinary launches. ``d_*``: the dequantize kernel's tile; ``dt_*``: its tile when it
-#: stores the transpose (``dequantize(..., transpose=True)``, the backward's requantization source; 64x64, 4 warps:
-#: 59.4 us at 16384x3072 vs 62.1-76.4 for the other tiles of ``bench/requant.py --sweep``, session 27).
+#: stores the transpose (``dequantize(..., transpose=True)``, the backward's requantization source). 64x64, 4 warps
+#: (``bench/requant.py --sweep``, 16384x3072, session 27): 59.4 us, the best of seven tiles, with the earlier
+#: select-chain decode; 38.6 us with the bit-placed one, within 2.5 % of the best tile (32x128, 37.7 us).
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
-          "d_rows": 16, "d_cols": 128, "d_warps": 4, "dt_rows": 64, "dt_cols": 64, "dt_warps": 4, "p_rows": 128, "p_cols": 128, "p_warps": 8,
+          "d_rows": 16, "d_cols": 128, "d_warps": 4, "dt_rows": 64, "dt_cols": 64, "dt_warps": 4,
+          "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1}
