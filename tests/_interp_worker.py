@@ -36,11 +36,11 @@ def _e2m1_probe(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
 @triton.jit
 def _e2m1_value_probe(out_ptr):
     c = tl.arange(0, 16)
-    tl.store(out_ptr + c, K._e2m1_value_bits(c))
+    tl.store(out_ptr + c, K._e2m1_value(c))
 
 
 def e2m1_decode_mismatches():
-    """_e2m1_value_bits on all 16 codes against ml_dtypes' float4_e2m1fn decode (signs of zero included)."""
+    """_e2m1_value (the kernels' E2M1 decoder) on all 16 codes against ml_dtypes' float4_e2m1fn decode (signs of zero included)."""
     import ml_dtypes
     import numpy as np
 

@@ -148,8 +148,8 @@ def test_interpreter_bit_exact(case, interp_report):
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 def test_interpreter_e2m1_and_amax(interp_report):
-    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; _e2m1_value_bits (the
-    dequantize kernel's decode) on all 16 codes against ml_dtypes, bit for bit; given-amax mode."""
+    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; _e2m1_value (the
+    kernels' E2M1 decoder) on all 16 codes against ml_dtypes, bit for bit; given-amax mode."""
     assert interp_report["e2m1"] == 0
     assert interp_report["e2m1-decode"] == 0
     assert interp_report["given-amax"] == {"codes": 0, "scales": 0, "global": 0}
@@ -246,15 +246,22 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
 
 @pytest.mark.parametrize("transpose", [False, True])
 def test_dequantize_decode_keeps_subnormals(transpose, sass):
-    """The dequantize kernel's E2M1 decode (_e2m1_value_bits) makes code 0.5 the subnormal 2^-127 before an exact
-    multiply by 2^126: compiled for sm_90 here, no float op of it flushes subnormals (.ftz), and the bf16 result is
-    the native RNE conversion (F2FP), not the interpreter's explicit bit rounding."""
+    """The kernels' E2M1 decoder (_e2m1_value, here in the dequantize kernel) makes code 0.5 the subnormal 2^-127
+    before an exact multiply by 2^126: compiled for sm_90 here, no float op of it flushes subnormals (.ftz), and the
+    bf16 result is the native RNE conversion (F2FP), not the interpreter's explicit bit rounding."""
     spec = sass.dequantize_spec(transpose)
     ptx = spec.compile("ptx")
     assert "mul.rn.f32" in ptx or "mul.f32" in ptx
     assert not re.search(r"\.ftz", ptx)
     n, ops, _, _ = sass.sass_stats(spec.compile("cubin"))
     assert ops.get("F2FP", 0) > 0 and ops.get("FSEL", 0) == 0, ops
+
+
+@pytest.mark.parametrize("rounding,four_six", [("rtn", True), ("sr", False)])
+def test_quantize_kernels_that_decode_keep_subnormals(rounding, four_six, sass):
+    """The 4/6 and SR quantize kernels decode codes with the same _e2m1_value (their block errors, SR's lower grid
+    point): compiled for sm_90 here, none of their float ops flushes subnormals."""
+    assert not re.search(r"\.ftz", sass.quantize_spec(rounding, FOUR_SIX=four_six).compile("ptx"))
 
 
 def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):

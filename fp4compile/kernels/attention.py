@@ -56,6 +56,8 @@ LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 if triton is not None:
+    from .quantize import _e2m1_value  # noqa: F401  (the kernels' one E2M1 decoder, called by _quant2d_kernel)
+
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
     _DOT_F32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -113,14 +115,6 @@ if triton is not None:
         return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
                 + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
                 + (a > 5.0).to(tl.int32))
-
-    @triton.jit
-    def _e2m1_value(code):
-        """4-bit code (int32) -> its E2M1 value (fp32)."""
-        mag = code & 7
-        normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
-        val = tl.where(mag >= 2, normal.to(tl.float32, bitcast=True), mag.to(tl.float32) * 0.5)
-        return tl.where(code >= 8, -val, val)
 
     @triton.jit
     def _e2m1_rne(a):

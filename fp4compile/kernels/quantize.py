@@ -162,15 +162,6 @@ def _e2m1_fast(v):
 
 
 @triton.jit
-def _e2m1_value_fast(q):
-    """E2M1 code (int32, sign in bit 3) -> FP32 value; the magnitude is the convex inverse of the code map,
-    max(c/2, c - 2, 2c - 8) (exact small integers and halves), same values as :func:`_e2m1_value`."""
-    c = (q & 7).to(tl.float32)
-    v = tl.maximum(tl.maximum(c * 0.5, c - 2.0), c * 2.0 - 8.0)
-    return tl.where((q & 8) != 0, -v, v)
-
-
-@triton.jit
 def _pack8(q):
     """[A, B, 8] int32 codes (0..15) -> [A, B] int32 words, element i in bits 4i..4i+3 (little-endian bytes:
     element 2j low nibble of byte j, as ``pack_nibbles``)."""
@@ -215,25 +206,15 @@ def _e2m1_mag_magic_le7(a):
 
 
 @triton.jit
-def _e2m1_mag_value(c):
-    """E2M1 magnitude code 0..7 -> FP32 value."""
-    return tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
-
-
-@triton.jit
-def _e2m1_value_bits(code):
-    """E2M1 code (int32 0..15, sign in bit 3) -> FP32 value, exactly, by bit placement: the magnitude bits
-    ``e1 e0 m`` at float bits 24..22 and the sign at bit 31 make the float ``q * 2^-126`` for every code (0.5 becomes
-    the subnormal 2^-127), and the multiply by 2^126 is exact (IEEE subnormals: no flush-to-zero). A few integer ops
-    and one multiply, against :func:`_e2m1_value`'s compare-and-select chain."""
-    bits = ((code & 7) << 22) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
-
-
-@triton.jit
 def _e2m1_value(code):
-    v = _e2m1_mag_value(code & 7)
-    return tl.where((code & 8) != 0, -v, v)
+    """E2M1 code (0..15, sign in bit 3) -> FP32 value, exactly, by bit placement: the magnitude bits ``e1 e0 m`` at
+    float bits 24..22 and the sign at bit 31 make the float ``q * 2^-126`` for every code (0.5 becomes the subnormal
+    2^-127), and the multiply by 2^126 is exact (IEEE subnormals: no kernel of the project flushes them; the
+    dequantize kernel's PTX is checked). A few integer ops and one multiply, no selects. The one E2M1 decoder of
+    the kernels (quantize, dequantize, the optimizer codec, the attention quantizer)."""
+    c = code.to(tl.int32)
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
@@ -242,7 +223,7 @@ def _sr_floor(v):
     c = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
          + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
          + (a >= 6.0).to(tl.int32))
-    lo = _e2m1_mag_value(c)
+    lo = _e2m1_value(c)
     step = tl.where(c < 4, 0.5, tl.where(c < 6, 1.0, 2.0))
     return a, c, lo, step
 
@@ -555,8 +536,8 @@ def _tree2(lo, hi, BR: tl.constexpr, NB: tl.constexpr):
 def _sse46(xs, q, q4, sf, sf4, BR: tl.constexpr, NB: tl.constexpr):
     """Per-block squared errors of the 6- and 4-candidates for one half (FP32, fixed tree, in units of the
     global decode scale: ``xs`` = x * s_enc; formats.nvfp4._block_sse)."""
-    d6 = xs - _e2m1_value_fast(q) * sf[:, :, None]
-    d4 = xs - _e2m1_value_fast(q4) * sf4[:, :, None]
+    d6 = xs - _e2m1_value(q) * sf[:, :, None]
+    d4 = xs - _e2m1_value(q4) * sf4[:, :, None]
     return _tree_last(d6 * d6, BR, NB, 8), _tree_last(d4 * d4, BR, NB, 8)
 
 
@@ -904,7 +885,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
     sc = tl.load(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + colsb[None, :],
                  mask=rmask & (colsb < K // 16)[None, :], other=0).to(tl.int32)
     s = _e4m3_value(sc) * tl.load(gscale_ptr)
-    vals = tl.reshape(_e2m1_value_bits(q) * s[:, :, None], (BR, BC))
+    vals = tl.reshape(_e2m1_value(q) * s[:, :, None], (BR, BC))
     if HAD > 0:
         sg = tl.load(signs_ptr + tl.arange(0, HAD))
         y = _fwht(tl.reshape(vals, (BR * (BC // HAD), HAD)), BR * (BC // HAD), HAD, RHT_IMPL)
