@@ -126,11 +126,11 @@ def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard
                    transpose: bool = False) -> Tensor:
     if hadamard and signs is None:
         raise ValueError("dequantize with hadamard needs the signs used to quantize")
+    if transpose and codes.dim() != 2:
+        raise ValueError(f"dequantize with transpose=True takes 2D codes, got shape {tuple(codes.shape)}")
     vals = nvfp4.dequantize_codes(codes, scales.view(torch.float8_e4m3fn), global_scale)
     if hadamard:
         vals = inverse_rht(vals, signs)
-    if transpose and vals.dim() != 2:
-        raise ValueError(f"dequantize with transpose=True takes 2D codes, got shape {tuple(codes.shape)}")
     vals = vals.to(dtype)
     return vals.t().contiguous() if transpose else vals
 

@@ -897,11 +897,10 @@ def _dequantize_kernel(codes_ptr, scales_ptr, gscale_ptr, signs_ptr, out_ptr, R,
         vals = b.to(tl.float32, bitcast=True)
     cols = pid_c * BC + tl.arange(0, BC)
     if TRANS:
-        tl.store(out_ptr + cols.to(tl.int64)[None, :] * R + rows[:, None], vals.to(out_ptr.dtype.element_ty),
-                 mask=rmask & (cols < K)[None, :])
+        off = cols.to(tl.int64)[None, :] * R + rows[:, None]
     else:
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals.to(out_ptr.dtype.element_ty),
-                 mask=rmask & (cols < K)[None, :])
+        off = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.store(out_ptr + off, vals.to(out_ptr.dtype.element_ty), mask=rmask & (cols < K)[None, :])
 
 
 @triton.jit

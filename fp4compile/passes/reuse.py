@@ -155,7 +155,8 @@ class QuantCache:
                                        origin="requant of fwd copy")
         self._recompute.update(n for n in (copy.node, copy.codes, copy.scales, copy.glob) if n is not None)
         if fwd is not None:
-            self._recompute.update(d for (node, _), d in self.dequants.items() if node is fwd.node)
+            dequants = (self.dequants.get((fwd.node, t)) for t in (False, True))
+            self._recompute.update(d for d in dequants if d is not None)
         return copy
 
     def recompute(self, node: Node) -> None:
