@@ -446,17 +446,22 @@ deq_ab)
     PYTHONPATH=$P step "attn_at_$t" 70 python bench/attention_kernels_at.py --label "$t"
   done ;;
 dkdv_ab)
-  # issue 4 on one nvidia-h200 (~2 min): the dK/dV kernel computing its [B, T, Hkv, D] output offsets itself
-  # (session 27) against .ab/cur (git archive 4888f81 fp4compile: the offsets from three stride arguments, 310 vs
-  # 269 us before f79a592), alternating, with a digest of dQ, dK, dV (same bits expected); then the attention GPU
-  # tests and the full-stack step
-  for t in cur new cur2 new2; do
-    if [ "${t:0:3}" = new ]; then P=$PWD; else P=$PWD/.ab/cur; fi
+  # issue 4 on one nvidia-h200 (~5 min): the candidate docs/bench_logs/session27_dkdv_offsets.diff (the dK/dV kernel
+  # computing its [B, T, Hkv, D] output offsets itself instead of taking three stride arguments, its pre-f79a592
+  # argument list; 269 vs 310 us per call before and after f79a592) applied to a copy under .ab/cand, against this
+  # tree, alternating, each with a digest of dQ, dK, dV (same bits expected); then the attention GPU tests of the
+  # candidate and the full-stack step of both
+  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench .ab/cand/ && \
+    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session27_dkdv_offsets.diff ) || echo "candidate did not apply"
+  for t in main cand main2 cand2; do
+    if [ "${t:0:4}" = cand ]; then P=$PWD/.ab/cand; else P=$PWD; fi
     PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
   done
-  step attn_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  PYTHONPATH=$PWD/.ab/cand step attn_tests_cand 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
   step step_full_stack 120 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
-      --warmup 3 --profile --json "$OUT/train_step.jsonl" ;;
+      --warmup 3 --json "$OUT/train_step.jsonl"
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step step_full_stack_cand 100 python bench/train_step.py \
+      --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_cand.jsonl" ) ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
   # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the

@@ -516,7 +516,7 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_dkdv_kernel(Q, Q2, K, V, DO, DO2, Gq, Gk, Gv, Gdo, Bias, LSE, DELTA, DK, DV,
                               sqb, sqh, sqt, sq2b, sq2h, sq2t, skb, skh, skt, svb, svh, svt,
-                              sdb, sdh, sdt, sd2b, sd2h, sd2t, sbb, sbh, sbm, sbn, sm_scale, H,
+                              sdb, sdh, sdt, sd2b, sd2h, sd2t, sob, soh, sot, sbb, sbh, sbm, sbn, sm_scale, H,
                               GROUPS, Tq, Tk,
                               QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                               DSQ_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -526,9 +526,8 @@ if triton is not None:
         blocks, which see the most queries, are scheduled first), looping over the GQA group's query heads and
         over BM-query blocks: the causal diagonal band masked, the blocks fully below it unmasked, the ragged
         query tail masked. Q: the attn.qk operand, Q2: the attn.dsq operand (read only when the two precisions
-        differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem). DK and DV have ``bthd_empty``'s
-        [B, T, Hkv, D] layout, their offsets computed here rather than passed as strides (docs/BENCHMARKS.md,
-        session 27)."""
+        differ); DO: the attn.pdo operand, DO2: the attn.dov operand (idem). DK and DV share the strides
+        (sob, soh, sot)."""
         pid_bhk = tl.program_id(0)
         pid_n = tl.program_id(1)
         Hkv = H // GROUPS
@@ -578,7 +577,7 @@ if triton is not None:
         if PDO_FP4:
             dv = dv * (tl.load(Gdo) * P_GLOBAL_C)
         od = tl.arange(0, D)
-        out_off = ((b * Tk + offs_n[:, None]) * Hkv + hk) * D + od[None, :]
+        out_off = b * sob + hk * soh + offs_n[:, None] * sot + od[None, :]
         if MASK_N:
             tl.store(DK + out_off, _cast_like(dk * dk_scale, DK), mask=mn[:, None])
             tl.store(DV + out_off, _cast_like(dv, DV), mask=mn[:, None])
@@ -920,7 +919,7 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
     _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(Tk, BN1))](
         q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,
-        *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *tail,
+        *_st(q_qk), *_st(q_ds), *_st(k_qk), *_st(v_dov), *_st(do_pdo), *_st(do_dov), *_st(dk), *tail,
         PDO_FP4=bool(mask & PDO), DSQ_FP4=bool(mask & DSQ), MASK_M=Tq % BM1 != 0, MASK_N=Tk % BN1 != 0,
         BM=BM1, BN=BN1, **flags, **c1)
     _attn_bwd_dq_kernel[(B * H, cdiv(Tq, BM2))](
