@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ..kernels.launch import stable_cache_keys
 from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
-                                _e4m3_value, _fwht)
+                                _e4m3_value, _fwht, _mag_value_magic)
 from . import qadamw as _qa
 from .codec import SQRT_V_MAX
 
@@ -459,22 +459,14 @@ def _q_tree(t, NB: tl.constexpr):
 
 
 @triton.jit
-def _q_mag_value(m):
-    """E2M1 magnitude value from ``m`` = MAGIC + code (a float in [2^23, 2^23 + 7]): max(c/2, c - 2, 2c - 8) as
-    three exact single-rounding ops on m itself (m/2 and 2m are exact; so are the differences), one op fewer
-    than :func:`_mag_value_magic`."""
-    return tl.maximum(tl.maximum(tl.fma(m, 0.5, -6291456.0), m - 12582914.0), tl.fma(m, 2.0, -25165832.0))
-
-
-@triton.jit
 def _q_decode_quarter(w, SH: tl.constexpr, s):
     """4 E2M1 codes (nibbles SH/4 .. SH/4 + 3 of the int32 words ``w`` [NB]) -> value * s (``codec.decode``).
-    The magnitude comes through the magic-number float (:func:`_q_mag_value`: FP ops, no int->float
+    The magnitude comes through the magic-number float (:func:`_mag_value_magic`: FP ops, no int->float
     conversion); the sign bit is OR-ed in (code 8 decodes to -0, as the reference)."""
     sh = SH + 4 * tl.arange(0, 4)
     q = w[:, None] >> sh[None, :]
     m = ((q & 7) | 0x4B400000).to(tl.float32, bitcast=True)
-    v = _q_mag_value(m).to(tl.int32, bitcast=True) | ((q & 8) << 28)
+    v = _mag_value_magic(m).to(tl.int32, bitcast=True) | ((q & 8) << 28)
     return v.to(tl.float32, bitcast=True) * s[:, None]
 
 
@@ -499,8 +491,8 @@ def _q_sse(a, enc6, enc4, qs6, qs4, NB: tl.constexpr, SSE64: tl.constexpr):
     Returns (tree sums 6, 4; the candidates' MAGIC + code floats, for reuse by RTN)."""
     m6 = _e2m1_mag_magic(a * enc6[:, None])
     m4 = _e2m1_mag_magic(a * enc4[:, None])
-    q6 = _q_mag_value(m6) * qs6[:, None]
-    q4 = _q_mag_value(m4) * qs4[:, None]
+    q6 = _mag_value_magic(m6) * qs6[:, None]
+    q4 = _mag_value_magic(m4) * qs4[:, None]
     if SSE64:
         d6 = a.to(tl.float64) - q6.to(tl.float64)
         d4 = a.to(tl.float64) - q4.to(tl.float64)
