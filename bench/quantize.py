@@ -287,8 +287,8 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
     smax = torch.zeros((), dtype=torch.float32, device=DEV)
     br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
     p1 = lambda: K._eden_pass1_kernel[(triton.cdiv(R, br), triton.cdiv(Kd, bc))](  # noqa: E731
-        x, x.stride(0), x.stride(1), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
-        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard, NORM=K._norm(hadamard),
+        x, x.stride(0), x.stride(1), R, Kd, sg, codes.view(torch.int32), scratch, smax, placeholder(DEV, x.dtype),
+        VAL_MAX=K.EDEN_VAL_MAX, INV_VAL_MAX=K.EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard, NORM=K._norm(hadamard),
         RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br, BC=bc, MAGIC_PACK=K._MAGIC_PACK, num_warps=cfg["e_warps"],
         **K._launch_opts(x.device))
     nbk = Kd // 16

@@ -61,15 +61,16 @@ def amax_spec(cfg=None, **constexprs) -> KernelSpec:
     return KernelSpec(K._amax_kernel, sig, {**const, **constexprs}, cfg["a_warps"], br * bc)
 
 
-def eden_pass1_spec(hadamard=128, cfg=None) -> KernelSpec:
-    """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile."""
+def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
+    """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile; ``tstore``: the
+    variant that also stores the tile transposed (``quantize_both``)."""
     cfg = cfg or K.CONFIG
     br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
     sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", codes_ptr="*i32",
-               scratch_ptr="*fp32", smax_ptr="*fp32")
+               scratch_ptr="*fp32", smax_ptr="*fp32", xt_ptr="*bf16")
     const = dict(scol=1, VAL_MAX=EDEN_VAL_MAX, INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard,
                  NORM=1.0 / hadamard ** 0.5 if hadamard else 1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
-                 BC=bc, MAGIC_PACK=K._MAGIC_PACK)
+                 BC=bc, MAGIC_PACK=K._MAGIC_PACK, TSTORE=tstore)
     return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc)
 
 
@@ -99,6 +100,8 @@ def measure(cfg=None) -> list:
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(eden_pass1_spec(had, cfg))))
+    rows.append(("MS-EDEN pass 1, RHT-128, + transposed store (quantize_both)",
+                 per_element(eden_pass1_spec(128, cfg, tstore=True))))
     rows.append(("dequantize, row-major", per_element(dequantize_spec(False, cfg))))
     rows.append(("dequantize, stored transposed", per_element(dequantize_spec(True, cfg))))
     return rows

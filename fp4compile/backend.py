@@ -14,7 +14,8 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
       joint ATen graph (forward + backward)
       4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
       5. reuse      one FP4 copy per tensor/layout/rounding; backward from forward    passes/reuse.py
-                    copies; weight quantizes MUST_RECOMPUTE
+                    copies; a gradient's two MS-EDEN copies from one pass (quantize_both);
+                    weight quantizes MUST_RECOMPUTE
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
@@ -120,6 +121,7 @@ class FP4JointPass(CustomGraphPass):
 
         cache = QuantCache(graph, tangent_closure(graph))
         records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
+        cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)

@@ -23,6 +23,12 @@ Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
         ``seed=None`` a fresh one is drawn from torch's default generator on x's device at every call (so a
         compiled graph re-randomizes every step); ``hadamard`` without ``signs`` likewise draws fresh signs.
         The CUDA path does not check for NaN/Inf.
+    fp4compile::quantize_both(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t) -> six tensors
+        = quantize(x, "ms_eden", hadamard=hadamard, signs=signs, seed=seed)
+          + quantize(x, "ms_eden", hadamard=hadamard_t, signs=signs_t, seed=seed_t, transpose=True):
+        one tensor's MS-EDEN copies along both dims (a gradient dY for dgrad and for wgrad; the backend merges
+        such pairs, passes/reuse.py). CUDA: the row-wise pass 1 also writes x's transpose, which the second
+        quantization reads (no separate transposing copy); the same bytes as the two ops.
     fp4compile::dequantize(codes, scales, global_scale, hadamard, signs, dtype, transpose) -> [R, C] in dtype
         (inverse RHT included); with transpose=True the same values stored transposed, a contiguous [C, R]
         tensor: the backward re-quantizes a forward copy along its other dim (W for dgrad, X for wgrad) from
@@ -119,6 +125,20 @@ def _quantize_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadama
 
 
 quantize = _define("quantize", _quantize_op, _quantize_fake)
+
+
+def _quantize_both_op(x: Tensor, hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+                      hadamard_t: int = 0, signs_t: Optional[Tensor] = None, seed_t: Optional[Tensor] = None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (_quantize_reference(x, "ms_eden", False, False, hadamard, signs, seed, False)
+            + _quantize_reference(x, "ms_eden", False, False, hadamard_t, signs_t, seed_t, True))
+
+
+def _quantize_both_fake(x, hadamard=0, signs=None, seed=None, hadamard_t=0, signs_t=None, seed_t=None):
+    return _quantize_fake(x) + _quantize_fake(x, transpose=True)
+
+
+quantize_both = _define("quantize_both", _quantize_both_op, _quantize_both_fake)
 
 
 def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,

@@ -52,8 +52,10 @@ MAX_WORKERS = 4
 #: a worker replays a call only with this many times its inputs' bytes free on the GPU (outputs, workspace)
 MEMORY_FACTOR = 4
 #: rough seconds of Triton compiling at an op's first call (the H200's worker logs, session 23): :func:`plan`
-#: orders and spreads the calls by it (ops not listed: 0.5)
-COMPILE_COST = {"qattn_bwd": 3.2, "qattn": 2.3, "gemm": 1.5, "quantize": 1.5, "dequantize": 1.4}
+#: orders and spreads the calls by it (ops not listed: 0.5; quantize_both compiles quantize's MS-EDEN kernels, one of
+#: them with the transposed store, so it gets quantize's figure)
+COMPILE_COST = {"qattn_bwd": 3.2, "qattn": 2.3, "gemm": 1.5, "quantize": 1.5, "quantize_both": 1.5,
+                "dequantize": 1.4}
 _WORKERS: List[subprocess.Popen] = []   # every worker started (killed at exit if still running)
 _IDLE: List[subprocess.Popen] = []      # prestarted workers that have no calls yet
 _FEEDERS: List = []                     # the threads writing the workers' calls

@@ -15,7 +15,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4compile import ops  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
-from test_quantize_kernels import INTERP_CASES, SEED, SIGNS, case_id, data  # noqa: E402
+from test_quantize_kernels import (BOTH_CASES, INTERP_CASES, SEED, SIGNS, both_id, case_id,  # noqa: E402
+                                   data)
 
 
 def compare(got, ref):
@@ -105,6 +106,16 @@ def main():
                            else int((got != ref.t()).sum()))
         except Exception as e:  # noqa: BLE001
             report[key] = f"{type(e).__name__}: {e}"
+    for case in BOTH_CASES:
+        kind, shape, h, ht, dt, cfg = case
+        x = data(kind, shape).to(dt)
+        args = (h, SIGNS[:h] if h else None, SEED, ht, SIGNS[:ht].flip(0) if ht else None, SEED + 1)
+        try:
+            got, ref = K.quantize_both(x, *args, config=cfg), ops._quantize_both_op(x, *args)
+            report[both_id(case)] = {f"{k}{t}": v for t, sl in (("", slice(0, 3)), ("_t", slice(3, 6)))
+                                     for k, v in compare(got[sl], ref[sl]).items()}
+        except Exception as e:  # noqa: BLE001
+            report[both_id(case)] = f"{type(e).__name__}: {e}"
     report["e2m1"] = e2m1_mismatches()
     report["e2m1-decode"] = e2m1_decode_mismatches()
     x = data("heavy", (32, 256))

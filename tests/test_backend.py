@@ -117,6 +117,47 @@ def test_linear_stack_equals_eager_reference_exactly(lowering):
     assert len(requants) == 8 and all(u.target is Q and not u.args[7] for u in requants), bwd.code
 
 
+@pytest.mark.parametrize("hadamard_t", [16, 32])
+def test_gradient_ms_eden_copies_are_one_node_with_the_same_gradients(monkeypatch, hadamard_t):
+    """Quartet II's backward (MS-EDEN on dY for dgrad and for wgrad): the two copies of each dY are one
+    fp4compile::quantize_both node (its CUDA kernel makes the transposed copy from the row-wise pass), and the
+    gradients equal those of the two-quantize graph bit for bit, also when dgrad and wgrad rotate by different
+    Hadamard sizes. The merged node draws its two seeds at one point of the graph, so the order of the draws
+    differs: every draw (RHT signs, MS-EDEN seeds) is made a constant here (the op tests check that each copy gets
+    its own signs and seed)."""
+    from fp4compile.passes import reuse
+
+    def constant_randint(low, high=None, size=None, *, generator=None, device=None, dtype=None, **kw):
+        low, size = (0, high) if size is None else (low, size)
+        return torch.full(tuple(size), low, device=device, dtype=dtype or torch.int64)
+
+    monkeypatch.setattr(torch, "randint", constant_randint)
+    policy = Policy((), "q2-small").override("*", NVFP4("rtn", four_over_six=True), role="linear.fprop")
+    policy = policy.override("*", NVFP4("ms_eden", hadamard=16), role="linear.dgrad")
+    policy = policy.override("*", NVFP4("ms_eden", hadamard=hadamard_t), role="linear.wgrad")
+    base = nn.Sequential(Stack(), nn.ReLU(), nn.Linear(32, 48))
+    x0 = torch.randn(64, 64)
+    grads, graphs = {}, {}
+    for paired in (True, False):
+        monkeypatch.setattr(reuse, "PAIR_LAYOUTS", paired)
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        compiled, rec = compile_recorded(model, policy)
+        x = x0.clone().requires_grad_()
+        (compiled(x) * torch.linspace(-1, 1, 48)).sum().backward()
+        grads[paired] = [x.grad] + [p.grad for p in model.parameters()]
+        graphs[paired] = [gm for kind, gm in rec.partitions if kind == "bwd"][0].graph
+    QB, Q = torch.ops.fp4compile.quantize_both.default, torch.ops.fp4compile.quantize.default
+    count = lambda g, t: sum(n.target is t for n in g.nodes)  # noqa: E731
+    eden_q = lambda g: [n for n in g.nodes if n.target is Q and n.args[1] == "ms_eden"]  # noqa: E731
+    # four linears, each dY quantized both ways (x requires grad, so the first layer has a dgrad too); the
+    # non-gradient operands stay requantizations of the forward copies (quantize nodes)
+    assert count(graphs[True], QB) == 4 and count(graphs[False], QB) == 0
+    assert len(eden_q(graphs[False])) - len(eden_q(graphs[True])) == 8
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+
+
 def test_nanogpt_all_linear_gemms_nvfp4_and_loss_decreases():
     torch.manual_seed(0)
     model = GPT()

@@ -183,6 +183,31 @@ def test_launcher_errors():
                      torch.ones(()), hadamard=16)
     with pytest.raises(ValueError, match="scales"):
         K.dequantize(torch.zeros(16, 8, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.uint8), torch.ones(()))
+    with pytest.raises(ValueError, match="rows"):            # quantize_both quantizes along both dims
+        K.quantize_both(torch.ones(24, 32))
+    with pytest.raises(ValueError, match="hadamard=32"):
+        K.quantize_both(torch.ones(48, 64), hadamard=16, hadamard_t=32)
+    with pytest.raises(TypeError):
+        K.quantize_both(torch.ones(16, 16, dtype=torch.int32))
+
+
+#: fp4compile::quantize_both (one tensor's MS-EDEN copies in both layouts; the row-wise pass 1 writes the transpose)
+#: under the interpreter: (data, shape, hadamard, hadamard_t, dtype, CONFIG override), ragged tiles included
+BOTH_CASES = [("heavy", (48, 256), 128, 16, torch.bfloat16, None),
+              ("wide", (128, 96), 32, 128, torch.float32, {"e_rows": 32, "e_cols": 64}),
+              ("floor", (80, 48), 0, 16, torch.bfloat16, None)]
+
+
+def both_id(c):
+    return f"both-{c[0]}-{c[1][0]}x{c[1][1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + ("-cfg" if c[5] else "")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
+@pytest.mark.parametrize("case", BOTH_CASES, ids=both_id)
+def test_interpreter_quantize_both(case, interp_report):
+    """quantize_both equals the reference op (two MS-EDEN quantize references, each with its own signs and seed)
+    byte for byte, all six outputs."""
+    assert interp_report[both_id(case)] == {f"{n}{t}": 0 for t in ("", "_t") for n in ("codes", "scales", "global")}
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +401,16 @@ def test_gpu_dequantize_and_ops(h, dtype):
     got_t = torch.ops.fp4compile.dequantize(c[:500].cuda(), s[:500].cuda(), g.cuda(), h,
                                             None if sg is None else sg.cuda(), dtype, True)
     assert got_t.shape == (1024, 500) and got_t.is_contiguous() and torch.equal(got_t.cpu(), ref[:500].t())
+    # both layouts from one row-wise pass (quantize_both): distinct signs and seeds per layout, a ragged shape
+    for shape, dt in [((1024, 1920), torch.bfloat16), ((1040, 1920), torch.float32)]:
+        x2 = data("heavy", shape, seed=4).to(dt)
+        ht = 16 if shape[0] % 128 else 128
+        sg_t = SIGNS[:ht].flip(0)
+        got_b = torch.ops.fp4compile.quantize_both(x2.cuda(), h, None if sg is None else sg.cuda(), SEED.cuda(), ht,
+                                                   sg_t.cuda(), (SEED + 1).cuda())
+        ref_b = ops._quantize_both_op(x2, h, sg, SEED, ht, sg_t, SEED + 1)
+        assert_same([t.cpu() for t in got_b[:3]], ref_b[:3], ("quantize_both", shape, h))
+        assert_same([t.cpu() for t in got_b[3:]], ref_b[3:], ("quantize_both T", shape, ht))
     torch.library.opcheck(torch.ops.fp4compile.quantize.default, (x.cuda(),),
                           dict(rounding="ms_eden", hadamard=h, signs=None if sg is None else sg.cuda(),
                                seed=SEED.cuda()))

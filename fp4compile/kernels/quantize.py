@@ -643,13 +643,15 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 
 
 @triton.jit
-def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr, xt_ptr,
                        VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, BLOCK2D: tl.constexpr,
                        HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                       BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+                       BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, TSTORE: tl.constexpr = False):
     """MS-EDEN pass 1 (``formats.schemes.eden_block_scales``) on one [BR, BC] tile: reads x once, writes the
     packed codes, the EDEN-corrected FP32 block scales S' into ``scratch`` [R, K/16], and max S' into
-    ``smax`` (``atomic_max``). No global scale is needed: each block is scaled by its own max.
+    ``smax`` (``atomic_max``). No global scale is needed: each block is scaled by its own max. ``TSTORE``: also
+    store the tile (before any rotation) transposed into ``xt`` [K, R] (contiguous, x's dtype), the source of a
+    second, transposed quantization of x (:func:`quantize_both`), instead of a separate transposing copy.
 
     Per element: the unnormalized butterfly (1/sqrt(d) is folded into the per-block S'), |z| * enc, the E2M1
     code as MAGIC + code (:func:`_e2m1_mag_magic_le7`), the two EDEN sums, the packing. Per block: two correctly
@@ -657,8 +659,15 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, HAD, NORM, RHT_IMPL, TLOAD,
+    lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, 0, NORM, RHT_IMPL, TLOAD,
                                 BR, BC, False)
+    if TSTORE:
+        x = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BR, BC))  # the halves back in column order
+        cols = pid_c * BC + tl.arange(0, BC)
+        tl.store(xt_ptr + cols.to(tl.int64)[None, :] * R + rows[:, None], x.to(xt_ptr.dtype.element_ty),
+                 mask=(rows < R)[:, None] & (cols < K)[None, :])
+    if HAD > 0:
+        lo, hi = _rht_halves(lo, hi, signs_ptr, BR, NB, HAD, NORM, RHT_IMPL, False)
     a_z = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
     if BLOCK2D:
         a_z = _tile_max(a_z, BR, NB)
@@ -1129,10 +1138,46 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     return codes, scales, gscale
 
 
+def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None,
+                  seed: Optional[torch.Tensor] = None, hadamard_t: int = 0, signs_t: Optional[torch.Tensor] = None,
+                  seed_t: Optional[torch.Tensor] = None, config: Optional[dict] = None):
+    """MS-EDEN quantizations of x [R, C] in both layouts: ``quantize(x, "ms_eden", hadamard=hadamard, signs=signs,
+    seed=seed)`` and ``quantize(x, "ms_eden", hadamard=hadamard_t, signs=signs_t, seed=seed_t, transpose=True)``
+    (the same bytes, ``torch.ops.fp4compile.quantize_both``), where the row-wise pass 1 also writes the [C, R]
+    transpose that the second quantization reads (the transposing copy of ``quantize(..., transpose=True)`` is not
+    a pass of its own). Returns the six tensors (codes, scales, global) row-wise then transposed."""
+    cfg = _config(x.device, config)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_both takes a 2D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"quantize_both takes float32/float16/bfloat16, got {x.dtype}")
+    R, K = x.shape
+    for n, h, what in ((K, hadamard, "columns"), (R, hadamard_t, "rows")):
+        if n % 16:
+            raise ValueError(f"both layouts are quantized: the {what} ({n}) must be a multiple of 16")
+        if h and (h not in (16, 32, 64, 128) or n % h):
+            raise ValueError(f"hadamard={h} must be 16/32/64/128 and divide the {what} ({n})")
+    dev = x.device
+    sg = prepare_signs(signs, hadamard, dev)
+    seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
+    codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
+    scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
+    gscale = torch.empty((), dtype=torch.float32, device=dev)
+    xt = torch.empty((K, R), dtype=x.dtype, device=dev)
+    if x.numel() == 0:
+        gscale.zero_()
+    else:
+        _quantize_eden(x, R, K, x.stride(0), x.stride(1), False, hadamard, sg, seed, False, False, cfg, codes,
+                       scales, gscale, xt=xt)
+    return (codes, scales, gscale) + quantize(xt, "ms_eden", hadamard=hadamard_t, signs=signs_t, seed=seed_t,
+                                              config=config)
+
+
 def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
-                   gscale):
+                   gscale, xt=None):
     """MS-EDEN: pass 1 over x (codes + FP32 block scales S' in a [R, K/16] scratch + max S'), pass 2 over the
-    scratch only (E4M3 scales + global decode scale); see ``formats.schemes`` for the arithmetic."""
+    scratch only (E4M3 scales + global decode scale); see ``formats.schemes`` for the arithmetic. ``xt``: a
+    contiguous [K, R] tensor that pass 1 also fills with x transposed (the block-per-thread pass 1 then)."""
     dev = x.device
     scratch = torch.empty((R, K // 16), dtype=torch.float32, device=dev)
     smax = torch.zeros((), dtype=torch.float32, device=dev)
@@ -1141,7 +1186,7 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
     if block2d:
         br = max(16, br // 16 * 16)
     opts = _launch_opts(dev)
-    if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1:
+    if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1 and xt is None:
         br, bc = cfg["c_rows"], cfg["c_cols"]
         launch(_eden_pass1_chunk_kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
@@ -1149,9 +1194,11 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             num_warps=cfg["c_warps"], **opts)
     else:
         launch(_eden_pass1_kernel, (cdiv(R, br), cdiv(K, bc)),
-            x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
+            x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax,
+            xt if xt is not None else placeholder(dev, x.dtype), VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
-            RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, num_warps=warps, **opts)
+            RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
+            num_warps=warps, **opts)
     nbk = K // 16
     launch(_eden_pass2_kernel, (cdiv(R, cfg["f_rows"]), cdiv(nbk, cfg["f_cols"])),
         scratch, smax, seed, scales, gscale, R, nbk, BLOCK2D=bool(block2d), BR=cfg["f_rows"], BN=cfg["f_cols"],
@@ -1195,11 +1242,16 @@ def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=
     return dequantize(codes, scales, global_scale, hadamard, signs, dtype, transpose=transpose)
 
 
+def _quantize_both_cuda(x, hadamard=0, signs=None, seed=None, hadamard_t=0, signs_t=None, seed_t=None):
+    return quantize_both(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t)
+
+
 def _register():
     from .. import ops  # noqa: F401  (defines the ops; idempotent)
 
     ops.register_cuda("quantize", _quantize_cuda)
     ops.register_cuda("dequantize", _dequantize_cuda)
+    ops.register_cuda("quantize_both", _quantize_both_cuda)
 
 
 _register()

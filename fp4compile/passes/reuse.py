@@ -14,6 +14,9 @@
   with RHT signs drawn in the forward: the partitioner computes that copy in the forward and saves it packed (sites
   reading the same X may share it and its signs, after AOT's CSE: one copy per tensor, layout and rounding, as in
   the forward). The backward never reads a saved BF16 activation, unless a BF16 GEMM of the backward needs X.
+- ``pair_layouts()`` merges a tensor's row-wise and transposed MS-EDEN copies (the gradient dY's, for dgrad and
+  wgrad) into one ``fp4compile::quantize_both``: its row-wise pass writes the transpose the other copy is made
+  from, instead of a transposing copy of dY (:data:`PAIR_LAYOUTS`).
 - ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
   every node made for the backward that does not depend on a gradient, so the partitioner saves the packed
   forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
@@ -33,6 +36,11 @@ from .common import VIEWS, add_call, later, val
 
 QUANTIZE = torch.ops.fp4compile.quantize.default
 DEQUANTIZE = torch.ops.fp4compile.dequantize.default
+QUANTIZE_BOTH = torch.ops.fp4compile.quantize_both.default
+
+#: :meth:`QuantCache.pair_layouts` merges a tensor's two MS-EDEN copies (row-wise and transposed: a gradient's for
+#: dgrad and wgrad) into one ``fp4compile::quantize_both`` (False: two ``quantize`` nodes; the same bytes)
+PAIR_LAYOUTS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +125,48 @@ class QuantCache:
             self.created.add(d)
             self.dequants[(copy.node, transpose)] = d
         return d
+
+    def pair_layouts(self) -> int:
+        """Merge each tensor's row-wise and transposed MS-EDEN copies (1x16 blocks, each a fresh ``quantize``
+        node) into one ``fp4compile::quantize_both`` node, whose CUDA kernel makes the transposed copy from the
+        transpose written by the row-wise pass (no transposing copy of its own): Quartet II's dY, quantized for
+        dgrad along N and for wgrad along the tokens. Same signs and seeds as before (each drawn by the op when
+        None). Call after the linear rewrite; returns the number of merged pairs."""
+        if not PAIR_LAYOUTS:
+            return 0
+        groups: Dict[Tuple, Dict[bool, Tuple]] = {}
+        for key, c in self.copies.items():
+            q = c.qspec
+            if c.node.target is not QUANTIZE or q.rounding != "ms_eden" or q.block2d or q.four_over_six:
+                continue
+            groups.setdefault(key[:2], {}).setdefault(c.transpose, (key, c))
+        merged = 0
+        for pair in groups.values():
+            if len(pair) != 2:
+                continue
+            (krow, row), (kcol, col) = pair[False], pair[True]
+            # the quantize nodes' own arguments: a GEMM rewritten after its copies were made replaced its output
+            # node (the copy's recorded ``src``) in their arguments
+            src, signs, signs_t = row.node.args[0], row.node.args[5], col.node.args[5]
+            args = (src, row.qspec.hadamard, signs, None, col.qspec.hadamard, signs_t, None)
+            node, *items = add_call(self.graph, QUANTIZE_BOTH, args, after=later(later(src, signs), signs_t),
+                                    anchor=src)
+            for n in (node, *items):
+                _copy_meta(src, n)
+                self.created.add(n)
+            for old, new in zip(row.outputs() + col.outputs(), items):
+                old.replace_all_uses_with(new)
+            recompute = row.node in self._recompute or col.node in self._recompute
+            for c in (row, col):
+                for n in (*c.outputs(), c.node):
+                    self._recompute.discard(n)
+                    self.graph.erase_node(n)
+            if recompute:
+                self._recompute.update((node, *items))
+            self.copies[krow] = dataclasses.replace(row, node=node, codes=items[0], scales=items[1], glob=items[2])
+            self.copies[kcol] = dataclasses.replace(col, node=node, codes=items[3], scales=items[4], glob=items[5])
+            merged += 1
+        return merged
 
     # -- policy of reuse -------------------------------------------------------------------------
     def forward_copy(self, site: str, operand: str, src: Node, transpose: bool, qspec: QSpec,
