@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -461,7 +461,55 @@ dkdv_ab)
   step step_full_stack 120 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --json "$OUT/train_step.jsonl"
   ( cd .ab/cand && export PYTHONPATH=$PWD && step step_full_stack_cand 100 python bench/train_step.py \
-      --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_cand.jsonl" ) ;;
+      --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_cand.jsonl" )
+  if [ -d .ab/dec0/fp4compile ]; then
+    # the one E2M1 decoder (2105ce6) against the tree before it carried under .ab/dec0: quantize and Q-AdamW benches
+    step quant_bench 80 python bench/quantize.py --bench --no-eager
+    ( cd .ab/dec0 && export PYTHONPATH=$PWD && step quant_bench_dec0 80 python bench/quantize.py --bench --no-eager --out "$OUT/dec0" )
+    step optim 80 python bench/optim.py --skip check,profile,warps,peak,root --out "$OUT/optim.json"
+    ( cd .ab/dec0 && export PYTHONPATH=$PWD && step optim_dec0 80 python bench/optim.py \
+        --skip check,profile,warps,peak,root --out "$OUT/optim_dec0.json" )
+  fi ;;
+fused_ab)
+  # issue 3 on one nvidia-h200 (~6 min): the candidate docs/bench_logs/session28_fused_requant.diff (the
+  # backward's MS-EDEN requantization as one fp4compile::requantize whose pass 1 decodes the forward copy's tiles)
+  # applied to a copy under .ab/cand, against this tree (transposed dequantization + quantize): the candidate's
+  # kernel GPU tests and bench/requant.py (bytes, times, fused tiles), the GPT-124M full-stack step of both
+  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
+    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_fused_requant.diff ) || echo "candidate did not apply"
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 170 python -m pytest -m gpu -x -q \
+      -p no:cacheprovider tests/test_quantize_kernels.py -k "dequantize_and_ops or ms_eden or bit_exact_large" && \
+    step requant_cand 120 python bench/requant.py --sweep && \
+    step step_full_stack_cand 150 python bench/train_step.py --policy full_stack --modes reduce-overhead \
+      --steps 20 --warmup 3 --profile --skip-bf16 --json "$OUT/train_step_cand.jsonl" )
+  step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --json "$OUT/train_step.jsonl" ;;
+both_ab)
+  # issues 3 + 4 on one nvidia-h200 (~6 min): a gradient's two MS-EDEN copies from one row-wise pass
+  # (fp4compile::quantize_both, session 28) against the tree carried under .ab/old (two quantize calls, the
+  # transposed one through a transposing copy): the quantize GPU tests, bench/quantize_both.py (bytes, times),
+  # the GPT-124M full-stack step of both (the new one profiled); then the attn_bisect trees (.ab/ORDER)
+  step quant_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      -k "dequantize_and_ops or ms_eden or bit_exact_large"
+  step backend_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_backend.py
+  step quantize_both 60 python bench/quantize_both.py
+  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 100 python bench/train_step.py \
+        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
+  fi
+  for t in head $(cat .ab/ORDER 2>/dev/null); do
+    if [ "$t" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
+    PYTHONPATH=$P step "attn_at_$t" 40 python bench/attention_kernels_at.py --label "$t"
+  done ;;
+attn_bisect)
+  # issue 4 (~2 min): the Q-Attn kernels' device time at the step's shape for each tree under .ab/<rev> named in
+  # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last
+  for t in head ${BISECT:-$(cat .ab/ORDER 2>/dev/null)} head2; do
+    if [ "${t:0:4}" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
+    PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
+  done ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
   # .ab/old (same default tiles, same process order), per-kernel device time of both (--phase profile), then the
