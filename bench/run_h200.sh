@@ -473,9 +473,10 @@ dkdv_ab)
 fused_ab)
   # issue 3 on one nvidia-h200 (~6 min): the candidate docs/bench_logs/session28_fused_requant.diff (the
   # backward's MS-EDEN requantization as one fp4compile::requantize whose pass 1 decodes the forward copy's tiles)
-  # applied to a copy under .ab/cand, against this tree (transposed dequantization + quantize): the candidate's
-  # kernel GPU tests and bench/requant.py (bytes, times, fused tiles), the GPT-124M full-stack step of both
-  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
+  # applied to a copy of the tree it was written on (8b772cd, carried as .ab/base: git archive 8b772cd fp4compile
+  # bench tests), against this tree (transposed dequantization + quantize): the candidate's kernel GPU tests and
+  # bench/requant.py (bytes, times, fused tiles), the GPT-124M full-stack step of both
+  rm -rf .ab/cand && cp -r .ab/base .ab/cand && \
     ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_fused_requant.diff ) || echo "candidate did not apply"
   ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 170 python -m pytest -m gpu -x -q \
       -p no:cacheprovider tests/test_quantize_kernels.py -k "dequantize_and_ops or ms_eden or bit_exact_large" && \
