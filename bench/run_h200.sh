@@ -9,6 +9,15 @@ python -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/pip.log" 2>&
 step() { local name=$1 t=$2; shift 2; local t0=$SECONDS
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"; }
+# the GPT-124M full-stack step (CUDA graphs) of this tree, profiled, against BF16, then of the tree under .ab/old
+# (if carried) without the BF16 run: step_ab SECONDS_NEW SECONDS_OLD
+step_ab() {
+  step step_full_stack "$1" python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  if [ -d .ab/old/fp4compile ]; then
+    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old "$2" python bench/train_step.py \
+        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
+  fi; }
 case "${1:-phase1}" in
 phase1)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -423,12 +432,7 @@ requant_ab)
   step quant_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       tests/test_backend.py
   step requant 90 python bench/requant.py --sweep
-  step step_full_stack 170 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
-      --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  if [ -d .ab/old/fp4compile ]; then
-    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 150 python bench/train_step.py \
-        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
-  fi ;;
+  step_ab 170 150 ;;
 deq_ab)
   # issues 3 + 4 on one nvidia-h200 (~7 min): the dequantize kernel's bit-placed decode (session 27) against the
   # tree under .ab/deq0 (select-chain decode): its GPU tests, bench/requant.py of both, the full-stack step of both;
@@ -494,12 +498,7 @@ both_ab)
       -k "dequantize_and_ops or ms_eden or bit_exact_large"
   step backend_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_backend.py
   step quantize_both 60 python bench/quantize_both.py
-  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
-      --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  if [ -d .ab/old/fp4compile ]; then
-    ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old 100 python bench/train_step.py \
-        --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
-  fi
+  step_ab 150 100
   for t in head $(cat .ab/ORDER 2>/dev/null); do
     if [ "$t" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
     PYTHONPATH=$P step "attn_at_$t" 40 python bench/attention_kernels_at.py --label "$t"
