@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -503,6 +503,24 @@ both_ab)
     if [ "$t" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
     PYTHONPATH=$P step "attn_at_$t" 40 python bench/attention_kernels_at.py --label "$t"
   done ;;
+dkdv_contig_ab)
+  # issue 4 on one nvidia-h200 (~5 min): the candidate docs/bench_logs/session28_dkdv_contig.diff (dK, dV stored
+  # contiguous by f79a592^'s store, whose sm_90 SASS is that of the 271-us kernel instruction for instruction; O and
+  # dQ keep SDPA's layout) applied to a copy under .ab/cand, against this tree: the Q-Attn kernels' device time of
+  # both alternating (same dQ/dK/dV digest expected), the attention GPU tests of the candidate, the full-stack step
+  # of both (the candidate's profiled: the Q/K/V gradient concatenation now reads dK, dV transposed)
+  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
+    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_dkdv_contig.diff ) || echo "candidate did not apply"
+  for t in main cand main2 cand2; do
+    if [ "${t:0:4}" = cand ]; then P=$PWD/.ab/cand; else P=$PWD; fi
+    PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
+  done
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step attn_tests_cand 170 python -m pytest -m gpu -x -q \
+      -p no:cacheprovider tests/test_attention.py && \
+    step step_full_stack_cand 150 python bench/train_step.py --policy full_stack --modes reduce-overhead \
+      --steps 20 --warmup 3 --profile --json "$OUT/train_step_cand.jsonl" )
+  step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
 attn_bisect)
   # issue 4 (~2 min): the Q-Attn kernels' device time at the step's shape for each tree under .ab/<rev> named in
   # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last
