@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -521,6 +521,21 @@ dkdv_contig_ab)
       --steps 20 --warmup 3 --profile --json "$OUT/train_step_cand.jsonl" )
   step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
+decode_ab)
+  # issues 2, 3, 5 on one nvidia-h200 (~6 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
+  # pass 1 43.8 -> 41.8 instructions per element and 128 -> 106 registers, Q-AdamW kernel 2 276 -> 258) against
+  # the tree under .ab/old (its parent): GPU bit-exactness of the quantize and fused-optimizer kernels, the
+  # quantize and Q-AdamW benches of both, the full-stack step of both
+  step quant_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      -k "ms_eden or bit_exact_large"
+  step optim_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_optim_fused.py
+  step quant_bench 80 python bench/quantize.py --bench --no-eager --reduced
+  ( cd .ab/old && export PYTHONPATH=$PWD && step quant_bench_old 80 python bench/quantize.py --bench --no-eager \
+      --reduced --out "$OUT/old" )
+  step optim 60 python bench/optim.py --skip check,profile,warps,peak,root --out "$OUT/optim.json"
+  ( cd .ab/old && export PYTHONPATH=$PWD && step optim_old 60 python bench/optim.py \
+      --skip check,profile,warps,peak,root --out "$OUT/optim_old.json" )
+  step_ab 150 100 ;;
 attn_bisect)
   # issue 4 (~2 min): the Q-Attn kernels' device time at the step's shape for each tree under .ab/<rev> named in
   # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last

@@ -289,6 +289,14 @@ def test_quantize_kernels_that_decode_keep_subnormals(rounding, four_six, sass):
     assert not re.search(r"\.ftz", sass.quantize_spec(rounding, FOUR_SIX=four_six).compile("ptx"))
 
 
+@pytest.mark.parametrize("hadamard", [128, 0])
+def test_ms_eden_pass1_keeps_subnormals(hadamard, sass):
+    """MS-EDEN's pass 1 decodes its codes' magnitudes by bit placement (_mag_value_magic: code 1 is the subnormal
+    2^-127 before the exact multiply by 2^126) for the EDEN correction's sum: compiled for sm_90 here, none of its
+    float ops flushes subnormals."""
+    assert not re.search(r"\.ftz", sass.eden_pass1_spec(hadamard).compile("ptx"))
+
+
 def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
     """quantize() asks for PDL only on CUDA sm_90+, with CONFIG["pdl"] and the block-per-thread quantize kernel,
     and launches the quantize kernel with it only right behind the amax kernel it launched itself: not with a

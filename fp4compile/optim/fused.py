@@ -460,14 +460,10 @@ def _q_tree(t, NB: tl.constexpr):
 
 @triton.jit
 def _q_decode_quarter(w, SH: tl.constexpr, s):
-    """4 E2M1 codes (nibbles SH/4 .. SH/4 + 3 of the int32 words ``w`` [NB]) -> value * s (``codec.decode``).
-    The magnitude comes through the magic-number float (:func:`_mag_value_magic`: FP ops, no int->float
-    conversion); the sign bit is OR-ed in (code 8 decodes to -0, as the reference)."""
+    """4 E2M1 codes (nibbles SH/4 .. SH/4 + 3 of the int32 words ``w`` [NB]) -> value * s (``codec.decode``), by
+    the kernels' bit-placement decoder :func:`_e2m1_value` (code 8 decodes to -0, as the reference)."""
     sh = SH + 4 * tl.arange(0, 4)
-    q = w[:, None] >> sh[None, :]
-    m = ((q & 7) | 0x4B400000).to(tl.float32, bitcast=True)
-    v = _mag_value_magic(m).to(tl.int32, bitcast=True) | ((q & 8) << 28)
-    return v.to(tl.float32, bitcast=True) * s[:, None]
+    return _e2m1_value(w[:, None] >> sh[None, :]) * s[:, None]
 
 
 @triton.jit
