@@ -522,20 +522,29 @@ dkdv_contig_ab)
   step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
 decode_ab)
-  # issues 2, 3, 5 on one nvidia-h200 (~6 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
+  # issues 2, 3, 5 on one nvidia-h200 (~7 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
   # pass 1 43.8 -> 41.8 instructions per element and 128 -> 106 registers, Q-AdamW kernel 2 276 -> 258) against
-  # the tree under .ab/old (its parent): GPU bit-exactness of the quantize and fused-optimizer kernels, the
-  # quantize and Q-AdamW benches of both, the full-stack step of both
-  step quant_tests 170 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+  # the tree under .ab/old (its parent: git archive 6c14c11^ fp4compile bench); and the candidate
+  # docs/bench_logs/session28_rtn46_magnitudes.diff (RTN 4/6's two candidates on magnitudes, kept as magic floats:
+  # 58.0 -> 51.2 instructions per element but 128 -> 168 registers) applied to a copy under .ab/cand: GPU
+  # bit-exactness of this tree's and the candidate's quantize kernels and of the fused optimizer, the quantize
+  # bench of all three, Q-AdamW of both, the full-stack step of this tree and the old one
+  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
+    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_rtn46_magnitudes.diff ) || echo "candidate did not apply"
+  step quant_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       -k "ms_eden or bit_exact_large"
-  step optim_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_optim_fused.py
-  step quant_bench 80 python bench/quantize.py --bench --no-eager --reduced
-  ( cd .ab/old && export PYTHONPATH=$PWD && step quant_bench_old 80 python bench/quantize.py --bench --no-eager \
-      --reduced --out "$OUT/old" )
-  step optim 60 python bench/optim.py --skip check,profile,warps,peak,root --out "$OUT/optim.json"
-  ( cd .ab/old && export PYTHONPATH=$PWD && step optim_old 60 python bench/optim.py \
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 120 python -m pytest -m gpu -x -q \
+      -p no:cacheprovider tests/test_quantize_kernels.py -k "bit_exact_large or pdl" )
+  step optim_tests 100 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_optim_fused.py
+  step quant_bench 60 python bench/quantize.py --bench --no-eager
+  ( cd .ab/old && export PYTHONPATH=$PWD && step quant_bench_old 60 python bench/quantize.py --bench --no-eager \
+      --out "$OUT/old" )
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_bench_cand 60 python bench/quantize.py --bench --no-eager \
+      --out "$OUT/cand" )
+  step optim 40 python bench/optim.py --skip check,profile,warps,peak,root --out "$OUT/optim.json"
+  ( cd .ab/old && export PYTHONPATH=$PWD && step optim_old 40 python bench/optim.py \
       --skip check,profile,warps,peak,root --out "$OUT/optim_old.json" )
-  step_ab 150 100 ;;
+  step_ab 120 90 ;;
 attn_bisect)
   # issue 4 (~2 min): the Q-Attn kernels' device time at the step's shape for each tree under .ab/<rev> named in
   # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last
