@@ -522,9 +522,10 @@ dkdv_contig_ab)
   step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
 decode_ab)
-  # issues 2, 3, 5 on one nvidia-h200 (~7 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
-  # pass 1 43.8 -> 41.8 instructions per element and 128 -> 106 registers, Q-AdamW kernel 2 276 -> 258) against
-  # the tree under .ab/old (its parent: git archive 6c14c11^ fp4compile bench); and the candidate
+  # issues 2-5 on one nvidia-h200 (~8 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
+  # pass 1 43.8 -> 41.8 instructions per element and 128 -> 106 registers, Q-AdamW kernel 2 276 -> 258) and the
+  # Q-Attn quantizer's codes by _e2m1_mag_magic (2656 -> 1928 instructions) against the tree under .ab/old (their
+  # parent: git archive 6c14c11^ fp4compile bench); and the candidate
   # docs/bench_logs/session28_rtn46_magnitudes.diff (RTN 4/6's two candidates on magnitudes, kept as magic floats:
   # 58.0 -> 51.2 instructions per element but 128 -> 168 registers) applied to a copy under .ab/cand: GPU
   # bit-exactness of this tree's and the candidate's quantize kernels and of the fused optimizer, the quantize
@@ -536,6 +537,7 @@ decode_ab)
   ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 120 python -m pytest -m gpu -x -q \
       -p no:cacheprovider tests/test_quantize_kernels.py -k "bit_exact_large or pdl" )
   step optim_tests 100 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_optim_fused.py
+  step attn_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
   step quant_bench 60 python bench/quantize.py --bench --no-eager
   ( cd .ab/old && export PYTHONPATH=$PWD && step quant_bench_old 60 python bench/quantize.py --bench --no-eager \
       --out "$OUT/old" )

@@ -415,11 +415,15 @@ I._patch_lang_tensor = _patched
 from fp4compile.kernels import attention as A, attention_ref as R
 import triton, triton.language as tl
 @triton.jit
+def THRESHOLD_CODE(a):  # the E2M1 magnitude code of a >= 0 by its seven rounding thresholds (ties to even)
+    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+@triton.jit
 def E2M1_CHECK(X, Y, Z, W, U, N: tl.constexpr):
     o = tl.arange(0, N)
     a = tl.load(X + o)
-    tl.store(Y + o, A._e2m1_rne(a))
-    tl.store(Z + o, A._e2m1_value(A._e2m1_mag_code(a)))
+    tl.store(Y + o, A._e2m1_mag_magic(a).to(tl.int32, bitcast=True) - 0x4B400000)  # _quant2d_kernel's codes
+    tl.store(Z + o, THRESHOLD_CODE(a))
     tl.store(W + o, A._e2m1_round(-a))
     tl.store(U + o, A._e2m1_round(a))
 def rel(a, b):
@@ -451,13 +455,14 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
 x = x.to(DEV)
-y = torch.empty_like(x)
-z = torch.empty_like(x)
+y = torch.empty_like(x, dtype=torch.int32)
+z = torch.empty_like(x, dtype=torch.int32)
 w = torch.empty_like(x)
 u = torch.empty_like(x)
 E2M1_CHECK[(1,)](x, y, z, w, u, N=4096)
-assert torch.equal(y, z), "_e2m1_rne != threshold form"
-assert torch.equal(u, z) and torch.equal(w, -z), "_e2m1_round(+-x) != +-(threshold form)"
+assert torch.equal(y, z), "_e2m1_mag_magic != threshold form"
+zv = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=DEV)[z.long()]
+assert torch.equal(u, zv) and torch.equal(w, -zv), "_e2m1_round(+-x) != +-(threshold form)"
 for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
         q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))

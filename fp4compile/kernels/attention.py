@@ -56,7 +56,8 @@ LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 if triton is not None:
-    from .quantize import _e2m1_value  # noqa: F401  (the kernels' one E2M1 decoder, called by _quant2d_kernel)
+    # the kernels' one E2M1 encoder (magnitude as MAGIC + code, FP-pipe rounding) and decoder, used by _quant2d_kernel
+    from .quantize import _e2m1_mag_magic, _e2m1_value  # noqa: F401
 
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
@@ -110,31 +111,11 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------------
     # NVFP4 helpers (registers)
     @triton.jit
-    def _e2m1_mag_code(a):
-        """|x|*enc -> 3-bit E2M1 magnitude code, round-to-nearest-even, saturating (== e2m1_rne_codes)."""
-        return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-                + (a > 5.0).to(tl.int32))
-
-    @triton.jit
-    def _e2m1_rne(a):
-        """a >= 0 (|x|*enc) -> its E2M1 value, round-to-nearest-even, saturating at 6; equal to
-        ``_e2m1_value(_e2m1_mag_code(a))`` for every a. The E2M1 grid is uniform with step 1/2 on [0, 2), 1 on
-        [2, 4) and 2 on [4, 6], so a/step (exact: a power-of-two scaling, <= 4) is rounded to an integer by
-        fp32's own round-to-nearest-even (adding and subtracting 1.5 * 2^23); ties land on the even code as
-        the threshold form does. ~8 instructions instead of 7 compares + a decode."""
-        lo = a < 2.0
-        mid = a < 4.0
-        inv = tl.where(lo, 2.0, tl.where(mid, 1.0, 0.5))
-        step = tl.where(lo, 0.5, tl.where(mid, 1.0, 2.0))
-        r = (tl.minimum(a, 6.0) * inv + 12582912.0) - 12582912.0
-        return r * step
-
-    @triton.jit
     def _e2m1_round(x):
-        """Signed fp32 (x*enc) -> its E2M1 value with the sign, round-to-nearest-even, saturating at +-6; equal to
-        ``sign(x) * _e2m1_rne(|x|)`` for every x (a zero may come back as +0 where that gives -0). The E2M1 grid's
-        step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e >= 0, and 1/2 below 1, so adding and subtracting
+        """Signed fp32 (x*enc) -> its E2M1 value with the sign, round-to-nearest-even, saturating at +-6, for every
+        x (a zero may come back as +0 where the sign would give -0; the interpreter test checks it against the
+        threshold form). The E2M1 grid's step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e >= 0, and 1/2 below 1, so
+        adding and subtracting
         M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x to the grid with fp32's
         own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2, 5 -> 4). M is made from
         x's exponent bits; 7 instructions, no selects."""
@@ -272,7 +253,7 @@ if triton is not None:
             enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
             enc4 = tl.broadcast_to(tl.reshape(enc, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
             a = x * tl.reshape(enc4, [BT, D])
-            mag = _e2m1_mag_code(tl.abs(a))
+            mag = _e2m1_mag_magic(tl.abs(a)).to(tl.int32, bitcast=True) - 0x4B400000
             code = tl.where(a < 0, mag | 8, mag)
             base = pid_bh * T
             if WRITE_DEQ:
