@@ -206,11 +206,11 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
     "had128": (dict(rounding="ms_eden", hadamard=128),
                [{}] + [dict(e_impl=1, c_rows=r, c_cols=c, c_warps=w) for r, c, w in
                        [(32, 512, 4), (16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8)]]
-               + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4), (64, 64, 8)]]),
+               + [dict(f_block=b, f_warps=w) for b, w in [(1024, 4), (4096, 4), (4096, 8)]]),
     "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
                 [{}] + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in [(8, 256, 2), (32, 256, 8), (16, 128, 2),
                                                                             (16, 512, 8)]]
-                + [dict(f_rows=r, f_cols=c, f_warps=w) for r, c, w in [(32, 128, 4), (8, 512, 4)]]),
+                + [dict(f_block=b, f_warps=w) for b, w in [(1024, 4), (4096, 8)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
                    + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
@@ -292,8 +292,8 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
         RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br, BC=bc, MAGIC_PACK=K._MAGIC_PACK, num_warps=cfg["e_warps"],
         **K._launch_opts(x.device))
     nbk = Kd // 16
-    p2 = lambda: K._eden_pass2_kernel[(triton.cdiv(R, cfg["f_rows"]), triton.cdiv(nbk, cfg["f_cols"]))](  # noqa
-        scratch, smax, seed, scales, g, R, nbk, BLOCK2D=False, BR=cfg["f_rows"], BN=cfg["f_cols"],
+    p2 = lambda: K._eden_pass2_kernel[(triton.cdiv(R * nbk, cfg["f_block"]),)](  # noqa: E731
+        scratch, smax, seed, scales, g, R * nbk, nbk, BLOCK2D=False, BLOCK=cfg["f_block"],
         num_warps=cfg["f_warps"], **K._launch_opts(x.device))
     cb, cc = cfg["c_rows"], cfg["c_cols"]
     p1c = lambda: K._eden_pass1_chunk_kernel[(triton.cdiv(R, cb), triton.cdiv(Kd, cc))](  # noqa: E731

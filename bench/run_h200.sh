@@ -524,7 +524,8 @@ dkdv_contig_ab)
 decode_ab)
   # issues 2-5 on one nvidia-h200 (~8 min): _mag_value_magic by bit placement (session 28, static sm_90: MS-EDEN
   # pass 1 43.8 -> 41.8 instructions per element and 128 -> 106 registers, Q-AdamW kernel 2 276 -> 258) and the
-  # Q-Attn quantizer's codes by _e2m1_mag_magic (2656 -> 1928 instructions) against the tree under .ab/old (their
+  # Q-Attn quantizer's codes by _e2m1_mag_magic (2656 -> 1928 instructions) and MS-EDEN pass 2 over flat scales
+  # (62 instead of 83-167 instructions per entry at the step's widths) against the tree under .ab/old (their
   # parent: git archive 6c14c11^ fp4compile bench); and the candidate
   # docs/bench_logs/session28_rtn46_magnitudes.diff (RTN 4/6's two candidates on magnitudes, kept as magic floats:
   # 58.0 -> 51.2 instructions per element but 128 -> 168 registers) applied to a copy under .ab/cand: GPU

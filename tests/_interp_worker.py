@@ -116,6 +116,15 @@ def main():
                                      for k, v in compare(got[sl], ref[sl]).items()}
         except Exception as e:  # noqa: BLE001
             report[both_id(case)] = f"{type(e).__name__}: {e}"
+    # MS-EDEN pass 2's 64-bit index path (taken for >= 2^31 scale entries) against the 32-bit one, 2D keys included
+    scratch = data("heavy", (48, 24)).abs()
+    outs = []
+    for wide in (False, True):
+        sc, g = torch.empty((48, 24), dtype=torch.uint8), torch.empty((), dtype=torch.float32)
+        K._eden_pass2_kernel[(triton.cdiv(48 * 24, 256),)](scratch, scratch.max().reshape(()), SEED, sc, g, 48 * 24, 24,
+                                                          BLOCK2D=True, BLOCK=256, WIDE=wide)
+        outs.append((sc, g))
+    report["pass2-wide"] = int((outs[0][0] != outs[1][0]).sum()) + int(outs[0][1] != outs[1][1])
     report["e2m1"] = e2m1_mismatches()
     report["e2m1-decode"] = e2m1_decode_mismatches()
     x = data("heavy", (32, 256))

@@ -110,7 +110,7 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     # blocks below the AMAX_FLUSH floor beside live ones ("special" row 2 is 1e-30: live, tiny E4M3 scales)
     ("wide", (32, 256), "ms_eden", False, False, 0, False),
     ("heavy", (32, 128), "ms_eden", False, True, 16, False, {"rht_impl": 1}),
-    ("heavy", (40, 96), "ms_eden", False, False, 32, False, {"e_rows": 32, "e_cols": 64, "f_rows": 16, "f_cols": 4}),
+    ("heavy", (40, 96), "ms_eden", False, False, 32, False, {"e_rows": 32, "e_cols": 64, "f_block": 64}),
     ("floor", (16, 64), "ms_eden", False, False, 0, False),
     ("tinylive", (16, 64), "ms_eden", False, False, 0, False),
     # MS-EDEN + RHT-128 pass 1: a block per thread (e_impl 0) and a 128-chunk per thread (1) with partial tiles
@@ -149,9 +149,11 @@ def test_interpreter_bit_exact(case, interp_report):
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 def test_interpreter_e2m1_and_amax(interp_report):
     """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; _e2m1_value (the
-    kernels' E2M1 decoder) on all 16 codes against ml_dtypes, bit for bit; given-amax mode."""
+    kernels' E2M1 decoder) on all 16 codes against ml_dtypes, bit for bit; given-amax mode; MS-EDEN pass 2's
+    64-bit index path."""
     assert interp_report["e2m1"] == 0
     assert interp_report["e2m1-decode"] == 0
+    assert interp_report["pass2-wide"] == 0     # MS-EDEN pass 2's 64-bit index path = the 32-bit one
     assert interp_report["given-amax"] == {"codes": 0, "scales": 0, "global": 0}
 
 

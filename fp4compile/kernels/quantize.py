@@ -838,17 +838,21 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
 
 
 @triton.jit
-def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, R, NBK,
-                       BLOCK2D: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on a [BR, BN] tile of the [R, K/16] scales:
-    global = max S' / 256, r = S' / global, stochastically rounded to an E4M3 neighbour. The lower neighbour
-    is r truncated to E4M3 (its bit pattern: exponent and top 3 mantissa bits; r * 512 below 2^-6), the step
-    hi - lo a power of two, so p = (r - lo) * (1 / step) is the reference's exact (r - lo) / (hi - lo)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rows < R)[:, None] & (cols < NBK)[None, :]
-    off = rows.to(tl.int64)[:, None] * NBK + cols[None, :]
-    s = tl.load(scratch_ptr + off, mask=mask, other=0.0)
+def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, N, NBK,
+                       BLOCK2D: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
+    """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on BLOCK consecutive entries of the [R, K/16] scales,
+    seen flat (N = R * K/16 entries; every lane has an entry whatever K/16 is, the row width of the 124M step's
+    scales being 48 to 192): global = max S' / 256, r = S' / global, stochastically rounded to an E4M3 neighbour.
+    The lower neighbour is r truncated to E4M3 (its bit pattern: exponent and top 3 mantissa bits; r * 512 below
+    2^-6), the step hi - lo a power of two, so p = (r - lo) * (1 / step) is the reference's exact (r - lo) / (hi -
+    lo). The uniform is keyed by the entry's flat index (2D blocks: that of the first row of its 16-row tile).
+    ``WIDE``: 64-bit indices (N >= 2^31)."""
+    if WIDE:
+        f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = f < N
+    s = tl.load(scratch_ptr + f, mask=mask, other=0.0)
     m = tl.load(smax_ptr)
     live = m > 0
     gs = tl.where(live, m * 0.00390625, 0.0)
@@ -863,16 +867,15 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
     inv_step = tl.where(normal, (0x7F000000 - ((bits & 0x7F800000) - 0x1800000)).to(tl.float32, bitcast=True), 512.0)
     p = (r - lo) * inv_step
     k0, k1 = _seed_keys(seed_ptr)
-    brow = rows
+    idx = f
     if BLOCK2D:
-        brow = rows - rows % 16
-    # the flat block index mod 2^32 (int32 wrap-around, reinterpreted as uint32)
-    u = _uniform32(k0, k1, (brow[:, None] * NBK + cols[None, :]).to(tl.uint32, bitcast=True))
+        idx = f - ((f // NBK) % 16) * NBK
+    # the flat block index mod 2^32 (the truncation to uint32)
+    u = _uniform32(k0, k1, idx.to(tl.uint32))
     code = tl.where(u < p, code + 1, code)
-    tl.store(scales_ptr + off, code.to(tl.uint8), mask=mask)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    tl.store(scales_ptr + f, code.to(tl.uint8), mask=mask)
+    if tl.program_id(0) == 0:
         tl.store(gscale_ptr, gs)
-
 
 
 @triton.jit
@@ -943,7 +946,9 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: and 344 us; the first kernel: 5884 us); 1 = load the tile in x's own orientation and ``tl.trans`` it (2894 us).
 #: MS-EDEN (post hoc range alignment, :func:`_quantize_eden`): ``e_*`` pass 1 over x (16x256, 4 warps, the tile
 #: of the former RHT quantize kernel; ``t_*`` for the in-kernel transposed paths), ``f_*`` pass 2 over the
-#: [R, K/16] FP32 block scales. ``e_impl`` 1: for RHT-128 on contiguous rows with 1x16 blocks, pass 1 gives each
+#: [R, K/16] FP32 block scales, flat (``f_block`` entries per program, 16 per thread; until session 28 16x128
+#: tiles, which left 62 % of the lanes idle at K/16 = 48: static sm_90 62 instructions per entry against 83-167 at
+#: the 124M step's K/16 of 48-192). ``e_impl`` 1: for RHT-128 on contiguous rows with 1x16 blocks, pass 1 gives each
 #: thread a whole 128-chunk (:func:`_eden_pass1_chunk_kernel`, tiles ``c_*``: rows x columns, c_rows * c_cols / 128
 #: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
 #: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
@@ -962,7 +967,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "dt_rows": 64, "dt_cols": 64, "dt_warps": 4,
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
-          "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_rows": 16, "f_cols": 128, "f_warps": 4,
+          "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1}
 
@@ -1202,9 +1207,9 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
             num_warps=warps, **opts)
     nbk = K // 16
-    launch(_eden_pass2_kernel, (cdiv(R, cfg["f_rows"]), cdiv(nbk, cfg["f_cols"])),
-        scratch, smax, seed, scales, gscale, R, nbk, BLOCK2D=bool(block2d), BR=cfg["f_rows"], BN=cfg["f_cols"],
-        num_warps=cfg["f_warps"], **opts)
+    launch(_eden_pass2_kernel, (cdiv(R * nbk, cfg["f_block"]),),
+        scratch, smax, seed, scales, gscale, R * nbk, nbk, BLOCK2D=bool(block2d), BLOCK=cfg["f_block"],
+        WIDE=R * nbk + cfg["f_block"] >= 2 ** 31, num_warps=cfg["f_warps"], **opts)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, hadamard: int = 0,
