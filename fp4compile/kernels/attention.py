@@ -115,10 +115,9 @@ if triton is not None:
         """Signed fp32 (x*enc) -> its E2M1 value with the sign, round-to-nearest-even, saturating at +-6, for every
         x (a zero may come back as +0 where the sign would give -0; the interpreter test checks it against the
         threshold form). The E2M1 grid's step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e >= 0, and 1/2 below 1, so
-        adding and subtracting
-        M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x to the grid with fp32's
-        own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2, 5 -> 4). M is made from
-        x's exponent bits; 7 instructions, no selects."""
+        adding and subtracting M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x
+        to the grid with fp32's own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2,
+        5 -> 4). M is made from x's exponent bits; 7 instructions, no selects."""
         c = tl.minimum(tl.maximum(x, -6.0), 6.0)
         bits = c.to(tl.uint32, bitcast=True)
         e = tl.maximum(bits & 0x7F800000, 0x3F800000)
