@@ -291,6 +291,7 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
     out.meta["fp4"] = rec
     rec["node"] = out.name
     n.replace_all_uses_with(out)
+    cache.replace_source(n, out)
     graph.erase_node(n)
     return rec
 

@@ -126,6 +126,17 @@ class QuantCache:
             self.dequants[(copy.node, transpose)] = d
         return d
 
+    def replace_source(self, old: Node, new: Node) -> None:
+        """``old`` (a GEMM the linear rewrite replaced) is ``new`` from now on: copies made from it (or keyed on it
+        through a view) are re-keyed and re-sourced on ``new``, so later lookups of the same tensor find them and
+        their ``src`` is a node of the graph. A copy already keyed on ``new`` is kept."""
+        for key in [k for k in self.copies if k[0] is old]:
+            c = self.copies.pop(key)
+            self.copies.setdefault((new,) + key[1:], dataclasses.replace(c, src=new) if c.src is old else c)
+        for k, c in self.fwd.items():
+            if c.src is old:
+                self.fwd[k] = dataclasses.replace(c, src=new)
+
     def pair_layouts(self) -> int:
         """Merge each tensor's row-wise and transposed MS-EDEN copies (1x16 blocks, each a fresh ``quantize``
         node) into one ``fp4compile::quantize_both`` node, whose CUDA kernel makes the transposed copy from the
@@ -145,11 +156,9 @@ class QuantCache:
             if len(pair) != 2:
                 continue
             (krow, row), (kcol, col) = pair[False], pair[True]
-            # the quantize nodes' own arguments: a GEMM rewritten after its copies were made replaced its output
-            # node (the copy's recorded ``src``) in their arguments
-            src, signs, signs_t = row.node.args[0], row.node.args[5], col.node.args[5]
-            args = (src, row.qspec.hadamard, signs, None, col.qspec.hadamard, signs_t, None)
-            node, *items = add_call(self.graph, QUANTIZE_BOTH, args, after=later(later(src, signs), signs_t),
+            src = row.src
+            args = (src, row.qspec.hadamard, row.signs, None, col.qspec.hadamard, col.signs, None)
+            node, *items = add_call(self.graph, QUANTIZE_BOTH, args, after=later(later(src, row.signs), col.signs),
                                     anchor=src)
             for n in (node, *items):
                 _copy_meta(src, n)
