@@ -1060,6 +1060,27 @@ def amax(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = Non
                  bool(transpose and cfg["t_impl"]))
 
 
+def _check_input(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{what} takes a 2D tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{what} takes float32/float16/bfloat16, got {x.dtype}")
+
+
+def _check_quantized(n: int, hadamard: int, what: str = "the quantized dimension") -> None:
+    """A quantized dimension of ``n`` elements: whole 16-blocks, and whole RHT groups under ``hadamard``."""
+    if n % 16:
+        raise ValueError(f"{what} must be a multiple of 16, got {n}")
+    if hadamard and (hadamard not in (16, 32, 64, 128) or n % hadamard):
+        raise ValueError(f"hadamard={hadamard} must be 16/32/64/128 and divide {what} ({n})")
+
+
+def _empty_copy(R: int, K: int, dev):
+    """Uninitialized outputs of an [R, K] quantization: codes [R, K/2], scale bytes [R, K/16], global scale."""
+    return (torch.empty((R, K // 2), dtype=torch.uint8, device=dev),
+            torch.empty((R, K // 16), dtype=torch.uint8, device=dev), torch.empty((), dtype=torch.float32, device=dev))
+
+
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
              hadamard: int = 0, signs: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
              transpose: bool = False, config: Optional[dict] = None, amax: Optional[torch.Tensor] = None):
@@ -1077,10 +1098,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     MS-EDEN reads x once anyway (its global scale is aligned after the block scales) and rejects ``amax``.
     """
     cfg = _config(x.device, config)
-    if x.dim() != 2:
-        raise ValueError(f"quantize kernel takes a 2D tensor, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"quantize kernel takes float32/float16/bfloat16, got {x.dtype}")
+    _check_input(x, "quantize kernel")
     if rounding not in _ROUNDING_ID:
         raise ValueError(f"rounding must be one of {tuple(_ROUNDING_ID)}, got {rounding!r}")
     if rounding == "ms_eden" and four_over_six:
@@ -1088,27 +1106,22 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     if rounding == "ms_eden" and amax is not None:
         raise ValueError("rounding='ms_eden' takes no amax: its block scales come first and the global scale is "
                          "aligned to their max afterwards (formats.schemes)")
+    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
+    _check_quantized(K, hadamard)
+    if block2d and R % 16:
+        raise ValueError(f"2D 16x16 blocks need both dimensions to be multiples of 16, got {R}x{K}")
     if transpose and cfg["t_impl"] == 2 and x.numel():  # one transposing copy, then the row-wise kernels
         x, a = _transpose(x, cfg, amax is None and not hadamard and rounding != "ms_eden")
         transpose = False
         amax = a if a is not None else amax
-    R, K = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     srow, scol = (x.stride(1), x.stride(0)) if transpose else (x.stride(0), x.stride(1))
-    if K % 16:
-        raise ValueError(f"quantized dimension must be a multiple of 16, got {K}")
-    if block2d and R % 16:
-        raise ValueError(f"2D 16x16 blocks need both dimensions to be multiples of 16, got {R}x{K}")
-    if hadamard and (hadamard not in (16, 32, 64, 128) or K % hadamard):
-        raise ValueError(f"hadamard={hadamard} must be 16/32/64/128 and divide the quantized dimension {K}")
     dev = x.device
     sg = prepare_signs(signs, hadamard, dev)
     if rounding != "rtn":
         seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
     else:
         seed = placeholder(dev, torch.int64)
-    codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
-    gscale = torch.empty((), dtype=torch.float32, device=dev)
+    codes, scales, gscale = _empty_copy(R, K, dev)
     if R == 0 or K == 0:
         gscale.zero_()
         return codes, scales, gscale
@@ -1154,22 +1167,14 @@ def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tens
     transpose that the second quantization reads (the transposing copy of ``quantize(..., transpose=True)`` is not
     a pass of its own). Returns the six tensors (codes, scales, global) row-wise then transposed."""
     cfg = _config(x.device, config)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_both takes a 2D tensor, got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"quantize_both takes float32/float16/bfloat16, got {x.dtype}")
+    _check_input(x, "quantize_both")
     R, K = x.shape
-    for n, h, what in ((K, hadamard, "columns"), (R, hadamard_t, "rows")):
-        if n % 16:
-            raise ValueError(f"both layouts are quantized: the {what} ({n}) must be a multiple of 16")
-        if h and (h not in (16, 32, 64, 128) or n % h):
-            raise ValueError(f"hadamard={h} must be 16/32/64/128 and divide the {what} ({n})")
+    _check_quantized(K, hadamard, "the columns (the row-wise copy's quantized dimension)")
+    _check_quantized(R, hadamard_t, "the rows (the transposed copy's quantized dimension)")
     dev = x.device
     sg = prepare_signs(signs, hadamard, dev)
     seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
-    codes = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((R, K // 16), dtype=torch.uint8, device=dev)
-    gscale = torch.empty((), dtype=torch.float32, device=dev)
+    codes, scales, gscale = _empty_copy(R, K, dev)
     xt = torch.empty((K, R), dtype=x.dtype, device=dev)
     if x.numel() == 0:
         gscale.zero_()
