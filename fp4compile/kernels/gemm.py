@@ -504,6 +504,11 @@ HALF_REGA_CONFIGS = [
 #: do not fit shared memory are dropped by the autotuner)
 TMA_CONFIGS = [
     _cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True),
+    # the same tile with the persistent loop flattened (``tl.range(flatten=True)``: the next tile's loads are
+    # issued while the current tile's epilogue runs): matched cuBLAS on the 124M fprop shapes in the GPU-time
+    # table of docs/BENCHMARKS.md "GEMM" (2026-11-29: qkv.fprop 84 vs 94 us unflattened, fc1.fprop 116 vs 123,
+    # proj.fprop 31 vs 34) and lost on the wgrad shapes (153 vs 86 us), which the autotuner then leaves
+    _cfg(128, 256, 64, 8, 3, EPI_SUBTILE=True, FLATTEN=True),
     _cfg(128, 128, 64, 8, 4, EPI_SUBTILE=False),
     _cfg(128, 128, 64, 4, 4, EPI_SUBTILE=False),
     _cfg(256, 128, 64, 8, 3, EPI_SUBTILE=True),
@@ -547,14 +552,20 @@ def _tma_block_hook(nargs):
     nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPI_SUBTILE"] else bn]
 
 
-def _get_tma_kernel():
-    if "tma" not in _tuned:
-        configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+def _get_tma_kernel(flatten: bool = False):
+    """The autotuned TMA GEMM over :data:`TMA_CONFIGS` (each config sets FLATTEN, False where it does not say);
+    ``flatten=True``: every config with the persistent loop flattened."""
+    name = "tma_flat" if flatten else "tma"
+    if name not in _tuned:
+        configs = [triton.Config(dict({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                      FLATTEN=flatten or c.get("FLATTEN", False)),
                                  num_warps=c["num_warps"], num_stages=c["num_stages"], pre_hook=_tma_block_hook)
                    for c in TMA_CONFIGS]
-        _tuned["tma"] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32"], warmup=5, rep=20)(
+        if flatten:  # drop the duplicates flattening made
+            configs = [c for i, c in enumerate(configs) if all(str(c) != str(d) for d in configs[:i])]
+        _tuned[name] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32"], warmup=5, rep=20)(
             _bf16_tma_gemm_kernel)
-    return _tuned["tma"]
+    return _tuned[name]
 
 
 _SMS: dict = {}
@@ -644,7 +655,8 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     products are exact, the sums FP32, the global scales applied to the FP32 accumulator.
     ``config``: an explicit tile (keys of :data:`TMA_CONFIGS`); default autotunes on CUDA.
     ``warp_specialize``, ``flatten``: Triton's automatic warp specialization / loop flattening of the
-    persistent loop (experimental on sm_90; measured in bench/gemm.py --lower)."""
+    persistent loop for every config (experimental on sm_90; measured in bench/gemm.py --lower); without
+    ``flatten`` the autotuner still tries the one flattened entry of :data:`TMA_CONFIGS`."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"bf16_gemm_scaled takes bf16 operands, got {a.dtype}/{b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -680,7 +692,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
         nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
         launch(_bf16_tma_gemm_kernel, (nsm,), ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn,
                BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
-               WARP_SPEC=warp_specialize, FLATTEN=flatten,
+               WARP_SPEC=warp_specialize, FLATTEN=flatten or bool(c.get("FLATTEN", False)),
                OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else cdiv(K, bk),
                num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
         return out
@@ -689,12 +701,15 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     cd = TensorDescriptor(out, out.shape, out.stride(), dummy)
     nsm = _num_sms(a.device)
     grid = lambda meta: (min(nsm, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
-    kern = _get_tma_kernel()
+    kern = _get_tma_kernel(flatten)
     kern[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
-               FLATTEN=flatten, OUT_FP32=out_dtype == torch.float32)
+               OUT_FP32=out_dtype == torch.float32)
     if not torch.cuda.is_current_stream_capturing():
         best = kern.best_config
-        _TMA_BEST[tuned_key] = dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+        kw = dict(best.kwargs)
+        if kw.pop("FLATTEN", False) and not flatten:
+            kw["FLATTEN"] = True  # TMA_CONFIGS' flattened entry (with flatten=True every config is flattened)
+        _TMA_BEST[tuned_key] = dict(kw, num_warps=best.num_warps, num_stages=best.num_stages)
         _store_tuned(tuned_key, _TMA_BEST[tuned_key])
     return out
 
