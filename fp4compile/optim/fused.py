@@ -424,39 +424,30 @@ def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _q_signs(s_ptr, k: tl.constexpr, NB: tl.constexpr, D: tl.constexpr):
-    """The RHT signs of quarter k as sign-bit masks (int32: -1 -> 0x80000000, +1 -> 0): [1, 4] (D = 16) or [NB, 4]
-    (block b uses signs (b mod D/16) * 16 + ...). Applied by :func:`_q_flip` (an XOR, full rate) instead of a
-    multiply by the sign converted to float (an I2F each, on the quarter-rate conversion pipe: 64 per thread)."""
+    """The RHT signs of quarter k: [1, 4] (D = 16) or [NB, 4] (block b uses signs (b mod D/16) * 16 + ...)."""
     j = 4 * k + tl.arange(0, 4)
     if D == 16:
         s = tl.load(s_ptr + j)[None, :]
     else:
         s = tl.load(s_ptr + ((tl.arange(0, NB) % (D // 16)) * 16)[:, None] + j[None, :])
-    return s.to(tl.int32) & -2147483648
-
-
-@triton.jit
-def _q_flip(x, sb):
-    """x * s for a sign s given as its sign-bit mask ``sb`` (:func:`_q_signs`): the same bits as the FP32
-    multiply by +-1 (signed zeros included; only a NaN's payload could differ)."""
-    return (x.to(tl.int32, bitcast=True) ^ sb).to(tl.float32, bitcast=True)
+    return s.to(tl.float32)
 
 
 @triton.jit
 def _q_rht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
     """``codec.rht``: (x * s) H_D * (1 / sqrt(D))."""
-    x0, x1, x2, x3 = _q_fwht(_q_flip(x0, _q_signs(s_ptr, 0, NB, D)), _q_flip(x1, _q_signs(s_ptr, 1, NB, D)),
-                             _q_flip(x2, _q_signs(s_ptr, 2, NB, D)), _q_flip(x3, _q_signs(s_ptr, 3, NB, D)), NB, D)
+    x0, x1, x2, x3 = _q_fwht(x0 * _q_signs(s_ptr, 0, NB, D), x1 * _q_signs(s_ptr, 1, NB, D),
+                             x2 * _q_signs(s_ptr, 2, NB, D), x3 * _q_signs(s_ptr, 3, NB, D), NB, D)
     return x0 * NORM, x1 * NORM, x2 * NORM, x3 * NORM
 
 
 @triton.jit
 def _q_irht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """``codec.inverse_rht``: (y H_D * (1 / sqrt(D))) * s, as (y H_D * (1 / sqrt(D))) with s's sign bit applied: the
-    bits of the reference's one product y H_D * (s / sqrt(D)) (rounding is symmetric in the sign; s = +-1)."""
+    """``codec.inverse_rht``: (y H_D * (1 / sqrt(D))) * s, as one product y H_D * (s / sqrt(D)) (s = +-1: the same
+    bits, signed zeros included)."""
     x0, x1, x2, x3 = _q_fwht(x0, x1, x2, x3, NB, D)
-    return (_q_flip(x0 * NORM, _q_signs(s_ptr, 0, NB, D)), _q_flip(x1 * NORM, _q_signs(s_ptr, 1, NB, D)),
-            _q_flip(x2 * NORM, _q_signs(s_ptr, 2, NB, D)), _q_flip(x3 * NORM, _q_signs(s_ptr, 3, NB, D)))
+    return (x0 * (_q_signs(s_ptr, 0, NB, D) * NORM), x1 * (_q_signs(s_ptr, 1, NB, D) * NORM),
+            x2 * (_q_signs(s_ptr, 2, NB, D) * NORM), x3 * (_q_signs(s_ptr, 3, NB, D) * NORM))
 
 
 @triton.jit
