@@ -369,3 +369,32 @@ def test_tma_autotune_choice_round_trips_through_the_disk_cache(tmp_path, monkey
     assert G._load_tuned(key) == choice  # a new choice replaces the corrupt entry
     monkeypatch.setattr(G, "AUTOTUNE_CACHE", False)
     assert G._load_tuned(key) is None
+
+
+def test_tma_autotune_space_has_one_flattened_tile_and_its_choice_round_trips(tmp_path, monkeypatch):
+    """The autotuner's space is TMA_CONFIGS with FLATTEN set on each config (True on exactly one entry); with
+    ``flatten=True`` every config is flattened and the duplicates dropped. Every config the autotuner can choose maps
+    back to a TMA_CONFIGS entry (``_tma_choice``), so the choice round-trips through the disk cache, the flattened
+    entry included, while a flattened copy of another tile is not a candidate."""
+    from fp4compile.kernels import gemm as G
+
+    plain = G._get_tma_kernel(False).configs
+    assert len(plain) == len(G.TMA_CONFIGS)
+    assert [c.kwargs["FLATTEN"] for c in plain].count(True) == 1
+    flat = G._get_tma_kernel(True).configs
+    assert all(c.kwargs["FLATTEN"] for c in flat)
+    assert len(flat) == len({str(c) for c in flat}) == len(G.TMA_CONFIGS) - 1
+    for configs, flatten in ((plain, False), (flat, True)):
+        for c in configs:
+            assert G._tma_choice(c, flatten) in G.TMA_CONFIGS, (c, flatten)
+    flattened = G._tma_choice(next(c for c in plain if c.kwargs["FLATTEN"]), False)
+    assert flattened["FLATTEN"] is True
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(G, "AUTOTUNE_CACHE", True)
+    key = (16384, 2304, 768, torch.bfloat16, 0, False, False)
+    G._store_tuned(key, flattened)
+    assert G._load_tuned(key) == flattened
+    G._store_tuned(key, dict(G.TMA_CONFIGS[2], FLATTEN=True))  # a flattened copy of another tile
+    assert G._load_tuned(key) is None

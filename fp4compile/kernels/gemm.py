@@ -568,6 +568,16 @@ def _get_tma_kernel(flatten: bool = False):
     return _tuned[name]
 
 
+def _tma_choice(config, flatten: bool) -> dict:
+    """The :data:`TMA_CONFIGS` entry of one of :func:`_get_tma_kernel`'s configs, as kept in ``_TMA_BEST`` and on
+    disk: FLATTEN is kept only for TMA_CONFIGS' flattened entry (with ``flatten=True`` every config is flattened
+    and the launch flattens whatever entry was chosen)."""
+    kw = dict(config.kwargs)
+    if kw.pop("FLATTEN", False) and not flatten:
+        kw["FLATTEN"] = True
+    return dict(kw, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 _SMS: dict = {}
 #: the autotuner's choice per (M, N, K, out dtype, device, warp_specialize, flatten) of the TMA GEMM: later
 #: calls launch that config directly, skipping the autotuner's per-call work (same kernel, same numerics)
@@ -705,11 +715,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     kern[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
                OUT_FP32=out_dtype == torch.float32)
     if not torch.cuda.is_current_stream_capturing():
-        best = kern.best_config
-        kw = dict(best.kwargs)
-        if kw.pop("FLATTEN", False) and not flatten:
-            kw["FLATTEN"] = True  # TMA_CONFIGS' flattened entry (with flatten=True every config is flattened)
-        _TMA_BEST[tuned_key] = dict(kw, num_warps=best.num_warps, num_stages=best.num_stages)
+        _TMA_BEST[tuned_key] = _tma_choice(kern.best_config, flatten)
         _store_tuned(tuned_key, _TMA_BEST[tuned_key])
     return out
 
