@@ -7,7 +7,13 @@ API that every tree since session 20 has (``attention_fwd`` / ``attention_bwd`` 
 Prints one table row per (roles, kernel): mean device µs over 20 forward+backward calls (profiler), and a digest of
 dQ, dK, dV (trees whose kernels compute the same values print the same digest).
 
-    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D]
+    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D] [--sass]
+
+``--sass``: also print, for every backward kernel the runs compiled (Triton's in-process cache), its registers,
+spills, shared memory, SASS instruction count and a digest of its instruction sequence (addresses and encodings
+dropped), and the same for the kernel as ``bench/attention_sass.py`` compiles it offline: whether two trees launch
+the same machine code, and whether the offline compile is the launched one (issue 4's dK/dV question: session 29
+found 310 µs for a tree whose offline SASS is that of the 271-µs kernel).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--shape", default="16,12,1024,64")
+    ap.add_argument("--sass", action="store_true", help="digest the launched backward kernels' SASS")
     args = ap.parse_args()
     B, H, T, D = map(int, args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -51,7 +58,52 @@ def main() -> int:
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
             if "_kernel" in e.key and e.self_device_time_total > 0:
                 print(f"| {args.label} | {name} | {e.key} | {e.self_device_time_total / n:.1f} |", flush=True)
+    if args.sass:
+        sass_report(args.label, D)
     return 0
+
+
+def _digest(cubin: bytes) -> tuple:
+    """(instruction count, registers, local bytes, 12-hex digest of the instruction sequence) of a cubin: each
+    SASS line without its address comment and encoding, so two compiles of the same code digest alike."""
+    import re
+
+    from fp4compile.kernels.offline import disassemble, sass_stats
+
+    n, _, regs, local = sass_stats(cubin)
+    lines = []
+    for line in disassemble(cubin).splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            lines.append(re.sub(r"\s+", " ", m.group(1)))
+    return n, regs, local, hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+def sass_report(label: str, D: int) -> None:
+    """The launched backward kernels' machine code (from Triton's in-process cache) and the offline compile's."""
+    import os
+    import sys
+
+    for kname in ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
+        fn = getattr(A, kname)
+        for dev, caches in fn.device_caches.items():
+            for key, k in caches[0].items():
+                n, regs, local, dig = _digest(k.asm["cubin"])
+                md = k.metadata
+                print(f"# {label} launched {kname}: {n} SASS, {regs} regs, {local} B local, shared {md.shared}, "
+                      f"warps {md.num_warps}, stages {md.num_stages}, sequence {dig}, "
+                      f"key {hashlib.sha256(str(key).encode()).hexdigest()[:12]}", flush=True)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import attention_sass as S
+
+        for kname in ("dkdv", "dq"):
+            for fp4 in (False, True):
+                n, regs, local, dig = _digest(S.compile_kernel(kname, D, fp4))
+                print(f"# {label} offline {kname} fp4={fp4}: {n} SASS, {regs} regs, {local} B local, "
+                      f"sequence {dig}", flush=True)
+    except Exception as e:  # noqa: BLE001  (an old tree's kernel signature the offline spec does not fit)
+        print(f"# {label} offline compile failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

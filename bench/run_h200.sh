@@ -564,10 +564,13 @@ decode_ab)
   step_ab 120 90 ;;
 attn_bisect)
   # issue 4 (~2 min): the Q-Attn kernels' device time at the step's shape for each tree under .ab/<rev> named in
-  # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last
+  # BISECT (default: every tree there, oldest first as listed in .ab/ORDER), this tree first and last; ATTN_SASS=1:
+  # also the launched backward kernels' SASS digests and the offline compile's (session 29's dK/dV question:
+  # ATTN_SASS=1 BISECT=05bb13a with .ab/05bb13a = git archive 05bb13a fp4compile, and .ab/cand from
+  # docs/bench_logs/session28_dkdv_contig.diff)
   for t in head ${BISECT:-$(cat .ab/ORDER 2>/dev/null)} head2; do
     if [ "${t:0:4}" = head ]; then P=$PWD; else P=$PWD/.ab/$t; fi
-    PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
+    PYTHONPATH=$P step "attn_at_$t" 90 python bench/attention_kernels_at.py --label "$t" ${ATTN_SASS:+--sass}
   done ;;
 attn_step)
   # issue 4 + 3 on one nvidia-h200 (~7 min): the attention table of this tree and of an older one carried under
