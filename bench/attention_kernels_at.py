@@ -90,8 +90,8 @@ def sass_report(label: str, D: int) -> None:
             for key, k in caches[0].items():
                 n, regs, local, dig = _digest(k.asm["cubin"])
                 md = k.metadata
-                print(f"# {label} launched {kname}: {n} SASS, {regs} regs, {local} B local, shared {md.shared}, "
-                      f"warps {md.num_warps}, stages {md.num_stages}, sequence {dig}, "
+                print(f"# {label} launched {kname}: {n} SASS, {regs} regs, {local} B local, shared {getattr(md, 'shared', '?')}, "
+                      f"warps {getattr(md, 'num_warps', '?')}, stages {getattr(md, 'num_stages', '?')}, sequence {dig}, "
                       f"key {hashlib.sha256(str(key).encode()).hexdigest()[:12]}", flush=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
