@@ -89,9 +89,9 @@ def sass_report(label: str, D: int) -> None:
         for dev, caches in fn.device_caches.items():
             for key, k in caches[0].items():
                 n, regs, local, dig = _digest(k.asm["cubin"])
-                md = k.metadata
-                print(f"# {label} launched {kname}: {n} SASS, {regs} regs, {local} B local, shared {getattr(md, 'shared', '?')}, "
-                      f"warps {getattr(md, 'num_warps', '?')}, stages {getattr(md, 'num_stages', '?')}, sequence {dig}, "
+                shared, warps, stages = (getattr(k.metadata, a, "?") for a in ("shared", "num_warps", "num_stages"))
+                print(f"# {label} launched {kname}: {n} SASS, {regs} regs, {local} B local, shared {shared}, "
+                      f"warps {warps}, stages {stages}, sequence {dig}, "
                       f"key {hashlib.sha256(str(key).encode()).hexdigest()[:12]}", flush=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
