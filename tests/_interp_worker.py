@@ -51,6 +51,32 @@ def e2m1_decode_mismatches():
     return int((out.numpy().view(np.uint32) != ref.view(np.uint32)).sum())
 
 
+@triton.jit
+def _mag_value_probe(x_ptr, out_ptr, out7_ptr, N: tl.constexpr):
+    a = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), K._mag_value_magic(K._e2m1_mag_magic(a)))
+    tl.store(out7_ptr + tl.arange(0, N), K._mag_value_magic(K._e2m1_mag_magic_le7(tl.minimum(a, 6.5))))
+
+
+def mag_value_mismatches():
+    """_mag_value_magic (the E2M1 magnitude value from MAGIC + code) of both magnitude code maps, on every E2M1
+    grid point and rounding threshold with their FP32 neighbours and random magnitudes in [0, 8) (the clamped map
+    also above 6, the le7 map below 7), against ml_dtypes' float4_e2m1fn rounding of the magnitude (clamped to 6)."""
+    import ml_dtypes
+    import numpy as np
+
+    pts = torch.tensor([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 6.5, 7, 8, 100])
+    near = torch.cat([pts, torch.nextafter(pts, pts + 1), torch.nextafter(pts, pts - 1).clamp(min=0)])
+    g = torch.Generator().manual_seed(5)
+    a = torch.cat([near, torch.rand(4096 - near.numel(), generator=g) * 8])
+    out, out7 = torch.empty_like(a), torch.empty_like(a)
+    _mag_value_probe[(1,)](a, out, out7, N=4096)
+    ref = np.minimum(a.numpy(), 6.0).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    ref7 = np.minimum(a.numpy(), 6.5).clip(max=6.0).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return int((out.numpy().view(np.uint32) != ref.view(np.uint32)).sum()
+               + (out7.numpy().view(np.uint32) != ref7.view(np.uint32)).sum())
+
+
 def e2m1_mismatches():
     """Every FP32 in [2^-3, 2^4) with the low 12 mantissa bits sampled at 0, 1, 2^11-1, 2^11, 2^11+1, 2^12-1
     (so every E2M1 tie and its neighbours), both signs, plus zeros, subnormals and huge values."""
@@ -127,6 +153,7 @@ def main():
     report["pass2-wide"] = int((outs[0][0] != outs[1][0]).sum()) + int(outs[0][1] != outs[1][1])
     report["e2m1"] = e2m1_mismatches()
     report["e2m1-decode"] = e2m1_decode_mismatches()
+    report["mag-value"] = mag_value_mismatches()
     x = data("heavy", (32, 256))
     got = K.quantize(x, "sr", hadamard=32, signs=SIGNS[:32], seed=SEED, amax=K.amax(x, 32, SIGNS[:32]))
     report["given-amax"] = compare(got, ops._quantize_reference(x, "sr", False, False, 32, SIGNS[:32], SEED, False))

@@ -189,12 +189,14 @@ def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
 
 @triton.jit
 def _mag_value_magic(m):
-    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`), exactly: MAGIC = 1.5 * 2^23 has
-    zero low mantissa bits, so the code c (0..7) is m's three low bits, and placed at float bits 24..22 it is the
-    value times 2^-126 (the bit placement of :func:`_e2m1_value`; 0.5 becomes the subnormal 2^-127, kept: no kernel
-    flushes subnormals), times 2^126. An AND, a shift and a multiply (the former max(c/2, c - 2, 2c - 8) on m took
-    two FMAs, a subtract and two max)."""
-    return ((m.to(tl.int32, bitcast=True) & 7) << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    """E2M1 magnitude value from ``m`` = MAGIC + code (:func:`_e2m1_mag_magic`), exactly: MAGIC = 1.5 * 2^23 =
+    0x4B400000 has no set bit below bit 22, so shifting m's bits left by 22 drops MAGIC's bits and leaves the code c
+    (0..7) at float bits 24..22, the value times 2^-126 (the bit placement of :func:`_e2m1_value`; 0.5 becomes the
+    subnormal 2^-127, kept: no kernel flushes subnormals), times 2^126. One shift and one multiply. Valid for
+    m = MAGIC + c with c in 0..7, which every producer returns (:func:`_e2m1_mag_magic` clamps at 7,
+    :func:`_e2m1_mag_magic_le7` is only given a < 7); a NaN m gives a NaN value (the former AND with 7 gave 6, but a
+    NaN m only comes from a NaN magnitude, whose products are NaN either way)."""
+    return (m.to(tl.uint32, bitcast=True) << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
