@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -521,6 +521,21 @@ dkdv_contig_ab)
       --steps 20 --warmup 3 --profile --json "$OUT/train_step_cand.jsonl" )
   step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
+trim_ab)
+  # issues 2, 3, 5 on one nvidia-h200 (~6 min): a static-only trim (session 29: _mag_value_magic by one shift,
+  # MS-EDEN pass 1 RHT-128 41.8 -> 40.8 SASS instructions per element, Q-AdamW 4120 -> 4056 per thread) against the
+  # tree under .ab/old (git archive 7c3c7a8^ fp4compile bench): GPU bit-exactness of the quantize kernels and the
+  # fused optimizer, the quantize bench and Q-AdamW of both (alternating), the full-stack step of both
+  step quant_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      -k "ms_eden or bit_exact_large or both"
+  step optim_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_optim_fused.py
+  for t in new old new2 old2; do
+    case $t in old*) P=$PWD/.ab/old;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P && step "quant_bench_$t" 60 python bench/quantize.py --bench --no-eager \
+        --out "$OUT/q_$t" && step "optim_$t" 60 python bench/optim.py --skip check,profile,warps,peak,root \
+        --out "$OUT/optim_$t.json" )
+  done
+  step_ab 130 90 ;;
 qflat_ab)
   # issues 5 + 3 on one nvidia-h200 (~8 min; session 29): Q-AdamW's RHT signs applied as sign-bit XORs (no I2F:
   # static sm_90 I2F 96 -> 32 per thread, same instruction count) against the tree under .ab/old (git archive
