@@ -208,8 +208,9 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                        [(32, 512, 4), (16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8)]]
                + [dict(f_block=b, f_warps=w) for b, w in [(1024, 4), (4096, 4), (4096, 8)]]),
     "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
-                [{}] + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in [(8, 256, 2), (32, 256, 8), (16, 128, 2),
-                                                                            (16, 512, 8)]]
+                [{}, dict(e_maxnreg=96), dict(e_maxnreg=80)]
+                + [dict(e_rows=r, e_cols=c, e_warps=w) for r, c, w in [(8, 256, 2), (32, 256, 8), (16, 128, 2),
+                                                                       (16, 512, 8)]]
                 + [dict(f_block=b, f_warps=w) for b, w in [(1024, 4), (4096, 8)]]),
     "transposed": (dict(rounding="ms_eden", hadamard=128, transpose=True),
                    [{}, dict(t_impl=0, t_rows=16, t_cols=128)]
@@ -217,9 +218,10 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
     "rtn_transposed": (dict(rounding="rtn", transpose=True),
                        [{}, dict(t_impl=0)] + [dict(p_rows=r, p_cols=c, p_warps=w) for r, c, w in
                                                [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
-    "sr": (dict(rounding="sr"), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256), dict(s_rows=32, s_cols=128)]),
-    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(q_impl=0), dict(s_rows=8, s_cols=256),
-                                                         dict(s_rows=16, s_cols=128)]),
+    "sr": (dict(rounding="sr"), [{}, dict(s_maxnreg=96), dict(q_impl=0), dict(s_rows=8, s_cols=256),
+                                 dict(s_rows=32, s_cols=128)]),
+    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(s_maxnreg=96), dict(q_impl=0),
+                                                         dict(s_rows=8, s_cols=256), dict(s_rows=16, s_cols=128)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
     # programmatic dependent launch of the quantize kernel behind the amax kernel (CONFIG["pdl"], default 1);
     # PDL and two ordinary launches alternate so the drift within the run shows

@@ -427,3 +427,31 @@ def test_gpu_dequantize_and_ops(h, dtype):
                                seed=SEED.cuda()))
     torch.library.opcheck(torch.ops.fp4compile.dequantize.default, (c.cuda(), s.cuda(), g.cuda()),
                           dict(hadamard=h, signs=None if sg is None else sg.cuda(), dtype=dtype))
+
+
+def test_register_caps_reach_only_their_kernels(monkeypatch):
+    """CONFIG's e_maxnreg caps MS-EDEN's pass 1 only and s_maxnreg the SR / 4/6 quantize kernel only (Triton's
+    ``maxnreg`` launch option, CUDA only); 0, the default, passes no cap. Launches are recorded, not run."""
+    from fp4compile.kernels import quantize as K
+
+    assert K._launch_opts(torch.device("cpu"), 96) == {}
+    assert K._launch_opts(torch.device("cuda"), 0) == {"enable_fp_fusion": False}
+    assert K._launch_opts(torch.device("cuda"), 96) == {"enable_fp_fusion": False, "maxnreg": 96}
+    launches = []
+    monkeypatch.setattr(K, "launch", lambda fn, grid, *a, **meta: launches.append((fn.fn.__name__,
+                                                                                 meta.get("maxnreg"))))
+    real = K._launch_opts
+    monkeypatch.setattr(K, "_launch_opts", lambda device, maxnreg=0: real(torch.device("cuda"), maxnreg))
+
+    def caps(config=None, **kw):
+        launches.clear()
+        K.quantize(torch.ones(32, 256), config=config, **kw)
+        return launches[:]
+
+    cap = {"e_maxnreg": 96, "s_maxnreg": 80}
+    eden = dict(rounding="ms_eden", hadamard=128, signs=SIGNS[:128], seed=SEED)
+    assert caps(cap, **eden) == [("_eden_pass1_kernel", 96), ("_eden_pass2_kernel", None)]
+    assert caps(**eden) == [("_eden_pass1_kernel", None), ("_eden_pass2_kernel", None)]
+    assert caps(cap, four_over_six=True) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
+    assert caps(cap, rounding="sr", seed=SEED) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
+    assert caps(cap) == [("_amax_kernel", None), ("_quantize_kernel", None)]  # plain RTN: the q_* tile

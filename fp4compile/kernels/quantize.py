@@ -964,6 +964,11 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: stores the transpose (``dequantize(..., transpose=True)``, the backward's requantization source). 64x64, 4 warps
 #: (``bench/requant.py --sweep``, 16384x3072, session 27): 59.4 us, the best of seven tiles, with the earlier
 #: select-chain decode; 38.6 us with the bit-placed one, within 2.5 % of the best tile (32x128, 37.7 us).
+#: ``e_maxnreg`` / ``s_maxnreg``: a register cap (Triton's ``maxnreg`` launch option; 0 = the compiler's choice) for
+#: MS-EDEN's pass 1 (the ``e_*`` and ``t_*`` tiles) / the SR and 4/6 quantize kernel (``s_*``). Static sm_90
+#: (session 29): pass 1 RHT-128 takes 108 registers (4 programs of 4 warps per SM); capped at 96 it compiles to the
+#: same instructions with no spill (5 programs per SM); RTN 4/6 takes 128 and spills one register at 96. Untimed:
+#: candidates of bench/quantize.py's sweeps.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
@@ -971,7 +976,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 0, "s_maxnreg": 0}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -1001,10 +1006,10 @@ def _use_pdl(cfg: dict, device) -> bool:
         device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _launch_opts(device):
+def _launch_opts(device, maxnreg: int = 0):
     if device.type == "cpu":  # TRITON_INTERPRET=1: the interpreter ignores launch options
         return {}
-    return {"enable_fp_fusion": False}
+    return {"enable_fp_fusion": False, **({"maxnreg": int(maxnreg)} if maxnreg else {})}
 
 
 def prepare_signs(signs: Optional[torch.Tensor], hadamard: int, device) -> torch.Tensor:
@@ -1140,10 +1145,10 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         if amax.numel() != 1:
             raise ValueError(f"amax must be a scalar tensor, got shape {tuple(amax.shape)}")
         amax = amax.to(device=dev, dtype=torch.float32).reshape(())
-    opts = _launch_opts(dev)
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
     pre = "t" if transpose else "r" if hadamard else "q" if rounding == "rtn" and not four_over_six else "s"
+    opts = _launch_opts(dev, cfg.get("s_maxnreg", 0) if pre == "s" else 0)
     br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
     if block2d:
         br = max(16, br // 16 * 16)
@@ -1212,7 +1217,7 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             xt if xt is not None else placeholder(dev, x.dtype), VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
             RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
-            num_warps=warps, **opts)
+            num_warps=warps, **_launch_opts(dev, cfg.get("e_maxnreg", 0)))
     nbk = K // 16
     launch(_eden_pass2_kernel, (cdiv(R * nbk, cfg["f_block"]),),
         scratch, smax, seed, scales, gscale, R * nbk, nbk, BLOCK2D=bool(block2d), BLOCK=cfg["f_block"],
