@@ -526,6 +526,8 @@ regcap_ab)
   # capped at 96/80 registers (static sm_90: 108 -> 96 at the same instructions, no spill) and the SR / 4/6 kernel
   # at 96, then the full-stack step of this tree and of a copy under .ab/cand whose CONFIG has e_maxnreg 96,
   # alternating (30 steps each, no profiler)
+  step cap_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      -k "register_capped or pass1_variants"
   step sweeps 200 python bench/quantize.py --sweep --sweeps had128e,rtn46,sr --no-eager --out "$OUT/sweeps"
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench .ab/cand/ && \
     sed -i 's/"e_maxnreg": 0/"e_maxnreg": 96/' .ab/cand/fp4compile/kernels/quantize.py && \

@@ -350,9 +350,11 @@ def test_gpu_bit_exact_large(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2}], ids=str)
+@pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2},
+                                 {"e_impl": 0, "e_maxnreg": 80}], ids=str)
 def test_gpu_ms_eden_pass1_variants(cfg):
-    """Both MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread) on ragged shapes."""
+    """Both MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread) on ragged shapes; the first one also
+    capped at 80 registers (it spills: the cap must not change a bit)."""
     from fp4compile.kernels import quantize as K
 
     for shape, dt in [((1000, 1920), torch.bfloat16), ((77, 3072), torch.bfloat16)]:
@@ -360,6 +362,19 @@ def test_gpu_ms_eden_pass1_variants(cfg):
         got = K.quantize(x.cuda(), "ms_eden", hadamard=128, signs=SIGNS.cuda(), seed=SEED.cuda(), config=cfg)
         ref = ops._quantize_reference(x, "ms_eden", False, False, 128, SIGNS, SEED, False)
         assert_same([g.cpu() for g in got], ref, (cfg, shape, dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rounding,four_six", [("rtn", True), ("sr", False), ("sr", True)])
+def test_gpu_register_capped_quantize_kernel(rounding, four_six):
+    """The SR / 4/6 quantize kernel capped at 80 registers (CONFIG s_maxnreg; it spills) gives the same bytes."""
+    from fp4compile.kernels import quantize as K
+
+    x = data("heavy", (1000, 1920), seed=7).to(torch.bfloat16)
+    got = K.quantize(x.cuda(), rounding, four_six, False, 0, None, SEED.cuda(), False, config={"s_maxnreg": 80})
+    ref = ops._quantize_reference(x, rounding, four_six, False, 0, None, SEED, False)
+    assert_same([g.cpu() for g in got], ref, (rounding, four_six))
 
 
 @pytest.mark.gpu
