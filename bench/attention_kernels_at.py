@@ -7,7 +7,7 @@ API that every tree since session 20 has (``attention_fwd`` / ``attention_bwd`` 
 Prints one table row per (roles, kernel): mean device µs over 20 forward+backward calls (profiler), and a digest of
 dQ, dK, dV (trees whose kernels compute the same values print the same digest).
 
-    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D] [--sass]
+    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D] [--sass] [--bwd-config JSON]
 
 ``--sass``: also print, for every backward kernel the runs compiled (Triton's in-process cache), its registers,
 spills, shared memory, SASS instruction count and a digest of its instruction sequence (addresses and encodings
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,7 +34,10 @@ def main() -> int:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--shape", default="16,12,1024,64")
     ap.add_argument("--sass", action="store_true", help="digest the launched backward kernels' SASS")
+    ap.add_argument("--bwd-config", default="", help='JSON backward config override for the paper split, e.g. '
+                    '\'{"dkdv": {"maxnreg": 160}}\' (trees since session 20 take attention_bwd(config=...))')
     args = ap.parse_args()
+    bwd_cfg = json.loads(args.bwd_config) if args.bwd_config else None
     B, H, T, D = map(int, args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16() for _ in range(4))
@@ -43,6 +47,8 @@ def main() -> int:
 
         def step():
             o, lse = A.attention_fwd(q, k, v, views, None, True, D ** -0.5, mask)
+            if mask and bwd_cfg:
+                return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask, config=bwd_cfg)
             return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)
 
         for _ in range(3):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -521,6 +521,21 @@ dkdv_contig_ab)
       --steps 20 --warmup 3 --profile --json "$OUT/train_step_cand.jsonl" )
   step step_full_stack 100 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
       --warmup 3 --skip-bf16 --json "$OUT/train_step.jsonl" ;;
+attn_regcap)
+  # issue 4 on one nvidia-h200 (~3 min; session 29): is the dK/dV kernel's 271 -> 310 us (since f79a592) occupancy?
+  # Offline sm_90 compiles give 05bb13a's kernel 167 registers (3 CTAs of 4 warps per SM) and HEAD's 184 (2 per
+  # SM). The launched kernels' registers and SASS digests of this tree and of .ab/05bb13a (git archive 05bb13a
+  # fp4compile), then this tree's kernels with the dK/dV kernel capped at 160 / 168 registers (static: no spill at
+  # 160, +72 instructions) and the dQ kernel at 128, alternating with the default
+  PYTHONPATH=$PWD step attn_head 90 python bench/attention_kernels_at.py --label head --sass
+  if [ -d .ab/05bb13a/fp4compile ]; then
+    PYTHONPATH=$PWD/.ab/05bb13a step attn_05bb13a 90 python bench/attention_kernels_at.py --label 05bb13a --sass
+  fi
+  for t in cap160 cap168 dq128 head2 cap160b; do
+    case $t in cap160*) C='{"dkdv": {"maxnreg": 160}}';; cap168) C='{"dkdv": {"maxnreg": 168}}';;
+      dq128) C='{"dq": {"maxnreg": 128}}';; *) C='';; esac
+    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
+  done ;;
 regcap_ab)
   # issues 2, 3 on one nvidia-h200 (~5 min; session 29): register caps. The quantize sweeps with MS-EDEN pass 1
   # capped at 96/80 registers (static sm_90: 108 -> 96 at the same instructions, no spill) and the SR / 4/6 kernel
