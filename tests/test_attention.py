@@ -422,7 +422,7 @@ def THRESHOLD_CODE(a):  # the E2M1 magnitude code of a >= 0 by its seven roundin
 def E2M1_CHECK(X, Y, Z, W, U, N: tl.constexpr):
     o = tl.arange(0, N)
     a = tl.load(X + o)
-    tl.store(Y + o, A._e2m1_mag_magic(a).to(tl.int32, bitcast=True) - 0x4B400000)  # _quant2d_kernel's codes
+    tl.store(Y + o, A._e2m1_mag_code(a))  # _quant2d_kernel's magnitude codes
     tl.store(Z + o, THRESHOLD_CODE(a))
     tl.store(W + o, A._e2m1_round(-a))
     tl.store(U + o, A._e2m1_round(a))
@@ -460,7 +460,7 @@ z = torch.empty_like(x, dtype=torch.int32)
 w = torch.empty_like(x)
 u = torch.empty_like(x)
 E2M1_CHECK[(1,)](x, y, z, w, u, N=4096)
-assert torch.equal(y, z), "_e2m1_mag_magic != threshold form"
+assert torch.equal(y, z), "_e2m1_mag_code != threshold form"
 zv = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=DEV)[z.long()]
 assert torch.equal(u, zv) and torch.equal(w, -zv), "_e2m1_round(+-x) != +-(threshold form)"
 for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:

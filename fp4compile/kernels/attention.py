@@ -56,8 +56,8 @@ LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 if triton is not None:
-    # the kernels' one E2M1 encoder (magnitude as MAGIC + code, FP-pipe rounding) and decoder, used by _quant2d_kernel
-    from .quantize import _e2m1_mag_magic, _e2m1_value  # noqa: F401
+    # the kernels' one E2M1 encoder (magnitude code by FP-pipe rounding) and decoder, used by _quant2d_kernel
+    from .quantize import _e2m1_mag_code, _e2m1_value  # noqa: F401
 
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
@@ -252,7 +252,7 @@ if triton is not None:
             enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
             enc4 = tl.broadcast_to(tl.reshape(enc, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
             a = x * tl.reshape(enc4, [BT, D])
-            mag = _e2m1_mag_magic(tl.abs(a)).to(tl.int32, bitcast=True) - 0x4B400000
+            mag = _e2m1_mag_code(tl.abs(a))
             code = tl.where(a < 0, mag | 8, mag)
             base = pid_bh * T
             if WRITE_DEQ:

@@ -557,12 +557,11 @@ def _get_tma_kernel(flatten: bool = False):
     ``flatten=True``: every config with the persistent loop flattened."""
     name = "tma_flat" if flatten else "tma"
     if name not in _tuned:
+        # flatten=True: the flattened entry is its plain twin flattened, so it is left out
         configs = [triton.Config(dict({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                       FLATTEN=flatten or c.get("FLATTEN", False)),
                                  num_warps=c["num_warps"], num_stages=c["num_stages"], pre_hook=_tma_block_hook)
-                   for c in TMA_CONFIGS]
-        if flatten:  # drop the duplicates flattening made
-            configs = [c for i, c in enumerate(configs) if all(str(c) != str(d) for d in configs[:i])]
+                   for c in TMA_CONFIGS if not (flatten and c.get("FLATTEN"))]
         _tuned[name] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32"], warmup=5, rep=20)(
             _bf16_tma_gemm_kernel)
     return _tuned[name]

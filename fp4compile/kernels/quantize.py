@@ -145,7 +145,8 @@ def _e2m1_mag_magic(a):
     above, saturating at 7. Rounding commutes with adding integers and with the min of monotone pieces, so
     code = min(rne(2a), rne(a) + 2, rne(a/2) + 4, 7); each rne is one FP32 add of MAGIC (the products by 2 and
     0.5 are exact, so an FMA and a multiply-then-add give the same bits). Equal to the reference's comparison
-    chain on every FP32 value (checked exhaustively, tests/test_quantize_kernels.py::test_e2m1_magic_exhaustive).
+    chain on every FP32 value of sampled binades incl. every tie (tests/test_quantize_kernels.py::
+    test_interpreter_e2m1_and_amax, through :func:`_e2m1_fast`; tests/test_attention.py against the threshold form).
     FP-pipe work only (3 adds/FMAs + 3 min), vs ~10 integer ops for the bit form :func:`_e2m1_rne`.
     """
     t1 = tl.fma(a, 2.0, 12582912.0)
@@ -155,10 +156,15 @@ def _e2m1_mag_magic(a):
 
 
 @triton.jit
+def _e2m1_mag_code(a):
+    """|v| (FP32, >= 0) -> E2M1 magnitude code 0..7 (int32): :func:`_e2m1_mag_magic` less MAGIC's bits."""
+    return _e2m1_mag_magic(a).to(tl.int32, bitcast=True) - 0x4B400000  # _MAGIC_BITS
+
+
+@triton.jit
 def _e2m1_fast(v):
     """FP32 -> E2M1 code (int32, sign in bit 3); same codes as :func:`_e2m1_rne`."""
-    m = _e2m1_mag_magic(tl.abs(v)).to(tl.int32, bitcast=True) - 0x4B400000
-    return m | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    return _e2m1_mag_code(tl.abs(v)) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
@@ -1148,7 +1154,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     norm = _norm(hadamard)
     m6, m4 = block_max_targets(rounding)
     pre = "t" if transpose else "r" if hadamard else "q" if rounding == "rtn" and not four_over_six else "s"
-    opts = _launch_opts(dev, cfg.get("s_maxnreg", 0) if pre == "s" else 0)
+    opts = _launch_opts(dev, cfg["s_maxnreg"] if pre == "s" else 0)
     br, bc, warps = cfg[pre + "_rows"], max(cfg[pre + "_cols"], hadamard or 16), cfg[pre + "_warps"]
     if block2d:
         br = max(16, br // 16 * 16)
@@ -1217,7 +1223,7 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             xt if xt is not None else placeholder(dev, x.dtype), VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
             RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
-            num_warps=warps, **_launch_opts(dev, cfg.get("e_maxnreg", 0)))
+            num_warps=warps, **_launch_opts(dev, cfg["e_maxnreg"]))
     nbk = K // 16
     launch(_eden_pass2_kernel, (cdiv(R * nbk, cfg["f_block"]),),
         scratch, smax, seed, scales, gscale, R * nbk, nbk, BLOCK2D=bool(block2d), BLOCK=cfg["f_block"],
