@@ -1,9 +1,8 @@
 """Static sm_90 SASS of the Q-Attn backward kernels, on a machine without a GPU (a CPU-side proxy for their cost).
 
 Compiles the dK/dV and dQ kernels as a training step launches them (bf16 gradients, no GQA, T a multiple of 16)
-with the default backward tiles (BM = BN = 64, 4 warps, the stages of ``attention.BWD_CONFIGS``), causal, no bias,
-for head dims 64 and 128, with every role in BF16 and with the
-paper's split (QKᵀ, dS·K, dSᵀ·Q in NVFP4), plus the backward's preparatory launch, and prints per kernel the SASS
+with the default backward tiles (BM = BN = 64, 4 warps, the stages and register caps of ``attention.BWD_CONFIGS``),
+causal, no bias, for head dims 64 and 128, with every role in BF16 and with the paper's split (QKᵀ, dS·K, dSᵀ·Q in NVFP4), plus the backward's preparatory launch, and prints per kernel the SASS
 instruction count (each loop body is counted once per copy: masked and unmasked), registers per thread and the
 local-memory loads/stores of register spills (LDL/STL). Issue 4's backward question: what the FP4 dS costs over
 the BF16 kernels, instruction by instruction (session 21 used it to choose the power-of-two dS global).
@@ -44,7 +43,8 @@ def _signature(fn, constexprs: dict) -> dict:
 
 def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin"):
     """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq" or "prep") for sm_90."""
-    stages = A.BWD_CONFIGS[(D, fp4)]["dkdv"]["num_stages"]
+    cfg = A.BWD_CONFIGS[(D, fp4)]["dq" if kernel == "dq" else "dkdv"]
+    stages, cap = cfg["num_stages"], {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     # GROUPS = 1 (no GQA): a launch specializes an int argument equal to 1 into a constant
     if kernel == "dq":
         fn = A._attn_bwd_dq_kernel
@@ -55,13 +55,13 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin"):
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
                      MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1)
     else:
-        fn, const, stages = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True), 1
+        fn, const, stages, cap = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True), 1, {}
     sig = _signature(fn, const)
     # pointers 16-byte aligned, row strides and sequence lengths multiples of 16 (what a launch on [B, H, T, D]
     # tensors with T a multiple of 16 gets)
     div = [n for n, t in sig.items()
            if t.startswith("*") or (t == "i32" and (n[-1] in "bht" or n in ("T", "Tq", "Tk")))]
-    return compile_offline(fn, sig, const, 4, upto=upto, divisible_by_16=div, num_stages=stages)
+    return compile_offline(fn, sig, const, 4, upto=upto, divisible_by_16=div, num_stages=stages, **cap)
 
 
 def kernel_stats(kernel: str, D: int, fp4: bool) -> dict:

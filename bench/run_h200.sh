@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -551,6 +551,23 @@ regcap_ab)
     case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
+  done ;;
+s30_ab)
+  # issues 4, 3, 2 on one nvidia-h200 (~8 min; session 30): the dK/dV kernel's register cap (168, now the default
+  # at D = 64 with the paper split): the attention GPU tests, the attention table against SDPA; then the full-stack
+  # step profiled (with BF16) and profiled with MS-EDEN pass 1 capped at 96 / 80 registers (--quantize-config),
+  # then 0 / 96 alternating without the profiler
+  step attn_tests 140 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
+  step step_full_stack 120 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  for c in 96 80; do
+    step "step_prof_e$c" 70 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 \
+        --warmup 3 --profile --skip-bf16 --quantize-config "{\"e_maxnreg\": $c}" --json "$OUT/train_step_e$c.jsonl"
+  done
+  for t in 0 96 0b 96b; do
+    step "step_e$t" 50 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
+        --warmup 3 --skip-bf16 --quantize-config "{\"e_maxnreg\": ${t%b}}" --json "$OUT/train_step_e$t.jsonl"
   done ;;
 trim_ab)
   # issues 2, 3, 5 on one nvidia-h200 (~6 min): a static-only trim (session 29: _mag_value_magic by one shift,

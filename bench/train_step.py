@@ -188,7 +188,18 @@ def main():
     ap.add_argument("--lowerings", default="op",
                     help="comma list of backend gemm_lowering values to compile and time (op, auto, dequant_mm); "
                          "--impls applies to 'op' and 'auto'")
+    ap.add_argument("--quantize-config", default=None, metavar="JSON",
+                    help="update fp4compile.kernels.quantize.CONFIG for this run (an A/B of kernel options in one "
+                         "tree), e.g. '{\"e_maxnreg\": 96}'")
     args = ap.parse_args()
+    if args.quantize_config:
+        from fp4compile.kernels import quantize as QK
+        extra = json.loads(args.quantize_config)
+        unknown = set(extra) - set(QK.CONFIG)
+        if unknown:
+            ap.error(f"--quantize-config: unknown CONFIG keys {sorted(unknown)}")
+        QK.CONFIG.update(extra)
+        print(f"quantize CONFIG updated: {extra}", flush=True)
     if args.tiny:
         args.B, args.T, args.steps, args.warmup = 2, 64, 2, 1
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"

@@ -789,13 +789,21 @@ FWD_CONFIGS = {64: dict(BM=128, BN=64, num_warps=8, num_stages=3),
 #: Backward configurations, {(D, fp4_ds): {"dkdv": dict(BM, BN, ...), "dq": dict(BM, BN, ...)}}. fp4_ds (attn.dsk
 #: or attn.dsq in NVFP4) pins the contraction side of each kernel's dS tile to DS_TILE (dkdv: BM, dq: BN) and the
 #: other side to a multiple of it: the per-tile global scale of dS is defined on DS_TILE x DS_TILE tiles.
-def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64) -> dict:
-    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st),
+#: ``maxnreg`` (Triton's register cap per thread, a launch option; absent = the compiler's choice): the dK/dV kernel
+#: of the paper split at D = 64 is capped at 168 = the most that lets 3 programs of 4 warps share an SM's 64K
+#: registers (its 67.5 KB of shared memory allow 3 too). Uncapped it takes 184 registers, 2 programs per SM. H200,
+#: bench/attention_kernels_at.py, [16, 12, 1024, 64] causal (session 30): 308.9 -> 250.2 us, same bytes of dQ, dK,
+#: dV (160: 252.4-253.1 us, no spill; 168 spills 4 words). Not at D = 128 (255 registers uncapped, 152 spilled
+#: words at 168, unmeasured) nor for dQ (157 registers, already 3 per SM; 128 gives 202.5 -> 217.9 us).
+def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64,
+              dkdv_maxnreg: int = 0) -> dict:
+    cap = {"maxnreg": dkdv_maxnreg} if dkdv_maxnreg else {}
+    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st, **cap),
             "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
 
 
 BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(4),
-               (64, True): _bwd_pair(4, 3), (128, True): _bwd_pair(4)}
+               (64, True): _bwd_pair(4, 3, dkdv_maxnreg=168), (128, True): _bwd_pair(4)}
 
 
 def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
