@@ -31,11 +31,12 @@ class KernelSpec(NamedTuple):
     constexprs: dict
     num_warps: int
     elements: int
+    options: dict = {}  # further launch options (``maxnreg``: CONFIG's register cap where it applies)
 
     def compile(self, upto="ptx"):
         """The PTX (text) or cubin (bytes), every runtime argument specialized as 16-divisible."""
         return compile_offline(self.fn, self.signature, self.constexprs, self.num_warps, upto=upto,
-                               divisible_by_16=tuple(self.signature))
+                               divisible_by_16=tuple(self.signature), **self.options)
 
 
 def quantize_spec(rounding="rtn", cfg=None, **constexprs) -> KernelSpec:
@@ -62,7 +63,8 @@ def amax_spec(cfg=None, **constexprs) -> KernelSpec:
 
 
 def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
-    """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile; ``tstore``: the
+    """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile and register cap
+    (``e_maxnreg``); ``tstore``: the
     variant that also stores the tile transposed (``quantize_both``)."""
     cfg = cfg or K.CONFIG
     br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
@@ -71,7 +73,8 @@ def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
     const = dict(scol=1, VAL_MAX=EDEN_VAL_MAX, INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=False, HAD=hadamard,
                  NORM=1.0 / hadamard ** 0.5 if hadamard else 1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
                  BC=bc, MAGIC_PACK=K._MAGIC_PACK, TSTORE=tstore)
-    return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc)
+    cap = {"maxnreg": cfg["e_maxnreg"]} if cfg["e_maxnreg"] else {}
+    return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc, cap)
 
 
 def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:
@@ -88,14 +91,16 @@ def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:
 
 
 def per_element(spec: KernelSpec):
-    """(instructions, shuffles) per element and registers of the spec's sm_90 cubin."""
+    """(instructions, shuffles) per element, registers and spill accesses (LDL + STL per thread) of the spec's
+    sm_90 cubin."""
     n, ops, regs, _ = sass_stats(spec.compile("cubin"))
     per_thread = spec.elements / (32 * spec.num_warps)
-    return n / per_thread, ops.get("SHFL", 0) / per_thread, regs
+    return n / per_thread, ops.get("SHFL", 0) / per_thread, regs, ops.get("LDL", 0) + ops.get("STL", 0)
 
 
 def measure(cfg=None) -> list:
-    """[(kernel, (instructions per element, SHFL per element, registers))] for the table (``cfg``: CONFIG)."""
+    """[(kernel, (instructions per element, SHFL per element, registers, spills))] for the table (``cfg``:
+    CONFIG)."""
     rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg)))]
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
@@ -109,10 +114,11 @@ def measure(cfg=None) -> list:
 
 def main() -> int:
     rows = measure()
-    print("| kernel (sm_90, default tiles) | SASS instructions per element | SHFL per element | registers |")
-    print("|---|---|---|---|")
-    for name, (n, shfl, regs) in rows:
-        print(f"| {name} | {n:.1f} | {shfl:.1f} | {regs} |")
+    print("| kernel (sm_90, default tiles) | SASS instructions per element | SHFL per element | registers "
+          "| spill LDL + STL |")
+    print("|---|---|---|---|---|")
+    for name, (n, shfl, regs, spill) in rows:
+        print(f"| {name} | {n:.1f} | {shfl:.1f} | {regs} | {spill} |")
     return 0
 
 

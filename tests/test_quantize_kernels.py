@@ -269,7 +269,10 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
     counts = [r[n][0] for n in names]
     assert 5 < counts[0] and counts == sorted(counts) and len(set(counts)) == 4, r
     assert r[names[0]][1] == 0 and r[names[3]][1] > 1 > r[names[2]][1], r
-    assert all(0 < regs <= 255 for _, _, regs in r.values()), r
+    assert all(0 < regs <= 255 for _, _, regs, _ in r.values()), r
+    # the register cap of pass 1 (CONFIG e_maxnreg) holds and costs no spill in any of its variants
+    cap = sass.K.CONFIG["e_maxnreg"]
+    assert all(v[2] <= cap and v[3] == 0 for n, v in r.items() if n.startswith("MS-EDEN pass 1")), r
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -445,8 +448,8 @@ def test_gpu_dequantize_and_ops(h, dtype):
 
 
 def test_register_caps_reach_only_their_kernels(monkeypatch):
-    """CONFIG's e_maxnreg caps MS-EDEN's pass 1 only and s_maxnreg the SR / 4/6 quantize kernel only (Triton's
-    ``maxnreg`` launch option, CUDA only); 0, the default, passes no cap. Launches are recorded, not run."""
+    """CONFIG's e_maxnreg caps MS-EDEN's pass 1 only (96 by default) and s_maxnreg the SR / 4/6 quantize kernel
+    only (Triton's ``maxnreg`` launch option, CUDA only); 0 passes no cap. Launches are recorded, not run."""
     from fp4compile.kernels import quantize as K
 
     assert K._launch_opts(torch.device("cpu"), 96) == {}
@@ -466,7 +469,8 @@ def test_register_caps_reach_only_their_kernels(monkeypatch):
     cap = {"e_maxnreg": 96, "s_maxnreg": 80}
     eden = dict(rounding="ms_eden", hadamard=128, signs=SIGNS[:128], seed=SEED)
     assert caps(cap, **eden) == [("_eden_pass1_kernel", 96), ("_eden_pass2_kernel", None)]
-    assert caps(**eden) == [("_eden_pass1_kernel", None), ("_eden_pass2_kernel", None)]
+    assert caps(**eden) == [("_eden_pass1_kernel", 96), ("_eden_pass2_kernel", None)]
+    assert caps({"e_maxnreg": 0}, **eden) == [("_eden_pass1_kernel", None), ("_eden_pass2_kernel", None)]
     assert caps(cap, four_over_six=True) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
     assert caps(cap, rounding="sr", seed=SEED) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
     assert caps(cap) == [("_amax_kernel", None), ("_quantize_kernel", None)]  # plain RTN: the q_* tile

@@ -971,10 +971,12 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: (``bench/requant.py --sweep``, 16384x3072, session 27): 59.4 us, the best of seven tiles, with the earlier
 #: select-chain decode; 38.6 us with the bit-placed one, within 2.5 % of the best tile (32x128, 37.7 us).
 #: ``e_maxnreg`` / ``s_maxnreg``: a register cap (Triton's ``maxnreg`` launch option; 0 = the compiler's choice) for
-#: MS-EDEN's pass 1 (the ``e_*`` and ``t_*`` tiles) / the SR and 4/6 quantize kernel (``s_*``). Static sm_90
-#: (session 29): pass 1 RHT-128 takes 108 registers (4 programs of 4 warps per SM); capped at 96 it compiles to the
-#: same instructions with no spill (5 programs per SM); RTN 4/6 takes 128 and spills one register at 96. Untimed:
-#: candidates of bench/quantize.py's sweeps.
+#: MS-EDEN's pass 1 (the ``e_*`` and ``t_*`` tiles) / the SR and 4/6 quantize kernel (``s_*``). Pass 1 RHT-128
+#: takes 108 registers uncapped (4 programs of 4 warps per SM); at 96, the default, it compiles to the same
+#: instructions with no spill (5 per SM; every pass-1 variant, tests/test_quantize_kernels.py). H200, session 30:
+#: MS-EDEN + RHT-128 at 16384x8192 230.9 -> 214.4 us (80: 211.9, spilling), the 124M full-stack step's quantize
+#: kernels 12.98 -> 12.25 ms and the step 50.9, 50.9 -> 50.4, 49.8 ms (alternating). RTN 4/6 takes 128 and spills
+#: one register at 96: 324.4 -> 323.1 us, so ``s_maxnreg`` stays 0.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
@@ -982,7 +984,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 0, "s_maxnreg": 0}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 0}
 
 
 def _config(device, config: Optional[dict]) -> dict:
