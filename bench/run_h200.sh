@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -551,6 +551,17 @@ regcap_ab)
     case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
+  done ;;
+attn_stages)
+  # issue 4 on one nvidia-h200 (~2 min; session 30): the backward kernels at 2 pipeline stages (49-50 KB of shared
+  # memory: 4 programs per SM by memory) with register caps (static sm_90: dQ 157 -> 128 registers, 5 spilled words;
+  # dK/dV 185 -> 128, 32 spilled words; at 168, 3 per SM, 3336 instead of 3896 instructions), each against the
+  # default (dK/dV capped at 168, 3 stages), alternating
+  for t in head dq2c128 dq2 dkdv2c128 dkdv2c168 head2 dq2c128b dkdv2c128b dkdv2c168b; do
+    case $t in dq2c128*) C='{"dq": {"num_stages": 2, "maxnreg": 128}}';; dq2) C='{"dq": {"num_stages": 2}}';;
+      dkdv2c128*) C='{"dkdv": {"num_stages": 2, "maxnreg": 128}}';;
+      dkdv2c168*) C='{"dkdv": {"num_stages": 2, "maxnreg": 168}}';; *) C='';; esac
+    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
   done ;;
 s30_ab)
   # issues 4, 3, 2 on one nvidia-h200 (~8 min; session 30): the dK/dV kernel's register cap (168, now the default
