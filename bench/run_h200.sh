@@ -553,16 +553,24 @@ regcap_ab)
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
   done ;;
 attn_stages)
-  # issue 4 on one nvidia-h200 (~2 min; session 30): the backward kernels at 2 pipeline stages (49-50 KB of shared
+  # issues 4, 5 on one nvidia-h200 (~4 min; session 30): the backward kernels at 2 pipeline stages (49-50 KB of shared
   # memory: 4 programs per SM by memory) with register caps (static sm_90: dQ 157 -> 128 registers, 5 spilled words;
   # dK/dV 185 -> 128, 32 spilled words; at 168, 3 per SM, 3336 instead of 3896 instructions), each against the
   # default (dK/dV capped at 168, 3 stages), alternating
-  for t in head dq2c128 dq2 dkdv2c128 dkdv2c168 head2 dq2c128b dkdv2c128b dkdv2c168b; do
+  for t in head dq2c128 dkdv2c128 dkdv2c168 head2 dq2c128b dkdv2c128b; do
     case $t in dq2c128*) C='{"dq": {"num_stages": 2, "maxnreg": 128}}';; dq2) C='{"dq": {"num_stages": 2}}';;
       dkdv2c128*) C='{"dkdv": {"num_stages": 2, "maxnreg": 128}}';;
       dkdv2c168*) C='{"dkdv": {"num_stages": 2, "maxnreg": 168}}';; *) C='';; esac
     PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
-  done ;;
+  done
+  # issue 5: the Q-AdamW kernel capped at 96 / 80 / 64 registers (FP4COMPILE_QADAMW_MAXNREG; uncapped 128: 8
+  # programs of 2 warps per SM), alternating with the default, then its GPU test (bit-exact vs the reference) at 80
+  for c in 0 96 80 64 0b 96b 80b 64b; do
+    FP4COMPILE_QADAMW_MAXNREG=${c%b} step "optim_r$c" 40 python bench/optim.py --skip check,profile,warps,peak,root \
+        --out "$OUT/optim_r$c.json"
+  done
+  FP4COMPILE_QADAMW_MAXNREG=80 step optim_test_r80 100 python -m pytest -m gpu -x -q -p no:cacheprovider \
+      tests/test_optim_fused.py ;;
 s30_ab)
   # issues 4, 3, 2 on one nvidia-h200 (~8 min; session 30): the dK/dV kernel's register cap (168, now the default
   # at D = 64 with the paper split): the attention GPU tests, the attention table against SDPA; then the full-stack

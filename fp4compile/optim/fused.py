@@ -59,6 +59,10 @@ KERNEL = int(os.environ.get("FP4COMPILE_QADAMW_KERNEL", "2"))
 #: (64 threads, one 16-block each; 1.48 ms on the 124M set on the H200 vs 1.62 ms with 1 warp, two blocks per
 #: thread; ``bench/qadamw_variants.py``), 4 for kernel 1 (fastest of 1, 2, 4, 8 for it: 22.7, 11.1, 7.1-7.8, 9.0 ms)
 NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
+#: kernel 2: Triton's register cap per thread (``maxnreg``; 0 = the compiler's choice: 128 registers, 8 programs of
+#: 2 warps per SM). Static sm_90 (session 30): 96 -> +96 instructions per thread and 23 spilled words, 10 programs;
+#: 80 -> +144, 41 words, 12 programs; 64 -> +216, 75 words, 16 programs
+MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
 #: kernel 2, timing ablations only (bit mask; results are NOT the reference's): 1 approximate sqrt/divisions in the
@@ -879,8 +883,10 @@ class FusedPlan:
         return True
 
 
-def _launch_opts(device):
-    return {} if device.type == "cpu" else {"enable_fp_fusion": False}
+def _launch_opts(device, maxnreg: int = 0):
+    if device.type == "cpu":  # TRITON_INTERPRET=1: the interpreter ignores launch options
+        return {}
+    return {"enable_fp_fusion": False, **({"maxnreg": maxnreg} if maxnreg else {})}
 
 
 def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: dict, version: int):
@@ -921,7 +927,7 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
                                               **_launch_opts(dev))
             else:
                 _qadamw_kernel[(b.nprog,)](*args, **kw, REUSE=bool(REUSE), MAGIC_PACK=_MAGIC_PACK, PROF=PROF,
-                                           num_warps=NUM_WARPS or 2, **_launch_opts(dev))
+                                           num_warps=NUM_WARPS or 2, **_launch_opts(dev, MAXNREG))
         else:
             _adamw_kernel[(b.nprog,)](
                 b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, beta2, 1 - beta2, eps,
