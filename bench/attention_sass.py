@@ -41,8 +41,9 @@ def _signature(fn, constexprs: dict) -> dict:
     return sig
 
 
-def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin"):
-    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq" or "prep") for sm_90."""
+def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata=None):
+    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq" or "prep") for sm_90; ``metadata``: a dict
+    that receives the compiler's (``"shared"``: bytes of shared memory per program)."""
     cfg = A.BWD_CONFIGS[(D, fp4)]["dq" if kernel == "dq" else "dkdv"]
     stages, cap = cfg["num_stages"], {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     # GROUPS = 1 (no GQA): a launch specializes an int argument equal to 1 into a constant
@@ -61,7 +62,8 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin"):
     # tensors with T a multiple of 16 gets)
     div = [n for n, t in sig.items()
            if t.startswith("*") or (t == "i32" and (n[-1] in "bht" or n in ("T", "Tq", "Tk")))]
-    return compile_offline(fn, sig, const, 4, upto=upto, divisible_by_16=div, num_stages=stages, **cap)
+    return compile_offline(fn, sig, const, 4, upto=upto, divisible_by_16=div, num_stages=stages,
+                           metadata=metadata, **cap)
 
 
 def kernel_stats(kernel: str, D: int, fp4: bool) -> dict:

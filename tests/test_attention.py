@@ -535,10 +535,12 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D):
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
 
-def test_dkdv_default_fits_three_programs_per_sm():
-    """The paper split's dK/dV kernel at D = 64 as launched by default (bench/attention_sass.py, sm_90, CPU): its
-    register cap (attention.BWD_CONFIGS) holds, so 3 programs of 4 warps fit in an SM's 65,536 registers (184
-    uncapped: 2 per SM, 308.9 against 250.2 us on the H200, session 30)."""
+@pytest.mark.parametrize("kernel,programs", [("dkdv", 3), ("dq", 4)])
+def test_bwd_defaults_fit_their_programs_per_sm(kernel, programs):
+    """The paper split's backward kernels at D = 64 as launched by default (bench/attention_sass.py, sm_90, CPU): their
+    register caps and stages (attention.BWD_CONFIGS) let 3 dK/dV / 4 dQ programs of 4 warps share an SM's 65,536
+    registers and 227 KB of shared memory. Uncapped, dK/dV takes 184 registers (2 per SM; 308.9 against 250.2 us on
+    the H200, session 30) and dQ at 3 stages 66.5 KB (3 per SM; 204.4 against 201.8 us)."""
     pytest.importorskip("triton")
     import importlib.util
 
@@ -547,8 +549,10 @@ def test_dkdv_default_fits_three_programs_per_sm():
     spec = importlib.util.spec_from_file_location("attention_sass", os.path.join(REPO, "bench", "attention_sass.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _, _, regs, _ = sass_stats(mod.compile_kernel("dkdv", 64, True))
-    assert 0 < regs and 3 * 128 * regs <= 65536, regs
+    meta = {}
+    _, _, regs, _ = sass_stats(mod.compile_kernel(kernel, 64, True, metadata=meta))
+    assert 0 < regs and programs * 128 * regs <= 65536, regs
+    assert 0 < meta["shared"] and programs * meta["shared"] <= 227 * 1024, meta["shared"]
 
 
 def test_tile_sweep_starts_from_the_defaults():

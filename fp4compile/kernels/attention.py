@@ -794,16 +794,21 @@ FWD_CONFIGS = {64: dict(BM=128, BN=64, num_warps=8, num_stages=3),
 #: registers (its 67.5 KB of shared memory allow 3 too). Uncapped it takes 184 registers, 2 programs per SM. H200,
 #: bench/attention_kernels_at.py, [16, 12, 1024, 64] causal (session 30): 308.9 -> 250.2 us, same bytes of dQ, dK,
 #: dV (160: 252.4-253.1 us, no spill; 168 spills 4 words). Not at D = 128 (255 registers uncapped, 152 spilled
-#: words at 168, unmeasured) nor for dQ (157 registers, already 3 per SM; 128 gives 202.5 -> 217.9 us).
+#: words at 168, unmeasured). Its dQ kernel runs 2 stages at 128 registers (49 KB of shared memory: 4 programs per
+#: SM instead of 3; 5 spilled words): 204.4, 204.3 -> 201.8, 202.0 us alternating, same bytes (128 registers at 3
+#: stages, still 3 per SM by shared memory: 202.5 -> 217.9 us; the dK/dV kernel at 2 stages and 128 registers:
+#: 258.9 us, at 168: 252.7).
 def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64,
-              dkdv_maxnreg: int = 0) -> dict:
-    cap = {"maxnreg": dkdv_maxnreg} if dkdv_maxnreg else {}
-    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st, **cap),
-            "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=st)}
+              dkdv_maxnreg: int = 0, dq_stages: int = 0, dq_maxnreg: int = 0) -> dict:
+    def cap(n):
+        return {"maxnreg": n} if n else {}
+    return {"dkdv": dict(BM=bm1, BN=bn1, num_warps=w, num_stages=st, **cap(dkdv_maxnreg)),
+            "dq": dict(BM=bm2, BN=bn2, num_warps=w, num_stages=dq_stages or st, **cap(dq_maxnreg))}
 
 
 BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(4),
-               (64, True): _bwd_pair(4, 3, dkdv_maxnreg=168), (128, True): _bwd_pair(4)}
+               (64, True): _bwd_pair(4, 3, dkdv_maxnreg=168, dq_stages=2, dq_maxnreg=128),
+               (128, True): _bwd_pair(4)}
 
 
 def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:

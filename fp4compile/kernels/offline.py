@@ -15,19 +15,21 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import Optional
 
 STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
 
 
 def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, upto: str = "ptx", arch: int = 90,
-                    divisible_by_16=(), **options):
+                    divisible_by_16=(), metadata: Optional[dict] = None, **options):
     """The ``upto`` stage (``"ptx"``: text, ``"cubin"``: bytes) of ``fn`` compiled for ``sm_<arch>``.
 
     ``signature`` gives the runtime arguments' Triton types (``{"x_ptr": "*bf16", "n": "i32"}``); every name in
     ``constexprs`` is added to it as a constexpr. ``divisible_by_16``: the arguments that a real launch would
     specialize as 16-divisible (16-byte-aligned pointers, ints that are multiples of 16), which decides e.g.
     whether loads vectorize. ``options``: further backend options (``enable_fp_fusion`` is False unless given, as
-    fp4compile launches its kernels)."""
+    fp4compile launches its kernels). ``metadata``: a dict that receives the compiler's metadata (e.g. ``"shared"``:
+    bytes of shared memory per program, known from the ``"llir"`` stage on)."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
@@ -47,11 +49,13 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int = 4, u
     ir.load_dialects(ctx)
     backend.load_dialects(ctx)
     mod = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)
-    stages, metadata = {}, {}
+    stages, meta = {}, {}
     backend.add_stages(stages, opts, src.language)
     for name in STAGES[:STAGES.index(upto) + 1]:
         if name in stages:  # a Gluon kernel starts at ttgir
-            mod = stages[name](mod, metadata)
+            mod = stages[name](mod, meta)
+    if metadata is not None:
+        metadata.update(meta)
     return mod
 
 

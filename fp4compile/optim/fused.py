@@ -61,7 +61,8 @@ KERNEL = int(os.environ.get("FP4COMPILE_QADAMW_KERNEL", "2"))
 NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: kernel 2: Triton's register cap per thread (``maxnreg``; 0 = the compiler's choice: 128 registers, 8 programs of
 #: 2 warps per SM). Static sm_90 (session 30): 96 -> +96 instructions per thread and 23 spilled words, 10 programs;
-#: 80 -> +144, 41 words, 12 programs; 64 -> +216, 75 words, 16 programs
+#: 80 -> +144, 41 words, 12 programs; 64 -> +216, 75 words, 16 programs. H200, 124M set, alternating twice: 0 1.304,
+#: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
