@@ -2,10 +2,11 @@
 
 Compiles the dK/dV and dQ kernels as a training step launches them (bf16 gradients, no GQA, T a multiple of 16)
 with the default backward tiles (BM = BN = 64, 4 warps, the stages and register caps of ``attention.BWD_CONFIGS``),
-causal, no bias, for head dims 64 and 128, with every role in BF16 and with the paper's split (QKᵀ, dS·K, dSᵀ·Q in NVFP4), plus the backward's preparatory launch, and prints per kernel the SASS
-instruction count (each loop body is counted once per copy: masked and unmasked), registers per thread and the
-local-memory loads/stores of register spills (LDL/STL). Issue 4's backward question: what the FP4 dS costs over
-the BF16 kernels, instruction by instruction (session 21 used it to choose the power-of-two dS global).
+causal, no bias, for head dims 64 and 128, with every role in BF16 and with the paper's split (QKᵀ, dS·K, dSᵀ·Q in
+NVFP4), plus the backward's preparatory launch, and prints per kernel the SASS instruction count (each loop body
+is counted once per copy: masked and unmasked), registers per thread and the local-memory loads/stores of register
+spills (LDL/STL). Issue 4's backward question: what the FP4 dS costs over the BF16 kernels, instruction by
+instruction (session 21 used it to choose the power-of-two dS global).
 
     python bench/attention_sass.py
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,12 +31,12 @@ class KernelSpec(NamedTuple):
     constexprs: dict
     num_warps: int
     elements: int
-    options: dict = {}  # further launch options (``maxnreg``: CONFIG's register cap where it applies)
+    options: Optional[dict] = None  # further launch options (``maxnreg``: CONFIG's register cap where it applies)
 
     def compile(self, upto="ptx"):
         """The PTX (text) or cubin (bytes), every runtime argument specialized as 16-divisible."""
         return compile_offline(self.fn, self.signature, self.constexprs, self.num_warps, upto=upto,
-                               divisible_by_16=tuple(self.signature), **self.options)
+                               divisible_by_16=tuple(self.signature), **(self.options or {}))
 
 
 def quantize_spec(rounding="rtn", cfg=None, **constexprs) -> KernelSpec:
@@ -64,8 +64,7 @@ def amax_spec(cfg=None, **constexprs) -> KernelSpec:
 
 def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
     """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile and register cap
-    (``e_maxnreg``); ``tstore``: the
-    variant that also stores the tile transposed (``quantize_both``)."""
+    (``e_maxnreg``); ``tstore``: the variant that also stores the tile transposed (``quantize_both``)."""
     cfg = cfg or K.CONFIG
     br, bc = cfg["e_rows"], max(cfg["e_cols"], hadamard or 16)
     sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", codes_ptr="*i32",

@@ -540,7 +540,8 @@ regcap_ab)
   # issues 2, 3 on one nvidia-h200 (~5 min; session 29): register caps. The quantize sweeps with MS-EDEN pass 1
   # capped at 96/80 registers (static sm_90: 108 -> 96 at the same instructions, no spill) and the SR / 4/6 kernel
   # at 96, then the full-stack step of this tree and of a copy under .ab/cand whose CONFIG has e_maxnreg 96,
-  # alternating (30 steps each, no profiler)
+  # alternating (30 steps each, no profiler). Since session 30 made 96 the default, the copy is this tree (s30_ab
+  # uses bench/train_step.py --quantize-config instead)
   step cap_tests 120 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       -k "register_capped or pass1_variants"
   step sweeps 200 python bench/quantize.py --sweep --sweeps had128e,rtn46,sr --no-eager --out "$OUT/sweeps"
