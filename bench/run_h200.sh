@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -553,6 +553,16 @@ regcap_ab)
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
   done ;;
+s31_next)
+  # issues 4, 2, 3 on one nvidia-h200 (~7 min; prepared in session 30): the attention GPU tests with the dQ kernel's
+  # default at 2 stages / 128 registers (session 30 checked it by digest only), its kernel times, the MS-EDEN pass-1
+  # sweep around the 96-register default (16x128 tile on 2 warps: 40.5 instead of 40.8 static instructions per
+  # element, 225.8 vs 230.9 us uncapped in session 30), then the full-stack step profiled against BF16
+  step attn_tests 140 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_attention.py
+  PYTHONPATH=$PWD step attn_kernels 60 python bench/attention_kernels_at.py --label head --sass
+  step sweeps 200 python bench/quantize.py --sweep --sweeps had128e,transposed --no-eager --out "$OUT/sweeps"
+  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl" ;;
 attn_stages)
   # issues 4, 5 on one nvidia-h200 (~4 min; session 30): the backward kernels at 2 pipeline stages (49-50 KB of shared
   # memory: 4 programs per SM by memory) with register caps (static sm_90: dQ 157 -> 128 registers, 5 spilled words;
