@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -548,6 +548,28 @@ regcap_ab)
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench .ab/cand/ && \
     sed -i 's/"e_maxnreg": 0/"e_maxnreg": 96/' .ab/cand/fp4compile/kernels/quantize.py && \
     grep -c '"e_maxnreg": 96' .ab/cand/fp4compile/kernels/quantize.py
+  for t in main cand main2 cand2; do
+    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
+        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
+  done ;;
+attn_div_ab)
+  # issue 4 on one nvidia-h200 (~5 min; prepared in session 30): dS's per-block divisions by short sequences
+  # (docs/bench_logs/session30_attn_short_divisions.diff: RN(x / 6) as one FMUL + two FMAs, RN(1 / sf) as
+  # rcp.approx + two FMAs, both proven on CPU against exact oracles; static sm_90: dK/dV 3960 -> 3520 instructions,
+  # dQ 3088 -> 2688). The candidate under .ab/cand (this tree + the diff): its attention GPU tests (bit-exact
+  # against the reference) and proof tests, then the kernel times of this tree and the candidate alternating, then
+  # the full-stack step of both (30 steps each, alternating)
+  rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
+    { git apply --directory=.ab/cand docs/bench_logs/session30_attn_short_divisions.diff || ( cd .ab/cand && \
+      patch -p1 < ../../docs/bench_logs/session30_attn_short_divisions.diff ); } > "$OUT/patch.log" 2>&1
+  grep -c _div6_rn .ab/cand/fp4compile/kernels/attention.py
+  ( cd .ab/cand && export PYTHONPATH=$PWD && step cand_attn_tests 150 python -m pytest -x -q -p no:cacheprovider \
+      tests/test_attention.py -k "gpu or cuda or div6 or reciprocal or fma_emulation or short_divisions" )
+  for t in head cand head2 cand2; do
+    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
+    PYTHONPATH=$P step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t"
+  done
   for t in main cand main2 cand2; do
     case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
