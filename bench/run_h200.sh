@@ -18,6 +18,14 @@ step_ab() {
     ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old "$2" python bench/train_step.py \
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
   fi; }
+# the GPT-124M full-stack step (CUDA graphs, 30 steps, no profiler, no BF16) of this tree and of the tree under
+# .ab/cand, alternating twice
+step_cand_ab() {
+  for t in main cand main2 cand2; do
+    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
+        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
+  done; }
 case "${1:-phase1}" in
 phase1)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -548,11 +556,7 @@ regcap_ab)
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench .ab/cand/ && \
     sed -i 's/"e_maxnreg": 0/"e_maxnreg": 96/' .ab/cand/fp4compile/kernels/quantize.py && \
     grep -c '"e_maxnreg": 96' .ab/cand/fp4compile/kernels/quantize.py
-  for t in main cand main2 cand2; do
-    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
-    ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
-        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
-  done ;;
+  step_cand_ab ;;
 attn_div_ab)
   # issue 4 on one nvidia-h200 (~5 min; prepared in session 30): dS's per-block divisions by short sequences
   # (docs/bench_logs/session30_attn_short_divisions.diff: RN(x / 6) as one FMUL + two FMAs, RN(1 / sf) as
@@ -570,11 +574,7 @@ attn_div_ab)
     case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
     PYTHONPATH=$P step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t"
   done
-  for t in main cand main2 cand2; do
-    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
-    ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
-        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
-  done ;;
+  step_cand_ab ;;
 s31_next)
   # issues 4, 2, 3 on one nvidia-h200 (~7 min; prepared in session 30): the attention GPU tests with the dQ kernel's
   # default at 2 stages / 128 registers (session 30 checked it by digest only), its kernel times, the MS-EDEN pass-1
