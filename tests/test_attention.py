@@ -520,17 +520,22 @@ def test_triton_kernels_interpreter_fa_rule(tmp_path):
     _run_kernel_script(tmp_path, env)
 
 
+def _bench_module(name: str):
+    """bench/<name>.py loaded as a module (the bench scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(REPO, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_bwd_prep_loads_codes_and_scales_as_vectors(D):
     """The backward's prep launch compiled for sm_90 (CPU, bench/attention_sass.py): the saved NVFP4 Q/K copies are
     read with vector loads, not one byte load per element (what it did until session 22: 128 per thread at d=128)."""
     pytest.importorskip("triton")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("attention_sass", os.path.join(REPO, "bench", "attention_sass.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    ptx = mod.compile_kernel("prep", D, True, upto="ptx")
+    ptx = _bench_module("attention_sass").compile_kernel("prep", D, True, upto="ptx")
     assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
@@ -542,15 +547,10 @@ def test_bwd_defaults_fit_their_programs_per_sm(kernel, programs):
     registers and 227 KB of shared memory. Uncapped, dK/dV takes 184 registers (2 per SM; 308.9 against 250.2 us on
     the H200, session 30) and dQ at 3 stages 66.5 KB (3 per SM; 204.4 against 201.8 us)."""
     pytest.importorskip("triton")
-    import importlib.util
-
     from fp4compile.kernels.offline import sass_stats
 
-    spec = importlib.util.spec_from_file_location("attention_sass", os.path.join(REPO, "bench", "attention_sass.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     meta = {}
-    _, _, regs, _ = sass_stats(mod.compile_kernel(kernel, 64, True, metadata=meta))
+    _, _, regs, _ = sass_stats(_bench_module("attention_sass").compile_kernel(kernel, 64, True, metadata=meta))
     assert 0 < regs and programs * 128 * regs <= 65536, regs
     assert 0 < meta["shared"] and programs * meta["shared"] <= 227 * 1024, meta["shared"]
 
@@ -558,14 +558,9 @@ def test_bwd_defaults_fit_their_programs_per_sm(kernel, programs):
 def test_tile_sweep_starts_from_the_defaults():
     """bench/attention.py's SWEEP lists each group's default configuration first (its rows report every config's
     output difference against that first entry, and the docs read it as the default's time)."""
-    import importlib.util
-
     from fp4compile.kernels import attention as A
 
-    spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(REPO, "bench", "attention.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for (kind, D, *rest), cfgs in mod.SWEEP.items():
+    for (kind, D, *rest), cfgs in _bench_module("attention").SWEEP.items():
         if kind == "fwd":
             assert cfgs[0] == A.FWD_CONFIGS[D], (kind, D)
         else:

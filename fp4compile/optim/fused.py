@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ..kernels.launch import stable_cache_keys
 from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
-                                _e4m3_value, _fwht, _mag_value_magic)
+                                _e4m3_value, _fwht, _launch_opts, _mag_value_magic)
 from . import qadamw as _qa
 from .codec import SQRT_V_MAX
 
@@ -882,12 +882,6 @@ class FusedPlan:
             if g.dtype != dt or not g.is_contiguous() or g.data_ptr() % 16 or p.data_ptr() % 16:
                 return False
         return True
-
-
-def _launch_opts(device, maxnreg: int = 0):
-    if device.type == "cpu":  # TRITON_INTERPRET=1: the interpreter ignores launch options
-        return {}
-    return {"enable_fp_fusion": False, **({"maxnreg": maxnreg} if maxnreg else {})}
 
 
 def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: dict, version: int):
