@@ -222,7 +222,8 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                                                [(128, 128, 8), (64, 256, 8), (64, 128, 4)]]),
     "sr": (dict(rounding="sr"), [{}, dict(s_maxnreg=96), dict(q_impl=0), dict(s_rows=8, s_cols=256),
                                  dict(s_rows=32, s_cols=128)]),
-    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(s_maxnreg=96), dict(q_impl=0),
+    "rtn46": (dict(rounding="rtn", four_over_six=True), [{}, dict(s_maxnreg=0), dict(s_maxnreg=128),
+                                                         dict(s_maxnreg=96), dict(q_impl=0),
                                                          dict(s_rows=8, s_cols=256), dict(s_rows=16, s_cols=128)]),
     "rtn_had16": (dict(rounding="rtn", hadamard=16), [{}, dict(q_impl=0, a_impl=0)]),
     # programmatic dependent launch of the quantize kernel behind the amax kernel (CONFIG["pdl"], default 1);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -19,10 +19,11 @@ step_ab() {
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
   fi; }
 # the GPT-124M full-stack step (CUDA graphs, 30 steps, no profiler, no BF16) of this tree and of the tree under
-# .ab/cand, alternating twice
+# .ab/cand (or .ab/DIR), alternating twice: step_cand_ab [DIR]
 step_cand_ab() {
+  local C=$PWD/.ab/${1:-cand}
   for t in main cand main2 cand2; do
-    case $t in cand*) P=$PWD/.ab/cand;; *) P=$PWD;; esac
+    case $t in cand*) P=$C;; *) P=$PWD;; esac
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
   done; }
@@ -575,6 +576,27 @@ attn_div_ab)
     PYTHONPATH=$P step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t"
   done
   step_cand_ab ;;
+r46_ab)
+  # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
+  # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static
+  # sm_90 with the s_* tile: 58.0 -> 49.0 instructions per element at 128 registers, no spill; uncapped it takes
+  # 168). Session 28 timed that candidate (uncapped) by `cd .ab/cand && git apply`, which in a git checkout's
+  # subfolder applies nothing (the first line says whether this tree is one). The candidate under .ab/cand46: its GPU
+  # bit-exactness tests, the 4/6 sweep (default, uncapped, 96, tiles) of this tree and the candidate alternating, the
+  # step of both
+  [ -e .git ] && echo "this tree is a git checkout" || echo "this tree has no .git"
+  rm -rf .ab/cand46 && mkdir -p .ab/cand46 && cp -r fp4compile bench tests .ab/cand46/ && \
+    { git apply --directory=.ab/cand46 docs/bench_logs/session31_rtn46_magnitudes_capped.diff || ( cd .ab/cand46 && \
+      patch -p1 < ../../docs/bench_logs/session31_rtn46_magnitudes_capped.diff ); } > "$OUT/patch46.log" 2>&1
+  grep -c "_e2m1_mag_magic(alo" .ab/cand46/fp4compile/kernels/quantize.py
+  ( cd .ab/cand46 && export PYTHONPATH=$PWD && step cand46_tests 150 python -m pytest -m gpu -x -q \
+      -p no:cacheprovider tests/test_quantize_kernels.py -k "bit_exact_large or register_capped or pdl" )
+  for t in head cand head2 cand2; do
+    case $t in cand*) P=$PWD/.ab/cand46;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P && step "rtn46_$t" 60 python bench/quantize.py --sweep --sweeps rtn46 \
+        --no-eager --out "$OUT/rtn46_$t" )
+  done
+  step_cand_ab cand46 ;;
 s31_next)
   # issues 4, 2, 3 on one nvidia-h200 (~7 min; prepared in session 30): the attention GPU tests with the dQ kernel's
   # default at 2 stages / 128 registers (session 30 checked it by digest only), its kernel times, the MS-EDEN pass-1
