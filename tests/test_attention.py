@@ -555,6 +555,102 @@ def test_bwd_defaults_fit_their_programs_per_sm(kernel, programs):
     assert 0 < meta["shared"] and programs * meta["shared"] <= 227 * 1024, meta["shared"]
 
 
+def _fma32(a, b, c):
+    """fp32 fma of numpy fp32 arrays, emulated exactly: the product is exact in float64; the sum, which may need
+    more than 53 bits, is split by TwoSum and rounded once (ties to even) from the float64 sum and the sign of
+    its error."""
+    f32, f64 = np.float32, np.float64
+    x, y = a.astype(f64) * b.astype(f64), c.astype(f64)
+    s = x + y
+    bb = s - x
+    err = (x - (s - bb)) + (y - bb)
+    t = s.astype(f32)
+    d = s - t.astype(f64)
+    other = np.where(d > 0, np.nextafter(t, f32(np.inf)), np.nextafter(t, f32(-np.inf)))
+    mid = (d != 0) & (2 * d == other.astype(f64) - t.astype(f64))
+    return np.where(mid & (np.sign(err) == np.sign(d)), other, t)
+
+
+def _rn32(fr):
+    """Round-to-nearest-even fp32 of a positive Fraction in the normal range (exact rational oracle)."""
+    from fractions import Fraction
+    e = fr.numerator.bit_length() - fr.denominator.bit_length()
+    while Fraction(2) ** e > fr:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= fr:
+        e += 1
+    ulp = Fraction(2) ** (e - 23)
+    n, rem = divmod(fr, ulp)
+    n += rem * 2 > ulp or (rem * 2 == ulp and n % 2 == 1)
+    return np.float32(float(n * ulp))
+
+
+def test_fma_emulation_against_rationals():
+    """The test's fp32 fma emulation (_fma32) against exact rationals on random operands whose product is small
+    against the addend (the sum's rounding is what matters)."""
+    from fractions import Fraction
+    rng = np.random.default_rng(0)
+    a, c = (rng.standard_normal(4000).astype(np.float32) for _ in range(2))
+    b = (rng.standard_normal(4000) * 2.0 ** -20).astype(np.float32)
+    got = _fma32(a, b, c)
+    for x, y, z, g in zip(a, b, c, got):
+        exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        assert g == np.sign(float(exact)) * _rn32(abs(exact))
+
+
+def test_div6_sequence_is_div_rn_for_every_significand():
+    """The dS quantizer's RN(x / 6) on the GPU (attention._div6_rn: q = RN(x * RN(1/6)), r = fma(-q, 6, x),
+    fma(r, RN(1/6), q)) equals the correctly rounded quotient for every fp32 significand, in four binades
+    (the sequence commutes with powers of two away from subnormals; quotients below 2^-121 only meet a scale
+    that rounds them to E4M3 zero). Oracle: float64 division rounded to fp32 (no double rounding: x / 3 is
+    never within 2^-53 of an fp32 midpoint)."""
+    inv6 = np.float32(float.fromhex("0x1.555556p-3"))
+    assert inv6 == np.float32(1) / np.float32(6)
+    x = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+    for scale in (1.0, 2.0 ** -121, 2.0 ** -60, 2.0 ** 100):
+        xs = x * np.float32(scale)
+        q = xs * inv6
+        got = _fma32(_fma32(-q, np.full_like(q, 6.0), xs), np.full_like(q, inv6), q)
+        want = (xs.astype(np.float64) / 6.0).astype(np.float32)
+        assert np.array_equal(got, want), (scale, int((got != want).sum()))
+
+
+def test_e4m3_reciprocal_sequence_is_correctly_rounded():
+    """The dS quantizer's RN(1 / sf) on the GPU (attention._rcp_e4m3_rn: y = rcp.approx(sf), within one ulp by
+    PTX's spec; fma(fma(-sf, y, 1), y, y)) is the correctly rounded reciprocal of every positive E4M3 value
+    (ml_dtypes), from every seed within two ulps of the exact reciprocal (exact rational oracle)."""
+    from fractions import Fraction
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    vals = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    vals = np.unique(vals[np.isfinite(vals) & (vals > 0)])
+    assert len(vals) == 126
+    one = np.ones(1, np.float32)
+    for sf in vals:
+        exact = 1 / Fraction(float(sf))
+        rn = _rn32(exact)
+        seeds = [rn]
+        for _ in range(3):
+            seeds = sorted({t for y in seeds for t in (np.nextafter(y, np.float32(0)), y,
+                                                       np.nextafter(y, np.float32(np.inf)))})
+        seeds = [y for y in seeds if abs(Fraction(float(y)) - exact) <= 2 * Fraction(float(np.spacing(rn)))]
+        assert len(seeds) >= 3
+        for y in seeds:
+            y1, s1 = np.array([y], np.float32), np.array([sf], np.float32)
+            assert _fma32(_fma32(-s1, y1, one), y1, y1)[0] == rn, (sf, y)
+
+
+def test_ds_quantizer_uses_the_short_divisions():
+    """The paper split's backward kernels compiled for sm_90 (CPU): the per-block divisions of dS's quantizer are
+    the short sequences the tests above prove (rcp.approx + two FMAs, one FMUL + two FMAs), not div.rn (left for
+    the per-tile globals only)."""
+    pytest.importorskip("triton")
+    mod = _bench_module("attention_sass")
+    for kernel in ("dkdv", "dq"):
+        ptx = mod.compile_kernel(kernel, 64, True, upto="ptx")
+        assert ptx.count("rcp.approx.ftz.f32") > 0 and ptx.count("div.rn.f32") <= 4, kernel
+
+
 def test_tile_sweep_starts_from_the_defaults():
     """bench/attention.py's SWEEP lists each group's default configuration first (its rows report every config's
     output difference against that first entry, and the docs read it as the default's time)."""

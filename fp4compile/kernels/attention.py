@@ -125,12 +125,42 @@ if triton is not None:
         return (c + m) - m
 
     @triton.jit
+    def _div6_rn(x):
+        """RN(x / 6) for fp32 x >= 0, as ``tl.math.div_rn(x, 6.0)`` gives it (inf -> inf), in three instructions on
+        the GPU: q = RN(x * RN(1/6)) is within one ulp of x / 6, the remainder x - 6q is exact in one FMA, and
+        one more FMA corrects q to the correctly rounded quotient (Markstein's theorem; every fp32 significand
+        is checked in tests/test_attention.py). The interpreter's fma rounds twice: there it is div_rn."""
+        if _DOT_F32:
+            return tl.math.div_rn(x, 6.0)
+        else:
+            q = x * INV6_C
+            r = tl.fma(-q, 6.0, x)
+            return tl.where(x == float("inf"), x, tl.fma(r, INV6_C, q))
+
+    @triton.jit
+    def _rcp_e4m3_rn(sf):
+        """RN(1 / sf) for a positive E4M3 value sf (0 -> inf): the hardware's approximate reciprocal (within one
+        ulp) corrected by one Newton step in two FMAs, which is the correctly rounded reciprocal for the 3-bit
+        significands of E4M3 values (every candidate within one ulp is checked in tests/test_attention.py).
+        The interpreter has no PTX: there it is div_rn."""
+        if _DOT_F32:
+            return tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
+        else:
+            y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [sf], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            return tl.fma(tl.fma(-sf, y, 1.0), y, y)
+
+    @triton.jit
     def _fq_blocks(xb, amax, s_enc, g_dec, R: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr):
         """:func:`_fq_rows` from the [R, C/16, 16] view ``xb`` and its block maxima ``amax`` = max |xb| over
-        the last axis (computed once by the caller when it also needs them for the tile's global)."""
-        sf = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0)).to(tl.float32)
+        the last axis (computed once by the caller when it also needs them for the tile's global). With FOLD
+        the global ``g_dec`` = 1 / ``s_enc`` is a power of two, so RN(1 / (sf * g_dec)) = RN(1 / sf) * s_enc."""
+        sf = _to_e4m3(tl.minimum(_div6_rn(amax) * s_enc, 448.0)).to(tl.float32)
         sfg = sf * g_dec
-        enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sfg))
+        if FOLD:
+            enc = tl.where(sf == 0.0, 0.0, _rcp_e4m3_rn(sf) * s_enc)
+        else:
+            enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sfg))
         val = _e2m1_round(xb * enc[:, :, None])
         if FOLD:
             return tl.reshape(val * sfg[:, :, None], [R, C])
@@ -172,6 +202,7 @@ if triton is not None:
         return s_enc, g_dec
 
     DS_TILE_C = tl.constexpr(DS_TILE)
+    INV6_C = tl.constexpr(float.fromhex("0x1.555556p-3"))  # RN(1/6) in fp32
     G_NUM_C = tl.constexpr(G_NUM)
     AMAX_FLUSH = tl.constexpr(_nvfp4.AMAX_FLUSH)
     P_GLOBAL_C = tl.constexpr(P_GLOBAL)
