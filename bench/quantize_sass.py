@@ -52,6 +52,17 @@ def quantize_spec(rounding="rtn", cfg=None, **constexprs) -> KernelSpec:
     return KernelSpec(K._quantize_kernel, sig, {**const, **constexprs}, cfg["q_warps"], br * bc)
 
 
+def quantize46_spec(rounding="rtn", cfg=None) -> KernelSpec:
+    """The 4/6 quantize kernel (``_quantize_kernel`` with FOUR_SIX) as launched: CONFIG's ``s_*`` tile and its
+    register cap (``s_maxnreg``), 1D blocks, no RHT."""
+    cfg = cfg or K.CONFIG
+    _, m4 = block_max_targets(rounding)
+    spec = quantize_spec(rounding, {**cfg, "q_rows": cfg["s_rows"], "q_cols": cfg["s_cols"]}, FOUR_SIX=True,
+                         G=global_numerator(rounding, True), M4=m4)
+    cap = {"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None
+    return spec._replace(num_warps=cfg["s_warps"], options=cap)
+
+
 def amax_spec(cfg=None, **constexprs) -> KernelSpec:
     """The amax kernel (``_amax_kernel``) with CONFIG's tile, no RHT."""
     cfg = cfg or K.CONFIG
@@ -100,7 +111,8 @@ def per_element(spec: KernelSpec):
 def measure(cfg=None) -> list:
     """[(kernel, (instructions per element, SHFL per element, registers, spills))] for the table (``cfg``:
     CONFIG)."""
-    rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg)))]
+    rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg))),
+            ("RTN 4/6 quantize pass", per_element(quantize46_spec(cfg=cfg)))]
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(eden_pass1_spec(had, cfg))))

@@ -273,6 +273,10 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
     # the register cap of pass 1 (CONFIG e_maxnreg) holds and costs no spill in any of its variants
     cap = sass.K.CONFIG["e_maxnreg"]
     assert all(v[2] <= cap and v[3] == 0 for n, v in r.items() if n.startswith("MS-EDEN pass 1")), r
+    # RTN 4/6 on magnitudes under its cap (s_maxnreg, 128): no spill, and under 2.5x the plain RTN pass per element
+    # (49.0 vs 20.6; the signed form it replaced took 58.0)
+    n46, _, regs46, spill46 = r["RTN 4/6 quantize pass"]
+    assert regs46 <= sass.K.CONFIG["s_maxnreg"] and spill46 == 0 and counts[0] < n46 < 2.5 * counts[0], r
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -474,3 +478,4 @@ def test_register_caps_reach_only_their_kernels(monkeypatch):
     assert caps(cap, four_over_six=True) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
     assert caps(cap, rounding="sr", seed=SEED) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
     assert caps(cap) == [("_amax_kernel", None), ("_quantize_kernel", None)]  # plain RTN: the q_* tile
+    assert caps(four_over_six=True) == [("_amax_kernel", None), ("_quantize_kernel", 128)]  # the default cap

@@ -543,11 +543,13 @@ def _tree2(lo, hi, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _sse46(xs, q, q4, sf, sf4, BR: tl.constexpr, NB: tl.constexpr):
+def _sse46(axs, m, m4, sf, sf4, BR: tl.constexpr, NB: tl.constexpr):
     """Per-block squared errors of the 6- and 4-candidates for one half (FP32, fixed tree, in units of the
-    global decode scale: ``xs`` = x * s_enc; formats.nvfp4._block_sse)."""
-    d6 = xs - _e2m1_value(q) * sf[:, :, None]
-    d4 = xs - _e2m1_value(q4) * sf4[:, :, None]
+    global decode scale; formats.nvfp4._block_sse), from magnitudes: ``axs`` = |x| * s_enc and the candidates'
+    MAGIC + code floats ``m``, ``m4`` (:func:`_e2m1_mag_magic`). A code has x's sign, so x * s_enc - value * S is
+    the magnitudes' difference with that sign, exactly: the same squares as the signed form."""
+    d6 = axs - _mag_value_magic(m) * sf[:, :, None]
+    d4 = axs - _mag_value_magic(m4) * sf4[:, :, None]
     return _tree_last(d6 * d6, BR, NB, 8), _tree_last(d4 * d4, BR, NB, 8)
 
 
@@ -601,13 +603,18 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 
     if ROUNDING == 0:
         if FOUR_SIX:
+            # both candidates on magnitudes (the code's sign is x's, and the errors' squares do not depend on it),
+            # kept as MAGIC + code floats until the chosen one is packed with x's sign bits
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
-            qlo = _e2m1_fast(lo * e3)
-            qhi = _e2m1_fast(hi * e3)
-            q4lo = _e2m1_fast(lo * enc4[:, :, None])
-            q4hi = _e2m1_fast(hi * enc4[:, :, None])
-            e6a, e4a = _sse46(lo * s_enc, qlo, q4lo, sf, sf4, BR, NB)
-            e6b, e4b = _sse46(hi * s_enc, qhi, q4hi, sf, sf4, BR, NB)
+            e4_3 = enc4[:, :, None]
+            alo = tl.abs(lo)
+            ahi = tl.abs(hi)
+            mlo = _e2m1_mag_magic(alo * e3)
+            mhi = _e2m1_mag_magic(ahi * e3)
+            m4lo = _e2m1_mag_magic(alo * e4_3)
+            m4hi = _e2m1_mag_magic(ahi * e4_3)
+            e6a, e4a = _sse46(alo * s_enc, mlo, m4lo, sf, sf4, BR, NB)
+            e6b, e4b = _sse46(ahi * s_enc, mhi, m4hi, sf, sf4, BR, NB)
             e6 = e6a + e6b
             e4 = e4a + e4b
             if BLOCK2D:
@@ -615,8 +622,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                 e4 = _tile_rows(e4, BR, NB)
             pick4 = e4 < e6
             code = tl.where(pick4, code4, code)
-            wlo = _pack8(tl.where(pick4[:, :, None], q4lo, qlo))
-            whi = _pack8(tl.where(pick4[:, :, None], q4hi, qhi))
+            wlo = _pack_magic(tl.where(pick4[:, :, None], m4lo, mlo), lo, MAGIC_PACK)
+            whi = _pack_magic(tl.where(pick4[:, :, None], m4hi, mhi), hi, MAGIC_PACK)
         else:
             wlo = _pack_rtn(lo * e3, MAGIC_PACK)
             whi = _pack_rtn(hi * e3, MAGIC_PACK)
@@ -975,8 +982,11 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: takes 108 registers uncapped (4 programs of 4 warps per SM); at 96, the default, it compiles to the same
 #: instructions with no spill (5 per SM; every pass-1 variant, tests/test_quantize_kernels.py). H200, session 30:
 #: MS-EDEN + RHT-128 at 16384x8192 230.9 -> 214.4 us (80: 211.9, spilling), the 124M full-stack step's quantize
-#: kernels 12.98 -> 12.25 ms and the step 50.9, 50.9 -> 50.4, 49.8 ms (alternating). RTN 4/6 takes 128 and spills
-#: one register at 96: 324.4 -> 323.1 us, so ``s_maxnreg`` stays 0.
+#: kernels 12.98 -> 12.25 ms and the step 50.9, 50.9 -> 50.4, 49.8 ms (alternating). ``s_maxnreg`` 128, the
+#: default: RTN 4/6 on magnitudes (:func:`_sse46`) takes 168 registers uncapped (3 programs per SM) and at 128 the
+#: same instructions with no spill (4 per SM; 49.0 static SASS instructions per element against the signed form's
+#: 58.0). H200, session 31, 16384x8192 with its amax pass: 324.0 us (signed form) -> 299.5 uncapped -> 287.4-288.4
+#: at 128 (96: 301, spilling). SR (4/6 or not) takes 128 uncapped, so the cap leaves it as it was.
 CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256, "s_warps": 4,
           "r_rows": 16, "r_cols": 256, "r_warps": 4, "t_rows": 16, "t_cols": 256, "t_warps": 4,
           "a_rows": 128, "a_cols": 256, "a_warps": 8, "ah_rows": 32, "ah_cols": 256, "ah_warps": 4,
@@ -984,7 +994,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 0}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 128}
 
 
 def _config(device, config: Optional[dict]) -> dict:
