@@ -465,7 +465,7 @@ dkdv_ab)
   # tree, alternating, each with a digest of dQ, dK, dV (same bits expected); then the attention GPU tests of the
   # candidate and the full-stack step of both
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench .ab/cand/ && \
-    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session27_dkdv_offsets.diff ) || echo "candidate did not apply"
+    git apply --directory=.ab/cand docs/bench_logs/session27_dkdv_offsets.diff || echo "candidate did not apply"
   for t in main cand main2 cand2; do
     if [ "${t:0:4}" = cand ]; then P=$PWD/.ab/cand; else P=$PWD; fi
     PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
@@ -490,7 +490,7 @@ fused_ab)
   # bench tests), against this tree (transposed dequantization + quantize): the candidate's kernel GPU tests and
   # bench/requant.py (bytes, times, fused tiles), the GPT-124M full-stack step of both
   rm -rf .ab/cand && cp -r .ab/base .ab/cand && \
-    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_fused_requant.diff ) || echo "candidate did not apply"
+    git apply --directory=.ab/cand docs/bench_logs/session28_fused_requant.diff || echo "candidate did not apply"
   ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 170 python -m pytest -m gpu -x -q \
       -p no:cacheprovider tests/test_quantize_kernels.py -k "dequantize_and_ops or ms_eden or bit_exact_large" && \
     step requant_cand 120 python bench/requant.py --sweep && \
@@ -519,7 +519,7 @@ dkdv_contig_ab)
   # both alternating (same dQ/dK/dV digest expected), the attention GPU tests of the candidate, the full-stack step
   # of both (the candidate's profiled: the Q/K/V gradient concatenation now reads dK, dV transposed)
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
-    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_dkdv_contig.diff ) || echo "candidate did not apply"
+    git apply --directory=.ab/cand docs/bench_logs/session28_dkdv_contig.diff || echo "candidate did not apply"
   for t in main cand main2 cand2; do
     if [ "${t:0:4}" = cand ]; then P=$PWD/.ab/cand; else P=$PWD; fi
     PYTHONPATH=$P step "attn_at_$t" 60 python bench/attention_kernels_at.py --label "$t"
@@ -692,7 +692,7 @@ decode_ab)
   # bit-exactness of this tree's and the candidate's quantize kernels and of the fused optimizer, the quantize
   # bench of all three, Q-AdamW of both, the full-stack step of this tree and the old one
   rm -rf .ab/cand && mkdir -p .ab/cand && cp -r fp4compile bench tests .ab/cand/ && \
-    ( cd .ab/cand && git apply -p1 ../../docs/bench_logs/session28_rtn46_magnitudes.diff ) || echo "candidate did not apply"
+    git apply --directory=.ab/cand docs/bench_logs/session28_rtn46_magnitudes.diff || echo "candidate did not apply"
   step quant_tests 150 python -m pytest -m gpu -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       -k "ms_eden or bit_exact_large"
   ( cd .ab/cand && export PYTHONPATH=$PWD && step quant_tests_cand 120 python -m pytest -m gpu -x -q \
