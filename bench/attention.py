@@ -137,9 +137,10 @@ SWEEP = {
                           (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)), (_cfg(64, 128, 8, 2), _cfg(128, 64, 8, 2)),
                           (_cfg(32, 128, 4, 2), _cfg(128, 32, 4, 2))],
     # dS in NVFP4: the contraction side is DS_TILE (64); the other side holds one or two 64x64 scale tiles
-    # (the default's register caps: dK/dV at 168, 3 programs per SM instead of 2; dQ at 2 stages and 128, 4 per SM
+    # (the default: both at 2 stages, dK/dV capped at 168 registers, 3 programs per SM instead of 2; dQ at 128, 4 per SM
     # instead of 3; see attention.py)
-    ("bwd", 64, True): [(_cfg(64, 64, 4, 3, 168), _cfg(64, 64, 4, 2, 128)), (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)),
+    ("bwd", 64, True): [(_cfg(64, 64, 4, 2, 168), _cfg(64, 64, 4, 2, 128)),
+                        (_cfg(64, 64, 4, 3, 168), _cfg(64, 64, 4, 2, 128)), (_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3)),
                         (_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 2)),
                         (_cfg(64, 64, 4, 4), _cfg(64, 64, 4, 4)), (_cfg(64, 128, 4, 2), _cfg(128, 64, 4, 2)),
                         (_cfg(64, 128, 4, 3), _cfg(128, 64, 4, 3))],

@@ -545,7 +545,8 @@ def test_bwd_defaults_fit_their_programs_per_sm(kernel, programs):
     """The paper split's backward kernels at D = 64 as launched by default (bench/attention_sass.py, sm_90, CPU): their
     register caps and stages (attention.BWD_CONFIGS) let 3 dK/dV / 4 dQ programs of 4 warps share an SM's 65,536
     registers and 227 KB of shared memory. Uncapped, dK/dV takes 184 registers (2 per SM; 308.9 against 250.2 us on
-    the H200, session 30) and dQ at 3 stages 66.5 KB (3 per SM; 204.4 against 201.8 us)."""
+    the H200, session 30) and dQ at 3 stages 66.5 KB (3 per SM; 204.4 against 201.8 us). Both run 2 stages (dK/dV
+    since session 31: 230-233 -> 211-215 us)."""
     pytest.importorskip("triton")
     from fp4compile.kernels.offline import sass_stats
 

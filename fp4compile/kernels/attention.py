@@ -827,8 +827,11 @@ FWD_CONFIGS = {64: dict(BM=128, BN=64, num_warps=8, num_stages=3),
 #: dV (160: 252.4-253.1 us, no spill; 168 spills 4 words). Not at D = 128 (255 registers uncapped, 152 spilled
 #: words at 168, unmeasured). Its dQ kernel runs 2 stages at 128 registers (49 KB of shared memory: 4 programs per
 #: SM instead of 3; 5 spilled words): 204.4, 204.3 -> 201.8, 202.0 us alternating, same bytes (128 registers at 3
-#: stages, still 3 per SM by shared memory: 202.5 -> 217.9 us; the dK/dV kernel at 2 stages and 128 registers:
-#: 258.9 us, at 168: 252.7).
+#: stages, still 3 per SM by shared memory: 202.5 -> 217.9 us). Since dS's per-block divisions are short sequences
+#: (session 31) the dK/dV kernel runs 2 stages too, still at 168 (50 KB of shared memory, 3 programs per SM, 3024
+#: static instructions against 3520 at 3 stages, 4 spilled words): 232.8, 230.0 -> 210.8, 215.2 us alternating, same
+#: bytes (2 stages at 128: 216.6, 216.9, 4 per SM, 18 spilled words; at 144: 261; session 30, before the short
+#: divisions, 2 stages were no better: 258.9 at 128, 252.7 at 168).
 def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, bn2: int = 64,
               dkdv_maxnreg: int = 0, dq_stages: int = 0, dq_maxnreg: int = 0) -> dict:
     def cap(n):
@@ -838,7 +841,7 @@ def _bwd_pair(w: int, st: int = 2, bm1: int = 64, bn1: int = 64, bm2: int = 64, 
 
 
 BWD_CONFIGS = {(64, False): _bwd_pair(4), (128, False): _bwd_pair(4),
-               (64, True): _bwd_pair(4, 3, dkdv_maxnreg=168, dq_stages=2, dq_maxnreg=128),
+               (64, True): _bwd_pair(4, 2, dkdv_maxnreg=168, dq_maxnreg=128),
                (128, True): _bwd_pair(4)}
 
 
