@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -585,6 +585,21 @@ s31_final)
   step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
   step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
       --warmup 3 --profile --json "$OUT/train_step.jsonl" ;;
+attn_caps31)
+  # issue 4 on one nvidia-h200 (~2 min; session 31): with dS's short divisions the dK/dV kernel at 2 stages spills
+  # less under a cap (static sm_90: 128 registers 18 spilled words instead of 32, 144: 30/25; 4 programs per SM at
+  # 128 by registers and shared memory, 3 at 144 and 168); each against the default (3 stages, 168), alternating
+  for t in head dkdv2c128 dkdv2c144 dkdv2c168 head2 dkdv2c128b dkdv2c144b dkdv2c168b; do
+    case $t in dkdv2c128*) C='{"dkdv": {"num_stages": 2, "maxnreg": 128}}';;
+      dkdv2c144*) C='{"dkdv": {"num_stages": 2, "maxnreg": 144}}';;
+      dkdv2c168*) C='{"dkdv": {"num_stages": 2, "maxnreg": 168}}';; *) C='';; esac
+    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
+  done ;;
+s31_check)
+  # issue 4 on one nvidia-h200 (~1.5 min; session 31): the dK/dV kernel's new default (2 stages, 168 registers): the
+  # attention tests that run on CUDA, the kernel times with the launched SASS
+  step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
+  PYTHONPATH=$PWD step attn_kernels 60 python bench/attention_kernels_at.py --label head --sass ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
   # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static
