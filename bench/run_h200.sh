@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_next
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -600,6 +600,23 @@ s31_check)
   # attention tests that run on CUDA, the kernel times with the launched SASS
   step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
   PYTHONPATH=$PWD step attn_kernels 60 python bench/attention_kernels_at.py --label head --sass ;;
+s32_next)
+  # issues 4, 3 on one nvidia-h200 (~7 min; prepared in session 31): with session 31's defaults (dK/dV at 2 stages,
+  # in neither the table nor the step of session 31) the attention tests that run on CUDA, the attention table
+  # against SDPA and the full-stack step profiled against BF16; then the paper split's backward at D = 128 (2 programs
+  # per SM by shared memory at 2 stages, 97 KB) at one and two stages with register caps (static sm_90, session 31:
+  # dQ at 1 stage 64 KB, 230 registers, capped at 168 58 spilled words = 3 per SM; dK/dV at 1 stage 255 registers,
+  # at 168 166 spilled words), 8x16x2048x128, alternating with the default
+  step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
+  step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
+  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  for t in head dq1c168 dq1 dkdv1c168 head2 dq1c168b dq1b dkdv1c168b; do
+    case $t in dq1c168*) C='{"dq": {"num_stages": 1, "maxnreg": 168}}';; dq1*) C='{"dq": {"num_stages": 1}}';;
+      dkdv1c168*) C='{"dkdv": {"num_stages": 1, "maxnreg": 168}}';; *) C='';; esac
+    PYTHONPATH=$PWD step "attn128_$t" 60 python bench/attention_kernels_at.py --label "$t" --shape 8,16,2048,128 \
+        ${C:+--bwd-config "$C"}
+  done ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
   # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static
