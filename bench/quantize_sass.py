@@ -57,10 +57,9 @@ def quantize46_spec(rounding="rtn", cfg=None) -> KernelSpec:
     register cap (``s_maxnreg``), 1D blocks, no RHT."""
     cfg = cfg or K.CONFIG
     _, m4 = block_max_targets(rounding)
-    spec = quantize_spec(rounding, {**cfg, "q_rows": cfg["s_rows"], "q_cols": cfg["s_cols"]}, FOUR_SIX=True,
-                         G=global_numerator(rounding, True), M4=m4)
-    cap = {"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None
-    return spec._replace(num_warps=cfg["s_warps"], options=cap)
+    tile = {"q_rows": cfg["s_rows"], "q_cols": cfg["s_cols"], "q_warps": cfg["s_warps"]}
+    spec = quantize_spec(rounding, {**cfg, **tile}, FOUR_SIX=True, G=global_numerator(rounding, True), M4=m4)
+    return spec._replace(options={"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None)
 
 
 def amax_spec(cfg=None, **constexprs) -> KernelSpec:

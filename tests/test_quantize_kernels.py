@@ -148,7 +148,7 @@ def test_interpreter_bit_exact(case, interp_report):
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 def test_interpreter_e2m1_and_amax(interp_report):
-    """_e2m1_fast (the FP-pipe code map) on every FP32 of sampled binades incl. all ties; _e2m1_value (the
+    """_e2m1_mag_code (the FP-pipe code map, with the sign bit) on every FP32 of sampled binades incl. all ties; _e2m1_value (the
     kernels' E2M1 decoder) on all 16 codes against ml_dtypes, bit for bit; _mag_value_magic of both magnitude
     code maps against ml_dtypes' rounding; given-amax mode; MS-EDEN pass 2's 64-bit index path."""
     assert interp_report["e2m1"] == 0

@@ -146,7 +146,7 @@ def _e2m1_mag_magic(a):
     code = min(rne(2a), rne(a) + 2, rne(a/2) + 4, 7); each rne is one FP32 add of MAGIC (the products by 2 and
     0.5 are exact, so an FMA and a multiply-then-add give the same bits). Equal to the reference's comparison
     chain on every FP32 value of sampled binades incl. every tie (tests/test_quantize_kernels.py::
-    test_interpreter_e2m1_and_amax, through :func:`_e2m1_fast`; tests/test_attention.py against the threshold form).
+    test_interpreter_e2m1_and_amax, with x's sign bit added; tests/test_attention.py against the threshold form).
     FP-pipe work only (3 adds/FMAs + 3 min), vs ~10 integer ops for the bit form :func:`_e2m1_rne`.
     """
     t1 = tl.fma(a, 2.0, 12582912.0)
@@ -159,12 +159,6 @@ def _e2m1_mag_magic(a):
 def _e2m1_mag_code(a):
     """|v| (FP32, >= 0) -> E2M1 magnitude code 0..7 (int32): :func:`_e2m1_mag_magic` less MAGIC's bits."""
     return _e2m1_mag_magic(a).to(tl.int32, bitcast=True) - 0x4B400000  # _MAGIC_BITS
-
-
-@triton.jit
-def _e2m1_fast(v):
-    """FP32 -> E2M1 code (int32, sign in bit 3); same codes as :func:`_e2m1_rne`."""
-    return _e2m1_mag_code(tl.abs(v)) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit
