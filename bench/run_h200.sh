@@ -27,6 +27,15 @@ step_cand_ab() {
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
   done; }
+# bench/attention_kernels_at.py of this tree once per LABEL[=JSON] in the order given (JSON: a --bwd-config override
+# for the paper split; none: the default), at SHAPE, each logged as PREFIX_LABEL: attn_configs PREFIX SHAPE LABEL[=JSON]...
+attn_configs() {
+  local prefix=$1 shape=$2 a c; shift 2
+  for a in "$@"; do
+    c=${a#*=}; [ "$c" = "$a" ] && c=''
+    PYTHONPATH=$PWD step "${prefix}_${a%%=*}" 60 python bench/attention_kernels_at.py --label "${a%%=*}" \
+        --shape "$shape" ${c:+--bwd-config "$c"}
+  done; }
 case "${1:-phase1}" in
 phase1)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -540,11 +549,9 @@ attn_regcap)
   if [ -d .ab/05bb13a/fp4compile ]; then
     PYTHONPATH=$PWD/.ab/05bb13a step attn_05bb13a 90 python bench/attention_kernels_at.py --label 05bb13a --sass
   fi
-  for t in cap160 cap168 dq128 head2 cap160b; do
-    case $t in cap160*) C='{"dkdv": {"maxnreg": 160}}';; cap168) C='{"dkdv": {"maxnreg": 168}}';;
-      dq128) C='{"dq": {"maxnreg": 128}}';; *) C='';; esac
-    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
-  done ;;
+  C160='{"dkdv": {"maxnreg": 160}}'
+  attn_configs attn 16,12,1024,64 "cap160=$C160" 'cap168={"dkdv": {"maxnreg": 168}}' 'dq128={"dq": {"maxnreg": 128}}' \
+      head2 "cap160b=$C160" ;;
 regcap_ab)
   # issues 2, 3 on one nvidia-h200 (~5 min; session 29): register caps. The quantize sweeps with MS-EDEN pass 1
   # capped at 96/80 registers (static sm_90: 108 -> 96 at the same instructions, no spill) and the SR / 4/6 kernel
@@ -589,12 +596,10 @@ attn_caps31)
   # issue 4 on one nvidia-h200 (~2 min; session 31): with dS's short divisions the dK/dV kernel at 2 stages spills
   # less under a cap (static sm_90: 128 registers 18 spilled words instead of 32, 144: 30/25; 4 programs per SM at
   # 128 by registers and shared memory, 3 at 144 and 168); each against the default (3 stages, 168), alternating
-  for t in head dkdv2c128 dkdv2c144 dkdv2c168 head2 dkdv2c128b dkdv2c144b dkdv2c168b; do
-    case $t in dkdv2c128*) C='{"dkdv": {"num_stages": 2, "maxnreg": 128}}';;
-      dkdv2c144*) C='{"dkdv": {"num_stages": 2, "maxnreg": 144}}';;
-      dkdv2c168*) C='{"dkdv": {"num_stages": 2, "maxnreg": 168}}';; *) C='';; esac
-    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
-  done ;;
+  C128='{"dkdv": {"num_stages": 2, "maxnreg": 128}}'; C144='{"dkdv": {"num_stages": 2, "maxnreg": 144}}'
+  C168='{"dkdv": {"num_stages": 2, "maxnreg": 168}}'
+  attn_configs attn 16,12,1024,64 head "dkdv2c128=$C128" "dkdv2c144=$C144" "dkdv2c168=$C168" \
+      head2 "dkdv2c128b=$C128" "dkdv2c144b=$C144" "dkdv2c168b=$C168" ;;
 s31_check)
   # issue 4 on one nvidia-h200 (~1.5 min; session 31): the dK/dV kernel's new default (2 stages, 168 registers): the
   # attention tests that run on CUDA, the kernel times with the launched SASS
@@ -611,12 +616,10 @@ s32_next)
   step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
   step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
       --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  for t in head dq1c168 dq1 dkdv1c168 head2 dq1c168b dq1b dkdv1c168b; do
-    case $t in dq1c168*) C='{"dq": {"num_stages": 1, "maxnreg": 168}}';; dq1*) C='{"dq": {"num_stages": 1}}';;
-      dkdv1c168*) C='{"dkdv": {"num_stages": 1, "maxnreg": 168}}';; *) C='';; esac
-    PYTHONPATH=$PWD step "attn128_$t" 60 python bench/attention_kernels_at.py --label "$t" --shape 8,16,2048,128 \
-        ${C:+--bwd-config "$C"}
-  done ;;
+  Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; Q1='{"dq": {"num_stages": 1}}'
+  K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
+  attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dq1=$Q1" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dq1b=$Q1" \
+      "dkdv1c168b=$K" ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
   # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static
@@ -653,12 +656,9 @@ attn_stages)
   # memory: 4 programs per SM by memory) with register caps (static sm_90: dQ 157 -> 128 registers, 5 spilled words;
   # dK/dV 185 -> 128, 32 spilled words; at 168, 3 per SM, 3336 instead of 3896 instructions), each against the
   # default (dK/dV capped at 168, 3 stages), alternating
-  for t in head dq2c128 dkdv2c128 dkdv2c168 head2 dq2c128b dkdv2c128b; do
-    case $t in dq2c128*) C='{"dq": {"num_stages": 2, "maxnreg": 128}}';; dq2) C='{"dq": {"num_stages": 2}}';;
-      dkdv2c128*) C='{"dkdv": {"num_stages": 2, "maxnreg": 128}}';;
-      dkdv2c168*) C='{"dkdv": {"num_stages": 2, "maxnreg": 168}}';; *) C='';; esac
-    PYTHONPATH=$PWD step "attn_$t" 60 python bench/attention_kernels_at.py --label "$t" ${C:+--bwd-config "$C"}
-  done
+  Q='{"dq": {"num_stages": 2, "maxnreg": 128}}'; K='{"dkdv": {"num_stages": 2, "maxnreg": 128}}'
+  attn_configs attn 16,12,1024,64 head "dq2c128=$Q" "dkdv2c128=$K" 'dkdv2c168={"dkdv": {"num_stages": 2, "maxnreg": 168}}' \
+      head2 "dq2c128b=$Q" "dkdv2c128b=$K"
   # issue 5: the Q-AdamW kernel capped at 96 / 80 / 64 registers (FP4COMPILE_QADAMW_MAXNREG; uncapped 128: 8
   # programs of 2 warps per SM), alternating with the default, then its GPU test (bit-exact vs the reference) at 80
   for c in 0 96 80 64 0b 96b 80b 64b; do
