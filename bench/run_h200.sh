@@ -595,7 +595,8 @@ s31_final)
 attn_caps31)
   # issue 4 on one nvidia-h200 (~2 min; session 31): with dS's short divisions the dK/dV kernel at 2 stages spills
   # less under a cap (static sm_90: 128 registers 18 spilled words instead of 32, 144: 30/25; 4 programs per SM at
-  # 128 by registers and shared memory, 3 at 144 and 168); each against the default (3 stages, 168), alternating
+  # 128 by registers and shared memory, 3 at 144 and 168); each against the default when it ran (3 stages, 168; 2 stages
+  # since 5990e33), alternating
   C128='{"dkdv": {"num_stages": 2, "maxnreg": 128}}'; C144='{"dkdv": {"num_stages": 2, "maxnreg": 144}}'
   C168='{"dkdv": {"num_stages": 2, "maxnreg": 168}}'
   attn_configs attn 16,12,1024,64 head "dkdv2c128=$C128" "dkdv2c144=$C144" "dkdv2c168=$C168" \
