@@ -45,20 +45,20 @@ def quantize_spec(rounding="rtn", cfg=None, **constexprs) -> KernelSpec:
     m6, _ = block_max_targets(rounding)
     br, bc = cfg["q_rows"], cfg["q_cols"]
     sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", amax_ptr="*fp32", seed_ptr="*i64", signs_ptr="*fp32",
-               codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32")
+               codes_ptr="*i32", scales_ptr="*u8", gscale_ptr="*fp32", dq_ptr="*bf16")
     const = dict(scol=1, G=global_numerator(rounding, False), M6=m6, M4=4.0, ROUNDING=K._ROUNDING_ID[rounding],
                  FOUR_SIX=False, BLOCK2D=False, HAD=0, NORM=1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
                  BC=bc, MAGIC_PACK=K._MAGIC_PACK)
     return KernelSpec(K._quantize_kernel, sig, {**const, **constexprs}, cfg["q_warps"], br * bc)
 
 
-def quantize46_spec(rounding="rtn", cfg=None) -> KernelSpec:
+def quantize46_spec(rounding="rtn", cfg=None, dq=False) -> KernelSpec:
     """The 4/6 quantize kernel (``_quantize_kernel`` with FOUR_SIX) as launched: CONFIG's ``s_*`` tile and its
-    register cap (``s_maxnreg``), 1D blocks, no RHT."""
+    register cap (``s_maxnreg``), 1D blocks, no RHT; ``dq``: also storing the bf16 q * S (``quantize_dq``)."""
     cfg = cfg or K.CONFIG
     _, m4 = block_max_targets(rounding)
     tile = {"q_rows": cfg["s_rows"], "q_cols": cfg["s_cols"], "q_warps": cfg["s_warps"]}
-    spec = quantize_spec(rounding, {**cfg, **tile}, FOUR_SIX=True, G=global_numerator(rounding, True), M4=m4)
+    spec = quantize_spec(rounding, {**cfg, **tile}, FOUR_SIX=True, G=global_numerator(rounding, True), M4=m4, DQ=dq)
     return spec._replace(options={"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None)
 
 
@@ -111,7 +111,9 @@ def measure(cfg=None) -> list:
     """[(kernel, (instructions per element, SHFL per element, registers, spills))] for the table (``cfg``:
     CONFIG)."""
     rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg))),
-            ("RTN 4/6 quantize pass", per_element(quantize46_spec(cfg=cfg)))]
+            ("RTN quantize pass + bf16 q * S (quantize_dq)", per_element(quantize_spec(cfg=cfg, DQ=True))),
+            ("RTN 4/6 quantize pass", per_element(quantize46_spec(cfg=cfg))),
+            ("RTN 4/6 quantize pass + bf16 q * S (quantize_dq)", per_element(quantize46_spec(cfg=cfg, dq=True)))]
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(eden_pass1_spec(had, cfg))))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_next
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_next|s32_dq
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -621,6 +621,22 @@ s32_next)
   K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
   attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dq1=$Q1" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dq1b=$Q1" \
       "dkdv1c168b=$K" ;;
+s32_dq)
+  # issue 3 on one nvidia-h200 (~8 min; session 32): forward GEMMs from quantize_dq operands (the quantize kernel
+  # stores the exact bf16 q * S it holds; no dequantize pass reads the codes back; static sm_90 RTN 4/6 49.0 -> 57.5
+  # instructions per element at 128 registers, no spill, against the dequantize kernel's 13.5 plus its pass). The
+  # GPU tests of both new ops, bench/fprop_dq.py (the four 124M fprop shapes, old / new / cuBLAS BF16), then the
+  # full-stack step with it (profiled, against BF16) and alternating with FP4COMPILE_FPROP_DQ=0 (quantize + gemm)
+  step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
+      -k "quantize_dq or dequantized"
+  step fprop_dq 120 python bench/fprop_dq.py
+  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
+      --warmup 3 --profile --json "$OUT/train_step.jsonl"
+  for t in off on off2 on2; do
+    case $t in on*) v=1;; *) v=0;; esac
+    FP4COMPILE_FPROP_DQ=$v step "step_$t" 100 python bench/train_step.py --policy full_stack \
+        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
+  done ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
   # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static

@@ -4,13 +4,13 @@ Ops are opaque to Inductor (not ``triton_op``; see ARCHITECTURE.md). Every op ha
 implementation registered for all devices; the CUDA kernels in ``fp4compile/kernels/`` override it on CUDA
 when Triton is available (:func:`register_cuda`).
 
-The non-differentiable ops (quantize, dequantize, gemm, dequantize_blocks, mm_f32; rht_signs in
-``passes/linear.py``) are defined straight on the dispatcher (:func:`_define`: schema inferred from the
-reference's annotations, the reference as the ``CompositeExplicitAutograd`` kernel, a fake kernel), not through
-``torch.library.custom_op``: a compiled training step calls them ~600 times, and custom_op routes every call
-through Python autograd, backend and dynamo-disable wrappers (dispatch 20.6 us per call against 2.7 us this way
-on the H200 machine, ``bench/host_overhead.py``). The differentiable
-Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
+The non-differentiable ops (quantize, quantize_dq, dequantize, gemm, gemm_dequantized, dequantize_blocks,
+mm_f32; rht_signs in ``passes/linear.py``) are defined straight on the dispatcher (:func:`_define`: schema
+inferred from the reference's annotations, the reference as the ``CompositeExplicitAutograd`` kernel, a fake
+kernel), not through ``torch.library.custom_op``: a compiled training step calls them ~600 times, and custom_op
+routes every call through Python autograd, backend and dynamo-disable wrappers (dispatch 20.6 us per call against
+2.7 us this way on the H200 machine, ``bench/host_overhead.py``). The differentiable Q-Attn ops keep
+``custom_op`` (they need ``register_autograd`` for eager use).
 
     fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
         -> (codes uint8 [R, C/2], scales uint8 [R, C/16], global_scale fp32 [])
@@ -38,6 +38,14 @@ Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
         CUDA (sm_90, no FP4 tensor cores): kernels/gemm.py, impl chosen per shape by ``choose_impl``: exact
         bf16 dequantization of both operands + a persistent TMA bf16 GEMM with the global scales in its FP32
         epilogue (split-K for long-K / small-output wgrad shapes), or in-register dequantization kernels.
+    fp4compile::quantize_dq(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+        -> (codes, scales, global_scale, dq bf16 [R, C]): quantize, plus dq = dequantize_blocks(codes, scales),
+        the copy's exact q * S as a GEMM operand. CUDA: RTN / SR store dq from the quantize kernel itself (no
+        dequantize pass reading the codes back); MS-EDEN dequantizes after its pass 2.
+    fp4compile::gemm_dequantized(a bf16 [M, K], a_global, b bf16 [N, K], b_global, out_dtype) -> [M, N]
+        = gemm of two copies given as their dequantize_blocks (quantize_dq's dq): C = A @ B^T * (a_global *
+        b_global), FP32 accumulation, one rounding to out_dtype. CUDA: the bf16 half of the gemm op's
+        "dequantize, then a bf16 GEMM" implementations (the TMA GEMM, its split-K form or cuBLAS, by shape).
     fp4compile::dequantize_blocks(codes, scales) -> bf16 [R, C]: exact q * S (no global scale)
     fp4compile::mm_f32(a bf16 [M, K], b bf16 [N, K]) -> fp32 [M, N] = a @ b^T, FP32 out (cuBLAS on CUDA)
         the two halves of the graph-level lowering ``gemm_lowering="dequant_mm"`` (passes/linear.py):
@@ -127,6 +135,22 @@ def _quantize_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadama
 quantize = _define("quantize", _quantize_op, _quantize_fake)
 
 
+def _quantize_dq_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
+                    hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+                    transpose: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    codes, scales, glob = _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+    return codes, scales, glob, _dequantize_blocks_op(codes, scales)
+
+
+def _quantize_dq_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
+                      transpose=False):
+    codes, scales, glob = _quantize_fake(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+    return codes, scales, glob, codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)
+
+
+quantize_dq = _define("quantize_dq", _quantize_dq_op, _quantize_dq_fake)
+
+
 def _quantize_both_op(x: Tensor, hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
                       hadamard_t: int = 0, signs_t: Optional[Tensor] = None, seed_t: Optional[Tensor] = None
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -182,6 +206,22 @@ def _gemm_fake(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
 
 
 gemm = _define("gemm", _gemm_op, _gemm_fake)
+
+
+def _gemm_dequantized_op(a: Tensor, a_global: Tensor, b: Tensor, b_global: Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
+                 lambda: "gemm_dequantized: need [M, K] and [N, K] operands")
+    return ((a.float() @ b.float().t()) * (a_global.float() * b_global.float())).to(out_dtype)
+
+
+def _gemm_dequantized_fake(a, a_global, b, b_global, out_dtype=torch.bfloat16):
+    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
+                 lambda: "gemm_dequantized: need [M, K] and [N, K] operands")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+gemm_dequantized = _define("gemm_dequantized", _gemm_dequantized_op, _gemm_dequantized_fake)
 
 
 def _dequantize_blocks_op(codes: Tensor, scales: Tensor) -> Tensor:

@@ -15,8 +15,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4compile import ops  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
-from test_quantize_kernels import (BOTH_CASES, INTERP_CASES, SEED, SIGNS, both_id, case_id,  # noqa: E402
-                                   data)
+from test_quantize_kernels import (BOTH_CASES, DQ_CASES, INTERP_CASES, SEED, SIGNS, both_id,  # noqa: E402
+                                   case_id, data)
 
 
 def compare(got, ref):
@@ -96,6 +96,22 @@ def e2m1_mismatches():
     return int((out != e2m1_rne_codes(v).to(torch.int32)).sum())
 
 
+def dq_oracle_mismatches(codes, scales, dq):
+    """Elements where ``dq`` (bf16) differs, bit for bit, from q * S decoded independently: each nibble by ml_dtypes'
+    float4_e2m1fn, each scale byte by its float8_e4m3fn, the product in float64, rounded to bf16 by ml_dtypes."""
+    import ml_dtypes
+    import numpy as np
+
+    c = codes.numpy()
+    nib = np.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[0], -1).astype(np.uint8)
+    q = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    sc = np.repeat(scales.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64), 16, axis=1)
+    ref = (q * sc).astype(ml_dtypes.bfloat16).view(np.uint16)
+    if dq.shape != tuple(ref.shape) or dq.dtype != torch.bfloat16:
+        return "shape/dtype"
+    return int((dq.view(torch.int16).numpy().view(np.uint16) != ref).sum())
+
+
 def main():
     warnings.simplefilter("ignore")  # 1/0 in a discarded where() branch
     report = {}
@@ -110,6 +126,10 @@ def main():
             got = K.quantize(x, r, f46, b2, h, sg, SEED, tr, config=cfg)
             ref = ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr)
             report[case_id(case)] = compare(got, ref)
+            if case in DQ_CASES:  # quantize_dq: the same copy, plus its bf16 q * S
+                got = K.quantize(x, r, f46, b2, h, sg, SEED, tr, config=cfg, dq=True)
+                report[case_id(case) + "-dq"] = dict(compare(got, ref),
+                                                     dq=dq_oracle_mismatches(got[0], got[1], got[3]))
         except Exception as e:  # noqa: BLE001  (reported per case)
             report[case_id(case)] = f"{type(e).__name__}: {e}"
     for h, dt in [(0, torch.bfloat16), (16, torch.float32), (128, torch.bfloat16)]:

@@ -105,8 +105,9 @@ def test_linear_stack_equals_eager_reference_exactly(lowering):
     targets = [a["target"] for _, a in g.nodes(data=True)]
     n_gemm, n_mm = targets.count("fp4compile.gemm.default"), targets.count("fp4compile.mm_f32.default")
     assert (n_gemm, n_mm) == ((12, 0) if lowering == "op" else (0, 12)), (n_gemm, n_mm)
-    if lowering == "dequant_mm":
-        assert targets.count("fp4compile.dequantize_blocks.default") == 24
+    if lowering == "dequant_mm":   # the 8 backward GEMMs dequantize their codes; the 4 forward ones read quantize_dq's
+        assert targets.count("fp4compile.dequantize_blocks.default") == 16
+        assert targets.count("fp4compile.quantize_dq.default") == 8
     # the backward's requantized operands (Wᵀ for dgrad, Xᵀ for wgrad) are dequantized straight into transposed
     # tensors and quantized row-wise: no transposed quantize (no transposing copy) of a dequantization
     bwd = [gm for kind, gm in rec.partitions if kind == "bwd"][0]
@@ -300,6 +301,57 @@ def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
     compiled2, rec2 = compile_recorded(model2, Policy.bf16())
     compiled2(x).float().sum().backward()
     assert any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in _saved(rec2))
+
+
+@pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
+def test_forward_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowering):
+    """A forward GEMM that would dequantize both operands before a bf16 GEMM (every "dequant_mm" one; an "op" one
+    whose CUDA implementation by shape is a dequantize-then-GEMM one) reads them from its copies'
+    ``fp4compile::quantize_dq`` (``passes.linear.FPROP_DQ``): the same output and gradients, bit for bit, as
+    quantize + gemm (the full-stack policy: RTN 4/6 forward, MS-EDEN + RHT backward, whose seeds and signs are drawn
+    in the same order); the backward GEMMs keep their codes; no bf16 q * S is saved for the backward."""
+    from fp4compile.passes import linear
+
+    class Two(nn.Module):    # fprop shapes (512, 384, 256) and (512, 384, 384): the TMA GEMM's ("dq_triton")
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 384), nn.Linear(384, 384)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    base = Two().to(torch.bfloat16)
+    x0 = torch.randn(512, 256, dtype=torch.bfloat16)
+    out, graphs, saved = {}, {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(linear, "FPROP_DQ", on)
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        compiled, rec = compile_recorded(model, Policy.full_stack(), gemm_lowering=lowering)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)
+        y = compiled(x)
+        (y.float() * torch.linspace(-1, 1, 384)).sum().backward()
+        out[on] = [y, x.grad] + [p.grad for p in model.parameters()]
+        graphs[on] = {kind: gm.graph for kind, gm in rec.partitions}
+        saved[on] = _saved(rec)
+        assert sum(bool(r.get("dq")) for r in rec.done) == (2 if on else 0)
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    count = lambda g, t: sum(n.target is t for n in g.nodes)  # noqa: E731
+    ops_ = torch.ops.fp4compile
+    fwd, bwd = graphs[True]["fwd"], graphs[True]["bwd"]
+    assert count(fwd, ops_.quantize_dq.default) == 4 and count(fwd, ops_.quantize.default) == 0
+    assert count(fwd, ops_.dequantize_blocks.default) == 0
+    assert count(fwd, ops_.gemm_dequantized.default) == (2 if lowering == "op" else 0)
+    assert count(fwd, ops_.gemm.default) == 0
+    assert count(graphs[False]["fwd"], ops_.quantize_dq.default) == 0     # the switch works: the test can fail
+    # backward: two dgrad (x requires grad) and two wgrad GEMMs, from the codes
+    n_bwd = count(bwd, ops_.gemm.default) + count(bwd, ops_.mm_f32.default)
+    assert n_bwd == 4 and count(bwd, ops_.gemm_dequantized.default) == 0
+    assert not any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in saved[True]), saved[True]
+    assert saved[True] == saved[False]
 
 
 def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():

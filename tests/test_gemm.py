@@ -81,6 +81,23 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.fp4compile.gemm.default, args, {"out_dtype": torch.float32})
 
 
+def test_gemm_dequantized_reference_equals_gemm_of_the_codes():
+    """``fp4compile::gemm_dequantized`` of two copies given as ``dequantize_blocks`` (quantize_dq's fourth output):
+    the gemm op's values, bit for bit, on CPU (both FP32 matmuls of the same exact products), and the float64
+    oracle's to the usual tolerance; wrong operands raise."""
+    args = operands(37, 29, 96, seed=3)
+    a16 = torch.ops.fp4compile.dequantize_blocks(args[0], args[1])
+    b16 = torch.ops.fp4compile.dequantize_blocks(args[3], args[4])
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16, args[5], dt)
+        assert out.dtype == dt and torch.equal(out, torch.ops.fp4compile.gemm(*args, out_dtype=dt))
+        check_close(out, reference64(args), dt)
+    torch.library.opcheck(torch.ops.fp4compile.gemm_dequantized.default, (a16, args[2], b16, args[5]),
+                          {"out_dtype": torch.float32})
+    with pytest.raises(RuntimeError, match="need"):
+        torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16[:, :64], args[5], torch.float32)
+
+
 # ------------------------------------------------------------------------------------ interpreter (CPU)
 _INTERP_SCRIPT = textwrap.dedent("""
     import json, sys, torch
@@ -244,6 +261,34 @@ def test_gpu_tuned_impl_times_candidates_and_matches_float64():
     check_close(out, reference64(args), torch.bfloat16)
     best, times = G.TUNED_CHOICES[(768, 512, 4096, torch.bfloat16, args[0].device.index)]
     assert set(times) == set(G.TUNED_CANDIDATES) and best == min(times, key=times.get), times
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shape", [(16384, 2304, 768), (16384, 768, 3072), (768, 3072, 16384), (300, 520, 4096),
+                                   (1000, 256, 784)])
+def test_gpu_gemm_dequantized_is_the_gemm_of_the_codes(shape):
+    """``fp4compile::gemm_dequantized`` (the forward GEMM of quantize_dq operands) gives the bytes of the gemm op
+    on the same copies wherever the op's implementation by shape dequantizes both operands first (the same bf16
+    GEMM on the same bf16 operands), and the float64 oracle's values elsewhere; every DQ_IMPLS implementation."""
+    from fp4compile.kernels import gemm as G
+
+    M, N, K = shape
+    args = operands(M, N, K, seed=13, device="cuda", scale_a=100.0, scale_b=1e-3)
+    ref = reference64(args) if M * N * K <= 2 ** 33 else None
+    a16, b16 = G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16, args[5], dt)
+        if G.choose_impl(M, N, K, dt) in G.DQ_IMPLS:
+            assert torch.equal(out, torch.ops.fp4compile.gemm(*args, out_dtype=dt)), (shape, dt)
+        if ref is not None:
+            check_close(out, ref, dt)
+            for impl in G.DQ_IMPLS:
+                if impl != "dequant_cublas" and not G.tma_ok(M, N, K, dt):
+                    continue
+                check_close(G.gemm_dequantized(a16, args[2], b16, args[5], dt, impl=impl), ref, dt)
+    torch.library.opcheck(torch.ops.fp4compile.gemm_dequantized.default,
+                          (a16[:64], args[2], b16[:32], args[5]), {"out_dtype": torch.bfloat16})
 
 
 @pytest.mark.gpu

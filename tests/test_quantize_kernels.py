@@ -119,6 +119,12 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
 ]
 
 
+#: the cases also run as ``quantize(..., dq=True)`` (``fp4compile::quantize_dq``): RTN / SR store the bf16 q * S from
+#: the quantize kernel (1D and 2D blocks, 4/6, RHT, the transposed paths, partial tiles, flushed and special values,
+#: the first kernel version); MS-EDEN dequantizes after pass 2
+DQ_CASES = [c for c in INTERP_CASES if c[2] != "ms_eden"] + [c for c in INTERP_CASES if c[2] == "ms_eden"][:2]
+
+
 def case_id(c):
     cfg = "".join(f"-{k}{v}" for k, v in c[7].items()) if len(c) > 7 else ""
     return "-".join(map(str, c[2:7])) + f"-{c[0]}{cfg}"
@@ -144,6 +150,14 @@ def interp_report():
 @pytest.mark.parametrize("case", INTERP_CASES, ids=case_id)
 def test_interpreter_bit_exact(case, interp_report):
     assert interp_report[case_id(case)] == {"codes": 0, "scales": 0, "global": 0}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines; the gpu tests cover CUDA")
+@pytest.mark.parametrize("case", DQ_CASES, ids=case_id)
+def test_interpreter_quantize_dq(case, interp_report):
+    """``quantize(..., dq=True)``: the same codes, scales and global as the reference, and a fourth output equal, bit
+    for bit, to q * S decoded independently (ml_dtypes' float4_e2m1fn and float8_e4m3fn, float64 product)."""
+    assert interp_report[case_id(case) + "-dq"] == {"codes": 0, "scales": 0, "global": 0, "dq": 0}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
@@ -353,6 +367,25 @@ def test_gpu_bit_exact_large(case):
     x = data("heavy", (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
     got, ref = run_both(x, r, f46, b2, h, tr)
     assert_same(got, ref, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[0] != "ms_eden" or (c[2:] == (False, 128, False))],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_gpu_quantize_dq(case):
+    """``fp4compile::quantize_dq`` on CUDA (the quantize kernel storing the bf16 q * S; MS-EDEN: a dequantize after
+    pass 2): the reference's codes, scales and global, and a fourth output equal, bit for bit, to the dequantize
+    kernel's bf16 of those codes (``dequantize_blocks``, itself checked against the reference); ragged rows."""
+    r, f46, b2, h, tr = case
+    x = data("heavy", (1008, 2048) if not b2 else (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
+    sg = SIGNS[:h] if h else None
+    got = torch.ops.fp4compile.quantize_dq(x.cuda(), r, f46, b2, h, None if sg is None else sg.cuda(), SEED.cuda(),
+                                           tr)
+    assert_same([g.cpu() for g in got[:3]], ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr), case)
+    dq = torch.ops.fp4compile.dequantize_blocks(got[0], got[1])
+    assert got[3].dtype == torch.bfloat16 and torch.equal(got[3].view(torch.int16), dq.view(torch.int16)), case
+    assert torch.equal(dq.cpu(), ops._dequantize_blocks_op(got[0].cpu(), got[1].cpu()))
 
 
 @pytest.mark.gpu

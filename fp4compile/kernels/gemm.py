@@ -60,8 +60,9 @@ Two dequantization paths (``DEQUANT``): ``"fp32"`` (portable Triton, runs under 
 
 Public names: :func:`nvfp4_gemm` (the launcher; also callable eagerly on CPU tensors under the interpreter),
 :func:`choose_impl`, :func:`dequantize_bf16`, :func:`gemm_dequant_cublas`, :func:`gemm_dequant_triton`,
-:func:`bf16_gemm_scaled`, :func:`bf16_gemm_splitk`, :func:`splitk_factor`, :func:`tma_ok`. Importing this module registers
-:func:`nvfp4_gemm` as the CUDA kernel of ``fp4compile::gemm``; it imports cleanly on machines without CUDA.
+:func:`gemm_dequantized`, :func:`bf16_gemm_scaled`, :func:`bf16_gemm_splitk`, :func:`splitk_factor`, :func:`tma_ok`.
+Importing this module registers :func:`nvfp4_gemm` as the CUDA kernel of ``fp4compile::gemm`` and
+:func:`gemm_dequantized` as that of ``fp4compile::gemm_dequantized``; it imports cleanly on machines without CUDA.
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     tl = None
     TensorDescriptor = None
 
-__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas", "gemm_dequant_triton",
-           "bf16_gemm_scaled", "bf16_gemm_splitk", "splitk_factor", "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS",
-           "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
-           "DEFAULT_DEQUANT", "DEFAULT_IMPL"]
+__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas",
+           "gemm_dequantized", "gemm_dequant_triton", "bf16_gemm_scaled", "bf16_gemm_splitk", "splitk_factor",
+           "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS", "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
+           "DEFAULT_DEQUANT", "DEFAULT_IMPL", "DQ_IMPLS"]
 
 #: implementation used by the registered CUDA op: "auto" (per shape, see :func:`choose_impl`), "half" (the
 #: operand with fewer rows pre-dequantized to bf16 by one Triton pass, the other dequantized tile by tile
@@ -98,6 +99,9 @@ __all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16
 #: epilogue; split-K for long K on small outputs). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
 IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk", "wgmma")
+#: the implementations that dequantize both operands to exact bf16 and then run a bf16 GEMM: the ones that
+#: :func:`gemm_dequantized` (``fp4compile::gemm_dequantized``) does from operands dequantized already
+DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
@@ -957,8 +961,7 @@ def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global
     Same numerics as :func:`nvfp4_gemm`; costs two bf16 operand copies and an FP32 [M, N] round trip."""
     _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     a, b = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales)
-    acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-    return acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)).to(out_dtype)
+    return gemm_dequantized(a, a_global, b, b_global, out_dtype, impl="dequant_cublas")
 
 
 def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
@@ -966,6 +969,42 @@ def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
 
 
 _ops.register_cuda("gemm", _gemm_cuda)
+
+
+def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl: Optional[str] = None):
+    """:func:`nvfp4_gemm` of two NVFP4 copies given as their exact bf16 ``q * S`` (``a [M, K]``, ``b [N, K]``,
+    e.g. ``fp4compile::quantize_dq``'s fourth output): ``C = (a @ b^T) * a_global * b_global``, the bf16 GEMM of
+    the :data:`DQ_IMPLS` implementation by shape (``impl``: one of them; default :func:`choose_impl`'s, and
+    ``"dq_triton"`` -- or cuBLAS where the TMA GEMM cannot take the shape -- when it picks an in-register one),
+    without their dequantize pass. The same values as :func:`nvfp4_gemm` of the codes with that implementation.
+    """
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"gemm_dequantized takes bf16 operands, got {a.dtype}/{b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"gemm_dequantized: need a [M, K], b [N, K], got {tuple(a.shape)}, {tuple(b.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    M, K = a.shape
+    N = b.shape[0]
+    if impl is None:
+        impl = choose_impl(M, N, K, out_dtype)
+        if impl not in DQ_IMPLS:
+            impl = "dq_triton" if tma_ok(M, N, K, out_dtype) else "dequant_cublas"
+    if impl not in DQ_IMPLS:
+        raise ValueError(f"impl must be one of {DQ_IMPLS}, got {impl!r}")
+    if impl == "dq_triton":
+        return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype)
+    if impl == "dq_splitk":
+        return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype)
+    acc = torch.mm(a, b.t(), out_dtype=torch.float32)
+    return acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)).to(out_dtype)
+
+
+def _gemm_dequantized_cuda(a, a_global, b, b_global, out_dtype=torch.bfloat16):
+    return gemm_dequantized(a, a_global, b, b_global, out_dtype)
+
+
+_ops.register_cuda("gemm_dequantized", _gemm_dequantized_cuda)
 
 
 def _dequantize_blocks_cuda(codes, scales):

@@ -131,7 +131,7 @@ def _e2m1_rne(v):
 
 
 #: 1.5 * 2^23: adding it to a float in [0, 2^22] rounds to an integer (RNE) and leaves that integer in the low
-#: mantissa bits; the packed-word constant below is sum_i (bits(MAGIC) << 4i) mod 2^32 (see _pack_rtn).
+#: mantissa bits; the packed-word constant below is sum_i (bits(MAGIC) << 4i) mod 2^32 (see _pack_magic).
 _MAGIC = 12582912.0
 _MAGIC_BITS = 0x4B400000
 _MAGIC_PACK = sum((_MAGIC_BITS << (4 * i)) for i in range(8)) & 0xFFFFFFFF
@@ -170,16 +170,11 @@ def _pack8(q):
 
 
 @triton.jit
-def _pack_rtn(v, MAGIC_PACK: tl.constexpr):
-    """[A, B, 8] FP32 scaled values -> [A, B] packed RTN words, without materializing each code: the words of
-    MAGIC + code are shifted into place and summed (uint32 wrap-around), then sum_i MAGIC << 4i is subtracted
-    once; the sign bits are masked in from each value's bit 31."""
-    return _pack_magic(_e2m1_mag_magic(tl.abs(v)), v, MAGIC_PACK)
-
-
-@triton.jit
 def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
-    """:func:`_pack_rtn` from precomputed ``m`` = :func:`_e2m1_mag_magic` of |v|."""
+    """[A, B, 8] magnitude codes ``m`` = MAGIC + code (:func:`_e2m1_mag_magic` of |v|) and the [A, B, 8] values
+    ``v`` whose signs they take -> [A, B] packed words, without materializing each code: the words of MAGIC + code
+    are shifted into place and summed (uint32 wrap-around), then sum_i MAGIC << 4i is subtracted once; the sign
+    bits are masked in from each value's bit 31."""
     sh = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :]
     mb = m.to(tl.uint32, bitcast=True)
     sgn = (v.to(tl.uint32, bitcast=True) >> (28 - sh)) & (8 << sh)
@@ -197,6 +192,14 @@ def _mag_value_magic(m):
     :func:`_e2m1_mag_magic_le7` is only given a < 7); a NaN m gives a NaN value (the former AND with 7 gave 6, but a
     NaN m only comes from a NaN magnitude, whose products are NaN either way)."""
     return (m.to(tl.uint32, bitcast=True) << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@triton.jit
+def _signed_value(mag, v):
+    """``mag`` (FP32, >= 0) with the sign bit of ``v``: the value of a code packed by :func:`_pack_magic` from
+    ``v``'s sign (a zero magnitude keeps it: -0, as the code 8 decodes)."""
+    bits = mag.to(tl.uint32, bitcast=True) | (v.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -566,16 +569,21 @@ def _sr_half(v, u):
 
 @triton.jit
 def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
-                     codes_ptr, scales_ptr, gscale_ptr,
+                     codes_ptr, scales_ptr, gscale_ptr, dq_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
                      HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, PDL: tl.constexpr = False):
+                     BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, PDL: tl.constexpr = False,
+                     DQ: tl.constexpr = False):
     """One [BR, BC] tile -> packed codes (int32 words, 8 codes each) and scale bytes; see the module docstring.
 
     Same arithmetic as :func:`_quantize_kernel_v0` (the first version, kept for comparison), reorganized so a
     thread owns whole 16-blocks (:func:`_load_halves`), codes come from the FP-pipe :func:`_e2m1_mag_magic`,
     8 codes are packed into one 32-bit word in registers, and the SR / EDEN hash indices are 32-bit.
+
+    ``DQ``: also store each element's exact bf16 ``q * S`` (its E2M1 value times its block's E4M3 scale, no global
+    scale; the bytes of :func:`fp4compile.kernels.gemm.dequantize_bf16` of the codes and scales written here) into
+    ``dq`` [R, K], 16 contiguous bytes per half-block, so a GEMM's operand needs no dequantize pass of its own.
     """
     NB: tl.constexpr = BC // 16
     pid_r = tl.program_id(0)
@@ -616,11 +624,24 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                 e4 = _tile_rows(e4, BR, NB)
             pick4 = e4 < e6
             code = tl.where(pick4, code4, code)
-            wlo = _pack_magic(tl.where(pick4[:, :, None], m4lo, mlo), lo, MAGIC_PACK)
-            whi = _pack_magic(tl.where(pick4[:, :, None], m4hi, mhi), hi, MAGIC_PACK)
+            mlo = tl.where(pick4[:, :, None], m4lo, mlo)
+            mhi = tl.where(pick4[:, :, None], m4hi, mhi)
+            wlo = _pack_magic(mlo, lo, MAGIC_PACK)
+            whi = _pack_magic(mhi, hi, MAGIC_PACK)
+            if DQ:
+                sfc = tl.where(pick4, sf4, sf)[:, :, None]
+                dlo = _signed_value(_mag_value_magic(mlo) * sfc, lo)
+                dhi = _signed_value(_mag_value_magic(mhi) * sfc, hi)
         else:
-            wlo = _pack_rtn(lo * e3, MAGIC_PACK)
-            whi = _pack_rtn(hi * e3, MAGIC_PACK)
+            vlo = lo * e3
+            vhi = hi * e3
+            mlo = _e2m1_mag_magic(tl.abs(vlo))
+            mhi = _e2m1_mag_magic(tl.abs(vhi))
+            wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
+            whi = _pack_magic(mhi, vhi, MAGIC_PACK)
+            if DQ:
+                dlo = _signed_value(_mag_value_magic(mlo) * sf[:, :, None], vlo)
+                dhi = _signed_value(_mag_value_magic(mhi) * sf[:, :, None], vhi)
     elif ROUNDING == 1:
         if FOUR_SIX:
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
@@ -633,12 +654,18 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             pick4 = e4 < e6
             code = tl.where(pick4, code4, code)
             e3 = tl.where(pick4, enc4, enc)[:, :, None]
+            sf = tl.where(pick4, sf4, sf)
         k0, k1 = _seed_keys(seed_ptr)
         # the hash takes the flat index mod 2^32: uint32 wrap-around arithmetic gives exactly that
         c0 = ((pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]).to(tl.uint32)
         i0 = rows.to(tl.uint32)[:, None, None] * K.to(tl.uint32) + c0
-        wlo = _pack8(_sr_half(lo * e3, _uniform32(k0, k1, i0)))
-        whi = _pack8(_sr_half(hi * e3, _uniform32(k0, k1, i0 + 8)))
+        qlo = _sr_half(lo * e3, _uniform32(k0, k1, i0))
+        qhi = _sr_half(hi * e3, _uniform32(k0, k1, i0 + 8))
+        wlo = _pack8(qlo)
+        whi = _pack8(qhi)
+        if DQ:
+            dlo = _e2m1_value(qlo) * sf[:, :, None]
+            dhi = _e2m1_value(qhi) * sf[:, :, None]
 
     w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
     w = tl.where(zero, 0, w)
@@ -651,6 +678,12 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
              mask=rmask & (blk < K // 16)[None, :])
     if (pid_r == 0) & (pid_c == 0):
         tl.store(gscale_ptr, gs)
+    if DQ:
+        dcol = (pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+        dptr = dq_ptr + rows.to(tl.int64)[:, None, None] * K + dcol
+        dmask = (rows < R)[:, None, None] & (dcol < K)
+        tl.store(dptr, tl.where(zero, 0.0, dlo).to(tl.bfloat16), mask=dmask)
+        tl.store(dptr + 8, tl.where(zero, 0.0, dhi).to(tl.bfloat16), mask=dmask)
 
 
 @triton.jit
@@ -1102,12 +1135,19 @@ def _empty_copy(R: int, K: int, dev):
 
 def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
              hadamard: int = 0, signs: Optional[torch.Tensor] = None, seed: Optional[torch.Tensor] = None,
-             transpose: bool = False, config: Optional[dict] = None, amax: Optional[torch.Tensor] = None):
+             transpose: bool = False, config: Optional[dict] = None, amax: Optional[torch.Tensor] = None,
+             dq: bool = False):
     """Launch the NVFP4 quantize kernels on a 2D tensor (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     Same contract as ``torch.ops.fp4compile.quantize``: returns (codes uint8 [R, C/2], scale bytes uint8
     [R, C/16], global decode scale fp32 0-dim) of ``x`` (or of ``x.T`` when ``transpose``). Unchecked for
     NaN/Inf. ``config`` overrides the tile sizes of :data:`CONFIG`.
+
+    ``dq`` (``torch.ops.fp4compile.quantize_dq``): a fourth output, the copy's exact bf16 ``q * S`` [R, C] (the
+    bytes of :func:`fp4compile.kernels.gemm.dequantize_bf16` of the codes and scales), a GEMM operand. RTN / SR
+    (``q_impl`` 1) store it from the quantize kernel itself, which holds every code and scale already (2 bytes per
+    element more written, no dequantize pass reading the codes back); MS-EDEN, whose scales are final only after
+    pass 2, dequantizes afterwards.
 
     ``amax`` (RTN / SR only): optional FP32 0-dim device tensor used as the global amax instead of measuring
     max|x| (of the rotated tensor under RHT): one pass over x instead of two, e.g. for delayed scaling (the
@@ -1141,14 +1181,15 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     else:
         seed = placeholder(dev, torch.int64)
     codes, scales, gscale = _empty_copy(R, K, dev)
+    out = torch.empty((R, K), dtype=torch.bfloat16, device=dev) if dq else None
     if R == 0 or K == 0:
         gscale.zero_()
-        return codes, scales, gscale
+        return (codes, scales, gscale) + ((out,) if dq else ())
     tload = bool(transpose and cfg["t_impl"])
     if rounding == "ms_eden":
         _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
                        gscale)
-        return codes, scales, gscale
+        return (codes, scales, gscale) + ((_dequantize_bf16(codes, scales),) if dq else ())
     pdl = False
     if amax is None:
         pdl = _use_pdl(cfg, dev)  # only behind our own amax kernel (module docstring)
@@ -1171,10 +1212,16 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     grid = (cdiv(R, br), cdiv(K, bc))
     if cfg["q_impl"] == 0:
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
-    else:
-        launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
-               gscale, MAGIC_PACK=_MAGIC_PACK, PDL=pdl, **args, **({"launch_pdl": True} if pdl else {}))
-    return codes, scales, gscale
+        return (codes, scales, gscale) + ((_dequantize_bf16(codes, scales),) if dq else ())
+    launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
+           gscale, out if dq else placeholder(dev, torch.bfloat16), MAGIC_PACK=_MAGIC_PACK, PDL=pdl, DQ=dq,
+           **args, **({"launch_pdl": True} if pdl else {}))
+    return (codes, scales, gscale) + ((out,) if dq else ())
+
+
+def _dequantize_bf16(codes, scales):
+    from .gemm import dequantize_bf16  # (gemm imports this module)
+    return dequantize_bf16(codes, scales)
 
 
 def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None,
@@ -1269,6 +1316,11 @@ def _quantize_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadama
     return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
 
 
+def _quantize_dq_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
+                      transpose=False):
+    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, dq=True)
+
+
 def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16, transpose=False):
     return dequantize(codes, scales, global_scale, hadamard, signs, dtype, transpose=transpose)
 
@@ -1281,6 +1333,7 @@ def _register():
     from .. import ops  # noqa: F401  (defines the ops; idempotent)
 
     ops.register_cuda("quantize", _quantize_cuda)
+    ops.register_cuda("quantize_dq", _quantize_dq_cuda)
     ops.register_cuda("dequantize", _dequantize_cuda)
     ops.register_cuda("quantize_both", _quantize_both_cuda)
 

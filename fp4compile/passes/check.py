@@ -2,9 +2,10 @@
 
 Checks, after the rewrite:
 - each site with an NVFP4 ``linear.fprop`` spec has a forward GEMM record (its mm was found at all);
-- each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph, or,
-  with ``gemm_lowering="dequant_mm"``, to the scale/cast (or bias add) of an ``fp4compile::mm_f32`` whose
-  operands are both ``fp4compile::dequantize_blocks`` of FP4 copies, or, for a one-operand ``linear.fprop``
+- each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph, or to
+  an ``fp4compile::gemm_dequantized`` of two ``fp4compile::quantize_dq`` outputs, or, with
+  ``gemm_lowering="dequant_mm"``, to the scale/cast (or bias add) of an ``fp4compile::mm_f32`` whose operands are
+  both dequantized FP4 copies (``dequantize_blocks`` or ``quantize_dq``), or, for a one-operand ``linear.fprop``
   (``NVFP4(operands=...)``), to the BF16 GEMM one of whose operands is an ``fp4compile::dequantize``;
 - no ``aten.mm``/``addmm`` of a site remains for a role the policy sent to NVFP4 unless a fallback warning
   was given for it.
@@ -12,6 +13,7 @@ Raises :class:`FP4CheckError` naming the site and role otherwise: a silent BF16 
 """
 from __future__ import annotations
 
+import operator
 from typing import Dict, List
 
 import torch
@@ -19,19 +21,33 @@ from torch.fx import Graph
 
 from ..policy import NVFP4
 from .common import GEMMS
-from .linear import DEQUANT_BLOCKS, GEMM, MM_F32, site_of
-from .reuse import DEQUANTIZE
+from .linear import DEQUANT_BLOCKS, GEMM, GEMM_DQ, MM_F32, site_of
+from .reuse import DEQUANTIZE, QUANTIZE_DQ
+
+
+def is_dequantized_copy(a) -> bool:
+    """``a`` is the exact bf16 ``q * S`` of an FP4 copy: an ``fp4compile::dequantize_blocks``, or the fourth
+    output of an ``fp4compile::quantize_dq``."""
+    if a.op != "call_function":
+        return False
+    if a.target is DEQUANT_BLOCKS:
+        return True
+    return (a.target is operator.getitem and a.args[1] == 3 and a.args[0].op == "call_function"
+            and a.args[0].target is QUANTIZE_DQ)
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:
-    """``n`` is, or is made within ``depth`` pointwise steps from, an NVFP4 GEMM: ``fp4compile::gemm`` or
-    ``fp4compile::mm_f32`` of two ``fp4compile::dequantize_blocks``."""
+    """``n`` is, or is made within ``depth`` pointwise steps from, an NVFP4 GEMM: ``fp4compile::gemm``, or
+    ``fp4compile::gemm_dequantized`` / ``fp4compile::mm_f32`` of two dequantized FP4 copies
+    (:func:`is_dequantized_copy`)."""
     if n is None or n.op != "call_function":
         return False
     if n.target is GEMM:
         return True
+    if n.target is GEMM_DQ:
+        return is_dequantized_copy(n.args[0]) and is_dequantized_copy(n.args[2])
     if n.target is MM_F32:
-        return all(a.op == "call_function" and a.target is DEQUANT_BLOCKS for a in n.args[:2])
+        return all(is_dequantized_copy(a) for a in n.args[:2])
     return depth > 0 and any(is_fp4_product(a, depth - 1) for a in n.all_input_nodes)
 
 

@@ -32,6 +32,7 @@ naming the node.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -40,10 +41,11 @@ from torch.fx import Graph, Node
 from ..policy import NVFP4, Precision
 from .assign import SITE_KEY
 from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
-from .reuse import QSpec, QuantCache
+from .reuse import QUANTIZE, QUANTIZE_DQ, QSpec, QuantCache
 from ..ops import _define
 
 GEMM = torch.ops.fp4compile.gemm.default
+GEMM_DQ = torch.ops.fp4compile.gemm_dequantized.default
 DEQUANT_BLOCKS = torch.ops.fp4compile.dequantize_blocks.default
 MM_F32 = torch.ops.fp4compile.mm_f32.default
 
@@ -56,6 +58,28 @@ MM_F32 = torch.ops.fp4compile.mm_f32.default
 #:                 element written and read, the bf16 operand copies 2 bytes per element written and read.
 #: "auto"       -- per GEMM by :func:`choose_lowering` (static shapes; symbolic ones get "op").
 LOWERINGS = ("op", "dequant_mm", "auto")
+
+#: a forward GEMM that dequantizes both operands to bf16 before its GEMM (:func:`fprop_dq`) takes them from its
+#: copies' ``fp4compile::quantize_dq`` instead (:meth:`.reuse.QuantCache.with_dq`): the quantize kernel stores the
+#: exact bf16 q * S it already holds, and no dequantize pass reads the codes back. False: ``quantize`` + ``gemm``
+#: (the same values; the environment variable ``FP4COMPILE_FPROP_DQ=0`` sets it at import, for A/B runs).
+FPROP_DQ = os.environ.get("FP4COMPILE_FPROP_DQ", "1") != "0"
+
+
+def fprop_dq(M: int, N: int, K: int, lowering: str) -> bool:
+    """Whether a forward GEMM of this shape and lowering takes ``quantize_dq`` operands (:data:`FPROP_DQ`):
+    "dequant_mm" always (its operands are bf16 q * S); "op" where the CUDA GEMM by shape
+    (``kernels/gemm.choose_impl``, the default implementation) dequantizes both operands first anyway -- not
+    the skinny shapes, whose kernel dequantizes in registers and reads the codes only. Symbolic sizes: no."""
+    if not FPROP_DQ or min(M, N, K) < 0:
+        return False
+    if lowering == "dequant_mm":
+        return True
+    try:
+        from ..kernels.gemm import DEFAULT_IMPL, DQ_IMPLS, choose_impl
+    except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
+        return False
+    return DEFAULT_IMPL == "auto" and choose_impl(M, N, K) in DQ_IMPLS
 
 
 def choose_lowering(M: int, N: int, K: int) -> str:
@@ -219,24 +243,32 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
 def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op") -> Node:
     """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
     before ``before`` (every new node takes its partitioner / module / stack metadata); returns the node
-    holding the ``out_dtype`` result (see :data:`LOWERINGS`)."""
+    holding the ``out_dtype`` result (see :data:`LOWERINGS`). Where both copies carry their bf16 ``q * S``
+    (``.dq``, :meth:`.reuse.QuantCache.with_dq`), the GEMM reads those: ``fp4compile::gemm_dequantized`` ("op"),
+    or ``mm_f32`` of them ("dequant_mm")."""
+    dq = getattr(qa, "dq", None) is not None and getattr(qb, "dq", None) is not None
     if lowering == "op":
-        out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
+        args = (qa.dq, qa.glob, qb.dq, qb.glob, out_dtype) if dq else (*qa.outputs(), *qb.outputs(), out_dtype)
+        out = add_call(graph, GEMM_DQ if dq else GEMM, args, before=before, anchor=before)
         _copy_meta(before, out)
         return out
     if lowering != "dequant_mm":
         raise ValueError(f"gemm_lowering must be one of {LOWERINGS}, got {lowering!r}")
     aten = torch.ops.aten
-    da = add_call(graph, DEQUANT_BLOCKS, (qa.codes, qa.scales), before=before, anchor=before)
-    db = add_call(graph, DEQUANT_BLOCKS, (qb.codes, qb.scales), before=before, anchor=before)
+    if dq:
+        da, db, new = qa.dq, qb.dq, ()
+    else:
+        da = add_call(graph, DEQUANT_BLOCKS, (qa.codes, qa.scales), before=before, anchor=before)
+        db = add_call(graph, DEQUANT_BLOCKS, (qb.codes, qb.scales), before=before, anchor=before)
+        new = (da, db)
     acc = add_call(graph, MM_F32, (da, db), before=before, anchor=before)
     alpha = add_call(graph, aten.mul.Tensor, (qa.glob, qb.glob), before=before, anchor=before)
     y = add_call(graph, aten.mul.Tensor, (acc, alpha), before=before, anchor=before)
     out = y if out_dtype == torch.float32 else \
         add_call(graph, torch.ops.prims.convert_element_type.default, (y, out_dtype), before=before, anchor=before)
-    for m in (da, db, acc, alpha, y, out):
+    for m in (*new, acc, alpha, y, out):
         _copy_meta(before, m)
-    out.meta["fp4_dequant_nodes"] = (da, db)
+    out.meta["fp4_dequant_nodes"] = new
     return out
 
 
@@ -264,6 +296,11 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
         srcs = ((a_src, a_tr), (b_src, b_tr))
         xq = cache.forward_copy(g.site, "x", *srcs[1 - w_pos], main, signs, is_weight=False)
         wq = cache.forward_copy(g.site, "w", *srcs[w_pos], other, signs, is_weight=True)
+        if lowering == "auto":
+            lowering = choose_lowering(*rec["shape"])
+        if fprop_dq(*rec["shape"], lowering) and all(q.node.target in (QUANTIZE, QUANTIZE_DQ) for q in (xq, wq)):
+            xq, wq = cache.with_dq(xq), cache.with_dq(wq)
+            rec["dq"] = True
         qa, qb = (wq, xq) if w_pos == 0 else (xq, wq)
         rec["reused"] = "shared" if xq.origin == "shared" else ""
     else:

@@ -22,6 +22,8 @@
   forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
   copy or a dequantized BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient
   nodes made from FP4 copies (the bf16 ``dequantize_blocks`` operands of the "dequant_mm" GEMM lowering).
+- ``with_dq(copy)`` turns a copy's ``quantize`` into ``fp4compile::quantize_dq``, whose fourth output, the exact
+  bf16 ``q * S``, a forward GEMM takes instead of dequantizing the codes again (``passes/linear.py``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .common import VIEWS, add_call, later, val
 QUANTIZE = torch.ops.fp4compile.quantize.default
 DEQUANTIZE = torch.ops.fp4compile.dequantize.default
 QUANTIZE_BOTH = torch.ops.fp4compile.quantize_both.default
+QUANTIZE_DQ = torch.ops.fp4compile.quantize_dq.default
 
 #: :meth:`QuantCache.pair_layouts` merges a tensor's two MS-EDEN copies (row-wise and transposed: a gradient's for
 #: dgrad and wgrad) into one ``fp4compile::quantize_both`` (False: two ``quantize`` nodes; the same bytes)
@@ -70,6 +73,7 @@ class QCopy:
     qspec: QSpec
     signs: Optional[Node]
     origin: str = ""             # "" | "shared" | "fwd copy" | "requant of fwd copy" | "2d fwd copy"
+    dq: Optional[Node] = None    # the exact bf16 q * S of a ``quantize_dq`` node (:meth:`QuantCache.with_dq`)
 
     def outputs(self):
         """``(codes, scales, glob)``: the quantize node's three output nodes."""
@@ -112,6 +116,39 @@ class QuantCache:
         copy = QCopy(q, codes, scales, glob, src, transpose, qspec, signs)
         self.copies[key] = copy
         return copy
+
+    def with_dq(self, copy: QCopy) -> QCopy:
+        """``copy`` with its exact bf16 ``q * S`` (``dq``): its ``quantize`` node becomes one
+        ``fp4compile::quantize_dq`` (same arguments, same three outputs, and the dequantized copy as a fourth, a
+        GEMM operand with no dequantize pass of its own), once per copy; every record of the copy follows. A GEMM of
+        the forward reads ``dq``; the backward reads the codes, so ``dq`` is never saved."""
+        if copy.dq is not None:
+            return copy
+        old = copy.node
+        if old.target is not QUANTIZE:
+            raise ValueError(f"with_dq needs a copy made by fp4compile::quantize, got {old.target}")
+        node, codes, scales, glob, dq = add_call(self.graph, QUANTIZE_DQ, old.args, after=old, anchor=copy.src)
+        for n in (node, codes, scales, glob, dq):
+            _copy_meta(copy.src, n)
+            self.created.add(n)
+        for o, n in zip(copy.outputs(), (codes, scales, glob)):
+            o.replace_all_uses_with(n)
+        recompute = old in self._recompute
+        for n in (*copy.outputs(), old):
+            self._recompute.discard(n)
+            self.created.discard(n)
+            self.graph.erase_node(n)
+        if recompute:  # (a weight's copy: the whole node. An activation's dq is read by its forward GEMM only, and
+            #          a getitem tagged apart from its multi-output node is a conflict for the partitioner)
+            self._recompute.update((node, codes, scales, glob, dq))
+        new = dataclasses.replace(copy, node=node, codes=codes, scales=scales, glob=glob, dq=dq)
+        for table in (self.copies, self.fwd):
+            for k, c in table.items():
+                if c.node is old:
+                    table[k] = dataclasses.replace(new, origin=c.origin)
+        for (n, t) in [k for k in self.dequants if k[0] is old]:
+            self.dequants[(node, t)] = self.dequants.pop((n, t))
+        return dataclasses.replace(new, origin=copy.origin)
 
     def dequantize(self, copy: QCopy, transpose: bool = False) -> Node:
         """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype, stored transposed if ``transpose``
