@@ -54,6 +54,7 @@ from . import precompile
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
+from .passes import linear, reuse
 from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
@@ -133,8 +134,11 @@ class FP4JointPass(CustomGraphPass):
             precompile.start(graph)                     # 7. the graph's Triton kernels, compiled in workers
 
     def uuid(self) -> bytes:
+        # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
+        # FP4COMPILE_FPROP_DQ in one machine's cache would otherwise replay the other arm's graph)
+        switches = (linear.FPROP_DQ, reuse.PAIR_LAYOUTS)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
-                                                          self.gemm_lowering)))
+                                                          self.gemm_lowering, switches)))
 
 
 def fullstack_fp4(gm: torch.fx.GraphModule, example_inputs: Sequence, *, mode: Optional[str] = None,

@@ -424,6 +424,17 @@ def test_policy_change_recompiles_same_policy_same_key():
     assert k1 != FP4JointPass(RTN.override("a", "bf16"), table).uuid()
     assert k1 != FP4JointPass(RTN, {"linear": SiteInfo("b", (("linear.fprop", NVFP4()),), 1)}).uuid()
     assert k1 != FP4JointPass(RTN, table, gemm_lowering="dequant_mm").uuid()
+    # the rewrite's module switches (read when the pass runs) are part of the key too
+    from fp4compile.passes import linear, reuse
+
+    for mod, name in ((linear, "FPROP_DQ"), (reuse, "PAIR_LAYOUTS")):
+        old = getattr(mod, name)
+        try:
+            setattr(mod, name, not old)
+            assert k1 != FP4JointPass(RTN, table).uuid(), name
+        finally:
+            setattr(mod, name, old)
+    assert k1 == FP4JointPass(RTN, table).uuid()
 
 
 def test_inference_graph_no_grad():

@@ -378,7 +378,8 @@ def test_gpu_quantize_dq(case):
     pass 2): the reference's codes, scales and global, and a fourth output equal, bit for bit, to the dequantize
     kernel's bf16 of those codes (``dequantize_blocks``, itself checked against the reference); ragged rows."""
     r, f46, b2, h, tr = case
-    x = data("heavy", (1008, 2048) if not b2 else (1024, 2048), seed=GPU_CASES.index(case)).to(torch.bfloat16)
+    shape = (1024, 2048) if b2 or tr else (1008, 2048)      # (ragged rows; a transposed copy's blocks run along them)
+    x = data("heavy", shape, seed=GPU_CASES.index(case)).to(torch.bfloat16)
     sg = SIGNS[:h] if h else None
     got = torch.ops.fp4compile.quantize_dq(x.cuda(), r, f46, b2, h, None if sg is None else sg.cuda(), SEED.cuda(),
                                            tr)
