@@ -638,10 +638,10 @@ s32_dq)
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done ;;
 s32_b)
-  # issues 3, 4 on one nvidia-h200 (~8 min; session 32): s32_dq's GPU tests again (its transposed RHT-128 case had
+  # issue 3 on one nvidia-h200 (~4 min; session 32): s32_dq's GPU tests again (its transposed RHT-128 case had
   # 1008 rows: the test's shape, fixed) and its step A/B again, now that the pass's cache key holds FPROP_DQ (in
-  # s32_dq the arms shared one AOTAutograd cache entry); then s32_next without its step: the attention tests on
-  # CUDA and the table against SDPA with dK/dV at 2 stages, and the D = 128 paper-split backward at 1 stage capped
+  # s32_dq the arms shared one AOTAutograd cache entry). ATTN=1: then s32_next without its step (the attention
+  # tests on CUDA, the table against SDPA with dK/dV at 2 stages, the D = 128 paper-split backward at 1 stage capped)
   step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
       -k "quantize_dq or dequantized"
   for t in off on off2 on2; do
@@ -649,10 +649,12 @@ s32_b)
     FP4COMPILE_FPROP_DQ=$v step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done
-  step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
-  step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
-  Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
-  attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dkdv1c168b=$K" ;;
+  if [ "${ATTN:-0}" = 1 ]; then
+    step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
+    step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
+    Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
+    attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dkdv1c168b=$K"
+  fi ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers
   # (docs/bench_logs/session31_rtn46_magnitudes_capped.diff: session 28's candidate plus CONFIG s_maxnreg 128; static
