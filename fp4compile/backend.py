@@ -15,6 +15,8 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
       4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
       5. reuse      one FP4 copy per tensor/layout/rounding; backward from forward    passes/reuse.py
                     copies; a gradient's two MS-EDEN copies from one pass (quantize_both);
+                    GEMMs that dequantize both operands read them as bf16 q * S        passes/linear.py
+                    from the quantize launches (quantize_dq, gemm_dequantized);
                     weight quantizes MUST_RECOMPUTE
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
@@ -55,7 +57,7 @@ from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
 from .passes import linear, reuse
-from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears
+from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
@@ -123,6 +125,7 @@ class FP4JointPass(CustomGraphPass):
         cache = QuantCache(graph, tangent_closure(graph))
         records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
         cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
+        use_dequantized_copies(graph, cache)            # GEMM operands as bf16 q * S from the quantize launches
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
@@ -135,8 +138,8 @@ class FP4JointPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
-        # FP4COMPILE_FPROP_DQ in one machine's cache would otherwise replay the other arm's graph)
-        switches = (linear.FPROP_DQ, reuse.PAIR_LAYOUTS)
+        # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
+        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

@@ -4,13 +4,13 @@ Ops are opaque to Inductor (not ``triton_op``; see ARCHITECTURE.md). Every op ha
 implementation registered for all devices; the CUDA kernels in ``fp4compile/kernels/`` override it on CUDA
 when Triton is available (:func:`register_cuda`).
 
-The non-differentiable ops (quantize, quantize_dq, dequantize, gemm, gemm_dequantized, dequantize_blocks,
-mm_f32; rht_signs in ``passes/linear.py``) are defined straight on the dispatcher (:func:`_define`: schema
-inferred from the reference's annotations, the reference as the ``CompositeExplicitAutograd`` kernel, a fake
-kernel), not through ``torch.library.custom_op``: a compiled training step calls them ~600 times, and custom_op
-routes every call through Python autograd, backend and dynamo-disable wrappers (dispatch 20.6 us per call against
-2.7 us this way on the H200 machine, ``bench/host_overhead.py``). The differentiable Q-Attn ops keep
-``custom_op`` (they need ``register_autograd`` for eager use).
+The non-differentiable ops (quantize, quantize_dq, quantize_both(_dq), dequantize, gemm, gemm_dequantized,
+dequantize_blocks, mm_f32; rht_signs in ``passes/linear.py``) are defined straight on the dispatcher
+(:func:`_define`: schema inferred from the reference's annotations, the reference as the
+``CompositeExplicitAutograd`` kernel, a fake kernel), not through ``torch.library.custom_op``: a compiled training
+step calls them ~600 times, and custom_op routes every call through Python autograd, backend and dynamo-disable
+wrappers (dispatch 20.6 us per call against 2.7 us this way on the H200 machine, ``bench/host_overhead.py``). The
+differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
 
     fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
         -> (codes uint8 [R, C/2], scales uint8 [R, C/16], global_scale fp32 [])
@@ -41,7 +41,9 @@ routes every call through Python autograd, backend and dynamo-disable wrappers (
     fp4compile::quantize_dq(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
         -> (codes, scales, global_scale, dq bf16 [R, C]): quantize, plus dq = dequantize_blocks(codes, scales),
         the copy's exact q * S as a GEMM operand. CUDA: RTN / SR store dq from the quantize kernel itself (no
-        dequantize pass reading the codes back); MS-EDEN dequantizes after its pass 2.
+        dequantize pass reading the codes back); MS-EDEN stores it from its pass 2, which makes the scales.
+    fp4compile::quantize_both_dq(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t) -> eight tensors
+        = quantize_dq's four of each of quantize_both's two copies (row-wise, then transposed).
     fp4compile::gemm_dequantized(a bf16 [M, K], a_global, b bf16 [N, K], b_global, out_dtype) -> [M, N]
         = gemm of two copies given as their dequantize_blocks (quantize_dq's dq): C = A @ B^T * (a_global *
         b_global), FP32 accumulation, one rounding to out_dtype. CUDA: the bf16 half of the gemm op's
@@ -163,6 +165,23 @@ def _quantize_both_fake(x, hadamard=0, signs=None, seed=None, hadamard_t=0, sign
 
 
 quantize_both = _define("quantize_both", _quantize_both_op, _quantize_both_fake)
+
+
+def _quantize_both_dq_op(x: Tensor, hadamard: int = 0, signs: Optional[Tensor] = None,
+                         seed: Optional[Tensor] = None, hadamard_t: int = 0, signs_t: Optional[Tensor] = None,
+                         seed_t: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                    Tensor, Tensor]:
+    c, s, g, ct, st, gt = _quantize_both_op(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t)
+    return c, s, g, _dequantize_blocks_op(c, s), ct, st, gt, _dequantize_blocks_op(ct, st)
+
+
+def _quantize_both_dq_fake(x, hadamard=0, signs=None, seed=None, hadamard_t=0, signs_t=None, seed_t=None):
+    c, s, g, ct, st, gt = _quantize_both_fake(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t)
+    dq = lambda codes: codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)  # noqa: E731
+    return c, s, g, dq(c), ct, st, gt, dq(ct)
+
+
+quantize_both_dq = _define("quantize_both_dq", _quantize_both_dq_op, _quantize_both_dq_fake)
 
 
 def _dequantize_op(codes: Tensor, scales: Tensor, global_scale: Tensor, hadamard: int = 0,

@@ -15,8 +15,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4compile import ops  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
-from test_quantize_kernels import (BOTH_CASES, DQ_CASES, INTERP_CASES, SEED, SIGNS, both_id,  # noqa: E402
-                                   case_id, data)
+from test_quantize_kernels import (BOTH_CASES, DQ_CASES, DQ_CONFIG, INTERP_CASES, SEED, SIGNS,  # noqa: E402
+                                   both_id, case_id, data)
 
 
 def compare(got, ref):
@@ -127,7 +127,7 @@ def main():
             ref = ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr)
             report[case_id(case)] = compare(got, ref)
             if case in DQ_CASES:  # quantize_dq: the same copy, plus its bf16 q * S
-                got = K.quantize(x, r, f46, b2, h, sg, SEED, tr, config=cfg, dq=True)
+                got = K.quantize(x, r, f46, b2, h, sg, SEED, tr, config=dict(cfg or {}, **DQ_CONFIG), dq=True)
                 report[case_id(case) + "-dq"] = dict(compare(got, ref),
                                                      dq=dq_oracle_mismatches(got[0], got[1], got[3]))
         except Exception as e:  # noqa: BLE001  (reported per case)
@@ -162,6 +162,11 @@ def main():
             got, ref = K.quantize_both(x, *args, config=cfg), ops._quantize_both_op(x, *args)
             report[both_id(case)] = {f"{k}{t}": v for t, sl in (("", slice(0, 3)), ("_t", slice(3, 6)))
                                      for k, v in compare(got[sl], ref[sl]).items()}
+            got = K.quantize_both(x, *args, config=dict(cfg or {}, **DQ_CONFIG), dq=True)
+            report[both_id(case) + "-dq"] = {
+                f"{k}{t}": v for t, sl, rsl in (("", slice(0, 4), slice(0, 3)), ("_t", slice(4, 8), slice(3, 6)))
+                for k, v in dict(compare(got[sl], ref[rsl]),
+                                 dq=dq_oracle_mismatches(got[sl][0], got[sl][1], got[sl][3])).items()}
         except Exception as e:  # noqa: BLE001
             report[both_id(case)] = f"{type(e).__name__}: {e}"
     # MS-EDEN pass 2's 64-bit index path (taken for >= 2^31 scale entries) against the 32-bit one, 2D keys included

@@ -105,17 +105,20 @@ def test_linear_stack_equals_eager_reference_exactly(lowering):
     targets = [a["target"] for _, a in g.nodes(data=True)]
     n_gemm, n_mm = targets.count("fp4compile.gemm.default"), targets.count("fp4compile.mm_f32.default")
     assert (n_gemm, n_mm) == ((12, 0) if lowering == "op" else (0, 12)), (n_gemm, n_mm)
-    if lowering == "dequant_mm":   # the 8 backward GEMMs dequantize their codes; the 4 forward ones read quantize_dq's
-        assert targets.count("fp4compile.dequantize_blocks.default") == 16
-        assert targets.count("fp4compile.quantize_dq.default") == 8
+    if lowering == "dequant_mm":   # every mm_f32 reads its operands' bf16 q * S from the quantize nodes
+        assert targets.count("fp4compile.dequantize_blocks.default") == 0
+        assert targets.count("fp4compile.quantize.default") == 0 and targets.count("fp4compile.quantize_dq.default")
+    else:                          # these skinny shapes' CUDA GEMM dequantizes in registers: the codes
+        assert targets.count("fp4compile.quantize_dq.default") == 0
     # the backward's requantized operands (Wᵀ for dgrad, Xᵀ for wgrad) are dequantized straight into transposed
     # tensors and quantized row-wise: no transposed quantize (no transposing copy) of a dequantization
     bwd = [gm for kind, gm in rec.partitions if kind == "bwd"][0]
-    DQ, Q = torch.ops.fp4compile.dequantize.default, torch.ops.fp4compile.quantize.default
+    DQ = torch.ops.fp4compile.dequantize.default
+    Q = (torch.ops.fp4compile.quantize.default, torch.ops.fp4compile.quantize_dq.default)
     deqs = [n for n in bwd.graph.nodes if n.target is DQ]
     assert len(deqs) == 8 and all(n.args[6] is True for n in deqs), bwd.code
     requants = [u for n in deqs for u in n.users]
-    assert len(requants) == 8 and all(u.target is Q and not u.args[7] for u in requants), bwd.code
+    assert len(requants) == 8 and all(u.target in Q and not u.args[7] for u in requants), bwd.code
 
 
 @pytest.mark.parametrize("hadamard_t", [16, 32])
@@ -304,28 +307,29 @@ def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
 
 
 @pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
-def test_forward_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowering):
-    """A forward GEMM that would dequantize both operands before a bf16 GEMM (every "dequant_mm" one; an "op" one
-    whose CUDA implementation by shape is a dequantize-then-GEMM one) reads them from its copies'
-    ``fp4compile::quantize_dq`` (``passes.linear.FPROP_DQ``): the same output and gradients, bit for bit, as
-    quantize + gemm (the full-stack policy: RTN 4/6 forward, MS-EDEN + RHT backward, whose seeds and signs are drawn
-    in the same order); the backward GEMMs keep their codes; no bf16 q * S is saved for the backward."""
+def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowering):
+    """An NVFP4 GEMM that would dequantize both operands before a bf16 GEMM (every "dequant_mm" one; an "op" one
+    whose CUDA implementation by shape is a dequantize-then-GEMM one) reads them as its copies' bf16 q * S from
+    ``quantize_dq`` / ``quantize_both_dq`` (``passes.linear.DQ_OPERANDS``: "all", "fwd" or "none"): the same output
+    and gradients, bit for bit, in all three graphs (the full-stack policy: RTN 4/6 forward, MS-EDEN + RHT backward
+    with a paired dY, whose seeds and signs are drawn in the same order); the same saved tensors, none of them a
+    bf16 q * S; no dequantize pass left where every GEMM reads dq."""
     from fp4compile.passes import linear
 
-    class Two(nn.Module):    # fprop shapes (512, 384, 256) and (512, 384, 384): the TMA GEMM's ("dq_triton")
+    class Two(nn.Module):    # every GEMM of fwd, dgrad and wgrad has M, N > 256: the TMA GEMM / cuBLAS split-K ones
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Linear(256, 384), nn.Linear(384, 384)
+            self.a, self.b = nn.Linear(384, 512), nn.Linear(512, 384)
 
         def forward(self, x):
             return self.b(torch.relu(self.a(x)))
 
     torch.manual_seed(0)
     base = Two().to(torch.bfloat16)
-    x0 = torch.randn(512, 256, dtype=torch.bfloat16)
+    x0 = torch.randn(512, 384, dtype=torch.bfloat16)
     out, graphs, saved = {}, {}, {}
-    for on in (True, False):
-        monkeypatch.setattr(linear, "FPROP_DQ", on)
+    for arm in ("all", "fwd", "none"):
+        monkeypatch.setattr(linear, "DQ_OPERANDS", arm)
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         compiled, rec = compile_recorded(model, Policy.full_stack(), gemm_lowering=lowering)
@@ -333,25 +337,27 @@ def test_forward_gemms_take_quantize_dq_operands_with_the_same_results(monkeypat
         torch.manual_seed(1)
         y = compiled(x)
         (y.float() * torch.linspace(-1, 1, 384)).sum().backward()
-        out[on] = [y, x.grad] + [p.grad for p in model.parameters()]
-        graphs[on] = {kind: gm.graph for kind, gm in rec.partitions}
-        saved[on] = _saved(rec)
-        assert sum(bool(r.get("dq")) for r in rec.done) == (2 if on else 0)
-    for a, b in zip(out[True], out[False]):
-        assert torch.equal(a, b)
+        out[arm] = [y, x.grad] + [p.grad for p in model.parameters()]
+        graphs[arm] = {kind: gm.graph for kind, gm in rec.partitions}
+        saved[arm] = _saved(rec)
+        assert sum(bool(r.get("dq")) for r in rec.done) == {"all": 6, "fwd": 2, "none": 0}[arm]
+    for arm in ("fwd", "all"):
+        for a, b in zip(out[arm], out["none"]):
+            assert torch.equal(a, b), arm
+        assert saved[arm] == saved["none"]
+    assert not any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in saved["all"]), saved["all"]
     count = lambda g, t: sum(n.target is t for n in g.nodes)  # noqa: E731
     ops_ = torch.ops.fp4compile
-    fwd, bwd = graphs[True]["fwd"], graphs[True]["bwd"]
-    assert count(fwd, ops_.quantize_dq.default) == 4 and count(fwd, ops_.quantize.default) == 0
-    assert count(fwd, ops_.dequantize_blocks.default) == 0
-    assert count(fwd, ops_.gemm_dequantized.default) == (2 if lowering == "op" else 0)
-    assert count(fwd, ops_.gemm.default) == 0
-    assert count(graphs[False]["fwd"], ops_.quantize_dq.default) == 0     # the switch works: the test can fail
-    # backward: two dgrad (x requires grad) and two wgrad GEMMs, from the codes
-    n_bwd = count(bwd, ops_.gemm.default) + count(bwd, ops_.mm_f32.default)
-    assert n_bwd == 4 and count(bwd, ops_.gemm_dequantized.default) == 0
-    assert not any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in saved[True]), saved[True]
-    assert saved[True] == saved[False]
+    for arm, part in (("all", "fwd"), ("all", "bwd"), ("fwd", "fwd")):          # GEMMs that read dq
+        g = graphs[arm][part]
+        assert count(g, ops_.dequantize_blocks.default) == count(g, ops_.gemm.default) == 0, (arm, part)
+        assert count(g, ops_.gemm_dequantized.default) == (2 if part == "fwd" else 4) * (lowering == "op")
+        assert count(g, ops_.quantize.default) == count(g, ops_.quantize_both.default) == 0, (arm, part)
+    assert count(graphs["all"]["fwd"], ops_.quantize_dq.default) == 4
+    assert count(graphs["all"]["bwd"], ops_.quantize_both_dq.default) == 2              # each layer's dY, paired
+    # the switch works (the test can fail): "fwd" leaves the backward on the codes, "none" everything
+    assert count(graphs["fwd"]["bwd"], ops_.gemm.default if lowering == "op" else ops_.dequantize_blocks.default)
+    assert count(graphs["none"]["fwd"], ops_.quantize_dq.default) == 0
 
 
 def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():
@@ -427,10 +433,10 @@ def test_policy_change_recompiles_same_policy_same_key():
     # the rewrite's module switches (read when the pass runs) are part of the key too
     from fp4compile.passes import linear, reuse
 
-    for mod, name in ((linear, "FPROP_DQ"), (reuse, "PAIR_LAYOUTS")):
+    for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (reuse, "PAIR_LAYOUTS", False)):
         old = getattr(mod, name)
         try:
-            setattr(mod, name, not old)
+            setattr(mod, name, other)
             assert k1 != FP4JointPass(RTN, table).uuid(), name
         finally:
             setattr(mod, name, old)

@@ -121,8 +121,10 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
 
 #: the cases also run as ``quantize(..., dq=True)`` (``fp4compile::quantize_dq``): RTN / SR store the bf16 q * S from
 #: the quantize kernel (1D and 2D blocks, 4/6, RHT, the transposed paths, partial tiles, flushed and special values,
-#: the first kernel version); MS-EDEN dequantizes after pass 2
-DQ_CASES = [c for c in INTERP_CASES if c[2] != "ms_eden"] + [c for c in INTERP_CASES if c[2] == "ms_eden"][:2]
+#: the first kernel version), MS-EDEN from its pass 2 (every case: 2D blocks, the floor, transposed, both pass-1
+#: kernels), with pass 2's dq tile (``g_*``) at 16 x 32 so that the small cases have several tiles and ragged edges
+DQ_CASES = INTERP_CASES
+DQ_CONFIG = {"g_rows": 16, "g_cols": 32}
 
 
 def case_id(c):
@@ -223,8 +225,11 @@ def both_id(c):
 @pytest.mark.parametrize("case", BOTH_CASES, ids=both_id)
 def test_interpreter_quantize_both(case, interp_report):
     """quantize_both equals the reference op (two MS-EDEN quantize references, each with its own signs and seed)
-    byte for byte, all six outputs."""
+    byte for byte, all six outputs; with ``dq`` (``quantize_both_dq``) also each copy's bf16 q * S against the
+    independent decode."""
     assert interp_report[both_id(case)] == {f"{n}{t}": 0 for t in ("", "_t") for n in ("codes", "scales", "global")}
+    assert interp_report[both_id(case) + "-dq"] == {f"{n}{t}": 0 for t in ("", "_t")
+                                                    for n in ("codes", "scales", "global", "dq")}
 
 
 @pytest.fixture(scope="module")
@@ -371,12 +376,11 @@ def test_gpu_bit_exact_large(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[0] != "ms_eden" or (c[2:] == (False, 128, False))],
-                         ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gpu_quantize_dq(case):
-    """``fp4compile::quantize_dq`` on CUDA (the quantize kernel storing the bf16 q * S; MS-EDEN: a dequantize after
-    pass 2): the reference's codes, scales and global, and a fourth output equal, bit for bit, to the dequantize
-    kernel's bf16 of those codes (``dequantize_blocks``, itself checked against the reference); ragged rows."""
+    """``fp4compile::quantize_dq`` on CUDA (the quantize kernel storing the bf16 q * S; MS-EDEN: pass 2 storing it):
+    the reference's codes, scales and global, and a fourth output equal, bit for bit, to the dequantize kernel's
+    bf16 of those codes (``dequantize_blocks``, itself checked against the reference); ragged rows."""
     r, f46, b2, h, tr = case
     shape = (1024, 2048) if b2 or tr else (1008, 2048)      # (ragged rows; a transposed copy's blocks run along them)
     x = data("heavy", shape, seed=GPU_CASES.index(case)).to(torch.bfloat16)
@@ -387,6 +391,12 @@ def test_gpu_quantize_dq(case):
     dq = torch.ops.fp4compile.dequantize_blocks(got[0], got[1])
     assert got[3].dtype == torch.bfloat16 and torch.equal(got[3].view(torch.int16), dq.view(torch.int16)), case
     assert torch.equal(dq.cpu(), ops._dequantize_blocks_op(got[0].cpu(), got[1].cpu()))
+    if r == "ms_eden" and not b2 and not tr:   # and both layouts from one pass: quantize_both_dq, eight outputs
+        args = (h, None if sg is None else sg.cuda(), SEED.cuda(), 16, SIGNS[:16].cuda(), (SEED + 1).cuda())
+        both = torch.ops.fp4compile.quantize_both_dq(x[:1024].cuda(), *args)
+        ref = ops._quantize_both_dq_op(x[:1024], *[a if a is None else a.cpu() for a in args])
+        for i, (a, b) in enumerate(zip(both, ref)):
+            assert torch.equal(a.cpu(), b), (case, i)
 
 
 @pytest.mark.gpu

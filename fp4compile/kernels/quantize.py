@@ -46,6 +46,7 @@ import triton.language as tl
 from ..formats.nvfp4 import AMAX_FLUSH as _AMAX_FLUSH_PY
 from ..formats.random import draw_seed
 from ..formats.schemes import EDEN_INV_VAL_MAX, EDEN_VAL_MAX, block_max_targets, global_numerator
+from .dequant import DEFAULT_DEQUANT, _dequant_tile  # noqa: F401  (a jitted helper pass 2's dq variant calls)
 from .launch import cdiv, launch, placeholder, stable_cache_keys
 
 #: amax below this encodes as an all-zero tensor (``formats.nvfp4.AMAX_FLUSH``; a constexpr for the kernels)
@@ -894,7 +895,19 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
     else:
         f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = f < N
-    s = tl.load(scratch_ptr + f, mask=mask, other=0.0)
+    idx = f
+    if BLOCK2D:
+        idx = f - ((f // NBK) % 16) * NBK
+    code, gs = _eden_align(tl.load(scratch_ptr + f, mask=mask, other=0.0), smax_ptr, seed_ptr, idx)
+    tl.store(scales_ptr + f, code.to(tl.uint8), mask=mask)
+    if tl.program_id(0) == 0:
+        tl.store(gscale_ptr, gs)
+
+
+@triton.jit
+def _eden_align(s, smax_ptr, seed_ptr, idx):
+    """MS-EDEN pass 2's per-entry math (:func:`_eden_pass2_kernel`): S' entries ``s`` -> (E4M3 scale codes, the
+    global decode scale), the uniforms keyed by the flat block indices ``idx`` (taken mod 2^32)."""
     m = tl.load(smax_ptr)
     live = m > 0
     gs = tl.where(live, m * 0.00390625, 0.0)
@@ -909,15 +922,38 @@ def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, 
     inv_step = tl.where(normal, (0x7F000000 - ((bits & 0x7F800000) - 0x1800000)).to(tl.float32, bitcast=True), 512.0)
     p = (r - lo) * inv_step
     k0, k1 = _seed_keys(seed_ptr)
+    u = _uniform32(k0, k1, idx.to(tl.uint32))
+    return tl.where(u < p, code + 1, code), gs
+
+
+@triton.jit
+def _eden_pass2_dq_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, codes_ptr, dq_ptr, R, NBK,
+                          BLOCK2D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+    """:func:`_eden_pass2_kernel` on a [BR, BC] tile of the [R, K] copy (its [BR, BC/16] scale entries), which then
+    also dequantizes the tile's codes with the scales it made into ``dq`` [R, K], exact bf16 q * S
+    (``quantize_dq``): the bytes of :func:`fp4compile.kernels.gemm.dequantize_bf16` of the final copy, with no
+    pass of its own (the dequantize kernel's work, without its launch and without reading the scales back)."""
+    NB: tl.constexpr = BC // 16
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    rmask = (rr < R)[:, None]
+    smask = rmask & (kb < NBK)[None, :]
+    f = rr.to(tl.int64)[:, None] * NBK + kb[None, :]
     idx = f
     if BLOCK2D:
-        idx = f - ((f // NBK) % 16) * NBK
-    # the flat block index mod 2^32 (the truncation to uint32)
-    u = _uniform32(k0, k1, idx.to(tl.uint32))
-    code = tl.where(u < p, code + 1, code)
-    tl.store(scales_ptr + f, code.to(tl.uint8), mask=mask)
-    if tl.program_id(0) == 0:
+        idx = (rr - rr % 16).to(tl.int64)[:, None] * NBK + kb[None, :]
+    code, gs = _eden_align(tl.load(scratch_ptr + f, mask=smask, other=0.0), smax_ptr, seed_ptr, idx)
+    code = code.to(tl.uint8)
+    tl.store(scales_ptr + f, code, mask=smask)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(gscale_ptr, gs)
+    kh = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+    codes = tl.load(codes_ptr + rr.to(tl.int64)[:, None] * (NBK * 8) + kh[None, :],
+                    mask=rmask & (kh < NBK * 8)[None, :], other=0)
+    v = _dequant_tile(codes, code, BR, BC, DEQUANT_ASM).to(tl.float32) * 256.0
+    ko = tl.program_id(1) * BC + tl.arange(0, BC)
+    tl.store(dq_ptr + rr.to(tl.int64)[:, None] * (NBK * 16) + ko[None, :], v.to(tl.bfloat16),
+             mask=rmask & (ko < NBK * 16)[None, :])
 
 
 @triton.jit
@@ -996,6 +1032,8 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
 #: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
 #: 254 registers per thread (8 warps per SM) against 96.
+#: ``g_*``: pass 2's tile when it also dequantizes the copy (``quantize(..., dq=True)``, :func:`_eden_pass2_dq_kernel`;
+#: rows x columns of the copy, the dequantize kernel's ``_dequant2_kernel`` tile, whose work it takes over).
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel
 #: (``q_impl`` 1) is launched with programmatic dependent launch behind its amax kernel on sm_90+ (module
 #: docstring), the default: bit-exact with two ordinary launches (eagerly and in CUDA graphs) and, on the H200,
@@ -1020,6 +1058,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "d_rows": 16, "d_cols": 128, "d_warps": 4, "dt_rows": 64, "dt_cols": 64, "dt_warps": 4,
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
+          "g_rows": 64, "g_cols": 128, "g_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 128}
 
@@ -1147,7 +1186,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     bytes of :func:`fp4compile.kernels.gemm.dequantize_bf16` of the codes and scales), a GEMM operand. RTN / SR
     (``q_impl`` 1) store it from the quantize kernel itself, which holds every code and scale already (2 bytes per
     element more written, no dequantize pass reading the codes back); MS-EDEN, whose scales are final only after
-    pass 2, dequantizes afterwards.
+    pass 2, from pass 2 (:func:`_eden_pass2_dq_kernel`: the dequantize kernel's work in the launch that makes the
+    scales).
 
     ``amax`` (RTN / SR only): optional FP32 0-dim device tensor used as the global amax instead of measuring
     max|x| (of the rotated tensor under RHT): one pass over x instead of two, e.g. for delayed scaling (the
@@ -1188,8 +1228,8 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
     tload = bool(transpose and cfg["t_impl"])
     if rounding == "ms_eden":
         _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
-                       gscale)
-        return (codes, scales, gscale) + ((_dequantize_bf16(codes, scales),) if dq else ())
+                       gscale, dq=out)
+        return (codes, scales, gscale) + ((out,) if dq else ())
     pdl = False
     if amax is None:
         pdl = _use_pdl(cfg, dev)  # only behind our own amax kernel (module docstring)
@@ -1226,12 +1266,13 @@ def _dequantize_bf16(codes, scales):
 
 def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None,
                   seed: Optional[torch.Tensor] = None, hadamard_t: int = 0, signs_t: Optional[torch.Tensor] = None,
-                  seed_t: Optional[torch.Tensor] = None, config: Optional[dict] = None):
+                  seed_t: Optional[torch.Tensor] = None, config: Optional[dict] = None, dq: bool = False):
     """MS-EDEN quantizations of x [R, C] in both layouts: ``quantize(x, "ms_eden", hadamard=hadamard, signs=signs,
     seed=seed)`` and ``quantize(x, "ms_eden", hadamard=hadamard_t, signs=signs_t, seed=seed_t, transpose=True)``
     (the same bytes, ``torch.ops.fp4compile.quantize_both``), where the row-wise pass 1 also writes the [C, R]
     transpose that the second quantization reads (the transposing copy of ``quantize(..., transpose=True)`` is not
-    a pass of its own). Returns the six tensors (codes, scales, global) row-wise then transposed."""
+    a pass of its own). Returns the six tensors (codes, scales, global) row-wise then transposed; with ``dq``
+    (``quantize_both_dq``) eight: each copy's (codes, scales, global, bf16 q * S), as ``quantize(..., dq=True)``."""
     cfg = _config(x.device, config)
     _check_input(x, "quantize_both")
     R, K = x.shape
@@ -1241,21 +1282,23 @@ def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tens
     sg = prepare_signs(signs, hadamard, dev)
     seed = draw_seed(device=dev) if seed is None else seed.to(device=dev, dtype=torch.int64)
     codes, scales, gscale = _empty_copy(R, K, dev)
+    out = (torch.empty((R, K), dtype=torch.bfloat16, device=dev),) if dq else ()
     xt = torch.empty((K, R), dtype=x.dtype, device=dev)
     if x.numel() == 0:
         gscale.zero_()
     else:
         _quantize_eden(x, R, K, x.stride(0), x.stride(1), False, hadamard, sg, seed, False, False, cfg, codes,
-                       scales, gscale, xt=xt)
-    return (codes, scales, gscale) + quantize(xt, "ms_eden", hadamard=hadamard_t, signs=signs_t, seed=seed_t,
-                                              config=config)
+                       scales, gscale, xt=xt, dq=out[0] if dq else None)
+    return (codes, scales, gscale) + out + quantize(xt, "ms_eden", hadamard=hadamard_t, signs=signs_t,
+                                                    seed=seed_t, config=config, dq=dq)
 
 
 def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
-                   gscale, xt=None):
+                   gscale, xt=None, dq=None):
     """MS-EDEN: pass 1 over x (codes + FP32 block scales S' in a [R, K/16] scratch + max S'), pass 2 over the
     scratch only (E4M3 scales + global decode scale); see ``formats.schemes`` for the arithmetic. ``xt``: a
-    contiguous [K, R] tensor that pass 1 also fills with x transposed (the block-per-thread pass 1 then)."""
+    contiguous [K, R] tensor that pass 1 also fills with x transposed (the block-per-thread pass 1 then). ``dq``:
+    a [R, K] bf16 tensor that pass 2 fills with the copy's q * S (:func:`_eden_pass2_dq_kernel`, tiles ``g_*``)."""
     dev = x.device
     scratch = torch.empty((R, K // 16), dtype=torch.float32, device=dev)
     smax = torch.zeros((), dtype=torch.float32, device=dev)
@@ -1278,6 +1321,12 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
             num_warps=warps, **_launch_opts(dev, cfg["e_maxnreg"]))
     nbk = K // 16
+    if dq is not None:
+        br, bc = cfg["g_rows"], cfg["g_cols"]
+        launch(_eden_pass2_dq_kernel, (cdiv(R, br), cdiv(K, bc)),
+            scratch, smax, seed, scales, gscale, codes, dq, R, nbk, BLOCK2D=bool(block2d), BR=br, BC=bc,
+            DEQUANT_ASM=dev.type == "cuda" and DEFAULT_DEQUANT == "asm", num_warps=cfg["g_warps"], **opts)
+        return
     launch(_eden_pass2_kernel, (cdiv(R * nbk, cfg["f_block"]),),
         scratch, smax, seed, scales, gscale, R * nbk, nbk, BLOCK2D=bool(block2d), BLOCK=cfg["f_block"],
         WIDE=R * nbk + cfg["f_block"] >= 2 ** 31, num_warps=cfg["f_warps"], **opts)
@@ -1329,6 +1378,10 @@ def _quantize_both_cuda(x, hadamard=0, signs=None, seed=None, hadamard_t=0, sign
     return quantize_both(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t)
 
 
+def _quantize_both_dq_cuda(x, hadamard=0, signs=None, seed=None, hadamard_t=0, signs_t=None, seed_t=None):
+    return quantize_both(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t, dq=True)
+
+
 def _register():
     from .. import ops  # noqa: F401  (defines the ops; idempotent)
 
@@ -1336,6 +1389,7 @@ def _register():
     ops.register_cuda("quantize_dq", _quantize_dq_cuda)
     ops.register_cuda("dequantize", _dequantize_cuda)
     ops.register_cuda("quantize_both", _quantize_both_cuda)
+    ops.register_cuda("quantize_both_dq", _quantize_both_dq_cuda)
 
 
 _register()

@@ -3,7 +3,7 @@
 Checks, after the rewrite:
 - each site with an NVFP4 ``linear.fprop`` spec has a forward GEMM record (its mm was found at all);
 - each record marked "nvfp4" points to an ``fp4compile::gemm`` node (or its bias add) still in the graph, or to
-  an ``fp4compile::gemm_dequantized`` of two ``fp4compile::quantize_dq`` outputs, or, with
+  an ``fp4compile::gemm_dequantized`` of two ``quantize_dq`` / ``quantize_both_dq`` outputs, or, with
   ``gemm_lowering="dequant_mm"``, to the scale/cast (or bias add) of an ``fp4compile::mm_f32`` whose operands are
   both dequantized FP4 copies (``dequantize_blocks`` or ``quantize_dq``), or, for a one-operand ``linear.fprop``
   (``NVFP4(operands=...)``), to the BF16 GEMM one of whose operands is an ``fp4compile::dequantize``;
@@ -22,18 +22,19 @@ from torch.fx import Graph
 from ..policy import NVFP4
 from .common import GEMMS
 from .linear import DEQUANT_BLOCKS, GEMM, GEMM_DQ, MM_F32, site_of
-from .reuse import DEQUANTIZE, QUANTIZE_DQ
+from .reuse import DEQUANTIZE, QUANTIZE_BOTH_DQ, QUANTIZE_DQ
 
 
 def is_dequantized_copy(a) -> bool:
     """``a`` is the exact bf16 ``q * S`` of an FP4 copy: an ``fp4compile::dequantize_blocks``, or the fourth
-    output of an ``fp4compile::quantize_dq``."""
+    output of an ``fp4compile::quantize_dq`` (one of ``quantize_both_dq``'s two)."""
     if a.op != "call_function":
         return False
     if a.target is DEQUANT_BLOCKS:
         return True
-    return (a.target is operator.getitem and a.args[1] == 3 and a.args[0].op == "call_function"
-            and a.args[0].target is QUANTIZE_DQ)
+    if a.target is not operator.getitem or a.args[0].op != "call_function":
+        return False
+    return (a.args[0].target, a.args[1]) in ((QUANTIZE_DQ, 3), (QUANTIZE_BOTH_DQ, 3), (QUANTIZE_BOTH_DQ, 7))
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:

@@ -41,7 +41,7 @@ from torch.fx import Graph, Node
 from ..policy import NVFP4, Precision
 from .assign import SITE_KEY
 from .common import GEMMS, add_call, is_transpose2d, root, tangent_closure, val, warn_fallback
-from .reuse import QUANTIZE, QUANTIZE_DQ, QSpec, QuantCache
+from .reuse import QSpec, QuantCache
 from ..ops import _define
 
 GEMM = torch.ops.fp4compile.gemm.default
@@ -59,19 +59,20 @@ MM_F32 = torch.ops.fp4compile.mm_f32.default
 #: "auto"       -- per GEMM by :func:`choose_lowering` (static shapes; symbolic ones get "op").
 LOWERINGS = ("op", "dequant_mm", "auto")
 
-#: a forward GEMM that dequantizes both operands to bf16 before its GEMM (:func:`fprop_dq`) takes them from its
-#: copies' ``fp4compile::quantize_dq`` instead (:meth:`.reuse.QuantCache.with_dq`): the quantize kernel stores the
-#: exact bf16 q * S it already holds, and no dequantize pass reads the codes back. False: ``quantize`` + ``gemm``
-#: (the same values; the environment variable ``FP4COMPILE_FPROP_DQ=0`` sets it at import, for A/B runs).
-FPROP_DQ = os.environ.get("FP4COMPILE_FPROP_DQ", "1") != "0"
+#: which NVFP4 GEMMs read their operands as the copies' exact bf16 q * S made by the quantize launches
+#: (:func:`use_dequantized_copies`): "all", "fwd" (the forward GEMMs only) or "none" (every GEMM dequantizes its
+#: codes; the same values). The environment variable ``FP4COMPILE_DQ_OPERANDS`` sets it at import (A/B runs).
+DQ_OPERANDS = os.environ.get("FP4COMPILE_DQ_OPERANDS", "all")
+if DQ_OPERANDS not in ("all", "fwd", "none"):
+    raise ValueError(f"FP4COMPILE_DQ_OPERANDS must be all, fwd or none, got {DQ_OPERANDS!r}")
 
 
-def fprop_dq(M: int, N: int, K: int, lowering: str) -> bool:
-    """Whether a forward GEMM of this shape and lowering takes ``quantize_dq`` operands (:data:`FPROP_DQ`):
-    "dequant_mm" always (its operands are bf16 q * S); "op" where the CUDA GEMM by shape
-    (``kernels/gemm.choose_impl``, the default implementation) dequantizes both operands first anyway -- not
-    the skinny shapes, whose kernel dequantizes in registers and reads the codes only. Symbolic sizes: no."""
-    if not FPROP_DQ or min(M, N, K) < 0:
+def dequantizes_operands(M: int, N: int, K: int, lowering: str) -> bool:
+    """Whether an NVFP4 GEMM of this shape and lowering dequantizes both operands to bf16 q * S before a bf16 GEMM:
+    "dequant_mm" always; "op" where its CUDA implementation by shape (``kernels/gemm.choose_impl`` under the default
+    ``"auto"``) is one of ``kernels/gemm.DQ_IMPLS`` -- not the skinny shapes, whose kernel dequantizes in registers
+    from the codes. Symbolic sizes: no."""
+    if min(M, N, K) < 0:
         return False
     if lowering == "dequant_mm":
         return True
@@ -80,6 +81,41 @@ def fprop_dq(M: int, N: int, K: int, lowering: str) -> bool:
     except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
         return False
     return DEFAULT_IMPL == "auto" and choose_impl(M, N, K) in DQ_IMPLS
+
+
+def use_dequantized_copies(graph: Graph, cache: QuantCache) -> int:
+    """After the rewrite (and :meth:`.reuse.QuantCache.pair_layouts`): every NVFP4 GEMM that dequantizes both
+    operands before a bf16 GEMM (:func:`dequantizes_operands`; :data:`DQ_OPERANDS` says which roles) reads its two
+    copies' exact bf16 ``q * S`` from their quantize nodes instead, each made a ``quantize_dq`` /
+    ``quantize_both_dq`` (:meth:`.reuse.QuantCache.with_dq`): RTN / SR's quantize kernel stores the bf16 values it
+    holds, MS-EDEN's pass 2 dequantizes the tile whose scales it makes, and no dequantize pass reads the codes back.
+    "op": the ``fp4compile::gemm`` node becomes ``fp4compile::gemm_dequantized`` (the same bf16 GEMM, so the same
+    bytes); "dequant_mm": the ``dequantize_blocks`` nodes give way to the copies' dq. Returns the number of GEMMs."""
+    done = 0
+    for nodes, rec in cache.gemms:
+        if DQ_OPERANDS == "none" or (DQ_OPERANDS == "fwd" and rec["role"] != "linear.fprop"):
+            continue
+        if not dequantizes_operands(*rec["shape"], rec["lowering"]):
+            continue
+        if rec["lowering"] == "op":
+            n, = nodes
+            a, b = cache.copy_of(n.args[0]), cache.copy_of(n.args[3])
+            if a is None or b is None:
+                continue
+            a, b = cache.with_dq(a), cache.with_dq(b)
+            n.target, n.args = GEMM_DQ, (a.dq, a.glob, b.dq, b.glob, n.args[6])
+        else:
+            copies = [cache.copy_of(d.args[0]) for d in nodes]
+            if None in copies:
+                continue
+            for d, c in zip(nodes, copies):
+                c = cache.with_dq(c)
+                d.replace_all_uses_with(c.dq)
+                cache.forget(d)
+                graph.erase_node(d)
+        rec["dq"] = True
+        done += 1
+    return done
 
 
 def choose_lowering(M: int, N: int, K: int) -> str:
@@ -243,32 +279,25 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
 def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op") -> Node:
     """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
     before ``before`` (every new node takes its partitioner / module / stack metadata); returns the node
-    holding the ``out_dtype`` result (see :data:`LOWERINGS`). Where both copies carry their bf16 ``q * S``
-    (``.dq``, :meth:`.reuse.QuantCache.with_dq`), the GEMM reads those: ``fp4compile::gemm_dequantized`` ("op"),
-    or ``mm_f32`` of them ("dequant_mm")."""
-    dq = getattr(qa, "dq", None) is not None and getattr(qb, "dq", None) is not None
+    holding the ``out_dtype`` result (see :data:`LOWERINGS`); :func:`use_dequantized_copies` may later give it the
+    copies' bf16 ``q * S`` instead of their codes."""
     if lowering == "op":
-        args = (qa.dq, qa.glob, qb.dq, qb.glob, out_dtype) if dq else (*qa.outputs(), *qb.outputs(), out_dtype)
-        out = add_call(graph, GEMM_DQ if dq else GEMM, args, before=before, anchor=before)
+        out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
         _copy_meta(before, out)
         return out
     if lowering != "dequant_mm":
         raise ValueError(f"gemm_lowering must be one of {LOWERINGS}, got {lowering!r}")
     aten = torch.ops.aten
-    if dq:
-        da, db, new = qa.dq, qb.dq, ()
-    else:
-        da = add_call(graph, DEQUANT_BLOCKS, (qa.codes, qa.scales), before=before, anchor=before)
-        db = add_call(graph, DEQUANT_BLOCKS, (qb.codes, qb.scales), before=before, anchor=before)
-        new = (da, db)
+    da = add_call(graph, DEQUANT_BLOCKS, (qa.codes, qa.scales), before=before, anchor=before)
+    db = add_call(graph, DEQUANT_BLOCKS, (qb.codes, qb.scales), before=before, anchor=before)
     acc = add_call(graph, MM_F32, (da, db), before=before, anchor=before)
     alpha = add_call(graph, aten.mul.Tensor, (qa.glob, qb.glob), before=before, anchor=before)
     y = add_call(graph, aten.mul.Tensor, (acc, alpha), before=before, anchor=before)
     out = y if out_dtype == torch.float32 else \
         add_call(graph, torch.ops.prims.convert_element_type.default, (y, out_dtype), before=before, anchor=before)
-    for m in (*new, acc, alpha, y, out):
+    for m in (da, db, acc, alpha, y, out):
         _copy_meta(before, m)
-    out.meta["fp4_dequant_nodes"] = new
+    out.meta["fp4_dequant_nodes"] = (da, db)
     return out
 
 
@@ -296,11 +325,6 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
         srcs = ((a_src, a_tr), (b_src, b_tr))
         xq = cache.forward_copy(g.site, "x", *srcs[1 - w_pos], main, signs, is_weight=False)
         wq = cache.forward_copy(g.site, "w", *srcs[w_pos], other, signs, is_weight=True)
-        if lowering == "auto":
-            lowering = choose_lowering(*rec["shape"])
-        if fprop_dq(*rec["shape"], lowering) and all(q.node.target in (QUANTIZE, QUANTIZE_DQ) for q in (xq, wq)):
-            xq, wq = cache.with_dq(xq), cache.with_dq(wq)
-            rec["dq"] = True
         qa, qb = (wq, xq) if w_pos == 0 else (xq, wq)
         rec["reused"] = "shared" if xq.origin == "shared" else ""
     else:
@@ -320,8 +344,10 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
         lowering = choose_lowering(*rec["shape"])
     rec["lowering"] = lowering
     out = emit_gemm(graph, qa, qb, val(n).dtype, n, lowering)
-    for d in out.meta.pop("fp4_dequant_nodes", ()):
+    dequants = out.meta.pop("fp4_dequant_nodes", ())
+    for d in dequants:
         cache.recompute(d)                       # transient bf16 operand copies: never saved for backward
+    cache.gemms.append((dequants or (out,), rec))
     if n.target is torch.ops.aten.addmm.default:
         out = add_call(graph, torch.ops.aten.add.Tensor, (out, n.args[0]), before=n, anchor=n)
         _copy_meta(n, out)

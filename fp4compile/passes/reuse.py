@@ -22,8 +22,9 @@
   forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
   copy or a dequantized BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient
   nodes made from FP4 copies (the bf16 ``dequantize_blocks`` operands of the "dequant_mm" GEMM lowering).
-- ``with_dq(copy)`` turns a copy's ``quantize`` into ``fp4compile::quantize_dq``, whose fourth output, the exact
-  bf16 ``q * S``, a forward GEMM takes instead of dequantizing the codes again (``passes/linear.py``).
+- ``with_dq(copy)`` turns a copy's ``quantize`` (``quantize_both``) into ``fp4compile::quantize_dq``
+  (``quantize_both_dq``), whose dq outputs, the exact bf16 ``q * S``, a GEMM reads instead of dequantizing the codes
+  again (``passes/linear.py``'s ``use_dequantized_copies``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ QUANTIZE = torch.ops.fp4compile.quantize.default
 DEQUANTIZE = torch.ops.fp4compile.dequantize.default
 QUANTIZE_BOTH = torch.ops.fp4compile.quantize_both.default
 QUANTIZE_DQ = torch.ops.fp4compile.quantize_dq.default
+QUANTIZE_BOTH_DQ = torch.ops.fp4compile.quantize_both_dq.default
+#: :meth:`QuantCache.with_dq`: the dq form of a quantize node, and where each of its outputs moves there (each
+#: copy's (codes, scales, global) is followed by its dq)
+_WITH_DQ = {QUANTIZE: (QUANTIZE_DQ, {0: 0, 1: 1, 2: 2}),
+            QUANTIZE_BOTH: (QUANTIZE_BOTH_DQ, {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 6})}
 
 #: :meth:`QuantCache.pair_layouts` merges a tensor's two MS-EDEN copies (row-wise and transposed: a gradient's for
 #: dgrad and wgrad) into one ``fp4compile::quantize_both`` (False: two ``quantize`` nodes; the same bytes)
@@ -97,6 +103,8 @@ class QuantCache:
         self.dequants: Dict[Tuple[Node, bool], Node] = {}
         self._recompute: Set[Node] = set()
         self.created: Set[Node] = set()
+        #: the rewrite's NVFP4 GEMMs: (the GEMM node, or the "dequant_mm" lowering's two dequantize_blocks, record)
+        self.gemms: list = []
 
     # -- building blocks -------------------------------------------------------------------------
     def quantize(self, src: Node, transpose: bool, qspec: QSpec, signs: Optional[Node]) -> QCopy:
@@ -117,38 +125,61 @@ class QuantCache:
         self.copies[key] = copy
         return copy
 
+    def copy_of(self, codes: Node) -> Optional[QCopy]:
+        """The copy whose codes are the node ``codes`` (None if it is not one of this cache's copies)."""
+        for c in self.copies.values():
+            if c.codes is codes:
+                return c
+        return None
+
     def with_dq(self, copy: QCopy) -> QCopy:
-        """``copy`` with its exact bf16 ``q * S`` (``dq``): its ``quantize`` node becomes one
-        ``fp4compile::quantize_dq`` (same arguments, same three outputs, and the dequantized copy as a fourth, a
-        GEMM operand with no dequantize pass of its own), once per copy; every record of the copy follows. A GEMM of
-        the forward reads ``dq``; the backward reads the codes, so ``dq`` is never saved."""
+        """``copy`` with its exact bf16 ``q * S`` (``dq``): its ``quantize`` (``quantize_both``) node becomes one
+        ``fp4compile::quantize_dq`` (``quantize_both_dq``): the same arguments and outputs, with each copy's
+        dequantization after its global scale, a GEMM operand with no dequantize pass of its own. Once per node;
+        every record of the node's copies follows. Transient like the rest of the node: GEMMs read ``dq``, the
+        saved tensors (the backward's sources) are the codes, so ``dq`` is never saved."""
         if copy.dq is not None:
             return copy
         old = copy.node
-        if old.target is not QUANTIZE:
-            raise ValueError(f"with_dq needs a copy made by fp4compile::quantize, got {old.target}")
-        node, codes, scales, glob, dq = add_call(self.graph, QUANTIZE_DQ, old.args, after=old, anchor=copy.src)
-        for n in (node, codes, scales, glob, dq):
+        if old.target not in _WITH_DQ:
+            raise ValueError(f"with_dq needs a copy made by fp4compile::quantize(_both), got {old.target}")
+        target, where = _WITH_DQ[old.target]
+        node, *items = add_call(self.graph, target, old.args, after=old, anchor=copy.src)
+        for n in (node, *items):
             _copy_meta(copy.src, n)
             self.created.add(n)
-        for o, n in zip(copy.outputs(), (codes, scales, glob)):
-            o.replace_all_uses_with(n)
+        index = {o: o.args[1] for o in old.users}                            # its getitems: output index
+        olds = sorted(index, key=index.get)
+        for o in olds:
+            o.replace_all_uses_with(items[where[index[o]]])
         recompute = old in self._recompute
-        for n in (*copy.outputs(), old):
+        for n in (*olds, old):
             self._recompute.discard(n)
             self.created.discard(n)
             self.graph.erase_node(n)
         if recompute:  # (a weight's copy: the whole node. An activation's dq is read by its forward GEMM only, and
             #          a getitem tagged apart from its multi-output node is a conflict for the partitioner)
-            self._recompute.update((node, codes, scales, glob, dq))
-        new = dataclasses.replace(copy, node=node, codes=codes, scales=scales, glob=glob, dq=dq)
+            self._recompute.update((node, *items))
+
+        def upgraded(c: QCopy) -> QCopy:
+            i = where[index[c.codes]]                                        # the copy's first output, moved
+            return dataclasses.replace(c, node=node, codes=items[i], scales=items[i + 1], glob=items[i + 2],
+                                       dq=items[i + 3])
+
+        hit = [c.codes for c in (*self.copies.values(), *self.fwd.values()) if c.node is old]
+        assert copy.codes in hit, "with_dq: a copy not made by this cache"
         for table in (self.copies, self.fwd):
             for k, c in table.items():
                 if c.node is old:
-                    table[k] = dataclasses.replace(new, origin=c.origin)
+                    table[k] = upgraded(c)
         for (n, t) in [k for k in self.dequants if k[0] is old]:
             self.dequants[(node, t)] = self.dequants.pop((n, t))
-        return dataclasses.replace(new, origin=copy.origin)
+        return upgraded(copy)
+
+    def forget(self, node: Node) -> None:
+        """``node`` (made by this cache's owner) is about to be erased."""
+        self._recompute.discard(node)
+        self.created.discard(node)
 
     def dequantize(self, copy: QCopy, transpose: bool = False) -> Node:
         """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype, stored transposed if ``transpose``
