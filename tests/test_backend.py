@@ -105,9 +105,9 @@ def test_linear_stack_equals_eager_reference_exactly(lowering):
     targets = [a["target"] for _, a in g.nodes(data=True)]
     n_gemm, n_mm = targets.count("fp4compile.gemm.default"), targets.count("fp4compile.mm_f32.default")
     assert (n_gemm, n_mm) == ((12, 0) if lowering == "op" else (0, 12)), (n_gemm, n_mm)
-    if lowering == "dequant_mm":   # every mm_f32 reads its operands' bf16 q * S from the quantize nodes
-        assert targets.count("fp4compile.dequantize_blocks.default") == 0
-        assert targets.count("fp4compile.quantize.default") == 0 and targets.count("fp4compile.quantize_dq.default")
+    if lowering == "dequant_mm":   # (DQ_OPERANDS "fwd", the default) the 4 forward GEMMs read quantize_dq's bf16
+        assert targets.count("fp4compile.quantize_dq.default") == 8     # q * S, the 8 backward ones dequantize
+        assert targets.count("fp4compile.dequantize_blocks.default") == 16
     else:                          # these skinny shapes' CUDA GEMM dequantizes in registers: the codes
         assert targets.count("fp4compile.quantize_dq.default") == 0
     # the backward's requantized operands (Wᵀ for dgrad, Xᵀ for wgrad) are dequantized straight into transposed

@@ -394,7 +394,7 @@ def test_gpu_quantize_dq(case):
     if r == "ms_eden" and not b2 and not tr:   # and both layouts from one pass: quantize_both_dq, eight outputs
         args = (h, None if sg is None else sg.cuda(), SEED.cuda(), 16, SIGNS[:16].cuda(), (SEED + 1).cuda())
         both = torch.ops.fp4compile.quantize_both_dq(x[:1024].cuda(), *args)
-        ref = ops._quantize_both_dq_op(x[:1024], *[a if a is None else a.cpu() for a in args])
+        ref = ops._quantize_both_dq_op(x[:1024], *[a.cpu() if torch.is_tensor(a) else a for a in args])
         for i, (a, b) in enumerate(zip(both, ref)):
             assert torch.equal(a.cpu(), b), (case, i)
 

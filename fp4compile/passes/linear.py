@@ -60,9 +60,13 @@ MM_F32 = torch.ops.fp4compile.mm_f32.default
 LOWERINGS = ("op", "dequant_mm", "auto")
 
 #: which NVFP4 GEMMs read their operands as the copies' exact bf16 q * S made by the quantize launches
-#: (:func:`use_dequantized_copies`): "all", "fwd" (the forward GEMMs only) or "none" (every GEMM dequantizes its
-#: codes; the same values). The environment variable ``FP4COMPILE_DQ_OPERANDS`` sets it at import (A/B runs).
-DQ_OPERANDS = os.environ.get("FP4COMPILE_DQ_OPERANDS", "all")
+#: (:func:`use_dequantized_copies`): "fwd" (the forward GEMMs only; the default), "all" or "none" (every GEMM
+#: dequantizes its codes; the same values). The environment variable ``FP4COMPILE_DQ_OPERANDS`` sets it at import
+#: (A/B runs). H200, GPT-124M step (session 32, docs/BENCHMARKS.md): none 48.90, 48.94 ms; fwd 48.80; all 48.87,
+#: 48.81 ms with 0.11 GiB more peak memory (the backward's bf16 operands live from their quantize to their GEMMs):
+#: MS-EDEN's pass 2 that dequantizes costs what pass 2 and the dequantize kernel cost (bench/dq_operands.py: dgrad
+#: 0.998, wgrad 0.995 of quantize + gemm; fprop 0.962).
+DQ_OPERANDS = os.environ.get("FP4COMPILE_DQ_OPERANDS", "fwd")
 if DQ_OPERANDS not in ("all", "fwd", "none"):
     raise ValueError(f"FP4COMPILE_DQ_OPERANDS must be all, fwd or none, got {DQ_OPERANDS!r}")
 
