@@ -66,7 +66,9 @@ OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
-    "passes/check.py", "passes/common.py"))
+    "passes/check.py", "passes/common.py",
+    # the kernels whose shape rules the rewrite reads (kernels/gemm.py's choose_impl, for quantize_dq operands)
+    "kernels/gemm.py"))
 
 
 @dataclasses.dataclass
