@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_next|s32_dq|s32_b|s32_c|s32_d
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -606,55 +606,6 @@ s31_check)
   # attention tests that run on CUDA, the kernel times with the launched SASS
   step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
   PYTHONPATH=$PWD step attn_kernels 60 python bench/attention_kernels_at.py --label head --sass ;;
-s32_next)
-  # issues 4, 3 on one nvidia-h200 (~7 min; prepared in session 31): with session 31's defaults (dK/dV at 2 stages,
-  # in neither the table nor the step of session 31) the attention tests that run on CUDA, the attention table
-  # against SDPA and the full-stack step profiled against BF16; then the paper split's backward at D = 128 (2 programs
-  # per SM by shared memory at 2 stages, 97 KB) at one and two stages with register caps (static sm_90, session 31:
-  # dQ at 1 stage 64 KB, 230 registers, capped at 168 58 spilled words = 3 per SM; dK/dV at 1 stage 255 registers,
-  # at 168 166 spilled words), 8x16x2048x128, alternating with the default
-  step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
-  step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
-  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
-      --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; Q1='{"dq": {"num_stages": 1}}'
-  K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
-  attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dq1=$Q1" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dq1b=$Q1" \
-      "dkdv1c168b=$K" ;;
-s32_dq)
-  # issue 3 on one nvidia-h200 (~8 min; session 32): forward GEMMs from quantize_dq operands (the quantize kernel
-  # stores the exact bf16 q * S it holds; no dequantize pass reads the codes back; static sm_90 RTN 4/6 49.0 -> 57.5
-  # instructions per element at 128 registers, no spill, against the dequantize kernel's 13.5 plus its pass). The
-  # GPU tests of both new ops, bench/fprop_dq.py (the four 124M fprop shapes, old / new / cuBLAS BF16), then the
-  # full-stack step with it (profiled, against BF16) and alternating with FP4COMPILE_FPROP_DQ=0 (quantize + gemm)
-  step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
-      -k "quantize_dq or dequantized"
-  step fprop_dq 120 python bench/fprop_dq.py  # (bench/dq_operands.py since s32_c)
-  step step_full_stack 150 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 30 \
-      --warmup 3 --profile --json "$OUT/train_step.jsonl"
-  for t in off on off2 on2; do
-    case $t in on*) v=1;; *) v=0;; esac
-    FP4COMPILE_FPROP_DQ=$v step "step_$t" 100 python bench/train_step.py --policy full_stack \
-        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
-  done ;;
-s32_b)
-  # issue 3 on one nvidia-h200 (~4 min; session 32): s32_dq's GPU tests again (its transposed RHT-128 case had
-  # 1008 rows: the test's shape, fixed) and its step A/B again, now that the pass's cache key holds FPROP_DQ (in
-  # s32_dq the arms shared one AOTAutograd cache entry). ATTN=1: then s32_next without its step (the attention
-  # tests on CUDA, the table against SDPA with dK/dV at 2 stages, the D = 128 paper-split backward at 1 stage capped)
-  step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
-      -k "quantize_dq or dequantized"
-  for t in off on off2 on2; do
-    case $t in on*) v=1;; *) v=0;; esac
-    FP4COMPILE_FPROP_DQ=$v step "step_$t" 100 python bench/train_step.py --policy full_stack \
-        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
-  done  # (FP4COMPILE_DQ_OPERANDS=fwd/none since s32_c)
-  if [ "${ATTN:-0}" = 1 ]; then
-    step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"
-    step attn_table 90 python bench/attention.py --phase table --json "$OUT/attn_table.json"
-    Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
-    attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dkdv1c168b=$K"
-  fi ;;
 s32_c)
   # issue 3 on one nvidia-h200 (~7 min; session 32): every GEMM that dequantizes both operands reads them as the
   # copies' bf16 q * S from the quantize launches (quantize_dq / quantize_both_dq: RTN's quantize kernel stores it,
@@ -672,8 +623,8 @@ s32_c)
   done ;;
 s32_d)
   # issues 3, 4 on one nvidia-h200 (~5 min; session 32): s32_c's GPU tests again (its quantize_both_dq check passed
-  # an int through .cpu(): the test, fixed), then s32_b's attention part (the attention tests on CUDA, the table
-  # against SDPA with dK/dV at 2 stages, the D = 128 paper-split backward at 1 stage capped at 168 registers)
+  # an int through .cpu(): the test, fixed), then the attention tests on CUDA, the table against SDPA with dK/dV at
+  # 2 stages (session 31's default), and the D = 128 paper-split backward at 1 stage capped at 168 registers
   step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
       -k "quantize_dq or dequantized or dequantize_and_ops"
   step attn_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_attention.py -k "gpu or cuda"

@@ -569,6 +569,17 @@ def _sr_half(v, u):
 
 
 @triton.jit
+def _store_dq(dq_ptr, dlo, dhi, zero, rows, pid_c, R, K, NB: tl.constexpr):
+    """Store a tile's bf16 q * S (its [BR, NB, 8] halves; all zeros where the tensor flushed to zero) into ``dq``
+    [R, K]: 16 contiguous bytes per half-block."""
+    dcol = (pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
+    dptr = dq_ptr + rows.to(tl.int64)[:, None, None] * K + dcol
+    dmask = (rows < R)[:, None, None] & (dcol < K)
+    tl.store(dptr, tl.where(zero, 0.0, dlo).to(tl.bfloat16), mask=dmask)
+    tl.store(dptr + 8, tl.where(zero, 0.0, dhi).to(tl.bfloat16), mask=dmask)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      codes_ptr, scales_ptr, gscale_ptr, dq_ptr,
                      G: tl.constexpr, M6: tl.constexpr, M4: tl.constexpr,
@@ -629,7 +640,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             mhi = tl.where(pick4[:, :, None], m4hi, mhi)
             wlo = _pack_magic(mlo, lo, MAGIC_PACK)
             whi = _pack_magic(mhi, hi, MAGIC_PACK)
-            if DQ:
+            if DQ:  # (stored after the codes: stored here the kernel spills 30 words at its 128-register cap)
                 sfc = tl.where(pick4, sf4, sf)[:, :, None]
                 dlo = _signed_value(_mag_value_magic(mlo) * sfc, lo)
                 dhi = _signed_value(_mag_value_magic(mhi) * sfc, hi)
@@ -640,9 +651,9 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
             mhi = _e2m1_mag_magic(tl.abs(vhi))
             wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
             whi = _pack_magic(mhi, vhi, MAGIC_PACK)
-            if DQ:
-                dlo = _signed_value(_mag_value_magic(mlo) * sf[:, :, None], vlo)
-                dhi = _signed_value(_mag_value_magic(mhi) * sf[:, :, None], vhi)
+            if DQ:  # (stored at once: kept until after the codes, the values take 167 registers, not 128)
+                _store_dq(dq_ptr, _signed_value(_mag_value_magic(mlo) * sf[:, :, None], vlo),
+                          _signed_value(_mag_value_magic(mhi) * sf[:, :, None], vhi), zero, rows, pid_c, R, K, NB)
     elif ROUNDING == 1:
         if FOUR_SIX:
             code4, sf4, enc4 = _scale_enc(ab, M4, s_enc, gs)
@@ -665,8 +676,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         wlo = _pack8(qlo)
         whi = _pack8(qhi)
         if DQ:
-            dlo = _e2m1_value(qlo) * sf[:, :, None]
-            dhi = _e2m1_value(qhi) * sf[:, :, None]
+            _store_dq(dq_ptr, _e2m1_value(qlo) * sf[:, :, None], _e2m1_value(qhi) * sf[:, :, None], zero, rows,
+                      pid_c, R, K, NB)
 
     w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
     w = tl.where(zero, 0, w)
@@ -679,12 +690,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
              mask=rmask & (blk < K // 16)[None, :])
     if (pid_r == 0) & (pid_c == 0):
         tl.store(gscale_ptr, gs)
-    if DQ:
-        dcol = (pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
-        dptr = dq_ptr + rows.to(tl.int64)[:, None, None] * K + dcol
-        dmask = (rows < R)[:, None, None] & (dcol < K)
-        tl.store(dptr, tl.where(zero, 0.0, dlo).to(tl.bfloat16), mask=dmask)
-        tl.store(dptr + 8, tl.where(zero, 0.0, dhi).to(tl.bfloat16), mask=dmask)
+    if DQ and ROUNDING == 0 and FOUR_SIX:
+        _store_dq(dq_ptr, dlo, dhi, zero, rows, pid_c, R, K, NB)
 
 
 @triton.jit

@@ -136,8 +136,8 @@ class QuantCache:
         """``copy`` with its exact bf16 ``q * S`` (``dq``): its ``quantize`` (``quantize_both``) node becomes one
         ``fp4compile::quantize_dq`` (``quantize_both_dq``): the same arguments and outputs, with each copy's
         dequantization after its global scale, a GEMM operand with no dequantize pass of its own. Once per node;
-        every record of the node's copies follows. Transient like the rest of the node: GEMMs read ``dq``, the
-        saved tensors (the backward's sources) are the codes, so ``dq`` is never saved."""
+        every record of the node's copies follows. Only GEMMs read ``dq``; the backward's sources are the codes, so
+        ``dq`` is never saved (a weight copy's node is recomputed whole, as before)."""
         if copy.dq is not None:
             return copy
         old = copy.node
