@@ -632,15 +632,18 @@ s32_d)
   Q='{"dq": {"num_stages": 1, "maxnreg": 168}}'; K='{"dkdv": {"num_stages": 1, "maxnreg": 168}}'
   attn_configs attn128 8,16,2048,128 head "dq1c168=$Q" "dkdv1c168=$K" head2 "dq1c168b=$Q" "dkdv1c168b=$K" ;;
 s33_next)
-  # issue 3 on one nvidia-h200 (~5 min; prepared in session 32): plain RTN / SR now store their dq values at once
+  # issue 3 on one nvidia-h200 (~6 min; prepared in session 32): plain RTN / SR now store their dq values at once
   # (f4a1069; RTN + dq 167 -> 128 registers static sm_90, not yet run on the GPU): the quantize_dq GPU tests, the
-  # 12-GEMM table, and the step alternating FP4COMPILE_DQ_OPERANDS none / fwd twice
+  # 12-GEMM table; then the step: the default (forward dq operands), FP4COMPILE_SAVE_WEIGHT_COPIES=1 (the backward
+  # requantizes W from the saved forward codes: no amax + quantize of each weight in the backward), alternating
+  # twice, and FP4COMPILE_DQ_OPERANDS=none once. Adopt SAVE_WEIGHT_COPIES if it wins (peak memory in the log)
   step dq_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py tests/test_gemm.py \
       -k "quantize_dq or dequantized"
   step dq_operands 150 python bench/dq_operands.py
-  for t in none fwd none2 fwd2; do
-    FP4COMPILE_DQ_OPERANDS=${t%2} step "step_$t" 100 python bench/train_step.py --policy full_stack \
-        --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
+  for t in base savew base2 savew2 none; do
+    case $t in savew*) w=1; d=fwd;; none) w=0; d=none;; *) w=0; d=fwd;; esac
+    FP4COMPILE_SAVE_WEIGHT_COPIES=$w FP4COMPILE_DQ_OPERANDS=$d step "step_$t" 100 python bench/train_step.py \
+        --policy full_stack --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done ;;
 r46_ab)
   # issues 2, 3 on one nvidia-h200 (~4 min; session 31): RTN 4/6 on magnitudes capped at 128 registers

@@ -141,7 +141,7 @@ class FP4JointPass(CustomGraphPass):
     def uuid(self) -> bytes:
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
-        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS)
+        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS, reuse.SAVE_WEIGHT_COPIES)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

@@ -360,6 +360,33 @@ def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowe
     assert count(graphs["none"]["fwd"], ops_.quantize_dq.default) == 0
 
 
+def test_saved_weight_copies_option_keeps_the_gradients(monkeypatch):
+    """``reuse.SAVE_WEIGHT_COPIES``: the forward's FP4 weight copies are saved (their codes among the saved tensors)
+    instead of recomputed in the backward, with the same output and gradients bit for bit (full-stack policy); off,
+    no weight copy is saved (the test can fail)."""
+    from fp4compile.passes import reuse
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).to(torch.bfloat16)
+    x0 = torch.randn(384, 128, dtype=torch.bfloat16)         # (every dim a multiple of RHT-128; no shape shared)
+    out, saved = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(reuse, "SAVE_WEIGHT_COPIES", on)
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        compiled, rec = compile_recorded(model, Policy.full_stack())
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(1)
+        y = compiled(x)
+        y.float().sum().backward()
+        out[on] = [y, x.grad] + [p.grad for p in model.parameters()]
+        saved[on] = {shp for op, dt, shp in _saved(rec) if dt == torch.uint8}
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+    weight_codes = {(256, 64), (128, 128)}                     # W [N, K] -> codes [N, K/2] of the two layers
+    assert weight_codes <= saved[True] and not weight_codes & saved[False], (saved[True], saved[False])
+
+
 def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():
     """A late switch's graph (``late_bf16_roles="linear.fprop"``: forward GEMMs in BF16, wgrad NVFP4) has no forward
     FP4 copy of a layer input for wgrad to reuse. X is then quantized for wgrad (transposed, RHT-128 along the
@@ -433,7 +460,8 @@ def test_policy_change_recompiles_same_policy_same_key():
     # the rewrite's module switches (read when the pass runs) are part of the key too
     from fp4compile.passes import linear, reuse
 
-    for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (reuse, "PAIR_LAYOUTS", False)):
+    for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (reuse, "PAIR_LAYOUTS", False),
+                             (reuse, "SAVE_WEIGHT_COPIES", not reuse.SAVE_WEIGHT_COPIES)):
         old = getattr(mod, name)
         try:
             setattr(mod, name, other)

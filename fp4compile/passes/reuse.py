@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Optional, Set, Tuple
 
 import torch
@@ -46,6 +47,13 @@ QUANTIZE_BOTH_DQ = torch.ops.fp4compile.quantize_both_dq.default
 #: copy's (codes, scales, global) is followed by its dq)
 _WITH_DQ = {QUANTIZE: (QUANTIZE_DQ, {0: 0, 1: 1, 2: 2}),
             QUANTIZE_BOTH: (QUANTIZE_BOTH_DQ, {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 6})}
+
+#: the forward's FP4 weight copies may be saved for the backward (the partitioner's choice) instead of being tagged
+#: MUST_RECOMPUTE: the backward then requantizes W (for dgrad) from the saved codes instead of quantizing the
+#: parameter again (its amax and quantize launches, per linear and step), for 0.5625 bytes per weight kept from the
+#: forward to the backward. Off by default (the saved tensors are activation copies only) until a GPU A/B
+#: (``bash bench/run_h200.sh s33_next``); ``FP4COMPILE_SAVE_WEIGHT_COPIES=1`` sets it at import.
+SAVE_WEIGHT_COPIES = os.environ.get("FP4COMPILE_SAVE_WEIGHT_COPIES", "0") != "0"
 
 #: :meth:`QuantCache.pair_layouts` merges a tensor's two MS-EDEN copies (row-wise and transposed: a gradient's for
 #: dgrad and wgrad) into one ``fp4compile::quantize_both`` (False: two ``quantize`` nodes; the same bytes)
@@ -251,7 +259,7 @@ class QuantCache:
         """The fprop operand ``operand`` ("x" or "w") of ``site``; remembered for the backward."""
         copy = self.quantize(src, transpose, qspec, signs)
         self.fwd[(site, operand)] = copy
-        if is_weight:
+        if is_weight and not SAVE_WEIGHT_COPIES:
             self._recompute.update((copy.node, copy.codes, copy.scales, copy.glob))
         return copy
 
