@@ -227,16 +227,21 @@ def _gemm_fake(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
 gemm = _define("gemm", _gemm_op, _gemm_fake)
 
 
-def _gemm_dequantized_op(a: Tensor, a_global: Tensor, b: Tensor, b_global: Tensor,
-                         out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def _gemm_dequantized_check(a, b):
     torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
                  lambda: "gemm_dequantized: need [M, K] and [N, K] operands")
+    torch._check(a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16,
+                 lambda: f"gemm_dequantized takes bf16 operands (exact q * S), got {a.dtype}/{b.dtype}")
+
+
+def _gemm_dequantized_op(a: Tensor, a_global: Tensor, b: Tensor, b_global: Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    _gemm_dequantized_check(a, b)
     return ((a.float() @ b.float().t()) * (a_global.float() * b_global.float())).to(out_dtype)
 
 
 def _gemm_dequantized_fake(a, a_global, b, b_global, out_dtype=torch.bfloat16):
-    torch._check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
-                 lambda: "gemm_dequantized: need [M, K] and [N, K] operands")
+    _gemm_dequantized_check(a, b)
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 

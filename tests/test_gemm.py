@@ -96,6 +96,8 @@ def test_gemm_dequantized_reference_equals_gemm_of_the_codes():
                           {"out_dtype": torch.float32})
     with pytest.raises(RuntimeError, match="need"):
         torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16[:, :64], args[5], torch.float32)
+    with pytest.raises(RuntimeError, match="bf16 operands"):
+        torch.ops.fp4compile.gemm_dequantized(a16.float(), args[2], b16, args[5], torch.float32)
 
 
 # ------------------------------------------------------------------------------------ interpreter (CPU)
