@@ -296,6 +296,14 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
     # (49.0 vs 20.6; the signed form it replaced took 58.0)
     n46, _, regs46, spill46 = r["RTN 4/6 quantize pass"]
     assert regs46 <= sass.K.CONFIG["s_maxnreg"] and spill46 == 0 and counts[0] < n46 < 2.5 * counts[0], r
+    # quantize_dq's store of the bf16 q * S (where each variant stores it is register-sensitive): 4/6 under its cap
+    # with no spill; plain RTN (uncapped) in at most 128 registers (167 when its values waited for the codes'
+    # store), no spill; each costs more than its quantize alone and less than that plus the dequantize kernel
+    deq = r["dequantize, row-major"][0]
+    for name, base, cap in (("RTN 4/6 quantize pass", n46, sass.K.CONFIG["s_maxnreg"]),
+                            ("RTN quantize pass", counts[0], 128)):
+        n, _, regs, spill = r[name + " + bf16 q * S (quantize_dq)"]
+        assert regs <= cap and spill == 0 and base < n < base + deq, (name, r)
 
 
 @pytest.mark.parametrize("transpose", [False, True])
