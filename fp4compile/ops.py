@@ -147,7 +147,7 @@ def _quantize_dq_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = Fals
 def _quantize_dq_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
                       transpose=False):
     codes, scales, glob = _quantize_fake(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
-    return codes, scales, glob, codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)
+    return codes, scales, glob, _dequantize_blocks_fake(codes, scales)
 
 
 quantize_dq = _define("quantize_dq", _quantize_dq_op, _quantize_dq_fake)
@@ -177,8 +177,7 @@ def _quantize_both_dq_op(x: Tensor, hadamard: int = 0, signs: Optional[Tensor] =
 
 def _quantize_both_dq_fake(x, hadamard=0, signs=None, seed=None, hadamard_t=0, signs_t=None, seed_t=None):
     c, s, g, ct, st, gt = _quantize_both_fake(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t)
-    dq = lambda codes: codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=torch.bfloat16)  # noqa: E731
-    return c, s, g, dq(c), ct, st, gt, dq(ct)
+    return c, s, g, _dequantize_blocks_fake(c, s), ct, st, gt, _dequantize_blocks_fake(ct, st)
 
 
 quantize_both_dq = _define("quantize_both_dq", _quantize_both_dq_op, _quantize_both_dq_fake)
@@ -208,10 +207,9 @@ dequantize = _define("dequantize", _dequantize_op, _dequantize_fake)
 
 
 def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
-    one = torch.ones((), device=a_codes.device)
-    a = nvfp4.dequantize_codes(a_codes, a_scales.view(torch.float8_e4m3fn), one)
-    b = nvfp4.dequantize_codes(b_codes, b_scales.view(torch.float8_e4m3fn), one)
-    return ((a @ b.t()) * (a_global.float() * b_global.float())).to(out_dtype)
+    """The gemm of two copies = :func:`_gemm_dequantized_op` of their exact bf16 q * S (dequantize_blocks)."""
+    return _gemm_dequantized_op(_dequantize_blocks_op(a_codes, a_scales), a_global,
+                                _dequantize_blocks_op(b_codes, b_scales), b_global, out_dtype)
 
 
 def _gemm_op(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b_scales: Tensor,

@@ -834,9 +834,7 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     if impl in ("dq_triton", "dq_splitk"):
         a16, b16 = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, dequant=dequant)
-        if impl == "dq_splitk":
-            return bf16_gemm_splitk(a16, b16, a_global, b_global, out_dtype, config=config)
-        return bf16_gemm_scaled(a16, b16, a_global, b_global, out_dtype, config=config)
+        return gemm_dequantized(a16, a_global, b16, b_global, out_dtype, impl=impl, config=config)
     out, done = _output(M, N, K, a_codes.device, out_dtype)
     if done:
         return out
@@ -971,13 +969,14 @@ def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
 _ops.register_cuda("gemm", _gemm_cuda)
 
 
-def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl: Optional[str] = None):
+def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl: Optional[str] = None,
+                     config: Optional[dict] = None):
     """:func:`nvfp4_gemm` of two NVFP4 copies given as their exact bf16 ``q * S`` (``a [M, K]``, ``b [N, K]``,
     e.g. ``fp4compile::quantize_dq``'s fourth output): ``C = (a @ b^T) * a_global * b_global``, the bf16 GEMM of
     the :data:`DQ_IMPLS` implementation by shape (``impl``: one of them; default :func:`choose_impl`'s, and
     ``"dq_triton"`` -- or cuBLAS where the TMA GEMM cannot take the shape -- when it picks an in-register one),
-    without their dequantize pass. The same values as :func:`nvfp4_gemm` of the codes with that implementation.
-    """
+    without their dequantize pass. The same values as :func:`nvfp4_gemm` of the codes with that implementation
+    (which calls this after its dequantize pass). ``config``: the Triton GEMMs' tile (their default: autotuned)."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"gemm_dequantized takes bf16 operands, got {a.dtype}/{b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -993,9 +992,9 @@ def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl
     if impl not in DQ_IMPLS:
         raise ValueError(f"impl must be one of {DQ_IMPLS}, got {impl!r}")
     if impl == "dq_triton":
-        return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype)
+        return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config)
     if impl == "dq_splitk":
-        return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype)
+        return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype, config=config)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
     return acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)).to(out_dtype)
 

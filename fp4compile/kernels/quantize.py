@@ -1229,14 +1229,15 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         seed = placeholder(dev, torch.int64)
     codes, scales, gscale = _empty_copy(R, K, dev)
     out = torch.empty((R, K), dtype=torch.bfloat16, device=dev) if dq else None
+    result = (codes, scales, gscale, out) if dq else (codes, scales, gscale)
     if R == 0 or K == 0:
         gscale.zero_()
-        return (codes, scales, gscale) + ((out,) if dq else ())
+        return result
     tload = bool(transpose and cfg["t_impl"])
     if rounding == "ms_eden":
         _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, transpose, cfg, codes, scales,
                        gscale, dq=out)
-        return (codes, scales, gscale) + ((out,) if dq else ())
+        return result
     pdl = False
     if amax is None:
         pdl = _use_pdl(cfg, dev)  # only behind our own amax kernel (module docstring)
@@ -1257,18 +1258,16 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
                 HAD=hadamard, NORM=norm, RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, num_warps=warps,
                 **opts)
     grid = (cdiv(R, br), cdiv(K, bc))
-    if cfg["q_impl"] == 0:
+    if cfg["q_impl"] == 0:  # (the first kernel version has no dq store: a dequantize pass after it)
         _quantize_kernel_v0[grid](x, srow, scol, R, K, amax, seed, sg, codes, scales, gscale, **args)
-        return (codes, scales, gscale) + ((_dequantize_bf16(codes, scales),) if dq else ())
+        if dq:
+            from .gemm import dequantize_bf16  # (at call time: ops.py's registration imports this module first)
+            result = (codes, scales, gscale, dequantize_bf16(codes, scales))
+        return result
     launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
            gscale, out if dq else placeholder(dev, torch.bfloat16), MAGIC_PACK=_MAGIC_PACK, PDL=pdl, DQ=dq,
            **args, **({"launch_pdl": True} if pdl else {}))
-    return (codes, scales, gscale) + ((out,) if dq else ())
-
-
-def _dequantize_bf16(codes, scales):
-    from .gemm import dequantize_bf16  # (gemm imports this module)
-    return dequantize_bf16(codes, scales)
+    return result
 
 
 def quantize_both(x: torch.Tensor, hadamard: int = 0, signs: Optional[torch.Tensor] = None,

@@ -22,7 +22,7 @@ from torch.fx import Graph
 from ..policy import NVFP4
 from .common import GEMMS
 from .linear import DEQUANT_BLOCKS, GEMM, GEMM_DQ, MM_F32, site_of
-from .reuse import DEQUANTIZE, QUANTIZE_BOTH_DQ, QUANTIZE_DQ
+from .reuse import DEQUANTIZE, DQ_OUTPUTS
 
 
 def is_dequantized_copy(a) -> bool:
@@ -34,7 +34,7 @@ def is_dequantized_copy(a) -> bool:
         return True
     if a.target is not operator.getitem or a.args[0].op != "call_function":
         return False
-    return (a.args[0].target, a.args[1]) in ((QUANTIZE_DQ, 3), (QUANTIZE_BOTH_DQ, 3), (QUANTIZE_BOTH_DQ, 7))
+    return a.args[1] in DQ_OUTPUTS.get(a.args[0].target, ())
 
 
 def is_fp4_product(n, depth: int = 4) -> bool:

@@ -115,8 +115,7 @@ def use_dequantized_copies(graph: Graph, cache: QuantCache) -> int:
             for d, c in zip(nodes, copies):
                 c = cache.with_dq(c)
                 d.replace_all_uses_with(c.dq)
-                cache.forget(d)
-                graph.erase_node(d)
+                cache.erase(d)
         rec["dq"] = True
         done += 1
     return done

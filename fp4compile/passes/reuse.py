@@ -47,6 +47,8 @@ QUANTIZE_BOTH_DQ = torch.ops.fp4compile.quantize_both_dq.default
 #: copy's (codes, scales, global) is followed by its dq)
 _WITH_DQ = {QUANTIZE: (QUANTIZE_DQ, {0: 0, 1: 1, 2: 2}),
             QUANTIZE_BOTH: (QUANTIZE_BOTH_DQ, {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 6})}
+#: the output positions of the dq forms' bf16 q * S (each copy's fourth output)
+DQ_OUTPUTS = {QUANTIZE_DQ: (3,), QUANTIZE_BOTH_DQ: (3, 7)}
 
 #: the forward's FP4 weight copies may be saved for the backward (the partitioner's choice) instead of being tagged
 #: MUST_RECOMPUTE: the backward then requantizes W (for dgrad) from the saved codes instead of quantizing the
@@ -110,7 +112,6 @@ class QuantCache:
         self.fwd: Dict[Tuple[str, str], QCopy] = {}
         self.dequants: Dict[Tuple[Node, bool], Node] = {}
         self._recompute: Set[Node] = set()
-        self.created: Set[Node] = set()
         #: the rewrite's NVFP4 GEMMs: (the GEMM node, or the "dequant_mm" lowering's two dequantize_blocks, record)
         self.gemms: list = []
 
@@ -128,7 +129,6 @@ class QuantCache:
         q, codes, scales, glob = add_call(self.graph, QUANTIZE, args, after=later(src, signs), anchor=src)
         for n in (q, codes, scales, glob):
             _copy_meta(src, n)
-            self.created.add(n)
         copy = QCopy(q, codes, scales, glob, src, transpose, qspec, signs)
         self.copies[key] = copy
         return copy
@@ -155,27 +155,18 @@ class QuantCache:
         node, *items = add_call(self.graph, target, old.args, after=old, anchor=copy.src)
         for n in (node, *items):
             _copy_meta(copy.src, n)
-            self.created.add(n)
         index = {o: o.args[1] for o in old.users}                            # its getitems: output index
-        olds = sorted(index, key=index.get)
-        for o in olds:
-            o.replace_all_uses_with(items[where[index[o]]])
-        recompute = old in self._recompute
-        for n in (*olds, old):
-            self._recompute.discard(n)
-            self.created.discard(n)
-            self.graph.erase_node(n)
-        if recompute:  # (a weight's copy: the whole node. An activation's dq is read by its forward GEMM only, and
-            #          a getitem tagged apart from its multi-output node is a conflict for the partitioner)
-            self._recompute.update((node, *items))
+        for o, i in index.items():
+            o.replace_all_uses_with(items[where[i]])
+        # (a weight's copy is recomputed as a whole node: its dq too. An activation's dq is read by its forward
+        # GEMM only, and a getitem tagged apart from its multi-output node is a conflict for the partitioner)
+        self._replace((*index, old), (node, *items))
 
         def upgraded(c: QCopy) -> QCopy:
             i = where[index[c.codes]]                                        # the copy's first output, moved
             return dataclasses.replace(c, node=node, codes=items[i], scales=items[i + 1], glob=items[i + 2],
                                        dq=items[i + 3])
 
-        hit = [c.codes for c in (*self.copies.values(), *self.fwd.values()) if c.node is old]
-        assert copy.codes in hit, "with_dq: a copy not made by this cache"
         for table in (self.copies, self.fwd):
             for k, c in table.items():
                 if c.node is old:
@@ -184,10 +175,19 @@ class QuantCache:
             self.dequants[(node, t)] = self.dequants.pop((n, t))
         return upgraded(copy)
 
-    def forget(self, node: Node) -> None:
-        """``node`` (made by this cache's owner) is about to be erased."""
-        self._recompute.discard(node)
-        self.created.discard(node)
+    def _replace(self, olds, news=()) -> None:
+        """Erase the nodes ``olds`` (users first; nothing may use them any more) and give their MUST_RECOMPUTE tag, if
+        any of them had it, to all of ``news``."""
+        recompute = any(n in self._recompute for n in olds)
+        for n in olds:
+            self._recompute.discard(n)
+            self.graph.erase_node(n)
+        if recompute:
+            self._recompute.update(news)
+
+    def erase(self, node: Node) -> None:
+        """Erase ``node`` (one this cache may have tagged; nothing may use it any more)."""
+        self._replace((node,))
 
     def dequantize(self, copy: QCopy, transpose: bool = False) -> Node:
         """An ``fp4compile::dequantize`` node of ``copy`` to its source's dtype, stored transposed if ``transpose``
@@ -198,7 +198,6 @@ class QuantCache:
             d = add_call(self.graph, DEQUANTIZE, args + ((True,) if transpose else ()), after=copy.glob,
                          anchor=copy.src)
             _copy_meta(copy.src, d)
-            self.created.add(d)
             self.dequants[(copy.node, transpose)] = d
         return d
 
@@ -238,16 +237,9 @@ class QuantCache:
                                     anchor=src)
             for n in (node, *items):
                 _copy_meta(src, n)
-                self.created.add(n)
             for old, new in zip(row.outputs() + col.outputs(), items):
                 old.replace_all_uses_with(new)
-            recompute = row.node in self._recompute or col.node in self._recompute
-            for c in (row, col):
-                for n in (*c.outputs(), c.node):
-                    self._recompute.discard(n)
-                    self.graph.erase_node(n)
-            if recompute:
-                self._recompute.update((node, *items))
+            self._replace((*row.outputs(), row.node, *col.outputs(), col.node), (node, *items))
             self.copies[krow] = dataclasses.replace(row, node=node, codes=items[0], scales=items[1], glob=items[2])
             self.copies[kcol] = dataclasses.replace(col, node=node, codes=items[3], scales=items[4], glob=items[5])
             merged += 1
@@ -297,7 +289,6 @@ class QuantCache:
     def recompute(self, node: Node) -> None:
         """Tag ``node`` MUST_RECOMPUTE at :meth:`finalize` unless it depends on a gradient (for transient
         nodes made from FP4 copies, e.g. the bf16 ``dequantize_blocks`` of the "dequant_mm" lowering)."""
-        self.created.add(node)
         self._recompute.add(node)
 
     def finalize(self) -> None:
