@@ -17,7 +17,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     copies; a gradient's two MS-EDEN copies from one pass (quantize_both);
                     GEMMs that dequantize both operands read them as bf16 q * S        passes/linear.py
                     from the quantize launches (quantize_dq, gemm_dequantized);
-                    weight quantizes MUST_RECOMPUTE
+                    forward weight copies saved (or MUST_RECOMPUTE: save_weight_copies)
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
@@ -31,7 +31,10 @@ graphs run eagerly -- for tests), ``gemm_lowering`` ("op": one opaque ``fp4compi
 default; "dequant_mm": exact bf16 block dequantization + FP32-output cuBLAS GEMM + scale/cast as aten ops fused
 into the consumer; see passes/linear.py), ``mode`` (a torch.compile mode, for use together with other options:
 ``torch.compile`` refuses ``mode=`` next to ``options=``), ``precompile`` (False: no worker processes compiling
-fp4compile's Triton kernels ahead of their first launch; default: on unless ``FP4COMPILE_PRECOMPILE=0``).
+fp4compile's Triton kernels ahead of their first launch; default: on unless ``FP4COMPILE_PRECOMPILE=0``),
+``save_weight_copies`` (True: the forward's FP4 weight copies are kept for the backward, 0.5625 bytes per weight;
+False: the backward quantizes each weight again; default ``reuse.SAVE_WEIGHT_COPIES``, True unless
+``FP4COMPILE_SAVE_WEIGHT_COPIES=0``; FSDP2 with resharding passes False, see ``train.distributed.wrap_model``).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
@@ -62,7 +65,7 @@ from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
 
-OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile")
+OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
@@ -82,13 +85,14 @@ class Settings:
     gemm_lowering: str = "op"               # passes/linear.py LOWERINGS
     mode: Optional[str] = None              # torch.compile mode (e.g. "reduce-overhead": CUDA graphs)
     precompile: Optional[bool] = None       # fp4compile/precompile.py (None: FP4COMPILE_PRECOMPILE, default on)
+    save_weight_copies: Optional[bool] = None   # None: reuse.SAVE_WEIGHT_COPIES (read when the pass runs)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
-        is not a path, a ``mode`` that is not a string, a ``precompile`` that is not a bool or a policy of the
-        wrong type."""
+        is not a path, a ``mode`` that is not a string, a ``precompile`` or ``save_weight_copies`` that is not a bool
+        or a policy of the wrong type."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -105,8 +109,12 @@ class Settings:
         precompile = options.get("precompile")
         if precompile is not None and not isinstance(precompile, bool):
             raise TypeError(f"fullstack_fp4: precompile must be True or False, got {precompile!r}")
+        save_w = options.get("save_weight_copies")
+        if save_w is not None and not isinstance(save_w, bool):
+            raise TypeError(f"fullstack_fp4: save_weight_copies must be True or False, got {save_w!r}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
-                   bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile)
+                   bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile,
+                   save_weight_copies=save_w)
 
 
 class FP4JointPass(CustomGraphPass):
@@ -116,15 +124,19 @@ class FP4JointPass(CustomGraphPass):
     hit for the same policy and miss when anything that changes the rewrite changes."""
 
     def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None, gemm_lowering: str = "op",
-                 precompile: Optional[bool] = None):
+                 precompile: Optional[bool] = None, save_weight_copies: Optional[bool] = None):
         self.policy, self.table, self.recorder = policy, table, recorder
         self.gemm_lowering = gemm_lowering
         self.precompile = precompile  # not part of uuid(): it changes no graph
+        self.save_weight_copies = save_weight_copies
+
+    def _save_weights(self) -> bool:
+        return reuse.SAVE_WEIGHT_COPIES if self.save_weight_copies is None else self.save_weight_copies
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        cache = QuantCache(graph, tangent_closure(graph))
+        cache = QuantCache(graph, tangent_closure(graph), save_weight_copies=self._save_weights())
         records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
         cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
         use_dequantized_copies(graph, cache)            # GEMM operands as bf16 q * S from the quantize launches
@@ -141,7 +153,7 @@ class FP4JointPass(CustomGraphPass):
     def uuid(self) -> bytes:
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
-        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS, reuse.SAVE_WEIGHT_COPIES)
+        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS, self._save_weights())
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 
@@ -164,7 +176,7 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
     joint = FP4JointPass(policy, table, settings.recorder, settings.gemm_lowering,  # 4-7
-                         settings.precompile)
+                         settings.precompile, settings.save_weight_copies)
     if settings.debug:
         return _debug_compile(gm, example_inputs, joint, settings)
     from torch._inductor.compile_fx import compile_fx

@@ -49,9 +49,10 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def compile_recorded(model, policy, debug=True, gemm_lowering="op"):
+def compile_recorded(model, policy, debug=True, gemm_lowering="op", save_weight_copies=None):
     rec = Recorder()
-    settings = Settings(policy, debug=debug, recorder=rec, gemm_lowering=gemm_lowering)
+    settings = Settings(policy, debug=debug, recorder=rec, gemm_lowering=gemm_lowering,
+                        save_weight_copies=save_weight_copies)
     return torch.compile(model, backend=functools.partial(compile_graph, settings=settings)), rec
 
 
@@ -281,12 +282,12 @@ def _saved(rec):
 
 @pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
 def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
-    """Saved: the packed FP4 activation copies only -- no bf16 activation, no FP4 weight copy and (with the
-    "dequant_mm" lowering) no dequantized bf16 operand and no FP32 GEMM output."""
+    """Saved with ``save_weight_copies=False``: the packed FP4 activation copies only -- no bf16 activation, no FP4
+    weight copy and (with the "dequant_mm" lowering) no dequantized bf16 operand and no FP32 GEMM output."""
     torch.manual_seed(0)
     model = Stack().to(torch.bfloat16)
     x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
-    compiled, rec = compile_recorded(model, RTN, gemm_lowering=lowering)
+    compiled, rec = compile_recorded(model, RTN, gemm_lowering=lowering, save_weight_copies=False)
     compiled(x).float().sum().backward()
     saved = _saved(rec)
     activations = [s for s in saved if s[0] != "placeholder"]       # placeholders: params/inputs (free)
@@ -360,31 +361,37 @@ def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowe
     assert count(graphs["none"]["fwd"], ops_.quantize_dq.default) == 0
 
 
-def test_saved_weight_copies_option_keeps_the_gradients(monkeypatch):
-    """``reuse.SAVE_WEIGHT_COPIES``: the forward's FP4 weight copies are saved (their codes among the saved tensors)
-    instead of recomputed in the backward, with the same output and gradients bit for bit (full-stack policy); off,
-    no weight copy is saved (the test can fail)."""
+def test_saved_weight_copies_option_keeps_the_gradients():
+    """The backend option ``save_weight_copies`` (default ``reuse.SAVE_WEIGHT_COPIES``, on): the forward's FP4 weight
+    copies are saved (their codes among the saved tensors) instead of recomputed in the backward, with the same
+    output and gradients bit for bit (full-stack policy); off, no weight copy is saved (the test can fail)."""
     from fp4compile.passes import reuse
 
+    assert reuse.SAVE_WEIGHT_COPIES is True and Settings.from_options({}).save_weight_copies is None
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).to(torch.bfloat16)
     x0 = torch.randn(384, 128, dtype=torch.bfloat16)         # (every dim a multiple of RHT-128; no shape shared)
     out, saved = {}, {}
-    for on in (True, False):
-        monkeypatch.setattr(reuse, "SAVE_WEIGHT_COPIES", on)
+    for on in (None, False):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        compiled, rec = compile_recorded(model, Policy.full_stack())
+        compiled, rec = compile_recorded(model, Policy.full_stack(), save_weight_copies=on)
         x = x0.clone().requires_grad_()
         torch.manual_seed(1)
         y = compiled(x)
         y.float().sum().backward()
         out[on] = [y, x.grad] + [p.grad for p in model.parameters()]
         saved[on] = {shp for op, dt, shp in _saved(rec) if dt == torch.uint8}
-    for a, b in zip(out[True], out[False]):
+    for a, b in zip(out[None], out[False]):
         assert torch.equal(a, b)
     weight_codes = {(256, 64), (128, 128)}                     # W [N, K] -> codes [N, K/2] of the two layers
-    assert weight_codes <= saved[True] and not weight_codes & saved[False], (saved[True], saved[False])
+    assert weight_codes <= saved[None] and not weight_codes & saved[False], (saved[None], saved[False])
+
+
+def test_save_weight_copies_option_is_validated():
+    assert Settings.from_options({"save_weight_copies": False}).save_weight_copies is False
+    with pytest.raises(TypeError, match="save_weight_copies must be True or False"):
+        Settings.from_options({"save_weight_copies": "no"})
 
 
 def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():
@@ -413,11 +420,14 @@ def test_forward_in_bf16_with_nvfp4_wgrad_saves_the_packed_wgrad_copy():
     assert {(torch.uint8, (256, k // 2)) for k in (64, 128, 96)} <= saved["before"], saved
 
 
-def test_weight_quantizes_are_must_recompute():
+@pytest.mark.parametrize("save", [False, None])
+def test_weight_quantizes_are_must_recompute(save):
+    """With ``save_weight_copies=False`` the forward's weight quantizes are tagged MUST_RECOMPUTE and the backward
+    quantizes each BF16 parameter again; by default (saved copies) neither happens."""
     from torch.utils.checkpoint import CheckpointPolicy
     torch.manual_seed(0)
     model = Stack()
-    compiled, rec = compile_recorded(model, RTN)
+    compiled, rec = compile_recorded(model, RTN, save_weight_copies=save)
     compiled(torch.randn(48, 64, requires_grad=True)).sum().backward()
     g = rec.graphs[0]
     quants = [n for n, a in g.nodes(data=True) if a["target"] == "fp4compile.quantize.default"]
@@ -426,11 +436,12 @@ def test_weight_quantizes_are_must_recompute():
     # the backward recomputes W's forward copy from the BF16 parameter (a quantize of a primal)
     prim = [n for n in bwd.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp4compile.quantize.default
             and n.args[0].op == "placeholder" and n.args[0].meta["val"].shape in ((128, 64), (96, 128), (32, 96))]
-    assert len(prim) == 3, bwd.code
+    assert len(prim) == (3 if save is False else 0), bwd.code
     fwd = [gm for kind, gm in rec.partitions if kind == "fwd"][0]
     tagged = [n for n in fwd.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
               and n.target is torch.ops.fp4compile.quantize.default]
-    assert len(tagged) == 3 and all(n.args[0].op == "placeholder" for n in tagged)     # the 3 fwd W copies
+    assert all(n.args[0].op == "placeholder" for n in tagged)                           # the fwd W copies
+    assert len(tagged) == (3 if save is False else 0), fwd.code
 
 
 def test_policy_change_recompiles_same_policy_same_key():
@@ -469,6 +480,9 @@ def test_policy_change_recompiles_same_policy_same_key():
         finally:
             setattr(mod, name, old)
     assert k1 == FP4JointPass(RTN, table).uuid()
+    # the backend option overrides the module default, and is part of the key the same way
+    assert k1 != FP4JointPass(RTN, table, save_weight_copies=not reuse.SAVE_WEIGHT_COPIES).uuid()
+    assert k1 == FP4JointPass(RTN, table, save_weight_copies=reuse.SAVE_WEIGHT_COPIES).uuid()
 
 
 def test_inference_graph_no_grad():

@@ -17,11 +17,12 @@
 - ``pair_layouts()`` merges a tensor's row-wise and transposed MS-EDEN copies (the gradient dY's, for dgrad and
   wgrad) into one ``fp4compile::quantize_both``: its row-wise pass writes the transpose the other copy is made
   from, instead of a transposing copy of dY (:data:`PAIR_LAYOUTS`).
-- ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on the weight quantizes (and their getitems) and on
-  every node made for the backward that does not depend on a gradient, so the partitioner saves the packed
-  forward activation copies (uint8 codes + E4M3 bytes) and the BF16 parameters (free), never an FP4 weight
-  copy or a dequantized BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient
-  nodes made from FP4 copies (the bf16 ``dequantize_blocks`` operands of the "dequant_mm" GEMM lowering).
+- ``finalize()`` tags ``CheckpointPolicy.MUST_RECOMPUTE`` on every node made for the backward that does not
+  depend on a gradient (and, with ``save_weight_copies=False``, on the forward's weight quantizes and their
+  getitems), so the partitioner saves the packed forward activation copies (uint8 codes + E4M3 bytes), the packed
+  forward weight copies (unless ``save_weight_copies=False``) and the BF16 parameters (free), never a dequantized
+  BF16 tensor (notes/torch-compile.md §8); :meth:`recompute` adds other transient nodes made from FP4 copies (the
+  bf16 ``dequantize_blocks`` operands of the "dequant_mm" GEMM lowering).
 - ``with_dq(copy)`` turns a copy's ``quantize`` (``quantize_both``) into ``fp4compile::quantize_dq``
   (``quantize_both_dq``), whose dq outputs, the exact bf16 ``q * S``, a GEMM reads instead of dequantizing the codes
   again (``passes/linear.py``'s ``use_dequantized_copies``).
@@ -50,12 +51,15 @@ _WITH_DQ = {QUANTIZE: (QUANTIZE_DQ, {0: 0, 1: 1, 2: 2}),
 #: the output positions of the dq forms' bf16 q * S (each copy's fourth output)
 DQ_OUTPUTS = {QUANTIZE_DQ: (3,), QUANTIZE_BOTH_DQ: (3, 7)}
 
-#: the forward's FP4 weight copies may be saved for the backward (the partitioner's choice) instead of being tagged
-#: MUST_RECOMPUTE: the backward then requantizes W (for dgrad) from the saved codes instead of quantizing the
+#: the default of the backend option ``save_weight_copies`` (:class:`QuantCache`'s ``save_weight_copies``): the
+#: forward's FP4 weight copies are left to the partitioner, which saves them for the backward, instead of being
+#: tagged MUST_RECOMPUTE: the backward then requantizes W (for dgrad) from the saved codes instead of quantizing the
 #: parameter again (its amax and quantize launches, per linear and step), for 0.5625 bytes per weight kept from the
-#: forward to the backward. Off by default (the saved tensors are activation copies only) until a GPU A/B
-#: (``bash bench/run_h200.sh s33_next``); ``FP4COMPILE_SAVE_WEIGHT_COPIES=1`` sets it at import.
-SAVE_WEIGHT_COPIES = os.environ.get("FP4COMPILE_SAVE_WEIGHT_COPIES", "0") != "0"
+#: forward to the backward. On since session 33 (GPT-124M step, CUDA graphs, alternating on one H200: 49.06, 48.67
+#: vs 49.35, 49.06 ms; peak 6.154 vs 6.107 GiB). ``FP4COMPILE_SAVE_WEIGHT_COPIES=0`` turns it off at import. Under
+#: FSDP2 with resharding the saved copies would keep every block's weights (as FP4) alive from forward to backward,
+#: so ``train.distributed.wrap_model`` passes ``save_weight_copies=False`` there.
+SAVE_WEIGHT_COPIES = os.environ.get("FP4COMPILE_SAVE_WEIGHT_COPIES", "1") != "0"
 
 #: :meth:`QuantCache.pair_layouts` merges a tensor's two MS-EDEN copies (row-wise and transposed: a gradient's for
 #: dgrad and wgrad) into one ``fp4compile::quantize_both`` (False: two ``quantize`` nodes; the same bytes)
@@ -105,9 +109,11 @@ def _view_root(n: Node) -> Node:
 class QuantCache:
     """FP4 copies of one joint graph (see the module docstring)."""
 
-    def __init__(self, graph: Graph, tangent_nodes: Set[Node]):
+    def __init__(self, graph: Graph, tangent_nodes: Set[Node], save_weight_copies: Optional[bool] = None):
         self.graph = graph
         self.tangents = tangent_nodes
+        #: the forward's FP4 weight copies are saved for the backward (False: tagged MUST_RECOMPUTE)
+        self.save_weight_copies = SAVE_WEIGHT_COPIES if save_weight_copies is None else save_weight_copies
         self.copies: Dict[Tuple, QCopy] = {}
         self.fwd: Dict[Tuple[str, str], QCopy] = {}
         self.dequants: Dict[Tuple[Node, bool], Node] = {}
@@ -145,7 +151,8 @@ class QuantCache:
         ``fp4compile::quantize_dq`` (``quantize_both_dq``): the same arguments and outputs, with each copy's
         dequantization after its global scale, a GEMM operand with no dequantize pass of its own. Once per node;
         every record of the node's copies follows. Only GEMMs read ``dq``; the backward's sources are the codes, so
-        ``dq`` is never saved (a weight copy's node is recomputed whole, as before)."""
+        ``dq`` is never saved (a saved weight copy saves its codes; with ``save_weight_copies=False`` the node is
+        recomputed whole, as before)."""
         if copy.dq is not None:
             return copy
         old = copy.node
@@ -158,8 +165,8 @@ class QuantCache:
         index = {o: o.args[1] for o in old.users}                            # its getitems: output index
         for o, i in index.items():
             o.replace_all_uses_with(items[where[i]])
-        # (a weight's copy is recomputed as a whole node: its dq too. An activation's dq is read by its forward
-        # GEMM only, and a getitem tagged apart from its multi-output node is a conflict for the partitioner)
+        # (a recomputed weight copy is recomputed as a whole node: its dq too. An activation's dq is read by its
+        # forward GEMM only, and a getitem tagged apart from its multi-output node is a conflict for the partitioner)
         self._replace((*index, old), (node, *items))
 
         def upgraded(c: QCopy) -> QCopy:
@@ -251,7 +258,7 @@ class QuantCache:
         """The fprop operand ``operand`` ("x" or "w") of ``site``; remembered for the backward."""
         copy = self.quantize(src, transpose, qspec, signs)
         self.fwd[(site, operand)] = copy
-        if is_weight and not SAVE_WEIGHT_COPIES:
+        if is_weight and not self.save_weight_copies:
             self._recompute.update((copy.node, copy.codes, copy.scales, copy.glob))
         return copy
 

@@ -259,6 +259,18 @@ def _compile_inplace(module: nn.Module, backend, options, mode: Optional[str] = 
     module.compile(**kw)
 
 
+def _is_fullstack(backend: Any) -> bool:
+    """``backend`` is the fullstack_fp4 backend: its name, the function, or a wrapper of it that sets ``__wrapped__``
+    (the ``functools.wraps`` convention)."""
+    import inspect
+
+    from ..backend import fullstack_fp4
+
+    if isinstance(backend, str):
+        return backend == "fullstack_fp4"
+    return inspect.unwrap(backend) is fullstack_fp4
+
+
 def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "fullstack_fp4",
                options: Optional[Mapping[str, Any]] = None, blocks: Optional[Iterable[nn.Module]] = None,
                mesh=None, mp_policy=None, reshard_after_forward: bool = True,
@@ -279,7 +291,9 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
         ``mp_policy``: an ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. ``param_dtype=bf16,
         reduce_dtype=fp32``). ``regions``: names of ``model``'s methods to compile as separate regions
         (default: ``model.fsdp_compile_regions`` if the model defines it, else none), e.g. a method holding
-        the LM head and the loss. Returns ``model`` (sharded in place).
+        the LM head and the loss. With ``reshard_after_forward`` the fullstack_fp4 backend gets
+        ``save_weight_copies=False`` unless ``options`` set it (the backward quantizes the re-gathered weights
+        instead of keeping every block's FP4 weight copies from the forward). Returns ``model`` (sharded in place).
 
     ``compile=False`` skips compilation (eager reference runs with identical wrapping). ``options`` are the
     backend's options (e.g. ``{"policy": ...}``; the fullstack_fp4 backend takes its torch.compile mode there,
@@ -326,6 +340,10 @@ def wrap_model(model: nn.Module, parallel: str = "none", *, backend: Any = "full
         dev_type = next(model.parameters()).device.type
         mesh = init_device_mesh(dev_type, (world,))
     blocks = list(blocks) if blocks is not None else find_blocks(model)
+    if _is_fullstack(backend) and reshard_after_forward:
+        # resharded parameters are gathered again for the backward: FP4 weight copies saved from the forward would
+        # keep every block's weights alive in between (the caller's own setting wins)
+        options = {"save_weight_copies": False, **(options or {})}
     if compile:
         names = {id(m): n for n, m in model.named_modules()}
         for b in blocks:
