@@ -72,7 +72,7 @@ def amax_spec(cfg=None, **constexprs) -> KernelSpec:
     return KernelSpec(K._amax_kernel, sig, {**const, **constexprs}, cfg["a_warps"], br * bc)
 
 
-def eden_pass1_spec(hadamard=128, cfg=None, tstore=False, **constexprs) -> KernelSpec:
+def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
     """MS-EDEN's block-per-thread pass 1 (``_eden_pass1_kernel``, ``e_impl`` 0) with CONFIG's tile and register cap
     (``e_maxnreg``); ``tstore``: the variant that also stores the tile transposed (``quantize_both``)."""
     cfg = cfg or K.CONFIG
@@ -83,23 +83,7 @@ def eden_pass1_spec(hadamard=128, cfg=None, tstore=False, **constexprs) -> Kerne
                  NORM=1.0 / hadamard ** 0.5 if hadamard else 1.0, RHT_IMPL=cfg["rht_impl"], TLOAD=False, BR=br,
                  BC=bc, MAGIC_PACK=K._MAGIC_PACK, TSTORE=tstore)
     cap = {"maxnreg": cfg["e_maxnreg"]} if cfg["e_maxnreg"] else {}
-    return KernelSpec(K._eden_pass1_kernel, sig, {**const, **constexprs}, cfg["e_warps"], br * bc, cap)
-
-
-def eden_pass2_spec(dq=False, cfg=None, **constexprs) -> KernelSpec:
-    """MS-EDEN's pass 2 with CONFIG's block (``_eden_pass2_kernel``, ``f_*``) or, ``dq``, its dequantizing form
-    (``_eden_pass2_dq_kernel``, tile ``g_*``, as launched on CUDA: the asm decode), 1D blocks."""
-    cfg = cfg or K.CONFIG
-    if dq:
-        br, bc = cfg["g_rows"], cfg["g_cols"]
-        sig = dict(scratch_ptr="*fp32", smax_ptr="*fp32", seed_ptr="*i64", scales_ptr="*u8", gscale_ptr="*fp32",
-                   codes_ptr="*u8", dq_ptr="*bf16", R="i32", NBK="i32")
-        const = dict(BLOCK2D=False, BR=br, BC=bc, DEQUANT_ASM=True)
-        return KernelSpec(K._eden_pass2_dq_kernel, sig, {**const, **constexprs}, cfg["g_warps"], br * bc)
-    sig = dict(scratch_ptr="*fp32", smax_ptr="*fp32", seed_ptr="*i64", scales_ptr="*u8", gscale_ptr="*fp32",
-               N="i32", NBK="i32")
-    const = dict(BLOCK2D=False, BLOCK=cfg["f_block"], WIDE=False)
-    return KernelSpec(K._eden_pass2_kernel, sig, {**const, **constexprs}, cfg["f_warps"], 16 * cfg["f_block"])
+    return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc, cap)
 
 
 def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -635,7 +635,8 @@ s33_b)
   # issues 2, 3 on one nvidia-h200 (~7 min; session 33): save_weight_copies on by default (s33_next: 49.06, 48.67 vs
   # 49.35, 49.06 ms); MS-EDEN's pass 2 PDL-launched behind its pass 1 (CONFIG epdl, new, off by default): its GPU
   # tests, the step alternating twice with --quantize-config '{"epdl": 1}', then the default step profiled against
-  # BF16 in one call
+  # BF16 in one call. (epdl measured no gain and was reverted: docs/bench_logs/session33_eden_pass2_pdl.diff; this
+  # mode needs that diff applied)
   step pdl_tests 240 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       -k "gpu_pdl or quantize_dq"
   for t in main epdl main2 epdl2; do
@@ -644,6 +645,13 @@ s33_b)
         --skip-bf16 --quantize-config "$c" --json "$OUT/train_step_$t.jsonl"
   done
   step_ab 200 0 ;;
+s33_c)
+  # issue 3 on one nvidia-h200 (~7 min; session 33): the default step (saved weight copies) profiled with BF16's in
+  # one call, every kernel listed (where the other 17.7 ms go), then the GPU suite on the final tree (attention's
+  # test apart: it ran in session 32, and the kernels did not change)
+  step profile 200 python bench/train_step.py --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 \
+      --profile --profile-bf16 --profile-top 90 --json "$OUT/train_step.jsonl"
+  step gpu_suite 330 python -m pytest -m gpu -q -n 6 -p no:cacheprovider tests/ --deselect tests/test_attention.py ;;
 s33_next)
   # issue 3 on one nvidia-h200 (~6 min; prepared in session 32): plain RTN / SR now store their dq values at once
   # (f4a1069; RTN + dq 167 -> 128 registers static sm_90, not yet run on the GPU): the quantize_dq GPU tests, the

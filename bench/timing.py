@@ -45,9 +45,9 @@ def kernel_table(prof, steps, top=25):
         n = k.lower()
         f = ("nvfp4 gemm (triton)" if any(x in n for x in ("_nvfp4", "_bf16_tma", "_bf16_nvfp4")) else
              "nvfp4 quantize" if any(x in n for x in ("_quantize_kernel", "_amax_kernel", "_eden_pass",
-                                                      "_transpose_kernel")) else
+                                                      "_transpose_kernel", "_quant2d_kernel")) else
              "nvfp4 dequantize" if "dequant" in n else
-             "attention" if any(x in n for x in ("flash", "fmha", "cudnn", "attention", "sdpa")) else
+             "attention" if any(x in n for x in ("flash", "fmha", "cudnn", "attention", "sdpa", "_attn_")) else
              "cuBLAS gemm" if any(x in n for x in ("gemm", "nvjet", "xmma", "cutlass", "sm90")) else
              "inductor fused (triton_*)" if "triton" in n else
              "optimizer" if any(x in n for x in ("adam", "foreach", "multi_tensor")) else "other")

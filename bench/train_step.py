@@ -159,7 +159,7 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
                 step(i)
             sync()
         print(f"\n== profile: {label}" + (f" [{impls[-1]}]" if impls[-1] else "") + f", {n} steps ==")
-        print(kernel_table(prof, n), flush=True)
+        print(kernel_table(prof, n, top=args.profile_top), flush=True)
     del model, opt, step_fn
     torch._dynamo.reset()
     return results
@@ -178,8 +178,9 @@ def main():
                     help="comma list of fp4compile::gemm impls to time on the same compiled fp4 model "
                          "(e.g. auto,full,dq_triton); default: the registered default only")
     ap.add_argument("--profile", action="store_true",
-                    help="print a torch.profiler top-25 CUDA-kernel table of each fp4 step (last impl)")
+                    help="print a torch.profiler CUDA-kernel table (--profile-top rows) of each fp4 step (last impl)")
     ap.add_argument("--profile-bf16", action="store_true", help="also profile the BF16 step")
+    ap.add_argument("--profile-top", type=int, default=25, help="rows of the profile's kernel table (default 25)")
     ap.add_argument("--skip-bf16", action="store_true", help="no BF16 baseline run")
     ap.add_argument("--modes", default=None,
                     help="comma list of torch.compile modes, each timed for BF16 and fp4: 'default' (kernels "

@@ -279,25 +279,6 @@ def test_pdl_variant_waits_after_its_tile_loads(rounding, sass):
     assert not any("griddepcontrol" in ln for ln in _ptx_lines(sass.amax_spec(PDL=False)))
 
 
-def test_eden_pdl_pass2_waits_before_any_read(sass):
-    """CONFIG["epdl"]'s kernels, compiled for sm_90 here: MS-EDEN's pass 1 lets its dependent launch before it loads
-    anything; pass 2 (plain, and the form that also dequantizes) waits for pass 1 before its first global load:
-    everything it reads (the scratch, max S', the codes) is pass 1's, and the seed may be written by the kernel
-    right before pass 1. Without PDL no kernel has a griddepcontrol."""
-    ptx = _ptx_lines(sass.eden_pass1_spec(128, PDL=True))
-    dep = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
-    assert len(dep) == 1 and ptx[dep[0]].startswith("griddepcontrol.launch_dependents"), dep
-    assert dep[0] < min(i for i, ln in enumerate(ptx) if "ld.global" in ln)
-    for dq in (False, True):
-        ptx = _ptx_lines(sass.eden_pass2_spec(dq, PDL=True))
-        waits = [i for i, ln in enumerate(ptx) if ln.startswith("griddepcontrol")]
-        assert len(waits) == 1 and ptx[waits[0]].startswith("griddepcontrol.wait"), (dq, waits)
-        loads = [i for i, ln in enumerate(ptx) if "ld.global" in ln]
-        assert loads and waits[0] < min(loads), dq
-        assert not any("griddepcontrol" in ln for ln in _ptx_lines(sass.eden_pass2_spec(dq, PDL=False)))
-    assert not any("griddepcontrol" in ln for ln in _ptx_lines(sass.eden_pass1_spec(128)))
-
-
 def test_offline_sass_counts_what_the_kernel_does(sass):
     """bench/quantize_sass.py (kernels.offline.sass_stats on sm_90 cubins compiled here): the RTN quantize pass
     has no shuffles and the fewest instructions; MS-EDEN's pass 1 costs more with each larger rotation, and only
@@ -370,11 +351,11 @@ def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
 
     launches = []
     monkeypatch.setattr(K, "launch", lambda fn, grid, *a, **meta: launches.append((fn.fn.__name__, meta)))
-    monkeypatch.setattr(K, "_use_pdl", lambda cfg, dev, key="pdl": bool(cfg[key]))
+    monkeypatch.setattr(K, "_use_pdl", lambda cfg, dev: bool(cfg["pdl"]))
 
-    def pdl_flags(shape=(32, 64), **kw):
+    def pdl_flags(**kw):
         launches.clear()
-        K.quantize(torch.ones(shape), **kw)
+        K.quantize(torch.ones(32, 64), **kw)
         return [(name, meta.get("PDL", False), meta.get("launch_pdl", False)) for name, meta in launches]
 
     assert pdl_flags(config={"pdl": 1}) == [("_amax_kernel", True, False), ("_quantize_kernel", True, True)]
@@ -384,14 +365,6 @@ def test_pdl_is_chosen_only_behind_our_own_amax_kernel(monkeypatch):
     assert pdl_flags(config={"pdl": 1}, amax=torch.ones(())) == [("_quantize_kernel", False, False)]
     assert pdl_flags(config={"pdl": 1}, transpose=True) == [("_transpose_kernel", False, False),
                                                            ("_quantize_kernel", False, False)]
-    # MS-EDEN (CONFIG["epdl"]): pass 2 right behind its pass 1, in each form
-    eden = dict(rounding="ms_eden", hadamard=128, shape=(32, 128))
-    assert pdl_flags(config={"epdl": 1}, **eden) == [("_eden_pass1_kernel", True, False),
-                                                     ("_eden_pass2_kernel", True, True)]
-    assert pdl_flags(config={"epdl": 1}, dq=True, **eden) == [("_eden_pass1_kernel", True, False),
-                                                              ("_eden_pass2_dq_kernel", True, True)]
-    assert pdl_flags(config={"epdl": 0}, **eden) == [("_eden_pass1_kernel", False, False),
-                                                     ("_eden_pass2_kernel", False, False)]
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -467,13 +440,10 @@ def test_gpu_register_capped_quantize_kernel(rounding, four_six):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("case", [(r,) + c for r in ("rtn", "sr") for c in [
     (False, False, 0, False), (True, False, 0, False), (False, True, 0, False), (False, False, 16, False),
-    (True, False, 128, True), (False, False, 0, True)]] + [
-    ("ms_eden", False, False, 128, False), ("ms_eden", False, True, 16, False), ("ms_eden", False, False, 128, True)],
-    ids=lambda c: "-".join(map(str, c)))
+    (True, False, 128, True), (False, False, 0, True)]], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_pdl_bit_exact_and_in_cuda_graphs(case):
-    """CONFIG["pdl"] = 1 (quantize kernel PDL-launched behind the amax kernel) and CONFIG["epdl"] = 1 (MS-EDEN's
-    pass 2 behind its pass 1): bit-exact with the reference, eagerly (MS-EDEN also with the dq output) and replayed
-    from a CUDA graph after x changed (the graph keeps the programmatic edge)."""
+    """CONFIG["pdl"] = 1 (quantize kernel PDL-launched behind the amax kernel): bit-exact with the reference,
+    eagerly and replayed from a CUDA graph after x changed (the graph keeps the programmatic edge)."""
     from fp4compile.kernels import quantize as K
 
     r, f46, b2, h, tr = case
@@ -481,16 +451,12 @@ def test_gpu_pdl_bit_exact_and_in_cuda_graphs(case):
     sg = SIGNS[:h] if h else None
     sgc, seedc = None if sg is None else sg.cuda(), SEED.cuda()      # device inputs made outside the capture
 
-    def run(xc, dq=False):
-        return K.quantize(xc, r, f46, b2, h, sgc, seedc, tr, config={"pdl": 1, "epdl": 1}, dq=dq)
+    def run(xc):
+        return K.quantize(xc, r, f46, b2, h, sgc, seedc, tr, config={"pdl": 1})
 
     xc = x.cuda()
     got = run(xc)
     assert_same([g.cpu() for g in got], ops._quantize_reference(x, r, f46, b2, h, sg, SEED, tr), case)
-    if r == "ms_eden":
-        *copy, dq = run(xc, dq=True)
-        assert_same([g.cpu() for g in copy], [g.cpu() for g in got], ("dq",) + case)
-        assert torch.equal(dq.cpu(), ops._dequantize_blocks_op(copy[0].cpu(), copy[1].cpu())), ("dq",) + case
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -698,8 +698,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
 def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr, xt_ptr,
                        VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, BLOCK2D: tl.constexpr,
                        HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
-                       BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, TSTORE: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, TSTORE: tl.constexpr = False):
     """MS-EDEN pass 1 (``formats.schemes.eden_block_scales``) on one [BR, BC] tile: reads x once, writes the
     packed codes, the EDEN-corrected FP32 block scales S' into ``scratch`` [R, K/16], and max S' into
     ``smax`` (``atomic_max``). No global scale is needed: each block is scaled by its own max. ``TSTORE``: also
@@ -708,11 +707,8 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
 
     Per element: the unnormalized butterfly (1/sqrt(d) is folded into the per-block S'), |z| * enc, the E2M1
     code as MAGIC + code (:func:`_e2m1_mag_magic_le7`), the two EDEN sums, the packing. Per block: two correctly
-    rounded divisions (enc = val_max / a_z and c = num / den). ``PDL``: pass 2, PDL-launched, may start now (it waits
-    for this grid's completion before it reads anything: ``CONFIG["epdl"]``)."""
+    rounded divisions (enc = val_max / a_z and c = num / den)."""
     NB: tl.constexpr = BC // 16
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, pid_r, pid_c, signs_ptr, 0, NORM, RHT_IMPL, TLOAD,
@@ -808,13 +804,11 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7, C: tl.constexpr):
 @triton.jit
 def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
                              VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
-                             BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, PDL: tl.constexpr = False):
+                             BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
     """:func:`_eden_pass1_kernel` for RHT-128 on contiguous rows (``CONFIG["e_impl"] = 1``), 1x16 blocks: one
     thread per 128-element chunk held as 16 separate [C, 8] half-blocks, so the butterfly stages across halves
     and blocks (h = 8 ... 64) are plain register ops between tensors, no warp shuffles (a shuffle issues at a
     quarter of the FP32 rate). Same arithmetic in the same order as the reference, same bytes."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     CPR: tl.constexpr = BC // 128
     C: tl.constexpr = BR * CPR
     f = tl.arange(0, C)
@@ -895,18 +889,14 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
 
 @triton.jit
 def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, N, NBK,
-                       BLOCK2D: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       BLOCK2D: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
     """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on BLOCK consecutive entries of the [R, K/16] scales,
     seen flat (N = R * K/16 entries; every lane has an entry whatever K/16 is, the row width of the 124M step's
     scales being 48 to 192): global = max S' / 256, r = S' / global, stochastically rounded to an E4M3 neighbour.
     The lower neighbour is r truncated to E4M3 (its bit pattern: exponent and top 3 mantissa bits; r * 512 below
     2^-6), the step hi - lo a power of two, so p = (r - lo) * (1 / step) is the reference's exact (r - lo) / (hi -
     lo). The uniform is keyed by the entry's flat index (2D blocks: that of the first row of its 16-row tile).
-    ``WIDE``: 64-bit indices (N >= 2^31). ``PDL``: launched behind pass 1 with programmatic dependent launch; waits
-    for pass 1's completion and memory flush before its first read (``CONFIG["epdl"]``)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    ``WIDE``: 64-bit indices (N >= 2^31)."""
     if WIDE:
         f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
@@ -945,16 +935,12 @@ def _eden_align(s, smax_ptr, seed_ptr, idx):
 
 @triton.jit
 def _eden_pass2_dq_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, codes_ptr, dq_ptr, R, NBK,
-                          BLOCK2D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT_ASM: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          BLOCK2D: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, DEQUANT_ASM: tl.constexpr):
     """:func:`_eden_pass2_kernel` on a [BR, BC] tile of the [R, K] copy (its [BR, BC/16] scale entries), which then
     also dequantizes the tile's codes with the scales it made into ``dq`` [R, K], exact bf16 q * S
     (``quantize_dq``): the bytes of :func:`fp4compile.kernels.gemm.dequantize_bf16` of the final copy, with no
-    pass of its own (the dequantize kernel's work, without its launch and without reading the scales back).
-    ``PDL``: as :func:`_eden_pass2_kernel`'s."""
+    pass of its own (the dequantize kernel's work, without its launch and without reading the scales back)."""
     NB: tl.constexpr = BC // 16
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     kb = tl.program_id(1) * NB + tl.arange(0, NB)
     rmask = (rr < R)[:, None]
@@ -1063,9 +1049,6 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: stores the transpose (``dequantize(..., transpose=True)``, the backward's requantization source). 64x64, 4 warps
 #: (``bench/requant.py --sweep``, 16384x3072, session 27): 59.4 us, the best of seven tiles, with the earlier
 #: select-chain decode; 38.6 us with the bit-placed one, within 2.5 % of the best tile (32x128, 37.7 us).
-#: ``epdl`` 1: MS-EDEN's pass 2 is launched with programmatic dependent launch behind its pass 1 on sm_90+ (pass 1
-#: lets it launch at once, pass 2 waits for pass 1's completion before any read: only pass 1's tail and the launch
-#: gap overlap); 0 (the default until it is timed on the GPU): two ordinary launches.
 #: ``e_maxnreg`` / ``s_maxnreg``: a register cap (Triton's ``maxnreg`` launch option; 0 = the compiler's choice) for
 #: MS-EDEN's pass 1 (the ``e_*`` and ``t_*`` tiles) / the SR and 4/6 quantize kernel (``s_*``). Pass 1 RHT-128
 #: takes 108 registers uncapped (4 programs of 4 warps per SM); at 96, the default, it compiles to the same
@@ -1084,8 +1067,7 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "g_rows": 64, "g_cols": 128, "g_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
-          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "epdl": 0, "e_maxnreg": 96,
-          "s_maxnreg": 128}
+          "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 128}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -1110,10 +1092,8 @@ def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _use_pdl(cfg: dict, device, key: str = "pdl") -> bool:
-    """``CONFIG[key]`` ("pdl": RTN/SR's quantize kernel, which needs ``q_impl`` 1; "epdl": MS-EDEN's pass 2) asks
-    for programmatic dependent launch and ``device`` supports it."""
-    return bool(cfg[key]) and (key != "pdl" or cfg["q_impl"] == 1) and device.type == "cuda" and _pdl_device(
+def _use_pdl(cfg: dict, device) -> bool:
+    return bool(cfg["pdl"]) and cfg["q_impl"] == 1 and device.type == "cuda" and _pdl_device(
         device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -1333,13 +1313,11 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
     if block2d:
         br = max(16, br // 16 * 16)
     opts = _launch_opts(dev)
-    pdl = _use_pdl(cfg, dev, "epdl")
-    opts2 = {**opts, **({"launch_pdl": True} if pdl else {})}
     if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1 and xt is None:
         br, bc = cfg["c_rows"], cfg["c_cols"]
         launch(_eden_pass1_chunk_kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
-            INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, PDL=pdl,
+            INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK,
             num_warps=cfg["c_warps"], **opts)
     else:
         launch(_eden_pass1_kernel, (cdiv(R, br), cdiv(K, bc)),
@@ -1347,18 +1325,17 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
             xt if xt is not None else placeholder(dev, x.dtype), VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, BLOCK2D=bool(block2d), HAD=hadamard, NORM=_norm(hadamard),
             RHT_IMPL=cfg["rht_impl"], TLOAD=tload, BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK, TSTORE=xt is not None,
-            PDL=pdl, num_warps=warps, **_launch_opts(dev, cfg["e_maxnreg"]))
+            num_warps=warps, **_launch_opts(dev, cfg["e_maxnreg"]))
     nbk = K // 16
     if dq is not None:
         br, bc = cfg["g_rows"], cfg["g_cols"]
         launch(_eden_pass2_dq_kernel, (cdiv(R, br), cdiv(K, bc)),
             scratch, smax, seed, scales, gscale, codes, dq, R, nbk, BLOCK2D=bool(block2d), BR=br, BC=bc,
-            DEQUANT_ASM=dev.type == "cuda" and DEFAULT_DEQUANT == "asm", PDL=pdl, num_warps=cfg["g_warps"],
-            **opts2)
+            DEQUANT_ASM=dev.type == "cuda" and DEFAULT_DEQUANT == "asm", num_warps=cfg["g_warps"], **opts)
         return
     launch(_eden_pass2_kernel, (cdiv(R * nbk, cfg["f_block"]),),
         scratch, smax, seed, scales, gscale, R * nbk, nbk, BLOCK2D=bool(block2d), BLOCK=cfg["f_block"],
-        WIDE=R * nbk + cfg["f_block"] >= 2 ** 31, PDL=pdl, num_warps=cfg["f_warps"], **opts2)
+        WIDE=R * nbk + cfg["f_block"] >= 2 ** 31, num_warps=cfg["f_warps"], **opts)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, hadamard: int = 0,
