@@ -13,6 +13,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
     compile_fx(..., config_patches={"joint_custom_pre_pass": FP4JointPass(...)})
       joint ATen graph (forward + backward)
       4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
+                    (a bias into the GEMM's epilogue where its kernel is the TMA GEMM)
       5. reuse      one FP4 copy per tensor/layout/rounding; backward from forward    passes/reuse.py
                     copies; a gradient's two MS-EDEN copies from one pass (quantize_both);
                     GEMMs that dequantize both operands read them as bf16 q * S        passes/linear.py
@@ -153,7 +154,7 @@ class FP4JointPass(CustomGraphPass):
     def uuid(self) -> bytes:
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
-        switches = (linear.DQ_OPERANDS, reuse.PAIR_LAYOUTS, self._save_weights())
+        switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights())
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

@@ -33,8 +33,9 @@ differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` fo
         (inverse RHT included); with transpose=True the same values stored transposed, a contiguous [C, R]
         tensor: the backward re-quantizes a forward copy along its other dim (W for dgrad, X for wgrad) from
         that, row-wise, instead of transposing a [R, C] dequantization in a separate copy.
-    fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype) -> [M, N]
-        TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global).
+    fp4compile::gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias=None) -> [M, N]
+        TN layout: A [M, K/2] and B [N, K/2], both quantized along K; C = A @ B^T * (a_global*b_global)
+        (+ bias [N], in FP32 before the one rounding to out_dtype: a linear's bias in the GEMM's epilogue).
         CUDA (sm_90, no FP4 tensor cores): kernels/gemm.py, impl chosen per shape by ``choose_impl``: exact
         bf16 dequantization of both operands + a persistent TMA bf16 GEMM with the global scales in its FP32
         epilogue (split-K for long-K / small-output wgrad shapes), or in-register dequantization kernels.
@@ -44,7 +45,7 @@ differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` fo
         dequantize pass reading the codes back); MS-EDEN stores it from its pass 2, which makes the scales.
     fp4compile::quantize_both_dq(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t) -> eight tensors
         = quantize_dq's four of each of quantize_both's two copies (row-wise, then transposed).
-    fp4compile::gemm_dequantized(a bf16 [M, K], a_global, b bf16 [N, K], b_global, out_dtype) -> [M, N]
+    fp4compile::gemm_dequantized(a bf16 [M, K], a_global, b bf16 [N, K], b_global, out_dtype, bias=None) -> [M, N]
         = gemm of two copies given as their dequantize_blocks (quantize_dq's dq): C = A @ B^T * (a_global *
         b_global), FP32 accumulation, one rounding to out_dtype. CUDA: the bf16 half of the gemm op's
         "dequantize, then a bf16 GEMM" implementations (the TMA GEMM, its split-K form or cuBLAS, by shape).
@@ -206,19 +207,27 @@ def _dequantize_fake(codes, scales, global_scale, hadamard=0, signs=None, dtype=
 dequantize = _define("dequantize", _dequantize_op, _dequantize_fake)
 
 
-def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
+def _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias=None):
     """The gemm of two copies = :func:`_gemm_dequantized_op` of their exact bf16 q * S (dequantize_blocks)."""
     return _gemm_dequantized_op(_dequantize_blocks_op(a_codes, a_scales), a_global,
-                                _dequantize_blocks_op(b_codes, b_scales), b_global, out_dtype)
+                                _dequantize_blocks_op(b_codes, b_scales), b_global, out_dtype, bias)
 
 
 def _gemm_op(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tensor, b_scales: Tensor,
-             b_global: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    return _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+             b_global: Tensor, out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None) -> Tensor:
+    return _gemm_reference(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias)
 
 
-def _gemm_fake(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
+def _check_bias(bias, n):
+    if bias is not None:
+        torch._check(bias.dim() == 1 and bias.shape[0] == n and bias.is_floating_point(),
+                     lambda: f"gemm: bias must be a floating-point [N] = [{n}] vector, got {bias.dtype} "
+                             f"{tuple(bias.shape)}")
+
+
+def _gemm_fake(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, bias=None):
     torch._check(a_codes.shape[-1] == b_codes.shape[-1], lambda: "gemm: K mismatch")
+    _check_bias(bias, b_codes.shape[0])
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
 
 
@@ -233,13 +242,16 @@ def _gemm_dequantized_check(a, b):
 
 
 def _gemm_dequantized_op(a: Tensor, a_global: Tensor, b: Tensor, b_global: Tensor,
-                         out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                         out_dtype: torch.dtype = torch.bfloat16, bias: Optional[Tensor] = None) -> Tensor:
     _gemm_dequantized_check(a, b)
-    return ((a.float() @ b.float().t()) * (a_global.float() * b_global.float())).to(out_dtype)
+    _check_bias(bias, b.shape[0])
+    y = (a.float() @ b.float().t()) * (a_global.float() * b_global.float())
+    return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
-def _gemm_dequantized_fake(a, a_global, b, b_global, out_dtype=torch.bfloat16):
+def _gemm_dequantized_fake(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias=None):
     _gemm_dequantized_check(a, b)
+    _check_bias(bias, b.shape[0])
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 

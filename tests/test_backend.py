@@ -361,6 +361,42 @@ def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowe
     assert count(graphs["none"]["fwd"], ops_.quantize_dq.default) == 0
 
 
+def test_linear_bias_goes_into_the_gemm_epilogue(monkeypatch):
+    """Where an NVFP4 GEMM's CUDA kernel is the TMA GEMM (``linear.bias_in_epilogue``), an addmm's bias is the
+    GEMM's own ``bias`` argument: no ``aten.add`` after it, and the output is the FP32 GEMM result plus the bias,
+    rounded once -- the ops called by hand. ``linear.FUSE_BIAS = False`` gives the separate add (the bf16 result
+    plus the bias, rounded again: another output, so the test can fail); a skinny GEMM keeps the add either way."""
+    from fp4compile.passes import linear
+
+    ops_ = torch.ops.fp4compile
+    torch.manual_seed(0)
+    lin = nn.Linear(384, 512).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.bias.normal_(0.0, 0.5)
+    x = torch.randn(512, 384, dtype=torch.bfloat16)
+    assert linear.bias_in_epilogue(512, 512, 384) and not linear.bias_in_epilogue(200, 512, 384)
+    out, adds = {}, {}
+    for fuse in (True, False):
+        monkeypatch.setattr(linear, "FUSE_BIAS", fuse)
+        torch._dynamo.reset()
+        compiled, rec = compile_recorded(copy.deepcopy(lin), RTN)
+        out[fuse] = compiled(x.clone().requires_grad_())
+        fwd = [gm for kind, gm in rec.partitions if kind == "fwd"][0]
+        adds[fuse] = sum(n.target is torch.ops.aten.add.Tensor for n in fwd.graph.nodes)
+        assert [r.get("bias") for r in rec.done if r["role"] == "linear.fprop"] == (["epilogue"] if fuse else [None])
+    q = lambda t: ops_.quantize(t, "rtn", False, False, 0, None, None, False)  # noqa: E731
+    f32 = ops_.gemm(*q(x), *q(lin.weight.detach()), torch.float32)
+    assert torch.equal(out[True], (f32 + lin.bias.float()).to(torch.bfloat16))
+    assert torch.equal(out[False], (f32.to(torch.bfloat16).float() + lin.bias.float()).to(torch.bfloat16))
+    assert not torch.equal(out[True], out[False])
+    assert adds == {True: 0, False: 1}, adds
+    # a skinny GEMM (its kernel dequantizes in registers): the add stays
+    torch._dynamo.reset()
+    compiled, rec = compile_recorded(copy.deepcopy(lin), RTN)
+    compiled(x[:200].clone().requires_grad_())
+    assert [r.get("bias") for r in rec.done if r["role"] == "linear.fprop"] == [None]
+
+
 def test_saved_weight_copies_option_keeps_the_gradients():
     """The backend option ``save_weight_copies`` (default ``reuse.SAVE_WEIGHT_COPIES``, on): the forward's FP4 weight
     copies are saved (their codes among the saved tensors) instead of recomputed in the backward, with the same
@@ -471,7 +507,8 @@ def test_policy_change_recompiles_same_policy_same_key():
     # the rewrite's module switches (read when the pass runs) are part of the key too
     from fp4compile.passes import linear, reuse
 
-    for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (reuse, "PAIR_LAYOUTS", False),
+    for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (linear, "FUSE_BIAS", not linear.FUSE_BIAS),
+                             (reuse, "PAIR_LAYOUTS", False),
                              (reuse, "SAVE_WEIGHT_COPIES", not reuse.SAVE_WEIGHT_COPIES)):
         old = getattr(mod, name)
         try:

@@ -81,6 +81,30 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.fp4compile.gemm.default, args, {"out_dtype": torch.float32})
 
 
+def test_gemm_bias_is_added_in_fp32_before_the_rounding():
+    """``bias`` of ``fp4compile::gemm`` / ``gemm_dequantized`` (CPU reference): the FP32 result plus the bias, one
+    rounding to the output dtype -- not the bf16 result plus the bias rounded again (that differs: the test can
+    fail) -- the same for both ops; a bias that is not an [N] float vector raises."""
+    args = operands(64, 48, 96, seed=4)
+    bias = (torch.randn(48, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    f32 = torch.ops.fp4compile.gemm(*args, out_dtype=torch.float32)
+    out = torch.ops.fp4compile.gemm(*args, out_dtype=torch.bfloat16, bias=bias)
+    assert torch.equal(out, (f32 + bias.float()).to(torch.bfloat16))
+    twice = (torch.ops.fp4compile.gemm(*args, out_dtype=torch.bfloat16).float() + bias.float()).to(torch.bfloat16)
+    assert not torch.equal(out, twice)
+    a16 = torch.ops.fp4compile.dequantize_blocks(args[0], args[1])
+    b16 = torch.ops.fp4compile.dequantize_blocks(args[3], args[4])
+    assert torch.equal(torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16, args[5], torch.bfloat16, bias), out)
+    check_close(torch.ops.fp4compile.gemm(*args, out_dtype=torch.float32, bias=bias),
+                reference64(args) + bias.double().numpy()[None, :], torch.float32)
+    torch.library.opcheck(torch.ops.fp4compile.gemm.default, args, {"out_dtype": torch.float32, "bias": bias})
+    torch.library.opcheck(torch.ops.fp4compile.gemm_dequantized.default, (a16, args[2], b16, args[5]),
+                          {"out_dtype": torch.bfloat16, "bias": bias})
+    for bad in (bias[:47], bias.reshape(1, 48), torch.ones(48, dtype=torch.int32)):
+        with pytest.raises(RuntimeError, match="bias must be"):
+            torch.ops.fp4compile.gemm(*args, out_dtype=torch.float32, bias=bad)
+
+
 def test_gemm_dequantized_reference_equals_gemm_of_the_codes():
     """``fp4compile::gemm_dequantized`` of two copies given as ``dequantize_blocks`` (quantize_dq's fourth output):
     the gemm op's values, bit for bit, on CPU (both FP32 matmuls of the same exact products), and the float64
@@ -124,6 +148,14 @@ _INTERP_SCRIPT = textwrap.dedent("""
         out = G.bf16_gemm_splitk(G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4]),
                                  args[2], args[5], torch.float32, split_k=sk)
         torch.save({{"args": args, "out": out}}, {tmp!r} + f"/split{{sk}}.pt")
+    # a bias [N] (the linear's, in the GEMM): every implementation, FP32 out, without and with it
+    bias = (torch.randn(args[3].shape[0], generator=g) * 50).to(torch.bfloat16)
+    for impl in ("dq_triton", "dq_splitk", "full", "half"):    # (cuBLAS's: the GPU test)
+        o0 = G.nvfp4_gemm(*args, out_dtype=torch.float32, impl=impl)
+        o1 = G.nvfp4_gemm(*args, torch.float32, bias, impl=impl)
+        torch.save({{"args": args, "bias": bias, "out": o0, "out_bias": o1}}, {tmp!r} + f"/bias_{{impl}}.pt")
+    o2 = G.nvfp4_gemm(*args, torch.bfloat16, bias, impl="dq_triton")
+    torch.save(o2, {tmp!r} + "/bias_bf16.pt")
     d = G.dequantize_bf16(qa.codes, qa.scales.view(torch.uint8))
     torch.save(d, {tmp!r} + "/deq.pt")
     torch.save((qa.codes, qa.scales.view(torch.uint8)), {tmp!r} + "/deq_in.pt")
@@ -164,6 +196,14 @@ def test_triton_kernels_under_interpreter(tmp_path):
         d = torch.load(tmp_path / f"split{sk}.pt")
         assert d["out"].shape == (33, 40)
         check_close(d["out"], reference64(d["args"]), torch.float32)
+    # the bias: added in FP32 to the scaled FP32 result, exactly (the TMA GEMM's epilogue; the FP32 results of the
+    # others), close to the float64 oracle plus the bias; the bf16 epilogue within the interpreter's truncation
+    for impl in ("dq_triton", "dq_splitk", "full", "half"):    # (cuBLAS's: the GPU test)
+        d = torch.load(tmp_path / f"bias_{impl}.pt")
+        assert torch.equal(d["out_bias"], d["out"] + d["bias"].float()), impl
+        ref = reference64(d["args"]) + d["bias"].double().numpy()[None, :]
+        check_close(d["out_bias"], ref, torch.float32)
+    check_close(torch.load(tmp_path / "bias_bf16.pt"), ref, torch.bfloat16, bf16_ulps=1.0)
     codes, scales = torch.load(tmp_path / "deq_in.pt")
     np.testing.assert_array_equal(torch.load(tmp_path / "deq.pt").double().numpy(), decode64(codes, scales))
 
@@ -291,6 +331,44 @@ def test_gpu_gemm_dequantized_is_the_gemm_of_the_codes(shape):
                 check_close(G.gemm_dequantized(a16, args[2], b16, args[5], dt, impl=impl), ref, dt)
     torch.library.opcheck(torch.ops.fp4compile.gemm_dequantized.default,
                           (a16[:64], args[2], b16[:32], args[5]), {"out_dtype": torch.bfloat16})
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shape", [(16384, 2304, 768), (768, 3072, 16384), (1000, 256, 784)])
+def test_gpu_gemm_bias_added_in_fp32_before_the_rounding(shape):
+    """A linear's bias in the GEMM on CUDA: the TMA GEMM's epilogue adds it to the scaled FP32 accumulator before the
+    one rounding (its bf16 result = the same tile's FP32 result plus the bias, rounded once, with and without the
+    split epilogue store); split-K, cuBLAS and the in-register kernels likewise from their FP32 results; the op, by
+    shape, close to the float64 oracle plus the bias."""
+    from fp4compile.kernels import gemm as G
+
+    M, N, K = shape
+    args = operands(M, N, K, seed=17, device="cuda", scale_a=100.0, scale_b=1e-3)
+    bias = (torch.randn(N, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16).cuda()
+    once = lambda f32: (f32 + bias.float()).to(torch.bfloat16)  # noqa: E731
+    a16, b16 = G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])
+    if G.tma_ok(M, N, K):
+        f32 = G.bf16_gemm_scaled(a16, b16, args[2], args[5], torch.float32, config=G._cfg(128, 128, 64, 4, 3))
+        for sub in (False, True):
+            cfg = G._cfg(128, 128, 64, 4, 3, EPI_SUBTILE=sub)
+            got = G.bf16_gemm_scaled(a16, b16, args[2], args[5], torch.bfloat16, config=cfg, bias=bias)
+            assert torch.equal(got, once(f32)), (shape, sub)
+        impls = ("dq_splitk", "dequant_cublas")
+    else:
+        impls = ("dequant_cublas",)
+    for impl in impls:
+        f32 = G.gemm_dequantized(a16, args[2], b16, args[5], torch.float32, impl=impl)
+        got = G.gemm_dequantized(a16, args[2], b16, args[5], torch.bfloat16, bias, impl=impl)
+        assert torch.equal(got, once(f32)), (shape, impl)
+    if min(M, N) <= 768:
+        f32 = G.nvfp4_gemm(*args, torch.float32, impl="full")
+        assert torch.equal(G.nvfp4_gemm(*args, torch.bfloat16, bias, impl="full"), once(f32)), shape
+    if M * N * K <= 2 ** 33:
+        ref = reference64(args) + bias.double().cpu().numpy()[None, :]
+        check_close(torch.ops.fp4compile.gemm(*args, out_dtype=torch.bfloat16, bias=bias), ref, torch.bfloat16)
+        check_close(torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16, args[5], torch.float32, bias), ref,
+                    torch.float32)
 
 
 @pytest.mark.gpu

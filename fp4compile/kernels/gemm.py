@@ -76,7 +76,7 @@ import torch
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
 from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
 from .gemm_wgmma import nvfp4_gemm_wgmma
-from .launch import cdiv, launch, stable_cache_keys
+from .launch import cdiv, launch, placeholder, stable_cache_keys
 
 try:
     import triton
@@ -378,9 +378,9 @@ if triton is not None:
 
 
     @triton.jit
-    def _tma_tile(a_desc, b_desc, c_desc, alpha, tile_id, num_pid_m, num_pid_n, k_tiles,
+    def _tma_tile(a_desc, b_desc, c_desc, alpha, bias_ptr, N, tile_id, num_pid_m, num_pid_n, k_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EPI_SUBTILE: tl.constexpr, INTERP: tl.constexpr):
+                  EPI_SUBTILE: tl.constexpr, INTERP: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M
         offs_n = pid_n * BLOCK_N
@@ -393,6 +393,9 @@ if triton is not None:
             else:
                 acc = tl.dot(a, b.T, acc)
         out = acc * alpha
+        if HAS_BIAS:  # the bias in FP32 before the one rounding (cuBLAS's bias epilogue)
+            cols = offs_n + tl.arange(0, BLOCK_N)
+            out = out + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if EPI_SUBTILE:  # two half-width stores: smaller epilogue buffer, the second overlaps the first
             o = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             o0, o1 = tl.split(o)
@@ -402,30 +405,31 @@ if triton is not None:
             c_desc.store([offs_m, offs_n], out.to(c_desc.dtype))
 
     @triton.jit
-    def _bf16_tma_gemm_kernel(a_desc, b_desc, c_desc, ag_ptr, bg_ptr, M, N, K,
+    def _bf16_tma_gemm_kernel(a_desc, b_desc, c_desc, ag_ptr, bg_ptr, bias_ptr, M, N, K,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUBTILE: tl.constexpr,
                               WARP_SPEC: tl.constexpr, FLATTEN: tl.constexpr, OUT_FP32: tl.constexpr = False,
-                              K_ITERS: tl.constexpr = 0):
+                              K_ITERS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
         """Persistent TMA bf16 x bf16 -> bf16/fp32 GEMM, TN (A [M, K], B [N, K], both K-major), for operands
         that :func:`dequantize_bf16` made exact ``q * S``: ``C = (A @ B^T) * (a_global * b_global)`` with
         FP32 accumulation and one final rounding (the global scales are applied to the FP32 accumulator
         in the epilogue, never to the operands). Tensor descriptors zero-fill out-of-bounds loads (M, N, K
         tails) and clip the stores. ``NUM_SMS`` programs stride over the GROUP_M-swizzled output tiles.
+        ``HAS_BIAS``: ``C = (A @ B^T) * (a_global * b_global) + bias`` ([N], added in FP32 before the rounding).
         K_ITERS > 0 only under TRITON_INTERPRET=1: one tile per program and a compile-time K trip count."""
         start_pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
         if K_ITERS > 0:
-            _tma_tile(a_desc, b_desc, c_desc, alpha, start_pid, num_pid_m, num_pid_n, K_ITERS,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, True)
+            _tma_tile(a_desc, b_desc, c_desc, alpha, bias_ptr, N, start_pid, num_pid_m, num_pid_n, K_ITERS,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, True, HAS_BIAS)
         else:
             k_tiles = tl.cdiv(K, BLOCK_K)
             num_tiles = num_pid_m * num_pid_n
             for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-                _tma_tile(a_desc, b_desc, c_desc, alpha, tile_id, num_pid_m, num_pid_n, k_tiles,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, False)
+                _tma_tile(a_desc, b_desc, c_desc, alpha, bias_ptr, N, tile_id, num_pid_m, num_pid_n, k_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EPI_SUBTILE, False, HAS_BIAS)
 
 
     @triton.jit
@@ -654,15 +658,35 @@ def _f32_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(()).to(torch.float32)
 
 
+def _check_bias(bias: Optional[torch.Tensor], N: int) -> None:
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a floating-point [N] = [{N}] vector, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _bias_arg(bias: Optional[torch.Tensor], N: int, like: torch.Tensor) -> torch.Tensor:
+    """The GEMM kernels' bias pointer: ``bias`` ([N], contiguous) or a placeholder when there is none."""
+    _check_bias(bias, N)
+    return placeholder(like.device, torch.float32) if bias is None else bias.contiguous()
+
+
+def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], out_dtype) -> torch.Tensor:
+    """``out`` (FP32) + ``bias`` in FP32, then one rounding to ``out_dtype``: the bias epilogue of the GEMMs that
+    have none in their kernel (the same values as :func:`_bf16_tma_gemm_kernel`'s)."""
+    if bias is None:
+        return out.to(out_dtype)
+    return out.add_(bias.float()).to(out_dtype)
+
+
 def tma_ok(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> bool:
     """Whether the TMA GEMM can take the shape: descriptor row strides must be multiples of 16 bytes."""
     return K % 8 == 0 and (N * out_dtype.itemsize) % 16 == 0
 
 
 def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, config: Optional[dict] = None,
-                     warp_specialize: bool = False, flatten: bool = False):
+                     warp_specialize: bool = False, flatten: bool = False, bias: Optional[torch.Tensor] = None):
     """``(a @ b.T) * (a_global * b_global)`` for bf16 ``a [M, K]``, ``b [N, K]`` (both K-major), FP32
     accumulation, one rounding to ``out_dtype``: the persistent TMA kernel :func:`_bf16_tma_gemm_kernel`.
+    ``bias`` ([N]): added to the FP32 result in the kernel's epilogue, before the rounding.
 
     Exact NVFP4 semantics when ``a`` and ``b`` hold exact ``q * S`` values (:func:`dequantize_bf16`): the
     products are exact, the sums FP32, the global scales applied to the FP32 accumulator.
@@ -679,10 +703,13 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     N = b.shape[0]
     if not tma_ok(M, N, K, out_dtype):
         raise ValueError(f"bf16_gemm_scaled: N={N}, K={K} break the TMA 16-byte row alignment for {out_dtype}")
+    if bias is not None and (K == 0 or M == 0 or N == 0):
+        return _add_bias(_output(M, N, K, a.device, torch.float32)[0], bias, out_dtype)
     out, done = _output(M, N, K, a.device, out_dtype)
     if done:
         return out
     a_global, b_global = _f32_scalar(a_global), _f32_scalar(b_global)
+    bias_arg = _bias_arg(bias, N, a)
     on_cuda = a.is_cuda
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
@@ -703,11 +730,11 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
         cd = TensorDescriptor.from_tensor(out, [bm, bn // 2 if sub else bn])
         tiles = cdiv(M, bm) * cdiv(N, bn)
         nsm = tiles if not on_cuda else min(tiles, _num_sms(a.device))
-        launch(_bf16_tma_gemm_kernel, (nsm,), ad, bd, cd, a_global, b_global, M, N, K, BLOCK_M=bm, BLOCK_N=bn,
-               BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
+        launch(_bf16_tma_gemm_kernel, (nsm,), ad, bd, cd, a_global, b_global, bias_arg, M, N, K, BLOCK_M=bm,
+               BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
                WARP_SPEC=warp_specialize, FLATTEN=flatten or bool(c.get("FLATTEN", False)),
                OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else cdiv(K, bk),
-               num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
+               HAS_BIAS=bias is not None, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
         return out
     ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
     bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
@@ -715,8 +742,8 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     nsm = _num_sms(a.device)
     grid = lambda meta: (min(nsm, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
     kern = _get_tma_kernel(flatten)
-    kern[grid](ad, bd, cd, a_global, b_global, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
-               OUT_FP32=out_dtype == torch.float32)
+    kern[grid](ad, bd, cd, a_global, b_global, bias_arg, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
+               OUT_FP32=out_dtype == torch.float32, HAS_BIAS=bias is not None)
     if not torch.cuda.is_current_stream_capturing():
         _TMA_BEST[tuned_key] = _tma_choice(kern.best_config, flatten)
         _store_tuned(tuned_key, _TMA_BEST[tuned_key])
@@ -739,11 +766,11 @@ def splitk_factor(M: int, N: int, K: int, num_sms: int = 132, block=(128, 128, 6
 
 
 def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, split_k: Optional[int] = None,
-                     config: Optional[dict] = None):
+                     config: Optional[dict] = None, bias: Optional[torch.Tensor] = None):
     """``(a @ b.T) * (a_global * b_global)`` by split-K (:func:`_bf16_tma_splitk_kernel`): FP32 partial
     sums per K range, summed in FP32 (a different FP32 accumulation order, nothing else), then one scale and
     one rounding. Deterministic (no atomics). For long-K GEMMs whose output has too few tiles to fill the
-    GPU (wgrad: K = tokens)."""
+    GPU (wgrad: K = tokens). ``bias`` ([N]): added in FP32 before the rounding."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.dim() != 2 or b.dim() != 2 \
             or a.shape[1] != b.shape[1]:
         raise ValueError(f"bf16_gemm_splitk: need bf16 a [M, K], b [N, K], got {a.dtype} {tuple(a.shape)}, "
@@ -757,8 +784,10 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     c = dict(config or (SPLITK_CONFIG if on_cuda else _cfg(32, 32, 32, 4, 1)))
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
     alpha = _f32_scalar(a_global) * _f32_scalar(b_global)
+    _check_bias(bias, N)
     if K == 0 or M == 0 or N == 0:
-        return _output(M, N, K, a.device, out_dtype)[0]
+        out = _output(M, N, K, a.device, torch.float32 if bias is not None else out_dtype)[0]
+        return _add_bias(out, bias, out_dtype) if bias is not None else out
     k_tiles = cdiv(K, bk)
     if split_k is None:
         split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))
@@ -773,7 +802,7 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
                                   K_ITERS=0 if on_cuda else per, num_warps=c["num_warps"],
                                   num_stages=c["num_stages"])
     acc = ws[0] if split_k == 1 else ws.sum(0)
-    return (acc * alpha).to(out_dtype)
+    return _add_bias(acc * alpha, bias, out_dtype)
 
 
 def gemm_dequant_triton(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16,
@@ -788,8 +817,9 @@ def gemm_dequant_triton(a_codes, a_scales, a_global, b_codes, b_scales, b_global
     b = dequantize_bf16(b_codes, b_scales, dequant=dequant)
     return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config)
 
-def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
-               impl: Optional[str] = None, config: Optional[dict] = None, dequant: Optional[str] = None):
+def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16,
+               bias: Optional[torch.Tensor] = None, *, impl: Optional[str] = None, config: Optional[dict] = None,
+               dequant: Optional[str] = None):
     """NVFP4 GEMM ``C = (A @ B^T) * a_global * b_global`` with the Triton kernels (TN layout).
 
     Args:
@@ -797,6 +827,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         a_scales, b_scales: uint8 ``[M, K/16]`` / ``[N, K/16]`` raw E4M3 block-scale bytes.
         a_global, b_global: FP32 1-element global decode scales.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        bias: optional ``[N]`` vector added to the FP32 result before the rounding (the TMA GEMM's epilogue;
+            the other implementations compute an FP32 result and add it after: the same values).
         impl: ``"auto"`` (per shape, :func:`choose_impl`; off CUDA: ``"half"``), ``"half"`` (the operand
             with fewer rows pre-dequantized to exact bf16 by :func:`dequantize_bf16`, the other dequantized
             in registers tile by tile and stored to shared memory for the wgmma), ``"half_rega"`` (same
@@ -826,15 +858,20 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
         raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
+    _check_bias(bias, N)
+    if impl == "dequant_cublas":
+        return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias)
+    if impl in ("dq_triton", "dq_splitk"):
+        a16, b16 = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, dequant=dequant)
+        return gemm_dequantized(a16, a_global, b16, b_global, out_dtype, bias, impl=impl, config=config)
+    if bias is not None:   # in-register kernels: an FP32 result, then the bias and the rounding
+        out = nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, torch.float32, impl=impl,
+                         config=config, dequant=dequant)
+        return _add_bias(out, bias, out_dtype)
     if impl == "wgmma":
         if not on_cuda:
             raise RuntimeError("impl='wgmma' (Gluon, sm_90) runs on CUDA only")
         return nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, config=config)
-    if impl == "dequant_cublas":
-        return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
-    if impl in ("dq_triton", "dq_splitk"):
-        a16, b16 = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales, dequant=dequant)
-        return gemm_dequantized(a16, a_global, b16, b_global, out_dtype, impl=impl, config=config)
     out, done = _output(M, N, K, a_codes.device, out_dtype)
     if done:
         return out
@@ -952,31 +989,34 @@ def dequantize_bf16(codes, scales, *, dequant: Optional[str] = None):
     return out
 
 
-def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
+def gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16,
+                        bias: Optional[torch.Tensor] = None):
     """Baseline: dequantize both operands to exact bf16 (one :func:`dequantize_pair_bf16` launch), then
     cuBLAS BF16 GEMM with FP32 output (``torch.mm(..., out_dtype=torch.float32)``), then ``* a_global *
     b_global`` (in place) and the cast.
     Same numerics as :func:`nvfp4_gemm`; costs two bf16 operand copies and an FP32 [M, N] round trip."""
     _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
     a, b = dequantize_pair_bf16(a_codes, a_scales, b_codes, b_scales)
-    return gemm_dequantized(a, a_global, b, b_global, out_dtype, impl="dequant_cublas")
+    return gemm_dequantized(a, a_global, b, b_global, out_dtype, bias, impl="dequant_cublas")
 
 
-def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16):
-    return nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype)
+def _gemm_cuda(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, bias=None):
+    return nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias)
 
 
 _ops.register_cuda("gemm", _gemm_cuda)
 
 
-def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl: Optional[str] = None,
-                     config: Optional[dict] = None):
+def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias: Optional[torch.Tensor] = None, *,
+                     impl: Optional[str] = None, config: Optional[dict] = None):
     """:func:`nvfp4_gemm` of two NVFP4 copies given as their exact bf16 ``q * S`` (``a [M, K]``, ``b [N, K]``,
     e.g. ``fp4compile::quantize_dq``'s fourth output): ``C = (a @ b^T) * a_global * b_global``, the bf16 GEMM of
     the :data:`DQ_IMPLS` implementation by shape (``impl``: one of them; default :func:`choose_impl`'s, and
     ``"dq_triton"`` -- or cuBLAS where the TMA GEMM cannot take the shape -- when it picks an in-register one),
     without their dequantize pass. The same values as :func:`nvfp4_gemm` of the codes with that implementation
-    (which calls this after its dequantize pass). ``config``: the Triton GEMMs' tile (their default: autotuned)."""
+    (which calls this after its dequantize pass). ``config``: the Triton GEMMs' tile (their default: autotuned).
+    ``bias`` ([N]): ``C + bias`` added in FP32 before the one rounding (the TMA GEMM's epilogue; split-K and cuBLAS
+    add it to their FP32 result)."""
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise TypeError(f"gemm_dequantized takes bf16 operands, got {a.dtype}/{b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -992,15 +1032,16 @@ def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, *, impl
     if impl not in DQ_IMPLS:
         raise ValueError(f"impl must be one of {DQ_IMPLS}, got {impl!r}")
     if impl == "dq_triton":
-        return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config)
+        return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config, bias=bias)
     if impl == "dq_splitk":
-        return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype, config=config)
+        return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype, config=config, bias=bias)
+    _check_bias(bias, N)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-    return acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)).to(out_dtype)
+    return _add_bias(acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)), bias, out_dtype)
 
 
-def _gemm_dequantized_cuda(a, a_global, b, b_global, out_dtype=torch.bfloat16):
-    return gemm_dequantized(a, a_global, b, b_global, out_dtype)
+def _gemm_dequantized_cuda(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias=None):
+    return gemm_dequantized(a, a_global, b, b_global, out_dtype, bias)
 
 
 _ops.register_cuda("gemm_dequantized", _gemm_dequantized_cuda)

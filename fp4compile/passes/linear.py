@@ -23,7 +23,9 @@ Lowering of the GEMM itself (``gemm_lowering``, see :data:`LOWERINGS`): one opaq
 node (default), or exact bf16 block dequantization + an FP32-output GEMM + the global scale and cast as
 plain aten ops. Either way the operands in the graph are the packed FP4 copies; the transient bf16
 ``dequantize_blocks`` nodes are tagged MUST_RECOMPUTE (through :class:`.reuse.QuantCache`) so the
-partitioner never saves them for the backward.
+partitioner never saves them for the backward. An ``addmm``'s bias is the ``fp4compile::gemm``'s own ``bias``
+argument (added in FP32 before the one rounding, in the TMA GEMM's epilogue) where the GEMM's CUDA kernel is
+the TMA GEMM (:data:`FUSE_BIAS`), else an ``aten.add`` after the GEMM that Inductor fuses into the consumer.
 
 Anything else -- a contraction dim not a multiple of 16 (or of the Hadamard size), a non-float dtype,
 ``addmm`` with alpha/beta, a GEMM of a site that cannot be classified -- stays BF16 with a one-line warning
@@ -70,6 +72,27 @@ DQ_OPERANDS = os.environ.get("FP4COMPILE_DQ_OPERANDS", "fwd")
 if DQ_OPERANDS not in ("all", "fwd", "none"):
     raise ValueError(f"FP4COMPILE_DQ_OPERANDS must be all, fwd or none, got {DQ_OPERANDS!r}")
 
+#: a linear's bias (``addmm``) goes into its ``fp4compile::gemm`` as the GEMM's ``bias`` -- added to the FP32 result
+#: before the one rounding, in the TMA GEMM's epilogue -- where the GEMM's CUDA kernel by shape is the TMA GEMM
+#: (:func:`bias_in_epilogue`; "op" lowering), instead of a separate ``aten.add`` after the bf16 result (which
+#: Inductor fuses into the consumer, except where the consumer is an opaque op: Q-Attn after the qkv projection,
+#: one read and write of the [tokens, 3d] output per layer). False: always the ``aten.add``.
+#: ``FP4COMPILE_FUSE_BIAS=0`` sets it at import (A/B runs).
+FUSE_BIAS = os.environ.get("FP4COMPILE_FUSE_BIAS", "1") != "0"
+
+
+def bias_in_epilogue(M: int, N: int, K: int) -> bool:
+    """Whether an "op"-lowered NVFP4 GEMM of this shape adds a bias in its kernel's epilogue on CUDA: its
+    implementation by shape (``kernels/gemm.choose_impl`` under the default ``"auto"``) is the TMA GEMM ("dq_triton").
+    Symbolic sizes: no."""
+    if min(M, N, K) < 0:
+        return False
+    try:
+        from ..kernels.gemm import DEFAULT_IMPL, choose_impl
+    except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
+        return False
+    return DEFAULT_IMPL == "auto" and choose_impl(M, N, K) == "dq_triton"
+
 
 def dequantizes_operands(M: int, N: int, K: int, lowering: str) -> bool:
     """Whether an NVFP4 GEMM of this shape and lowering dequantizes both operands to bf16 q * S before a bf16 GEMM:
@@ -107,7 +130,7 @@ def use_dequantized_copies(graph: Graph, cache: QuantCache) -> int:
             if a is None or b is None:
                 continue
             a, b = cache.with_dq(a), cache.with_dq(b)
-            n.target, n.args = GEMM_DQ, (a.dq, a.glob, b.dq, b.glob, n.args[6])
+            n.target, n.args = GEMM_DQ, (a.dq, a.glob, b.dq, b.glob, *n.args[6:])      # out_dtype[, bias]
         else:
             copies = [cache.copy_of(d.args[0]) for d in nodes]
             if None in copies:
@@ -279,13 +302,14 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
     return None
 
 
-def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op") -> Node:
+def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op", bias: Optional[Node] = None) -> Node:
     """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
     before ``before`` (every new node takes its partitioner / module / stack metadata); returns the node
     holding the ``out_dtype`` result (see :data:`LOWERINGS`); :func:`use_dequantized_copies` may later give it the
-    copies' bf16 ``q * S`` instead of their codes."""
+    copies' bf16 ``q * S`` instead of their codes. ``bias`` ("op" only): the GEMM's bias argument."""
     if lowering == "op":
-        out = add_call(graph, GEMM, (*qa.outputs(), *qb.outputs(), out_dtype), before=before, anchor=before)
+        args = (*qa.outputs(), *qb.outputs(), out_dtype) + ((bias,) if bias is not None else ())
+        out = add_call(graph, GEMM, args, before=before, anchor=before)
         _copy_meta(before, out)
         return out
     if lowering != "dequant_mm":
@@ -346,13 +370,17 @@ def rewrite_gemm(graph: Graph, g: Gemm, info: SiteInfo, cache: QuantCache, tange
     if lowering == "auto":
         lowering = choose_lowering(*rec["shape"])
     rec["lowering"] = lowering
-    out = emit_gemm(graph, qa, qb, val(n).dtype, n, lowering)
+    bias = n.args[0] if n.target is torch.ops.aten.addmm.default else None
+    if bias is not None and FUSE_BIAS and lowering == "op" and bias_in_epilogue(*rec["shape"]) \
+            and tuple(val(bias).shape) == (rec["shape"][1],):
+        rec["bias"] = "epilogue"
+    out = emit_gemm(graph, qa, qb, val(n).dtype, n, lowering, bias if rec.get("bias") else None)
     dequants = out.meta.pop("fp4_dequant_nodes", ())
     for d in dequants:
         cache.recompute(d)                       # transient bf16 operand copies: never saved for backward
     cache.gemms.append((dequants or (out,), rec))
-    if n.target is torch.ops.aten.addmm.default:
-        out = add_call(graph, torch.ops.aten.add.Tensor, (out, n.args[0]), before=n, anchor=n)
+    if bias is not None and not rec.get("bias"):
+        out = add_call(graph, torch.ops.aten.add.Tensor, (out, bias), before=n, anchor=n)
         _copy_meta(n, out)
     out.meta["fp4"] = rec
     rec["node"] = out.name
