@@ -711,6 +711,8 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     a_global, b_global = _f32_scalar(a_global), _f32_scalar(b_global)
     bias_arg = _bias_arg(bias, N, a)
     on_cuda = a.is_cuda
+    # with a bias: no FMA contraction of the epilogue's scale and add (two FP32 ops, as the other implementations')
+    opts = {"enable_fp_fusion": False} if bias is not None and on_cuda else {}
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
     tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
@@ -734,7 +736,8 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
                BLOCK_N=bn, BLOCK_K=bk, GROUP_M=c.get("GROUP_M", 8), NUM_SMS=nsm, EPI_SUBTILE=sub,
                WARP_SPEC=warp_specialize, FLATTEN=flatten or bool(c.get("FLATTEN", False)),
                OUT_FP32=out_dtype == torch.float32, K_ITERS=0 if on_cuda else cdiv(K, bk),
-               HAS_BIAS=bias is not None, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3))
+               HAS_BIAS=bias is not None, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3),
+               **opts)
         return out
     ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
     bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
@@ -743,7 +746,7 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     grid = lambda meta: (min(nsm, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
     kern = _get_tma_kernel(flatten)
     kern[grid](ad, bd, cd, a_global, b_global, bias_arg, M, N, K, NUM_SMS=nsm, WARP_SPEC=warp_specialize,
-               OUT_FP32=out_dtype == torch.float32, HAS_BIAS=bias is not None)
+               OUT_FP32=out_dtype == torch.float32, HAS_BIAS=bias is not None, **opts)
     if not torch.cuda.is_current_stream_capturing():
         _TMA_BEST[tuned_key] = _tma_choice(kern.best_config, flatten)
         _store_tuned(tuned_key, _TMA_BEST[tuned_key])
