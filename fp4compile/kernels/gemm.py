@@ -789,8 +789,7 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     alpha = _f32_scalar(a_global) * _f32_scalar(b_global)
     _check_bias(bias, N)
     if K == 0 or M == 0 or N == 0:
-        out = _output(M, N, K, a.device, torch.float32 if bias is not None else out_dtype)[0]
-        return _add_bias(out, bias, out_dtype) if bias is not None else out
+        return _add_bias(_output(M, N, K, a.device, torch.float32)[0], bias, out_dtype)
     k_tiles = cdiv(K, bk)
     if split_k is None:
         split_k = splitk_factor(M, N, K, _num_sms(a.device), (bm, bn, bk))

@@ -302,7 +302,8 @@ def _why_not(g: Gemm, spec: NVFP4) -> Optional[str]:
     return None
 
 
-def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op", bias: Optional[Node] = None) -> Node:
+def emit_gemm(graph: Graph, qa, qb, out_dtype, before: Node, lowering: str = "op",
+              bias: Optional[Node] = None) -> Node:
     """The NVFP4 GEMM of two FP4 copies (``QCopy``-like: ``.outputs()`` = codes, scales, global), inserted
     before ``before`` (every new node takes its partitioner / module / stack metadata); returns the node
     holding the ``out_dtype`` result (see :data:`LOWERINGS`); :func:`use_dequantized_copies` may later give it the
