@@ -156,6 +156,11 @@ _INTERP_SCRIPT = textwrap.dedent("""
         torch.save({{"args": args, "bias": bias, "out": o0, "out_bias": o1}}, {tmp!r} + f"/bias_{{impl}}.pt")
     o2 = G.nvfp4_gemm(*args, torch.bfloat16, bias, impl="dq_triton")
     torch.save(o2, {tmp!r} + "/bias_bf16.pt")
+    # the cuBLAS tail in one pass (scale_cast): an FP32 product of a ragged size, with and without the bias
+    acc = torch.randn(33, 40, generator=g) * 1e3
+    sc = [G.scale_cast(acc, args[2], args[5], dt, bb) for dt in (torch.float32, torch.bfloat16)
+          for bb in (None, bias)]
+    torch.save({{"acc": acc, "args": args, "bias": bias, "out": sc}}, {tmp!r} + "/scale_cast.pt")
     d = G.dequantize_bf16(qa.codes, qa.scales.view(torch.uint8))
     torch.save(d, {tmp!r} + "/deq.pt")
     torch.save((qa.codes, qa.scales.view(torch.uint8)), {tmp!r} + "/deq_in.pt")
@@ -204,6 +209,17 @@ def test_triton_kernels_under_interpreter(tmp_path):
         ref = reference64(d["args"]) + d["bias"].double().numpy()[None, :]
         check_close(d["out_bias"], ref, torch.float32)
     check_close(torch.load(tmp_path / "bias_bf16.pt"), ref, torch.bfloat16, bf16_ulps=1.0)
+    # scale_cast: the torch ops' FP32 values exactly; bf16 within the interpreter's truncating cast (one ulp)
+    d = torch.load(tmp_path / "scale_cast.pt")
+    alpha = d["args"][2].float().reshape(()) * d["args"][5].float().reshape(())
+    cases = [(dt, bb) for dt in (torch.float32, torch.bfloat16) for bb in (None, d["bias"])]
+    for (dt, bb), got in zip(cases, d["out"]):
+        want = d["acc"] * alpha + (0.0 if bb is None else bb.float())
+        assert got.dtype == dt and got.shape == (33, 40)
+        if dt == torch.float32:
+            assert torch.equal(got, want), bb is None
+        else:
+            assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7).all()
     codes, scales = torch.load(tmp_path / "deq_in.pt")
     np.testing.assert_array_equal(torch.load(tmp_path / "deq.pt").double().numpy(), decode64(codes, scales))
 
@@ -369,6 +385,34 @@ def test_gpu_gemm_bias_added_in_fp32_before_the_rounding(shape):
         check_close(torch.ops.fp4compile.gemm(*args, out_dtype=torch.bfloat16, bias=bias), ref, torch.bfloat16)
         check_close(torch.ops.fp4compile.gemm_dequantized(a16, args[2], b16, args[5], torch.float32, bias), ref,
                     torch.float32)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_scale_cast_is_the_torch_tail(monkeypatch):
+    """``kernels.gemm.scale_cast`` (the cuBLAS GEMM's FP32 product scaled, biased and cast in one pass; ``SCALE_CAST``):
+    the bytes of the eager torch ops it replaces, bf16 and FP32 out, with and without a bias, ragged sizes; and
+    ``gemm_dequantized``'s cuBLAS path with it gives the same bytes as without."""
+    from fp4compile.kernels import gemm as G
+
+    g = torch.Generator().manual_seed(5)
+    for M, N in ((768, 3072), (37, 129)):
+        acc = (torch.randn(M, N, generator=g) * 1e3).cuda()
+        ag, bg = torch.tensor(0.0123).cuda(), torch.tensor(3.5e-4).cuda()
+        bias = (torch.randn(N, generator=g) * 0.3).to(torch.bfloat16).cuda()
+        for dt in (torch.bfloat16, torch.float32):
+            for bb in (None, bias):
+                want = G._add_bias(acc.clone().mul_(ag * bg), bb, dt)
+                assert torch.equal(G.scale_cast(acc, ag, bg, dt, bb), want), (M, N, dt, bb is None)
+    args = operands(768, 3072, 16384, seed=9, device="cuda", scale_a=100.0, scale_b=1e-3)
+    a16, b16 = G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])
+    bias = (torch.randn(3072, generator=g) * 0.3).to(torch.bfloat16).cuda()
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(G, "SCALE_CAST", on)
+        outs[on] = [G.gemm_dequantized(a16, args[2], b16, args[5], dt, bb, impl="dequant_cublas")
+                    for dt in (torch.bfloat16, torch.float32) for bb in (None, bias)]
+    assert all(torch.equal(x, y) for x, y in zip(outs[False], outs[True]))
 
 
 @pytest.mark.gpu

@@ -102,6 +102,11 @@ IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_tri
 #: the implementations that dequantize both operands to exact bf16 and then run a bf16 GEMM: the ones that
 #: :func:`gemm_dequantized` (``fp4compile::gemm_dequantized``) does from operands dequantized already
 DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
+#: "dequant_cublas" on CUDA: the FP32 cuBLAS product's global scales, bias and cast in one Triton pass
+#: (:func:`_scale_cast_kernel`) instead of three eager torch kernels (the scales' product, the in-place multiply, the
+#: cast; 48 + 48 + 48 launches and 0.46 ms of a 124M step, session 33's profile). The same values. Off until an H200
+#: A/B (``bash bench/run_h200.sh s34_next``); ``FP4COMPILE_SCALE_CAST=1`` sets it at import.
+SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "0") != "0"
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
@@ -460,6 +465,20 @@ if triton is not None:
         ptrs = ws_ptr + split.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+
+    @triton.jit
+    def _scale_cast_kernel(acc_ptr, ag_ptr, bg_ptr, bias_ptr, out_ptr, N, numel, BLOCK: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
+        """The FP32 product of a cuBLAS GEMM to its result in one pass: ``out = acc * (a_global * b_global)
+        [+ bias]``, rounded once to ``out``'s dtype (the torch ops' values: two FP32 products, the add, one cast;
+        launched without FMA contraction). ``acc`` and ``out`` contiguous [M, N]."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        alpha = tl.load(ag_ptr).to(tl.float32) * tl.load(bg_ptr).to(tl.float32)
+        y = tl.load(acc_ptr + offs, mask=mask, other=0.0) * alpha
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dequant2_kernel(ac_ptr, as_ptr, ao_ptr, RA, bc_ptr, bs_ptr, bo_ptr, RB, KH, NBLK_A,
@@ -1039,7 +1058,28 @@ def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias: O
         return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype, config=config, bias=bias)
     _check_bias(bias, N)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
+    if SCALE_CAST and acc.is_cuda:
+        return scale_cast(acc, a_global, b_global, out_dtype, bias)
     return _add_bias(acc.mul_(_f32_scalar(a_global) * _f32_scalar(b_global)), bias, out_dtype)
+
+
+def scale_cast(acc: torch.Tensor, a_global, b_global, out_dtype=torch.bfloat16,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(acc * (a_global * b_global) + bias).to(out_dtype)`` for a contiguous FP32 GEMM product ``acc`` [M, N] in one
+    Triton pass (:func:`_scale_cast_kernel`; CUDA, or CPU under TRITON_INTERPRET=1): the values of the torch ops
+    (FP32 products, the FP32 add, one rounding)."""
+    if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous():
+        raise ValueError(f"scale_cast takes a contiguous 2-D FP32 product, got {acc.dtype} {tuple(acc.shape)}")
+    M, N = acc.shape
+    _check_bias(bias, N)
+    out = torch.empty((M, N), device=acc.device, dtype=out_dtype)
+    if acc.numel():
+        block = 4096 if acc.is_cuda else 64
+        opts = {"enable_fp_fusion": False} if acc.is_cuda else {}
+        launch(_scale_cast_kernel, (cdiv(acc.numel(), block),), acc, _f32_scalar(a_global), _f32_scalar(b_global),
+               _bias_arg(bias, N, acc), out, N, acc.numel(), BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+               **opts)
+    return out
 
 
 def _gemm_dequantized_cuda(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias=None):
