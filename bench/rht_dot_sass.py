@@ -52,16 +52,22 @@ def _butterfly_skeleton(x_ptr, srow, R, Kd, signs_ptr, amax_ptr, ss_ptr, BR: tl.
 
 
 @triton.jit
-def _dot_skeleton(x_ptr, srow, R, Kd, h_ptr, amax_ptr, ss_ptr, BR: tl.constexpr, BC: tl.constexpr):
-    NB: tl.constexpr = BC // 16
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r * BR + tl.arange(0, BR)
-    cols = pid_c * BC + tl.arange(0, BC)
+def _dot_rotated(x_ptr, srow, h_ptr, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's [BR, BC] tile (aligned, no masks) times the [128, 128] matrix at ``h_ptr`` along each
+    128-chunk, as [BR, BC/16, 16] FP32 (tensor-core product), and the tile's rows."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * srow + cols[None, :])
     hk = tl.arange(0, 128)
     h = tl.load(h_ptr + hk[:, None] * 128 + hk[None, :])
-    y = tl.reshape(tl.dot(tl.reshape(x, (BR * BC // 128, 128)), h), (BR, NB, 16))
+    return tl.reshape(tl.dot(tl.reshape(x, (BR * BC // 128, 128)), h), (BR, BC // 16, 16)), rows
+
+
+@triton.jit
+def _dot_skeleton(x_ptr, srow, R, Kd, h_ptr, amax_ptr, ss_ptr, BR: tl.constexpr, BC: tl.constexpr):
+    NB: tl.constexpr = BC // 16
+    pid_c = tl.program_id(1)
+    y, rows = _dot_rotated(x_ptr, srow, h_ptr, BR, BC)
     a = tl.max(tl.abs(y), axis=2)
     s = tl.sum(y * y, axis=2)
     blk = pid_c * NB + tl.arange(0, NB)
@@ -77,14 +83,8 @@ def _dot_pass1(x_ptr, srow, R, Kd, h_ptr, codes_ptr, scratch_ptr, smax_ptr, VAL_
     """MS-EDEN pass 1 (``_eden_pass1_kernel``, 1x16 blocks, aligned tile) with the rotation as a tensor-core product:
     the same EDEN arithmetic, packing and stores after it."""
     NB: tl.constexpr = BC // 16
-    pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BR + tl.arange(0, BR)
-    cols = pid_c * BC + tl.arange(0, BC)
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * srow + cols[None, :])
-    hk = tl.arange(0, 128)
-    h = tl.load(h_ptr + hk[:, None] * 128 + hk[None, :])
-    y = tl.reshape(tl.dot(tl.reshape(x, (BR * BC // 128, 128)), h), (BR, NB, 16))
+    y, rows = _dot_rotated(x_ptr, srow, h_ptr, BR, BC)
     lo, hi = tl.split(tl.permute(tl.reshape(y, (BR, NB, 2, 8)), (0, 1, 3, 2)))
     a_z = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
     a_y = a_z * NORM
