@@ -219,6 +219,7 @@ def _gemm_op(a_codes: Tensor, a_scales: Tensor, a_global: Tensor, b_codes: Tenso
 
 
 def _check_bias(bias, n):
+    """A GEMM's optional bias is a floating-point [n] vector (the ops' fakes and references, and kernels/gemm.py)."""
     if bias is not None:
         torch._check(bias.dim() == 1 and bias.shape[0] == n and bias.is_floating_point(),
                      lambda: f"gemm: bias must be a floating-point [N] = [{n}] vector, got {bias.dtype} "

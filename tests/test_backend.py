@@ -307,6 +307,20 @@ def test_saved_for_backward_are_packed_fp4_and_no_weight_copy(lowering):
     assert any(dt == torch.bfloat16 and op != "placeholder" for op, dt, _ in _saved(rec2))
 
 
+def _forward_backward(base, x0, policy, grad_weights=None, **compile_kw):
+    """One compiled forward and backward of a fresh copy of ``base`` on ``x0`` (the RNG seeded right before the
+    forward, so every arm draws the same seeds and signs), the loss ``sum(y * grad_weights)``: ([y, dL/dx, dL/dparam
+    ...], the recorder)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    compiled, rec = compile_recorded(model, policy, **compile_kw)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(1)
+    y = compiled(x)
+    (y.float() if grad_weights is None else y.float() * grad_weights).sum().backward()
+    return [y, x.grad] + [p.grad for p in model.parameters()], rec
+
+
 @pytest.mark.parametrize("lowering", ["op", "dequant_mm"])
 def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowering):
     """An NVFP4 GEMM that would dequantize both operands before a bf16 GEMM (every "dequant_mm" one; an "op" one
@@ -331,14 +345,8 @@ def test_gemms_take_quantize_dq_operands_with_the_same_results(monkeypatch, lowe
     out, graphs, saved = {}, {}, {}
     for arm in ("all", "fwd", "none"):
         monkeypatch.setattr(linear, "DQ_OPERANDS", arm)
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        compiled, rec = compile_recorded(model, Policy.full_stack(), gemm_lowering=lowering)
-        x = x0.clone().requires_grad_()
-        torch.manual_seed(1)
-        y = compiled(x)
-        (y.float() * torch.linspace(-1, 1, 384)).sum().backward()
-        out[arm] = [y, x.grad] + [p.grad for p in model.parameters()]
+        out[arm], rec = _forward_backward(base, x0, Policy.full_stack(), torch.linspace(-1, 1, 384),
+                                          gemm_lowering=lowering)
         graphs[arm] = {kind: gm.graph for kind, gm in rec.partitions}
         saved[arm] = _saved(rec)
         assert sum(bool(r.get("dq")) for r in rec.done) == {"all": 6, "fwd": 2, "none": 0}[arm]
@@ -409,14 +417,7 @@ def test_saved_weight_copies_option_keeps_the_gradients():
     x0 = torch.randn(384, 128, dtype=torch.bfloat16)         # (every dim a multiple of RHT-128; no shape shared)
     out, saved = {}, {}
     for on in (None, False):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        compiled, rec = compile_recorded(model, Policy.full_stack(), save_weight_copies=on)
-        x = x0.clone().requires_grad_()
-        torch.manual_seed(1)
-        y = compiled(x)
-        y.float().sum().backward()
-        out[on] = [y, x.grad] + [p.grad for p in model.parameters()]
+        out[on], rec = _forward_backward(base, x0, Policy.full_stack(), save_weight_copies=on)
         saved[on] = {shp for op, dt, shp in _saved(rec) if dt == torch.uint8}
     for a, b in zip(out[None], out[False]):
         assert torch.equal(a, b)

@@ -677,14 +677,9 @@ def _f32_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(()).to(torch.float32)
 
 
-def _check_bias(bias: Optional[torch.Tensor], N: int) -> None:
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a floating-point [N] = [{N}] vector, got {bias.dtype} {tuple(bias.shape)}")
-
-
 def _bias_arg(bias: Optional[torch.Tensor], N: int, like: torch.Tensor) -> torch.Tensor:
     """The GEMM kernels' bias pointer: ``bias`` ([N], contiguous) or a placeholder when there is none."""
-    _check_bias(bias, N)
+    _ops._check_bias(bias, N)
     return placeholder(like.device, torch.float32) if bias is None else bias.contiguous()
 
 
@@ -806,7 +801,7 @@ def bf16_gemm_splitk(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, spli
     c = dict(config or (SPLITK_CONFIG if on_cuda else _cfg(32, 32, 32, 4, 1)))
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
     alpha = _f32_scalar(a_global) * _f32_scalar(b_global)
-    _check_bias(bias, N)
+    _ops._check_bias(bias, N)
     if K == 0 or M == 0 or N == 0:
         return _add_bias(_output(M, N, K, a.device, torch.float32)[0], bias, out_dtype)
     k_tiles = cdiv(K, bk)
@@ -879,7 +874,7 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         dequant = DEFAULT_DEQUANT if on_cuda else "fp32"
     if dequant not in ("asm", "fp32"):
         raise ValueError(f"dequant must be 'asm' or 'fp32', got {dequant!r}")
-    _check_bias(bias, N)
+    _ops._check_bias(bias, N)
     if impl == "dequant_cublas":
         return gemm_dequant_cublas(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, bias)
     if impl in ("dq_triton", "dq_splitk"):
@@ -1056,7 +1051,7 @@ def gemm_dequantized(a, a_global, b, b_global, out_dtype=torch.bfloat16, bias: O
         return bf16_gemm_scaled(a, b, a_global, b_global, out_dtype, config=config, bias=bias)
     if impl == "dq_splitk":
         return bf16_gemm_splitk(a, b, a_global, b_global, out_dtype, config=config, bias=bias)
-    _check_bias(bias, N)
+    _ops._check_bias(bias, N)
     acc = torch.mm(a, b.t(), out_dtype=torch.float32)
     if SCALE_CAST and acc.is_cuda:
         return scale_cast(acc, a_global, b_global, out_dtype, bias)
@@ -1071,7 +1066,7 @@ def scale_cast(acc: torch.Tensor, a_global, b_global, out_dtype=torch.bfloat16,
     if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous():
         raise ValueError(f"scale_cast takes a contiguous 2-D FP32 product, got {acc.dtype} {tuple(acc.shape)}")
     M, N = acc.shape
-    _check_bias(bias, N)
+    _ops._check_bias(bias, N)
     out = torch.empty((M, N), device=acc.device, dtype=out_dtype)
     if acc.numel():
         block = 4096 if acc.is_cuda else 64

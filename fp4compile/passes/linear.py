@@ -81,33 +81,39 @@ if DQ_OPERANDS not in ("all", "fwd", "none"):
 FUSE_BIAS = os.environ.get("FP4COMPILE_FUSE_BIAS", "1") != "0"
 
 
-def bias_in_epilogue(M: int, N: int, K: int) -> bool:
-    """Whether an "op"-lowered NVFP4 GEMM of this shape adds a bias in its kernel's epilogue on CUDA: its
-    implementation by shape (``kernels/gemm.choose_impl`` under the default ``"auto"``) is the TMA GEMM ("dq_triton").
-    Symbolic sizes: no."""
+def cuda_impl(M: int, N: int, K: int) -> Optional[str]:
+    """The kernel an "op"-lowered NVFP4 GEMM of this shape runs on CUDA: ``kernels/gemm.choose_impl``'s choice under
+    the default ``"auto"``; None for symbolic sizes, another ``FP4COMPILE_GEMM_IMPL`` or no Triton (no rule to
+    match)."""
     if min(M, N, K) < 0:
-        return False
+        return None
     try:
         from ..kernels.gemm import DEFAULT_IMPL, choose_impl
     except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
-        return False
-    return DEFAULT_IMPL == "auto" and choose_impl(M, N, K) == "dq_triton"
+        return None
+    return choose_impl(M, N, K) if DEFAULT_IMPL == "auto" else None
+
+
+def bias_in_epilogue(M: int, N: int, K: int) -> bool:
+    """Whether an "op"-lowered NVFP4 GEMM of this shape adds a bias in its kernel's epilogue on CUDA: its kernel
+    (:func:`cuda_impl`) is the TMA GEMM ("dq_triton")."""
+    return cuda_impl(M, N, K) == "dq_triton"
 
 
 def dequantizes_operands(M: int, N: int, K: int, lowering: str) -> bool:
     """Whether an NVFP4 GEMM of this shape and lowering dequantizes both operands to bf16 q * S before a bf16 GEMM:
-    "dequant_mm" always; "op" where its CUDA implementation by shape (``kernels/gemm.choose_impl`` under the default
-    ``"auto"``) is one of ``kernels/gemm.DQ_IMPLS`` -- not the skinny shapes, whose kernel dequantizes in registers
-    from the codes. Symbolic sizes: no."""
+    "dequant_mm" always; "op" where its kernel (:func:`cuda_impl`) is one of ``kernels/gemm.DQ_IMPLS`` -- not the
+    skinny shapes, whose kernel dequantizes in registers from the codes. Symbolic sizes: no."""
     if min(M, N, K) < 0:
         return False
     if lowering == "dequant_mm":
         return True
-    try:
-        from ..kernels.gemm import DEFAULT_IMPL, DQ_IMPLS, choose_impl
-    except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
+    impl = cuda_impl(M, N, K)
+    if impl is None:
         return False
-    return DEFAULT_IMPL == "auto" and choose_impl(M, N, K) in DQ_IMPLS
+    from ..kernels.gemm import DQ_IMPLS   # (imported by cuda_impl already)
+
+    return impl in DQ_IMPLS
 
 
 def use_dequantized_copies(graph: Graph, cache: QuantCache) -> int:
