@@ -104,9 +104,9 @@ IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_tri
 DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
 #: "dequant_cublas" on CUDA: the FP32 cuBLAS product's global scales, bias and cast in one Triton pass
 #: (:func:`_scale_cast_kernel`) instead of three eager torch kernels (the scales' product, the in-place multiply, the
-#: cast; 48 + 48 + 48 launches and 0.46 ms of a 124M step, session 33's profile). The same values. Off until an H200
-#: A/B (``bash bench/run_h200.sh s34_next``); ``FP4COMPILE_SCALE_CAST=1`` sets it at import.
-SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "0") != "0"
+#: cast; 48 + 48 + 48 launches and 0.46 ms of a 124M step, session 33's profile). The same values. On since session
+#: 34's H200 A/B (47.8, 47.3 → 47.0, 47.4 ms per step alternating); ``FP4COMPILE_SCALE_CAST=0`` turns it off at import.
+SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "1") != "0"
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
