@@ -1,0 +1,189 @@
+"""Interleaved A/B of the GPT-124M full-stack training step: every arm compiled in one process, then timed in
+alternating blocks, so that a machine's drift (clocks, temperature, neighbours) falls on every arm alike.
+
+    python bench/step_ab.py --arm base --arm nosc:fp4compile.kernels.gemm.SCALE_CAST=0
+    python bench/step_ab.py --arm base --arm pool:fp4compile.passes.draws.POOL_DRAWS=1 --rounds 12 --block 10
+    python bench/step_ab.py --tiny --arm base --arm x:options.save_weight_copies=false     # CPU smoke run
+
+An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` (a module switch, set while the arm
+compiles, captures its CUDA graphs and runs, and restored after) or ``options.KEY=JSON`` (a backend option of the
+arm's ``torch.compile``). The first arm is the baseline. Each arm gets its own model (same seed, same data), its own
+``torch.compile`` (so its own Dynamo cache entry and, under ``reduce-overhead``, its own CUDA graphs) and its own
+fused AdamW. After every arm's first step and ``--warmup`` steps, ``--rounds`` rounds each time ``--block`` steps of
+every arm, the order reversed every other round (ABBA); a block's time is its CUDA events' (or the host clock's)
+elapsed time over its steps.
+
+Prints per arm: the median ms per step over the rounds, and against the baseline the median and range of the
+per-round paired difference (arm minus baseline in the same round) and the ratio of medians; ``--json`` appends the
+rows. Switches read when the graph is rewritten must be part of the joint pass's cache key (they are:
+``FP4JointPass.uuid``), or two arms would share one compiled graph.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.train_step import GPT, policy_for  # noqa: E402
+
+
+def parse_arm(spec: str):
+    """``NAME[:SETTING,...]`` -> (name, {(module, attr): value}, {option: value})."""
+    name, _, rest = spec.partition(":")
+    switches, options = {}, {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or "." not in key:
+            raise SystemExit(f"--arm {spec!r}: a setting is module.path.ATTR=JSON or options.KEY=JSON, got {item!r}")
+        try:
+            value = json.loads(val)
+        except json.JSONDecodeError:
+            value = val                                   # a bare string
+        mod, _, attr = key.rpartition(".")
+        if mod == "options":
+            options[attr] = value
+        else:
+            module = importlib.import_module(mod)
+            if not hasattr(module, attr):
+                raise SystemExit(f"--arm {spec!r}: {mod} has no attribute {attr!r}")
+            switches[(module, attr)] = value
+    return name, switches, options
+
+
+@contextlib.contextmanager
+def applied(switches):
+    """The arm's module switches set for the duration, the previous values restored after."""
+    old = {k: getattr(*k) for k in switches}
+    try:
+        for (m, a), v in switches.items():
+            setattr(m, a, v)
+        yield
+    finally:
+        for (m, a), v in old.items():
+            setattr(m, a, v)
+
+
+class Arm:
+    """One compiled model with its optimizer and switches."""
+
+    def __init__(self, spec, args, device, data):
+        from fp4compile.backend import fullstack_fp4
+
+        self.name, self.switches, options = parse_arm(spec)
+        torch.manual_seed(0)
+        dims = dict(vocab=256, d=64, n_layer=2, n_head=2, block_size=args.T) if args.tiny else {}
+        self.model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device == "cuda")
+        opts = dict(policy=policy_for(args.policy), mode=args.mode, **options)
+        self.fn = torch.compile(self.model, backend=fullstack_fp4, options=opts)
+        self.data, self.mode = data, args.mode
+        self.times = []
+        self.loss = float("nan")
+
+    def step(self, i):
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        d = self.data[i % len(self.data)]
+        loss = self.fn(d[:, :-1], d[:, 1:])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def steps(self, n, start=0):
+        with applied(self.switches):
+            for i in range(n):
+                loss = self.step(start + i)
+        return loss
+
+
+def timed_block(arm, n, device):
+    """ms per step of ``n`` steps of ``arm`` (CUDA events on CUDA, the host clock elsewhere)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        loss = arm.steps(n)
+        t1.record()
+        torch.cuda.synchronize()
+        ms = t0.elapsed_time(t1)
+    else:
+        t = time.perf_counter()
+        loss = arm.steps(n)
+        ms = 1e3 * (time.perf_counter() - t)
+    arm.loss = loss.item()
+    return ms / n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arm", action="append", required=True, help="NAME[:module.ATTR=JSON|options.KEY=JSON,...]")
+    ap.add_argument("--policy", default="full_stack", help="full_stack (default) | quartet2 | rtn")
+    ap.add_argument("--mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA, else default)")
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--block", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--tiny", action="store_true", help="toy model (CPU smoke run)")
+    ap.add_argument("--json", help="append the result rows as one JSON line to this file")
+    args = ap.parse_args(argv)
+    if len(args.arm) < 2:
+        raise SystemExit("need at least two --arm (the first is the baseline)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        args.B, args.T = min(args.B, 2), min(args.T, 64)
+    args.mode = args.mode or ("reduce-overhead" if device == "cuda" else "default")
+    vocab = 256 if args.tiny else 50304
+    g = torch.Generator(device="cpu").manual_seed(1)
+    data = [torch.randint(0, vocab, (args.B, args.T + 1), generator=g).to(device) for _ in range(4)]
+
+    arms = []
+    for spec in args.arm:
+        arm = Arm(spec, args, device, data)
+        t = time.perf_counter()
+        arm.first_loss = arm.steps(1).item()
+        arm.compile_s = time.perf_counter() - t
+        arm.steps(args.warmup, start=1)
+        arms.append(arm)
+        print(f"  {arm.name}: first step {arm.compile_s:.1f} s, loss {arm.first_loss:.4f}", flush=True)
+    for r in range(args.rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            arm.times.append(timed_block(arm, args.block, device))
+
+    base = arms[0]
+    dev = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"\nGPT step A/B ({args.policy}, B={args.B} T={args.T}, {args.mode}), {args.rounds} rounds x {args.block} "
+          f"steps, ABBA order; {dev}, torch {torch.__version__}")
+    print(f"{'arm':<10} {'median ms':>10} {'min':>8} {'max':>8} {'vs base: median diff':>21} {'diff range':>18} "
+          f"{'ratio':>7}  last loss")
+    rows = []
+    for arm in arms:
+        med = statistics.median(arm.times)
+        diffs = [a - b for a, b in zip(arm.times, base.times)]
+        row = dict(arm=arm.name, median_ms=med, min_ms=min(arm.times), max_ms=max(arm.times), times=arm.times,
+                   median_diff_ms=statistics.median(diffs), diff_min=min(diffs), diff_max=max(diffs),
+                   ratio=med / statistics.median(base.times), last_loss=arm.loss, first_step_s=arm.compile_s)
+        rows.append(row)
+        rng = "" if arm is base else f"[{row['diff_min']:+.3f}, {row['diff_max']:+.3f}]"
+        mdiff = "" if arm is base else f"{row['median_diff_ms']:+.3f}"
+        print(f"{arm.name:<10} {med:>10.3f} {row['min_ms']:>8.3f} {row['max_ms']:>8.3f} {mdiff:>21} {rng:>18} "
+              f"{row['ratio']:>7.4f}  {arm.loss:.4f}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(dict(policy=args.policy, B=args.B, T=args.T, mode=args.mode, rounds=args.rounds,
+                                    block=args.block, device=dev, torch=torch.__version__, rows=rows)) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
