@@ -84,7 +84,13 @@ class Arm:
         self.model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device == "cuda")
         opts = dict(policy=policy_for(args.policy), mode=args.mode, **options)
-        self.fn = torch.compile(self.model, backend=fullstack_fp4, options=opts)
+
+        def backend(gm, example_inputs, **kw):
+            # a function of its own per arm: torch.compile's wrapper of a custom backend compares equal for equal
+            # options, and Dynamo would then hand every arm the first arm's compiled frame
+            return fullstack_fp4(gm, example_inputs, **kw)
+
+        self.fn = torch.compile(self.model, backend=backend, options=opts)
         self.data, self.mode = data, args.mode
         self.times = []
         self.loss = float("nan")
@@ -147,15 +153,22 @@ def main(argv=None):
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, vocab, (args.B, args.T + 1), generator=g).to(device) for _ in range(4)]
 
+    from torch._dynamo.utils import counters
+
     arms = []
     for spec in args.arm:
         arm = Arm(spec, args, device, data)
+        before = counters["stats"]["unique_graphs"]
         t = time.perf_counter()
         arm.first_loss = arm.steps(1).item()
         arm.compile_s = time.perf_counter() - t
+        arm.graphs = counters["stats"]["unique_graphs"] - before
+        if arm.graphs < 1:
+            raise SystemExit(f"arm {arm.name}: Dynamo compiled no graph of its own (it would time another arm's)")
         arm.steps(args.warmup, start=1)
         arms.append(arm)
-        print(f"  {arm.name}: first step {arm.compile_s:.1f} s, loss {arm.first_loss:.4f}", flush=True)
+        print(f"  {arm.name}: first step {arm.compile_s:.1f} s ({arm.graphs} Dynamo graphs), loss "
+              f"{arm.first_loss:.4f}", flush=True)
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             arm.times.append(timed_block(arm, args.block, device))
