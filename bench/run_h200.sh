@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|s34_b
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -656,15 +656,10 @@ s33_d)
     FP4COMPILE_FUSE_BIAS=$v step "step_$t" 100 python bench/train_step.py --policy full_stack --modes reduce-overhead \
         --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done ;;
-s34_b)
-  # issue 3 on one nvidia-h200 (~6 min; session 34): bench/step_ab.py, every arm compiled in one process and timed in
-  # alternating blocks (ABBA): the default (SCALE_CAST on) against SCALE_CAST off and against the backward's random
-  # draws pooled (passes/draws.py, re-applied from session 32 whose one subprocess pair could not resolve it); the
-  # pooled draws' GPU tests first
-  FP4COMPILE_POOL_DRAWS=1 step pool_tests 150 python -m pytest -x -q -p no:cacheprovider tests/test_draws.py \
-      tests/test_backend.py -m gpu -k "gpu_pooled or cuda_graph_replays"
-  step step_ab 420 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
-      --arm nosc:fp4compile.kernels.gemm.SCALE_CAST=0 --arm pool:fp4compile.passes.draws.POOL_DRAWS=1 ;;
+ab)
+  # any interleaved in-process A/B of the 124M full-stack step (bench/step_ab.py; session 34):
+  # bash bench/run_h200.sh ab [--rounds R] [--block N] --arm base --arm NAME:module.ATTR=JSON ...
+  shift; step step_ab 560 python bench/step_ab.py --json "$OUT/step_ab.jsonl" "$@" ;;
 s34_next)
   # issue 3 on one nvidia-h200 (~8 min; prepared in session 33): kernels.gemm.SCALE_CAST (the cuBLAS wgrad GEMMs'
   # scale, bias and cast in one Triton pass instead of three eager kernels; off): its GPU tests and the bias

@@ -5,7 +5,8 @@ alternating blocks, so that a machine's drift (clocks, temperature, neighbours) 
     python bench/step_ab.py --arm base --arm pool:fp4compile.passes.draws.POOL_DRAWS=1 --rounds 12 --block 10
     python bench/step_ab.py --tiny --arm base --arm x:options.save_weight_copies=false     # CPU smoke run
 
-An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` (a module switch, set while the arm
+An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` or ``module.path.ATTR[KEY]=JSON``
+(a module switch or an entry of a module's dict such as ``fp4compile.kernels.quantize.CONFIG``, set while the arm
 compiles, captures its CUDA graphs and runs, and restored after) or ``options.KEY=JSON`` (a backend option of the
 arm's ``torch.compile``). The first arm is the baseline. Each arm gets its own model (same seed, same data), its own
 ``torch.compile`` (so its own Dynamo cache entry and, under ``reduce-overhead``, its own CUDA graphs) and its own
@@ -37,7 +38,7 @@ from bench.train_step import GPT, policy_for  # noqa: E402
 
 
 def parse_arm(spec: str):
-    """``NAME[:SETTING,...]`` -> (name, {(module, attr): value}, {option: value})."""
+    """``NAME[:SETTING,...]`` -> (name, {(module, attr, dict key or None): value}, {option: value})."""
     name, _, rest = spec.partition(":")
     switches, options = {}, {}
     for item in filter(None, rest.split(",")):
@@ -48,28 +49,44 @@ def parse_arm(spec: str):
             value = json.loads(val)
         except json.JSONDecodeError:
             value = val                                   # a bare string
+        item = None
+        if key.endswith("]") and "[" in key:              # an entry of a module's dict (e.g. quantize.CONFIG)
+            key, _, item = key[:-1].partition("[")
         mod, _, attr = key.rpartition(".")
         if mod == "options":
             options[attr] = value
-        else:
-            module = importlib.import_module(mod)
-            if not hasattr(module, attr):
-                raise SystemExit(f"--arm {spec!r}: {mod} has no attribute {attr!r}")
-            switches[(module, attr)] = value
+            continue
+        module = importlib.import_module(mod)
+        if not hasattr(module, attr):
+            raise SystemExit(f"--arm {spec!r}: {mod} has no attribute {attr!r}")
+        if item is not None and item not in getattr(module, attr):
+            raise SystemExit(f"--arm {spec!r}: {mod}.{attr} has no entry {item!r}")
+        switches[(module, attr, item)] = value
     return name, switches, options
+
+
+def _get(module, attr, item):
+    return getattr(module, attr) if item is None else getattr(module, attr)[item]
+
+
+def _set(module, attr, item, value):
+    if item is None:
+        setattr(module, attr, value)
+    else:
+        getattr(module, attr)[item] = value
 
 
 @contextlib.contextmanager
 def applied(switches):
     """The arm's module switches set for the duration, the previous values restored after."""
-    old = {k: getattr(*k) for k in switches}
+    old = {k: _get(*k) for k in switches}
     try:
-        for (m, a), v in switches.items():
-            setattr(m, a, v)
+        for k, v in switches.items():
+            _set(*k, v)
         yield
     finally:
-        for (m, a), v in old.items():
-            setattr(m, a, v)
+        for k, v in old.items():
+            _set(*k, v)
 
 
 class Arm:
@@ -106,6 +123,7 @@ class Arm:
         return loss
 
     def steps(self, n, start=0):
+        loss = None
         with applied(self.switches):
             for i in range(n):
                 loss = self.step(start + i)
