@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -418,7 +418,14 @@ fsdp_optim)
       --optim qadamw --micro-batch 64 --json "$OUT/qadamw_none.json"
   step qadamw_fsdp2 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
       --optim qadamw --micro-batch 64 --no-reshard --bf16-params --json "$OUT/qadamw_fsdp2.json" ;;
-attn_ab)
+attn_s34_final)
+  # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
+  # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's
+  # test apart, as in session 33: its kernels did not change)
+  step step_ab 150 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm bf16:backend=inductor --arm fp4b
+  step gpu_suite 330 python -m pytest -m gpu -q -n 6 -p no:cacheprovider tests/ --deselect tests/test_attention.py ;;
+ab)
   # issue 4 + 5 on one nvidia-h200 (~8 min): the attention GPU tests and bench (checks, tile sweep, table) of
   # this tree, the same table from an older tree when one is carried under .ab/old (its fp4compile/ and bench/,
   # e.g. git archive REV fp4compile bench | tar -x -C .ab/old), then the fused Q-AdamW test and timing

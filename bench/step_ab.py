@@ -3,12 +3,13 @@ alternating blocks, so that a machine's drift (clocks, temperature, neighbours) 
 
     python bench/step_ab.py --arm base --arm nosc:fp4compile.kernels.gemm.SCALE_CAST=0
     python bench/step_ab.py --arm base --arm pool:fp4compile.passes.draws.POOL_DRAWS=1 --rounds 12 --block 10
+    python bench/step_ab.py --arm fp4 --arm bf16:backend=inductor           # the step against BF16, interleaved
     python bench/step_ab.py --tiny --arm base --arm x:options.save_weight_copies=false     # CPU smoke run
 
 An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` or ``module.path.ATTR[KEY]=JSON``
 (a module switch or an entry of a module's dict such as ``fp4compile.kernels.quantize.CONFIG``, set while the arm
-compiles, captures its CUDA graphs and runs, and restored after) or ``options.KEY=JSON`` (a backend option of the
-arm's ``torch.compile``). The first arm is the baseline. Each arm gets its own model (same seed, same data), its own
+compiles, captures its CUDA graphs and runs, and restored after), ``options.KEY=JSON`` (a backend option of the
+arm's ``torch.compile``) or ``backend=inductor`` (the BF16 baseline: plain Inductor in the same mode, no fp4compile). The first arm is the baseline. Each arm gets its own model (same seed, same data), its own
 ``torch.compile`` (so its own Dynamo cache entry and, under ``reduce-overhead``, its own CUDA graphs) and its own
 fused AdamW. After every arm's first step and ``--warmup`` steps, ``--rounds`` rounds each time ``--block`` steps of
 every arm, the order reversed every other round (ABBA); a block's time is its CUDA events' (or the host clock's)
@@ -43,6 +44,9 @@ def parse_arm(spec: str):
     switches, options = {}, {}
     for item in filter(None, rest.split(",")):
         key, eq, val = item.partition("=")
+        if key == "backend" and val == "inductor":       # the BF16 baseline: Inductor alone, same mode
+            options["backend"] = "inductor"
+            continue
         if not eq or "." not in key:
             raise SystemExit(f"--arm {spec!r}: a setting is module.path.ATTR=JSON or options.KEY=JSON, got {item!r}")
         try:
@@ -100,14 +104,19 @@ class Arm:
         dims = dict(vocab=256, d=64, n_layer=2, n_head=2, block_size=args.T) if args.tiny else {}
         self.model = GPT(**dims).to(device=device, dtype=torch.bfloat16)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device == "cuda")
-        opts = dict(policy=policy_for(args.policy), mode=args.mode, **options)
+        if options.pop("backend", None) == "inductor":
+            if options:
+                raise SystemExit(f"--arm {spec!r}: the inductor arm takes no backend options")
+            self.fn = torch.compile(self.model, mode=args.mode)
+        else:
+            opts = dict(policy=policy_for(args.policy), mode=args.mode, **options)
 
-        def backend(gm, example_inputs, **kw):
-            # a function of its own per arm: torch.compile's wrapper of a custom backend compares equal for equal
-            # options, and Dynamo would then hand every arm the first arm's compiled frame
-            return fullstack_fp4(gm, example_inputs, **kw)
+            def backend(gm, example_inputs, **kw):
+                # a function of its own per arm: torch.compile's wrapper of a custom backend compares equal for
+                # equal options, and Dynamo would then hand every arm the first arm's compiled frame
+                return fullstack_fp4(gm, example_inputs, **kw)
 
-        self.fn = torch.compile(self.model, backend=backend, options=opts)
+            self.fn = torch.compile(self.model, backend=backend, options=opts)
         self.data, self.mode = data, args.mode
         self.times = []
         self.loss = float("nan")

@@ -20,6 +20,7 @@ def test_parse_arm_reads_switches_dict_entries_and_options():
     assert sw == {(G, "SCALE_CAST", None): 0, (Q, "CONFIG", "e_maxnreg"): 128, (G, "DEFAULT_IMPL", None): "tuned"}
     assert opts == {"debug": True}
     assert step_ab.parse_arm("base") == ("base", {}, {})
+    assert step_ab.parse_arm("bf16:backend=inductor") == ("bf16", {}, {"backend": "inductor"})
 
 
 @pytest.mark.parametrize("spec", ["x:SCALE_CAST=0", "x:fp4compile.kernels.gemm.SCALE_CAST",
@@ -43,8 +44,9 @@ def test_applied_sets_and_restores_even_on_error():
 def test_tiny_run_times_every_arm_on_a_graph_of_its_own(capsys, tmp_path):
     out = tmp_path / "ab.jsonl"
     rows = step_ab.main(["--tiny", "--rounds", "2", "--block", "1", "--warmup", "0", "--json", str(out),
-                         "--arm", "base", "--arm", "nobias:fp4compile.passes.linear.FUSE_BIAS=false"])
-    assert [r["arm"] for r in rows] == ["base", "nobias"]
+                         "--arm", "base", "--arm", "nobias:fp4compile.passes.linear.FUSE_BIAS=false",
+                         "--arm", "bf16:backend=inductor"])
+    assert [r["arm"] for r in rows] == ["base", "nobias", "bf16"]
     assert all(len(r["times"]) == 2 and r["median_ms"] > 0 for r in rows)
     assert rows[0]["median_diff_ms"] == 0 and rows[0]["ratio"] == 1
     text = capsys.readouterr().out
