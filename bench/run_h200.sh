@@ -418,14 +418,7 @@ fsdp_optim)
       --optim qadamw --micro-batch 64 --json "$OUT/qadamw_none.json"
   step qadamw_fsdp2 110 torchrun --nproc-per-node 2 bench/distributed.py --model 124m --parallel fsdp2 \
       --optim qadamw --micro-batch 64 --no-reshard --bf16-params --json "$OUT/qadamw_fsdp2.json" ;;
-attn_s34_final)
-  # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
-  # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's
-  # test apart, as in session 33: its kernels did not change)
-  step step_ab 150 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm bf16:backend=inductor --arm fp4b
-  step gpu_suite 330 python -m pytest -m gpu -q -n 6 -p no:cacheprovider tests/ --deselect tests/test_attention.py ;;
-ab)
+attn_ab)
   # issue 4 + 5 on one nvidia-h200 (~8 min): the attention GPU tests and bench (checks, tile sweep, table) of
   # this tree, the same table from an older tree when one is carried under .ab/old (its fp4compile/ and bench/,
   # e.g. git archive REV fp4compile bench | tar -x -C .ab/old), then the fused Q-AdamW test and timing
@@ -663,6 +656,13 @@ s33_d)
     FP4COMPILE_FUSE_BIAS=$v step "step_$t" 100 python bench/train_step.py --policy full_stack --modes reduce-overhead \
         --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done ;;
+s34_final)
+  # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
+  # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's
+  # test apart, as in session 33: its kernels did not change)
+  step step_ab 150 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm bf16:backend=inductor --arm fp4b
+  step gpu_suite 330 python -m pytest -m gpu -q -n 6 -p no:cacheprovider tests/ --deselect tests/test_attention.py ;;
 ab)
   # any interleaved in-process A/B of the 124M full-stack step (bench/step_ab.py; session 34):
   # bash bench/run_h200.sh ab [--rounds R] [--block N] --arm base --arm NAME:module.ATTR=JSON ...
