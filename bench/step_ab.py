@@ -2,18 +2,19 @@
 alternating blocks, so that a machine's drift (clocks, temperature, neighbours) falls on every arm alike.
 
     python bench/step_ab.py --arm base --arm nosc:fp4compile.kernels.gemm.SCALE_CAST=0
-    python bench/step_ab.py --arm base --arm pool:fp4compile.passes.draws.POOL_DRAWS=1 --rounds 12 --block 10
+    python bench/step_ab.py --arm base --arm 'e128:fp4compile.kernels.quantize.CONFIG[e_maxnreg]=128' --rounds 12
     python bench/step_ab.py --arm fp4 --arm bf16:backend=inductor           # the step against BF16, interleaved
     python bench/step_ab.py --tiny --arm base --arm x:options.save_weight_copies=false     # CPU smoke run
 
 An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` or ``module.path.ATTR[KEY]=JSON``
 (a module switch or an entry of a module's dict such as ``fp4compile.kernels.quantize.CONFIG``, set while the arm
 compiles, captures its CUDA graphs and runs, and restored after), ``options.KEY=JSON`` (a backend option of the
-arm's ``torch.compile``) or ``backend=inductor`` (the BF16 baseline: plain Inductor in the same mode, no fp4compile). The first arm is the baseline. Each arm gets its own model (same seed, same data), its own
-``torch.compile`` (so its own Dynamo cache entry and, under ``reduce-overhead``, its own CUDA graphs) and its own
-fused AdamW. After every arm's first step and ``--warmup`` steps, ``--rounds`` rounds each time ``--block`` steps of
-every arm, the order reversed every other round (ABBA); a block's time is its CUDA events' (or the host clock's)
-elapsed time over its steps.
+arm's ``torch.compile``) or ``backend=inductor`` (the BF16 baseline: plain Inductor in the same mode). The first arm
+is the baseline. Each arm gets its own model (same seed, same data), its own ``torch.compile`` through a backend
+function of its own (so its own Dynamo cache entry and, under ``reduce-overhead``, its own CUDA graphs; the run stops
+if an arm compiles no graph) and its own fused AdamW. After every arm's first step and ``--warmup`` steps,
+``--rounds`` rounds each time ``--block`` steps of every arm, the order reversed every other round (ABBA); a block's
+time is its CUDA events' (or the host clock's) elapsed time over its steps.
 
 Prints per arm: the median ms per step over the rounds, and against the baseline the median and range of the
 per-round paired difference (arm minus baseline in the same round) and the ratio of medians; ``--json`` appends the
@@ -48,7 +49,8 @@ def parse_arm(spec: str):
             options["backend"] = "inductor"
             continue
         if not eq or "." not in key:
-            raise SystemExit(f"--arm {spec!r}: a setting is module.path.ATTR=JSON or options.KEY=JSON, got {item!r}")
+            raise SystemExit(f"--arm {spec!r}: a setting is module.path.ATTR=JSON, module.path.ATTR[KEY]=JSON, "
+                             f"options.KEY=JSON or backend=inductor, got {item!r}")
         try:
             value = json.loads(val)
         except json.JSONDecodeError:
@@ -159,7 +161,9 @@ def timed_block(arm, n, device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arm", action="append", required=True, help="NAME[:module.ATTR=JSON|options.KEY=JSON,...]")
+    ap.add_argument("--arm", action="append", required=True,
+                    help="NAME[:SETTING,...], SETTING: module.ATTR=JSON | module.ATTR[KEY]=JSON | options.KEY=JSON | "
+                         "backend=inductor (module docstring); the first arm is the baseline")
     ap.add_argument("--policy", default="full_stack", help="full_stack (default) | quartet2 | rtn")
     ap.add_argument("--mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA, else default)")
     ap.add_argument("--B", type=int, default=16)

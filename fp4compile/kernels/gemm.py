@@ -105,7 +105,8 @@ DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
 #: "dequant_cublas" on CUDA: the FP32 cuBLAS product's global scales, bias and cast in one Triton pass
 #: (:func:`_scale_cast_kernel`) instead of three eager torch kernels (the scales' product, the in-place multiply, the
 #: cast; 48 + 48 + 48 launches and 0.46 ms of a 124M step, session 33's profile). The same values. On since session
-#: 34's H200 A/B (47.8, 47.3 → 47.0, 47.4 ms per step alternating); ``FP4COMPILE_SCALE_CAST=0`` turns it off at import.
+#: 34's H200 A/B (interleaved, ``bench/step_ab.py``: off +0.34 ms per step, 48.03 vs 47.69 ms);
+#: ``FP4COMPILE_SCALE_CAST=0`` turns it off at import.
 SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "1") != "0"
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
