@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -656,6 +656,15 @@ s33_d)
     FP4COMPILE_FUSE_BIAS=$v step "step_$t" 100 python bench/train_step.py --policy full_stack --modes reduce-overhead \
         --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl"
   done ;;
+s35_next)
+  # issue 3 on one nvidia-h200 (~7 min; prepared in session 34): passes/amax.py (FUSE_AMAX, off): an activation's
+  # amax reduced inside the Inductor kernel that makes it (LayerNorm, GELU), the quantize kernel reading x once. Its
+  # GPU tests, then the step interleaved (default, fused, A/A), both arms profiled (the amax kernel's calls should
+  # go 108 -> 72, the LayerNorm / GELU kernels become reductions). Adopt FUSE_AMAX if it wins beyond the A/A spread
+  step amax_tests 250 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      tests/test_backend.py -m gpu -k "given_amax or gpu_fused_amax"
+  step step_ab 330 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
+      --arm famax:fp4compile.passes.amax.FUSE_AMAX=true --arm base2 --profile base --profile famax --profile-top 45 ;;
 s34_final)
   # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
   # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's

@@ -159,6 +159,25 @@ def timed_block(arm, n, device):
     return ms / n
 
 
+def parse_arm_name(spec: str) -> str:
+    return spec.partition(":")[0]
+
+
+def profile_arm(arm, top, device):
+    """Print the profiler's kernel table of 2 steps of ``arm`` (``bench/timing.kernel_table``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.timing import kernel_table
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        arm.steps(2)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    print(f"\n== profile: arm {arm.name}, 2 steps ==")
+    print(kernel_table(prof, 2, top=top), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", action="append", required=True,
@@ -173,6 +192,9 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--tiny", action="store_true", help="toy model (CPU smoke run)")
     ap.add_argument("--json", help="append the result rows as one JSON line to this file")
+    ap.add_argument("--profile", action="append", default=[], metavar="ARM",
+                    help="after the timing, a torch.profiler kernel table of 2 steps of this arm (repeatable)")
+    ap.add_argument("--profile-top", type=int, default=40, help="rows of each profile table (default 40)")
     args = ap.parse_args(argv)
     if len(args.arm) < 2:
         raise SystemExit("need at least two --arm (the first is the baseline)")
@@ -186,6 +208,9 @@ def main(argv=None):
 
     from torch._dynamo.utils import counters
 
+    unknown = set(args.profile) - {parse_arm_name(a) for a in args.arm}
+    if unknown:
+        raise SystemExit(f"--profile names no arm: {sorted(unknown)}")
     arms = []
     for spec in args.arm:
         arm = Arm(spec, args, device, data)
@@ -222,6 +247,8 @@ def main(argv=None):
         mdiff = "" if arm is base else f"{row['median_diff_ms']:+.3f}"
         print(f"{arm.name:<10} {med:>10.3f} {row['min_ms']:>8.3f} {row['max_ms']:>8.3f} {mdiff:>21} {rng:>18} "
               f"{row['ratio']:>7.4f}  {arm.loss:.4f}")
+    for name in args.profile:
+        profile_arm(next(a for a in arms if a.name == name), args.profile_top, device)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(dict(policy=args.policy, B=args.B, T=args.T, mode=args.mode, rounds=args.rounds,

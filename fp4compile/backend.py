@@ -19,6 +19,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     GEMMs that dequantize both operands read them as bf16 q * S        passes/linear.py
                     from the quantize launches (quantize_dq, gemm_dequantized);
                     forward weight copies saved (or MUST_RECOMPUTE: save_weight_copies)
+                    an activation's amax from the kernel that makes it (opt-in)      passes/amax.py
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
@@ -60,7 +61,8 @@ from . import precompile
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
-from .passes import linear, reuse
+from .passes import amax, linear, reuse
+from .passes.amax import fuse_amax
 from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
@@ -70,7 +72,7 @@ OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile",
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
-    "passes/check.py", "passes/common.py",
+    "passes/amax.py", "passes/check.py", "passes/common.py",
     # the kernels whose shape rules the rewrite reads (kernels/gemm.py's choose_impl, for quantize_dq operands)
     "kernels/gemm.py"))
 
@@ -141,6 +143,7 @@ class FP4JointPass(CustomGraphPass):
         records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
         cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
         use_dequantized_copies(graph, cache)            # GEMM operands as bf16 q * S from the quantize launches
+        fuse_amax(graph)                                # an activation's amax from the kernel that makes it (opt-in)
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
@@ -154,7 +157,8 @@ class FP4JointPass(CustomGraphPass):
     def uuid(self) -> bytes:
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
-        switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights())
+        switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights(),
+                    amax.FUSE_AMAX)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

@@ -12,7 +12,7 @@ step calls them ~600 times, and custom_op routes every call through Python autog
 wrappers (dispatch 20.6 us per call against 2.7 us this way on the H200 machine, ``bench/host_overhead.py``). The
 differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` for eager use).
 
-    fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+    fp4compile::quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, amax=None)
         -> (codes uint8 [R, C/2], scales uint8 [R, C/16], global_scale fp32 [])
         x is 2D [M, K]; quantized along K, or along M when transpose=True (the "column-wise" copy that
         wgrad needs: the result is the quantization of x.T). hadamard=0 means no rotation.
@@ -22,6 +22,10 @@ differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` fo
         ``formats/random.py``: the same seed gives the same bytes on CPU (reference) and CUDA (Triton). With
         ``seed=None`` a fresh one is drawn from torch's default generator on x's device at every call (so a
         compiled graph re-randomizes every step); ``hadamard`` without ``signs`` likewise draws fresh signs.
+        ``amax`` (fp32 0-dim, RTN / SR without a rotation): max|x| computed by the caller -- the backend's amax
+        fusion (passes/amax.py) reduces it inside the Inductor kernel that produces x -- so the CUDA kernels read x
+        once instead of twice (no amax pass). It must be max|x| exactly: the CPU reference checks that and raises
+        otherwise; the CUDA path trusts it (no host sync). The same bytes as without it.
         The CUDA path does not check for NaN/Inf.
     fp4compile::quantize_both(x, hadamard, signs, seed, hadamard_t, signs_t, seed_t) -> six tensors
         = quantize(x, "ms_eden", hadamard=hadamard, signs=signs, seed=seed)
@@ -39,7 +43,7 @@ differentiable Q-Attn ops keep ``custom_op`` (they need ``register_autograd`` fo
         CUDA (sm_90, no FP4 tensor cores): kernels/gemm.py, impl chosen per shape by ``choose_impl``: exact
         bf16 dequantization of both operands + a persistent TMA bf16 GEMM with the global scales in its FP32
         epilogue (split-K for long-K / small-output wgrad shapes), or in-register dequantization kernels.
-    fp4compile::quantize_dq(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+    fp4compile::quantize_dq(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, amax=None)
         -> (codes, scales, global_scale, dq bf16 [R, C]): quantize, plus dq = dequantize_blocks(codes, scales),
         the copy's exact q * S as a GEMM operand. CUDA: RTN / SR store dq from the quantize kernel itself (no
         dequantize pass reading the codes back); MS-EDEN stores it from its pass 2, which makes the scales.
@@ -91,13 +95,28 @@ def register_cuda(name: str, fn) -> None:
     _LIB.impl(name, fn, "CUDA")
 
 
+def check_amax(amax: Optional[Tensor], rounding: str, hadamard: int) -> None:
+    """The ``amax`` argument of ``fp4compile::quantize(_dq)``: a 0-dim fp32 tensor, for RTN / SR without a rotation
+    (MS-EDEN aligns its global scale after the block scales; under an RHT the amax is the rotated tensor's)."""
+    if amax is None:
+        return
+    if rounding == "ms_eden" or hadamard:
+        raise ValueError(f"fp4compile::quantize: amax is for rtn / sr without hadamard, got rounding={rounding!r}, "
+                         f"hadamard={hadamard}")
+    if amax.dim() != 0 or amax.dtype != torch.float32:
+        raise ValueError(f"fp4compile::quantize: amax must be a 0-dim float32 tensor, got {amax.dtype} "
+                         f"{tuple(amax.shape)}")
+
+
 def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: bool, hadamard: int,
-                        signs: Optional[Tensor], seed: Optional[Tensor], transpose: bool):
+                        signs: Optional[Tensor], seed: Optional[Tensor], transpose: bool,
+                        amax: Optional[Tensor] = None):
     """The torch reference behind the op on every device without a kernel (CPU in CI).
 
     Same seed -> same bytes as the CUDA kernels (``formats/random.py``). ``seed=None`` draws a fresh int64
     seed from torch's default generator on ``x``'s device (so every call of a compiled graph is fresh);
-    ``hadamard`` without ``signs`` draws fresh random signs the same way.
+    ``hadamard`` without ``signs`` draws fresh random signs the same way. A given ``amax`` must equal max|x|
+    (checked here; the reference measures it itself).
     """
     from .formats.random import draw_seed
     from .formats.schemes import quantize_fp32
@@ -106,9 +125,14 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
         raise ValueError(f"fp4compile::quantize takes a 2D tensor, got shape {tuple(x.shape)}")
     if rounding not in nvfp4.ROUNDINGS:
         raise ValueError(f"rounding must be one of {nvfp4.ROUNDINGS}, got {rounding!r}")
+    check_amax(amax, rounding, hadamard)
     src = x.t() if transpose else x
     block = (16, 16) if block2d else 16
     nvfp4.check_input(src, block, hadamard or None, check_finite=False)
+    if amax is not None:
+        true = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
+        if not torch.equal(amax.detach().cpu(), true.cpu()):
+            raise ValueError(f"fp4compile::quantize: amax={float(amax)} is not max|x|={float(true)}")
     dev = x.device
     if rounding != "rtn" and seed is None:
         seed = draw_seed(device=dev)
@@ -121,13 +145,14 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
 
 def _quantize_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
                  hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-                 transpose: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    return _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+                 transpose: bool = False, amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    return _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, amax)
 
 
 def _quantize_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
-                   transpose=False):
+                   transpose=False, amax=None):
     torch._check(x.dim() == 2, lambda: f"fp4compile::quantize takes a 2D tensor, got {x.dim()}D")
+    check_amax(amax, rounding, hadamard)
     rows, cols = (x.shape[1], x.shape[0]) if transpose else (x.shape[0], x.shape[1])
     torch._check(cols % 16 == 0, lambda: f"quantized dim must be a multiple of 16, got {cols}")
     codes = x.new_empty((rows, cols // 2), dtype=torch.uint8)
@@ -140,14 +165,16 @@ quantize = _define("quantize", _quantize_op, _quantize_fake)
 
 def _quantize_dq_op(x: Tensor, rounding: str = "rtn", four_over_six: bool = False, block2d: bool = False,
                     hadamard: int = 0, signs: Optional[Tensor] = None, seed: Optional[Tensor] = None,
-                    transpose: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    codes, scales, glob = _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+                    transpose: bool = False, amax: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    codes, scales, glob = _quantize_reference(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose,
+                                              amax)
     return codes, scales, glob, _dequantize_blocks_op(codes, scales)
 
 
 def _quantize_dq_fake(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
-                      transpose=False):
-    codes, scales, glob = _quantize_fake(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+                      transpose=False, amax=None):
+    codes, scales, glob = _quantize_fake(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose,
+                                         amax)
     return codes, scales, glob, _dequantize_blocks_fake(codes, scales)
 
 

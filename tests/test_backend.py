@@ -405,6 +405,39 @@ def test_linear_bias_goes_into_the_gemm_epilogue(monkeypatch):
     assert [r.get("bias") for r in rec.done if r["role"] == "linear.fprop"] == [None]
 
 
+@pytest.mark.parametrize("policy", ["full_stack", "rtn"])
+def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(monkeypatch, policy):
+    """``passes/amax.py`` (``FUSE_AMAX``): an RTN quantize of a tensor an Inductor kernel makes (LayerNorm, GELU;
+    with the RTN policy also the GELU's backward, a gradient) gets its amax from the graph, the same output and
+    gradients bit for bit (the CPU reference raises if a given amax is not max|x|, so a wrong one cannot pass);
+    graph inputs (x, the weights, the loss's tangent) and MS-EDEN copies keep the op's own amax; off, none is
+    given one (the test can fail)."""
+    from fp4compile.passes import amax as amax_pass
+
+    quantizes = (torch.ops.fp4compile.quantize.default, torch.ops.fp4compile.quantize_dq.default)
+    pol = Policy.full_stack() if policy == "full_stack" else RTN
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(),
+                         nn.Linear(256, 128)).to(torch.bfloat16)
+    x0 = torch.randn(384, 128, dtype=torch.bfloat16)
+    out, given, amaxes = {}, {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(amax_pass, "FUSE_AMAX", on)
+        out[on], rec = _forward_backward(base, x0, pol)
+        parts = dict(rec.partitions)
+        given[on] = {kind: sum(n.target in quantizes and len(n.args) > 8 and isinstance(n.args[8], torch.fx.Node)
+                               for n in gm.graph.nodes) for kind, gm in parts.items()}
+        amaxes[on] = {kind: sum(n.target is torch.ops.aten.amax.default and n.args[1] == [0] for n in gm.graph.nodes)
+                      for kind, gm in parts.items()}
+    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+    assert given[False] == amaxes[False] == {"fwd": 0, "bwd": 0}
+    # forward: the LayerNorm's and the GELU's outputs (x and the three weights are graph inputs). Backward, with RTN:
+    # the GELU backward's and the LayerNorm backward's outputs (dY of the 2nd and 1st linear), each quantized
+    # row-wise (dgrad) and transposed (wgrad) with one amax; the last linear's dY is the tangent; MS-EDEN takes none
+    assert given[True] == {"fwd": 2, "bwd": 4 if policy == "rtn" else 0}, given
+    assert amaxes[True] == {"fwd": 2, "bwd": 2 if policy == "rtn" else 0}, amaxes
+
+
 def test_saved_weight_copies_option_keeps_the_gradients():
     """The backend option ``save_weight_copies`` (default ``reuse.SAVE_WEIGHT_COPIES``, on): the forward's FP4 weight
     copies are saved (their codes among the saved tensors) instead of recomputed in the backward, with the same
@@ -506,10 +539,10 @@ def test_policy_change_recompiles_same_policy_same_key():
     assert k1 != FP4JointPass(RTN, {"linear": SiteInfo("b", (("linear.fprop", NVFP4()),), 1)}).uuid()
     assert k1 != FP4JointPass(RTN, table, gemm_lowering="dequant_mm").uuid()
     # the rewrite's module switches (read when the pass runs) are part of the key too
-    from fp4compile.passes import linear, reuse
+    from fp4compile.passes import amax, linear, reuse
 
     for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (linear, "FUSE_BIAS", not linear.FUSE_BIAS),
-                             (reuse, "PAIR_LAYOUTS", False),
+                             (reuse, "PAIR_LAYOUTS", False), (amax, "FUSE_AMAX", not amax.FUSE_AMAX),
                              (reuse, "SAVE_WEIGHT_COPIES", not reuse.SAVE_WEIGHT_COPIES)):
         old = getattr(mod, name)
         try:
@@ -917,3 +950,34 @@ def test_gpu_fprop_one_operand_under_cuda_graphs(operands):
     xp = x.clone().requires_grad_()
     plain(xp).float().sum().backward()
     assert rel(xg.grad, xp.grad) < 1e-2 and rel(model.weight.grad, plain.weight.grad) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_amax_same_bytes_through_inductor_and_cuda_graphs(monkeypatch):
+    """``passes/amax.py`` on CUDA through Inductor's Triton kernels with CUDA graphs: the reductions Inductor fuses
+    into the LayerNorm / GELU kernels give the quantize kernels the amax their own pass would measure -- the same
+    output and gradients bit for bit, full-stack and RTN policies (RTN: the gradients' amax too)."""
+    from fp4compile.passes import amax as amax_pass
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 512), nn.GELU(),
+                         nn.Linear(512, 256)).cuda().bfloat16()
+    x0 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    for policy in ("full_stack", RTN):
+        out = {}
+        for on in (False, True):
+            monkeypatch.setattr(amax_pass, "FUSE_AMAX", on)
+            torch._dynamo.reset()
+            model = copy.deepcopy(base)
+            compiled = torch.compile(model, backend="fullstack_fp4",
+                                     options={"policy": policy, "mode": "reduce-overhead"})
+            for _ in range(3):                               # warm-up, capture, replay
+                torch.compiler.cudagraph_mark_step_begin()
+                model.zero_grad()
+                xg = x0.clone().requires_grad_()
+                torch.manual_seed(1)                         # the same MS-EDEN seeds and signs in both arms
+                y = compiled(xg)
+                y.float().sum().backward()
+            out[on] = [y.detach().clone(), xg.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(out[False], out[True])), policy

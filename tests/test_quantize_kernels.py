@@ -407,6 +407,45 @@ def test_gpu_quantize_dq(case):
             assert torch.equal(a.cpu(), b), (case, i)
 
 
+AMAX_CASES = [c for c in GPU_CASES if c[0] != "ms_eden" and not c[3]]      # RTN / SR without a rotation
+
+
+def test_op_amax_argument_is_checked_on_cpu():
+    """``fp4compile::quantize(_dq)``'s ``amax``: the true max|x| (as the backend's fused reduction gives it: fp32
+    0-dim) gives the bytes of the op's own amax; anything else raises on CPU (the reference checks it), as do the
+    wrong dtype or shape and MS-EDEN / a rotation (whose amax is not max|x| of the input)."""
+    x = data("heavy", (64, 128), seed=3).to(torch.bfloat16)
+    amax = x.abs().amax().float()
+    for op in (torch.ops.fp4compile.quantize, torch.ops.fp4compile.quantize_dq):
+        for r, f46, b2, tr in (("rtn", True, False, False), ("sr", False, True, True), ("rtn", False, False, True)):
+            want = op(x, r, f46, b2, 0, None, SEED, tr)
+            got = op(x, r, f46, b2, 0, None, SEED, tr, amax)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), (op, r)
+    q = torch.ops.fp4compile.quantize
+    for bad, match in ((amax * 0.5, "not max"), (amax.bfloat16(), "float32"), (amax.reshape(1), "0-dim")):
+        with pytest.raises(ValueError, match=match):
+            q(x, "rtn", True, False, 0, None, None, False, bad)
+    with pytest.raises(ValueError, match="amax is for rtn / sr"):
+        q(x, "ms_eden", False, False, 0, None, SEED, False, amax)
+    with pytest.raises(ValueError, match="amax is for rtn / sr"):
+        q(x, "rtn", False, False, 16, SIGNS[:16], None, False, amax)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", AMAX_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_ops_with_a_given_amax(case):
+    """On CUDA the ops trust a given amax (no amax pass, one read of x): with the true max|x| in fp32, the same bytes
+    as without it, for quantize and quantize_dq (the amax fusion of passes/amax.py relies on this)."""
+    r, f46, b2, _, tr = case
+    x = data("heavy", (1024, 2048), seed=AMAX_CASES.index(case)).to(torch.bfloat16).cuda()
+    amax = x.abs().amax().float()
+    for op in (torch.ops.fp4compile.quantize, torch.ops.fp4compile.quantize_dq):
+        want = op(x, r, f46, b2, 0, None, SEED.cuda(), tr)
+        got = op(x, r, f46, b2, 0, None, SEED.cuda(), tr, amax)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), (case, op)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2},

@@ -23,6 +23,11 @@ def test_parse_arm_reads_switches_dict_entries_and_options():
     assert step_ab.parse_arm("bf16:backend=inductor") == ("bf16", {}, {"backend": "inductor"})
 
 
+def test_profile_must_name_an_arm():
+    with pytest.raises(SystemExit, match="names no arm"):
+        step_ab.main(["--tiny", "--arm", "a", "--arm", "b", "--profile", "c"])
+
+
 @pytest.mark.parametrize("spec", ["x:SCALE_CAST=0", "x:fp4compile.kernels.gemm.SCALE_CAST",
                                   "x:fp4compile.kernels.gemm.NOPE=1", "x:fp4compile.kernels.quantize.CONFIG[nope]=1"])
 def test_parse_arm_rejects_bad_settings(spec):
@@ -45,10 +50,10 @@ def test_tiny_run_times_every_arm_on_a_graph_of_its_own(capsys, tmp_path):
     out = tmp_path / "ab.jsonl"
     rows = step_ab.main(["--tiny", "--rounds", "2", "--block", "1", "--warmup", "0", "--json", str(out),
                          "--arm", "base", "--arm", "nobias:fp4compile.passes.linear.FUSE_BIAS=false",
-                         "--arm", "bf16:backend=inductor"])
+                         "--arm", "bf16:backend=inductor", "--profile", "nobias", "--profile-top", "3"])
     assert [r["arm"] for r in rows] == ["base", "nobias", "bf16"]
     assert all(len(r["times"]) == 2 and r["median_ms"] > 0 for r in rows)
     assert rows[0]["median_diff_ms"] == 0 and rows[0]["ratio"] == 1
     text = capsys.readouterr().out
-    assert "(1 Dynamo graphs)" in text and "ABBA" in text
+    assert "(1 Dynamo graphs)" in text and "ABBA" in text and "== profile: arm nobias, 2 steps ==" in text
     assert out.read_text().count("\n") == 1

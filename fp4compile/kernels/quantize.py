@@ -1366,14 +1366,22 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- registration
+def _check_amax(amax, rounding, hadamard):
+    from ..ops import check_amax  # (ops imports this module's registration lazily: no import cycle at load)
+
+    check_amax(amax, rounding, hadamard)
+
+
 def _quantize_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
-                   transpose=False):
-    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose)
+                   transpose=False, amax=None):
+    _check_amax(amax, rounding, hadamard)
+    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, amax=amax)
 
 
 def _quantize_dq_cuda(x, rounding="rtn", four_over_six=False, block2d=False, hadamard=0, signs=None, seed=None,
-                      transpose=False):
-    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, dq=True)
+                      transpose=False, amax=None):
+    _check_amax(amax, rounding, hadamard)
+    return quantize(x, rounding, four_over_six, block2d, hadamard, signs, seed, transpose, amax=amax, dq=True)
 
 
 def _dequantize_cuda(codes, scales, global_scale, hadamard=0, signs=None, dtype=torch.bfloat16, transpose=False):
