@@ -260,6 +260,16 @@ def test_opcheck_quantize(kw):
     torch.library.opcheck(torch.ops.fp4compile.quantize.default, (x,), kw)
 
 
+@pytest.mark.parametrize("kw", [dict(rounding="rtn", four_over_six=True), dict(rounding="sr", seed=torch.tensor(3),
+                                                                                  transpose=True)])
+def test_opcheck_quantize_with_amax(kw):
+    """The ``amax`` argument (passes/amax.py gives it): schema, fake and autograd registration of both ops."""
+    x = heavy((32, 128), seed=8).to(torch.bfloat16)
+    kw = dict(kw, amax=x.abs().amax().float())
+    torch.library.opcheck(torch.ops.fp4compile.quantize.default, (x,), kw)
+    torch.library.opcheck(torch.ops.fp4compile.quantize_dq.default, (x,), kw)
+
+
 @pytest.mark.parametrize("h", [0, 16, 128])
 def test_opcheck_dequantize(h):
     x = heavy((32, 128), seed=9)
