@@ -663,8 +663,11 @@ s35_next)
   # go 108 -> 72, the LayerNorm / GELU kernels become reductions). Adopt FUSE_AMAX if it wins beyond the A/A spread
   step amax_tests 250 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
       tests/test_backend.py -m gpu -k "given_amax or gpu_fused_amax"
-  step step_ab 330 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
-      --arm famax:fp4compile.passes.amax.FUSE_AMAX=true --arm base2 --profile base --profile famax --profile-top 45 ;;
+  # two more arms re-check the GEMM routing now that the cuBLAS path's scale and cast are one pass (SCALE_CAST): every
+  # NVFP4 GEMM through cuBLAS + scale_cast, and the "auto" lowering (cuBLAS with the scale fused by Inductor)
+  step step_ab 400 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
+      --arm famax:fp4compile.passes.amax.FUSE_AMAX=true --arm cublas:fp4compile.kernels.gemm.DEFAULT_IMPL=dequant_cublas \
+      --arm lowauto:options.gemm_lowering=auto --arm base2 --profile base --profile famax --profile-top 45 ;;
 s34_final)
   # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
   # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's

@@ -539,10 +539,12 @@ def test_policy_change_recompiles_same_policy_same_key():
     assert k1 != FP4JointPass(RTN, {"linear": SiteInfo("b", (("linear.fprop", NVFP4()),), 1)}).uuid()
     assert k1 != FP4JointPass(RTN, table, gemm_lowering="dequant_mm").uuid()
     # the rewrite's module switches (read when the pass runs) are part of the key too
+    from fp4compile.kernels import gemm
     from fp4compile.passes import amax, linear, reuse
 
     for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (linear, "FUSE_BIAS", not linear.FUSE_BIAS),
                              (reuse, "PAIR_LAYOUTS", False), (amax, "FUSE_AMAX", not amax.FUSE_AMAX),
+                             (gemm, "DEFAULT_IMPL", "full" if gemm.DEFAULT_IMPL == "auto" else "auto"),
                              (reuse, "SAVE_WEIGHT_COPIES", not reuse.SAVE_WEIGHT_COPIES)):
         old = getattr(mod, name)
         try:

@@ -81,17 +81,25 @@ if DQ_OPERANDS not in ("all", "fwd", "none"):
 FUSE_BIAS = os.environ.get("FP4COMPILE_FUSE_BIAS", "1") != "0"
 
 
+def gemm_default_impl() -> Optional[str]:
+    """``kernels/gemm.DEFAULT_IMPL`` (``FP4COMPILE_GEMM_IMPL``), which the rewrite reads (:func:`cuda_impl`), so the
+    joint pass's cache key holds it; None without Triton."""
+    try:
+        from ..kernels.gemm import DEFAULT_IMPL
+    except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
+        return None
+    return DEFAULT_IMPL
+
+
 def cuda_impl(M: int, N: int, K: int) -> Optional[str]:
     """The kernel an "op"-lowered NVFP4 GEMM of this shape runs on CUDA: ``kernels/gemm.choose_impl``'s choice under
     the default ``"auto"``; None for symbolic sizes, another ``FP4COMPILE_GEMM_IMPL`` or no Triton (no rule to
     match)."""
-    if min(M, N, K) < 0:
+    if min(M, N, K) < 0 or gemm_default_impl() != "auto":
         return None
-    try:
-        from ..kernels.gemm import DEFAULT_IMPL, choose_impl
-    except ImportError:  # pragma: no cover - no Triton: no CUDA GEMM to match
-        return None
-    return choose_impl(M, N, K) if DEFAULT_IMPL == "auto" else None
+    from ..kernels.gemm import choose_impl
+
+    return choose_impl(M, N, K)
 
 
 def bias_in_epilogue(M: int, N: int, K: int) -> bool:
