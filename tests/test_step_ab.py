@@ -23,6 +23,14 @@ def test_parse_arm_reads_switches_dict_entries_and_options():
     assert step_ab.parse_arm("bf16:backend=inductor") == ("bf16", {}, {"backend": "inductor"})
 
 
+def test_median_ci_brackets_the_median_and_resolves_a_clear_shift():
+    lo, hi = step_ab.median_ci([0.1, -0.2, 0.05, 0.0, -0.1, 0.15, -0.05, 0.02])
+    assert lo <= 0.01 <= hi and lo < 0 < hi                  # noise around 0: not resolved
+    lo, hi = step_ab.median_ci([0.6, 0.5, 0.7, 0.55, 0.65, 0.4, 0.62, 0.58])
+    assert 0.4 <= lo <= 0.59 <= hi <= 0.7                    # a clear +0.6 ms: resolved, and bracketed
+    assert step_ab.median_ci([0.3]) == (0.3, 0.3)
+
+
 def test_profile_must_name_an_arm():
     with pytest.raises(SystemExit, match="names no arm"):
         step_ab.main(["--tiny", "--arm", "a", "--arm", "b", "--profile", "c"])
