@@ -130,8 +130,9 @@ def _quantize_reference(x: Tensor, rounding: str, four_over_six: bool, block2d: 
     block = (16, 16) if block2d else 16
     nvfp4.check_input(src, block, hadamard or None, check_finite=False)
     if amax is not None:
-        true = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
-        if not torch.equal(amax.detach().cpu(), true.cpu()):
+        true = (x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)).cpu()
+        given = amax.detach().cpu()
+        if not (torch.equal(given, true) or (bool(given.isnan()) and bool(true.isnan()))):   # (NaN x: NaN amax)
             raise ValueError(f"fp4compile::quantize: amax={float(amax)} is not max|x|={float(true)}")
     dev = x.device
     if rounding != "rtn" and seed is None:

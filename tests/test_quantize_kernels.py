@@ -429,6 +429,12 @@ def test_op_amax_argument_is_checked_on_cpu():
         q(x, "ms_eden", False, False, 0, None, SEED, False, amax)
     with pytest.raises(ValueError, match="amax is for rtn / sr"):
         q(x, "rtn", False, False, 16, SIGNS[:16], None, False, amax)
+    xn = x.clone()
+    xn[3, 5] = float("nan")                  # a diverged run: the NaN amax of a NaN tensor is its max|x|, no error
+    nan = xn.abs().amax().float()
+    args = (xn, "rtn", True, False, 0, None, None, False)
+    for a, b in zip(q(*args), q(*args, nan)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu
