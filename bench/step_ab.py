@@ -178,19 +178,13 @@ def parse_arm_name(spec: str) -> str:
     return spec.partition(":")[0]
 
 
-def profile_arm(arm, top, device):
-    """Print the profiler's kernel table of 2 steps of ``arm`` (``bench/timing.kernel_table``)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_arm(arm, top):
+    """Print the profiler's kernel table of 2 steps of ``arm`` (``bench/timing.profile_steps``)."""
+    from bench.timing import profile_steps
 
-    from bench.timing import kernel_table
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        arm.steps(2)
-        if device == "cuda":
-            torch.cuda.synchronize()
+    table = profile_steps(arm.steps, 2, top=top)
     print(f"\n== profile: arm {arm.name}, 2 steps ==")
-    print(kernel_table(prof, 2, top=top), flush=True)
+    print(table, flush=True)
 
 
 def main(argv=None):
@@ -266,7 +260,7 @@ def main(argv=None):
         print(f"{arm.name:<10} {med:>10.3f} {row['min_ms']:>8.3f} {row['max_ms']:>8.3f} {mdiff:>21} {ci:>18} "
               f"{rng:>18} {row['ratio']:>7.4f}  {arm.loss:.4f}")
     for name in args.profile:
-        profile_arm(next(a for a in arms if a.name == name), args.profile_top, device)
+        profile_arm(next(a for a in arms if a.name == name), args.profile_top)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(dict(policy=args.policy, B=args.B, T=args.T, mode=args.mode, rounds=args.rounds,

@@ -21,6 +21,20 @@ def host_us(fn, n: int, warmup: int = 5) -> float:
     return us
 
 
+def profile_steps(run_steps, steps: int, top: int = 25) -> str:
+    """:func:`kernel_table` of a torch.profiler trace of ``run_steps(steps)`` (CPU and, where there is one, CUDA
+    activity; the GPU drained before the trace ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run_steps(steps)
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_table(prof, steps, top=top)
+
+
 def kernel_table(prof, steps, top=25):
     """Top CUDA kernels (self device time per step) of a torch.profiler trace, and totals by family."""
     rows = []

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import kernel_table  # noqa: E402
+from bench.timing import profile_steps  # noqa: E402
 
 
 class Block(nn.Module):
@@ -151,15 +151,10 @@ def run(label, backend, options, args, device, impls=(None,), profile=False):
     except ImportError:
         pass
     if profile:
-        from torch.profiler import ProfilerActivity, profile as tprofile
         n = 2
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with tprofile(activities=acts) as prof:
-            for i in range(n):
-                step(i)
-            sync()
+        table = profile_steps(lambda k: [step(i) for i in range(k)], n, top=args.profile_top)
         print(f"\n== profile: {label}" + (f" [{impls[-1]}]" if impls[-1] else "") + f", {n} steps ==")
-        print(kernel_table(prof, n, top=args.profile_top), flush=True)
+        print(table, flush=True)
     del model, opt, step_fn
     torch._dynamo.reset()
     return results

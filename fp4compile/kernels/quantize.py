@@ -1367,7 +1367,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
 
 # ---------------------------------------------------------------------------------------------- registration
 def _check_amax(amax, rounding, hadamard):
-    from ..ops import check_amax  # (ops imports this module's registration lazily: no import cycle at load)
+    from ..ops import check_amax  # (imported here: ops imports the kernels at load, and attention imports us)
 
     check_amax(amax, rounding, hadamard)
 

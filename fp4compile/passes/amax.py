@@ -25,7 +25,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import ops  # noqa: F401  (defines the fp4compile ops that .reuse looks up at import)
-from .common import VIEWS, add_call
+from .common import add_call, root
 from .reuse import QUANTIZE, QUANTIZE_DQ, _copy_meta
 
 #: :func:`fuse_amax` runs (the backend's joint pass). Off by default until its step A/B on the GPU;
@@ -40,16 +40,10 @@ _OPAQUE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
            torch.ops.aten.baddbmm.default}
 
 
-def _view_root(src: Node) -> Node:
-    n = src
-    while n.op == "call_function" and n.target in VIEWS:
-        n = n.args[0]
-    return n
-
-
 def _producer(src: Node) -> Node:
-    """The node that computes ``src``'s values: through views, and through a getitem to its multi-output op."""
-    n = _view_root(src)
+    """The node that computes ``src``'s values: through views and transposes (``common.root``), and through a
+    getitem to its multi-output op."""
+    n = root(src)
     if n.op == "call_function" and n.target is operator.getitem:
         n = n.args[0]
     return n
@@ -82,8 +76,8 @@ def fuse_amax(graph: Graph) -> Dict[str, int]:
         if hadamard or not _fusable(src):
             stats["skipped"] += 1
             continue
-        root = _view_root(src)
-        amax = done.get(root)
+        key = root(src)                            # (max|x| is the same for every view or transpose of it)
+        amax = done.get(key)
         if amax is None:
             absx = add_call(graph, aten.abs.default, (src,), after=src, anchor=src)
             rows = add_call(graph, aten.amax.default, (absx, [-1]), after=absx, anchor=src)
@@ -92,7 +86,7 @@ def fuse_amax(graph: Graph) -> Dict[str, int]:
                             after=whole, anchor=src)
             for n in (absx, rows, whole, amax):
                 _copy_meta(src, n)
-            done[root] = amax
+            done[key] = amax
         args = list(q.args) + [None] * (_AMAX_ARG - len(q.args))
         q.args = tuple(args + [amax])
         stats["fused"] += 1
