@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -668,6 +668,17 @@ s35_next)
   step step_ab 400 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
       --arm famax:fp4compile.passes.amax.FUSE_AMAX=true --arm cublas:fp4compile.kernels.gemm.DEFAULT_IMPL=dequant_cublas \
       --arm lowauto:options.gemm_lowering=auto --arm base2 --profile base --profile famax --profile-top 45 ;;
+s35_b)
+  # issue 3 on one nvidia-h200 (~7 min; session 35): s35_next's FUSE_AMAX=all lost +0.29 ms (the GELU kernel became a
+  # reduction, 63 -> 116 us per call). Its "norms" mode (LayerNorm outputs only: their kernel reduces rows anyway) and
+  # "all" with the GELU's reduction over rows of 1024 or 256 (POINTWISE_ROW); the GPU tests of every mode first
+  step amax_tests 300 python -m pytest -x -q -p no:cacheprovider tests/test_quantize_kernels.py \
+      tests/test_backend.py -m gpu -k "given_amax or gpu_fused_amax"
+  step step_ab 420 python bench/step_ab.py --rounds 12 --block 10 --json "$OUT/step_ab.jsonl" --arm base \
+      --arm norms:fp4compile.passes.amax.FUSE_AMAX='"norms"' \
+      --arm all1024:fp4compile.passes.amax.FUSE_AMAX='"all"',fp4compile.passes.amax.POINTWISE_ROW=1024 \
+      --arm all256:fp4compile.passes.amax.FUSE_AMAX='"all"',fp4compile.passes.amax.POINTWISE_ROW=256 \
+      --arm base2 --profile norms --profile all1024 --profile-top 30 ;;
 s34_final)
   # issues 3 and all on one nvidia-h200 (~6 min; session 34): the default step against BF16 Inductor, interleaved in
   # one process (bench/step_ab.py), then the GPU suite on the final tree (SCALE_CAST on by default now; attention's

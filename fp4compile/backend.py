@@ -158,7 +158,7 @@ class FP4JointPass(CustomGraphPass):
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
         switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights(),
-                    amax.FUSE_AMAX, linear.gemm_default_impl())
+                    amax.fuse_amax_mode(), amax.POINTWISE_ROW, linear.gemm_default_impl())
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

@@ -406,12 +406,14 @@ def test_linear_bias_goes_into_the_gemm_epilogue(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["full_stack", "rtn"])
-def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(monkeypatch, policy):
+@pytest.mark.parametrize("mode, row", [("all", 0), ("norms", 0), ("all", 128)])
+def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(monkeypatch, policy, mode, row):
     """``passes/amax.py`` (``FUSE_AMAX``): an RTN quantize of a tensor an Inductor kernel makes (LayerNorm, GELU;
     with the RTN policy also the GELU's backward, a gradient) gets its amax from the graph, the same output and
     gradients bit for bit (the CPU reference raises if a given amax is not max|x|, so a wrong one cannot pass);
     graph inputs (x, the weights, the loss's tangent) and MS-EDEN copies keep the op's own amax; off, none is
-    given one (the test can fail)."""
+    given one (the test can fail). ``"norms"`` reaches only the LayerNorm's tensors; ``POINTWISE_ROW`` reshapes
+    the GELU's (a pointwise producer's) first reduction, not the LayerNorm's."""
     from fp4compile.passes import amax as amax_pass
 
     quantizes = (torch.ops.fp4compile.quantize.default, torch.ops.fp4compile.quantize_dq.default)
@@ -420,8 +422,9 @@ def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(
     base = nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(),
                          nn.Linear(256, 128)).to(torch.bfloat16)
     x0 = torch.randn(384, 128, dtype=torch.bfloat16)
-    out, given, amaxes = {}, {}, {}
-    for on in (False, True):
+    monkeypatch.setattr(amax_pass, "POINTWISE_ROW", row)
+    out, given, amaxes, views = {}, {}, {}, {}
+    for on in ("off", mode):
         monkeypatch.setattr(amax_pass, "FUSE_AMAX", on)
         out[on], rec = _forward_backward(base, x0, pol)
         parts = dict(rec.partitions)
@@ -429,13 +432,30 @@ def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(
                                for n in gm.graph.nodes) for kind, gm in parts.items()}
         amaxes[on] = {kind: sum(n.target is torch.ops.aten.amax.default and n.args[1] == [0] for n in gm.graph.nodes)
                       for kind, gm in parts.items()}
-    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
-    assert given[False] == amaxes[False] == {"fwd": 0, "bwd": 0}
+        views[on] = sum(n.target is torch.ops.aten.amax.default and n.args[0].target is torch.ops.aten.view.default
+                        for gm in parts.values() for n in gm.graph.nodes)
+    assert all(torch.equal(a, b) for a, b in zip(out["off"], out[mode]))
+    assert given["off"] == amaxes["off"] == {"fwd": 0, "bwd": 0}
     # forward: the LayerNorm's and the GELU's outputs (x and the three weights are graph inputs). Backward, with RTN:
     # the GELU backward's and the LayerNorm backward's outputs (dY of the 2nd and 1st linear), each quantized
     # row-wise (dgrad) and transposed (wgrad) with one amax; the last linear's dY is the tangent; MS-EDEN takes none
-    assert given[True] == {"fwd": 2, "bwd": 4 if policy == "rtn" else 0}, given
-    assert amaxes[True] == {"fwd": 2, "bwd": 2 if policy == "rtn" else 0}, amaxes
+    per_side = 2 if mode == "all" else 1
+    assert given[mode] == {"fwd": per_side, "bwd": 2 * per_side if policy == "rtn" else 0}, given
+    assert amaxes[mode] == {"fwd": per_side, "bwd": per_side if policy == "rtn" else 0}, amaxes
+    # the reshaped row: the GELU's output, and with RTN its backward's (pointwise); never a LayerNorm's
+    assert views[mode] == (0 if row == 0 else 2 if policy == "rtn" else 1), views
+
+
+def test_fuse_amax_setting_is_checked(monkeypatch):
+    """``FUSE_AMAX`` takes ``"off"`` / ``"norms"`` / ``"all"`` or a bool, and names the setting when it is wrong."""
+    from fp4compile.passes import amax as amax_pass
+
+    for value, mode in ((False, "off"), (True, "all"), ("1", "all"), ("0", "off"), ("Norms", "norms")):
+        monkeypatch.setattr(amax_pass, "FUSE_AMAX", value)
+        assert amax_pass.fuse_amax_mode() == mode
+    monkeypatch.setattr(amax_pass, "FUSE_AMAX", "some")
+    with pytest.raises(ValueError, match="FUSE_AMAX"):
+        amax_pass.fuse_amax_mode()
 
 
 def test_saved_weight_copies_option_keeps_the_gradients():
@@ -543,7 +563,9 @@ def test_policy_change_recompiles_same_policy_same_key():
     from fp4compile.passes import amax, linear, reuse
 
     for mod, name, other in ((linear, "DQ_OPERANDS", "none"), (linear, "FUSE_BIAS", not linear.FUSE_BIAS),
-                             (reuse, "PAIR_LAYOUTS", False), (amax, "FUSE_AMAX", not amax.FUSE_AMAX),
+                             (reuse, "PAIR_LAYOUTS", False),
+                             (amax, "FUSE_AMAX", "norms" if amax.fuse_amax_mode() != "norms" else "all"),
+                             (amax, "POINTWISE_ROW", amax.POINTWISE_ROW + 1024),
                              (gemm, "DEFAULT_IMPL", "full" if gemm.DEFAULT_IMPL == "auto" else "auto"),
                              (reuse, "SAVE_WEIGHT_COPIES", not reuse.SAVE_WEIGHT_COPIES)):
         old = getattr(mod, name)
@@ -956,12 +978,16 @@ def test_gpu_fprop_one_operand_under_cuda_graphs(operands):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fused_amax_same_bytes_through_inductor_and_cuda_graphs(monkeypatch):
+@pytest.mark.parametrize("mode, row", [("all", 0), ("norms", 0), ("all", 1024)])
+def test_gpu_fused_amax_same_bytes_through_inductor_and_cuda_graphs(monkeypatch, mode, row):
     """``passes/amax.py`` on CUDA through Inductor's Triton kernels with CUDA graphs: the reductions Inductor fuses
     into the LayerNorm / GELU kernels give the quantize kernels the amax their own pass would measure -- the same
     bytes: the RTN policy's output and gradients (deterministic, the gradients' amax fused too), the full stack's
-    output (its backward's MS-EDEN draws fresh randomness every replay)."""
+    output (its backward's MS-EDEN draws fresh randomness every replay). Each mode of ``FUSE_AMAX``, and a pointwise
+    producer's reduction over rows of 1024 (``POINTWISE_ROW``)."""
     from fp4compile.passes import amax as amax_pass
+
+    monkeypatch.setattr(amax_pass, "POINTWISE_ROW", row)
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 512), nn.GELU(),
@@ -969,7 +995,7 @@ def test_gpu_fused_amax_same_bytes_through_inductor_and_cuda_graphs(monkeypatch)
     x0 = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
     for policy in ("full_stack", RTN):
         out = {}
-        for on in (False, True):
+        for on in ("off", mode):
             monkeypatch.setattr(amax_pass, "FUSE_AMAX", on)
             torch._dynamo.reset()
             model = copy.deepcopy(base)
@@ -984,4 +1010,4 @@ def test_gpu_fused_amax_same_bytes_through_inductor_and_cuda_graphs(monkeypatch)
             out[on] = [y.detach().clone(), xg.grad.clone()] + [p.grad.clone() for p in model.parameters()]
             if policy == "full_stack":
                 out[on] = out[on][:1]
-        assert all(torch.equal(a, b) for a, b in zip(out[False], out[True])), policy
+        assert all(torch.equal(a, b) for a, b in zip(out["off"], out[mode])), policy

@@ -9,11 +9,18 @@ features), so Inductor can fuse it into the kernel that writes x; the second red
 Inductor fuses both into the LayerNorm's and the GELU's loops). The quantize kernel then reads x once. The values
 are the same (max is exact in any order; the CPU reference checks that a given amax equals max|x|).
 
+Which producers (:data:`FUSE_AMAX`, ``FP4COMPILE_FUSE_AMAX``; part of the joint pass's cache key): ``"off"``;
+``"norms"``, only tensors whose producer is a pointwise function of a reduction over the tensor's rows (the joint
+graph is decomposed: a LayerNorm, RMSNorm, softmax or their backwards; Inductor's kernel for it reduces every row
+anyway, one more max is nearly free); ``"all"``, every tensor an
+Inductor kernel makes (a pointwise producer such as a GELU becomes a reduction kernel: on the H200, session 35, the
+124M step's GELU kernel went from 63 to 116 µs per call, more than the amax pass it saved; :data:`POINTWISE_ROW`
+sets the row such a kernel reduces).
+
 Left alone: weights (graph inputs: a reduction there is one more pass, nothing to fuse into), tensors made by an
 opaque op (fp4compile's own ops such as Q-Attn, GEMMs, SDPA), MS-EDEN copies (their global scale is aligned after
 their block scales) and rotated copies (their amax is the rotated tensor's). A tensor quantized twice (a gradient,
-row-wise and transposed) gets one amax. :data:`FUSE_AMAX` switches the pass (``FP4COMPILE_FUSE_AMAX``); it is part
-of the joint pass's cache key.
+row-wise and transposed) gets one amax.
 """
 from __future__ import annotations
 
@@ -28,9 +35,30 @@ from .. import ops  # noqa: F401  (defines the fp4compile ops that .reuse looks 
 from .common import add_call, root
 from .reuse import QUANTIZE, QUANTIZE_DQ, _copy_meta
 
-#: :func:`fuse_amax` runs (the backend's joint pass). Off by default until its step A/B on the GPU;
-#: ``FP4COMPILE_FUSE_AMAX=1`` turns it on at import.
-FUSE_AMAX = os.environ.get("FP4COMPILE_FUSE_AMAX", "0") != "0"
+_MODES = ("off", "norms", "all")
+
+
+def _mode(value) -> str:
+    """``FUSE_AMAX``'s value as one of ``_MODES`` (a bool, ``"0"`` / ``"1"`` read as ``"off"`` / ``"all"``)."""
+    text = {True: "all", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
+    mode = {"0": "off", "1": "all", "": "off"}.get(text.strip().lower(), text.strip().lower())
+    if mode not in _MODES:
+        raise ValueError(f"FUSE_AMAX / FP4COMPILE_FUSE_AMAX must be one of {_MODES} (or 0 / 1), got {value!r}")
+    return mode
+
+
+#: which quantized tensors :func:`fuse_amax` gives an amax from the graph: ``"off"``, ``"norms"`` or ``"all"``
+#: (module docstring). Off by default until its step A/B on the GPU; ``FP4COMPILE_FUSE_AMAX`` sets it at import.
+FUSE_AMAX = _mode(os.environ.get("FP4COMPILE_FUSE_AMAX", "off"))
+
+def fuse_amax_mode() -> str:
+    """:data:`FUSE_AMAX` as one of ``"off"``, ``"norms"``, ``"all"`` (a bool read as ``"off"`` / ``"all"``)."""
+    return _mode(FUSE_AMAX)
+
+
+#: with ``"all"``: a pointwise producer's first reduction runs over rows of this many elements (the tensor viewed
+#: as ``[-1, POINTWISE_ROW]``) where the tensor is contiguous and its size a multiple; 0: the tensor's last dim
+POINTWISE_ROW = 0
 
 #: the position of the ``amax`` argument of the quantize ops
 _AMAX_ARG = 8
@@ -38,6 +66,40 @@ _AMAX_ARG = 8
 #: producers Inductor does not generate a kernel for (nothing to fuse the reduction into)
 _OPAQUE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}
+
+#: how many pointwise nodes :func:`_after_row_reduction` walks back from a producer
+_WALK = 24
+
+
+def _reduces_last_dim(n: Node, val) -> bool:
+    """``n`` reduces the last dim (only) of a tensor with ``val``'s rows: its Inductor kernel loops over rows."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+            or torch.Tag.reduction not in n.target.tags or not isinstance(n.args[0], Node):
+        return False
+    src = n.args[0].meta.get("val")
+    dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    if src is None or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return False
+    return dims[0] % src.dim() == src.dim() - 1 and src.shape[-1] == val.shape[-1] and src.numel() == val.numel()
+
+
+def _after_row_reduction(p: Node, val) -> bool:
+    """``p`` is a pointwise function of a reduction over the rows of ``val`` (a decomposed LayerNorm, RMSNorm,
+    softmax or their backwards: Inductor fuses the pointwise tail into the reduction's kernel, which reads every row
+    anyway). Walks back at most ``_WALK`` pointwise nodes."""
+    todo, seen = [p], set()
+    while todo and len(seen) < _WALK:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target is operator.getitem:
+            todo.append(n.args[0])
+        elif _reduces_last_dim(n, val):
+            return True
+        elif isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags:
+            todo.extend(a for a in n.args if isinstance(a, Node))
+    return False
 
 
 def _producer(src: Node) -> Node:
@@ -49,10 +111,12 @@ def _producer(src: Node) -> Node:
     return n
 
 
-def _fusable(src: Node) -> bool:
+def _fusable(src: Node, mode: str) -> bool:
     p = _producer(src)
     if p.op != "call_function" or p.target in _OPAQUE:
         return False
+    if mode == "norms":
+        return _after_row_reduction(p, src.meta["val"])
     ns = getattr(p.target, "namespace", None)
     name = str(getattr(p.target, "__name__", p.target))
     return ns not in ("fp4compile",) and "scaled_dot_product" not in name and "flash" not in name
@@ -63,7 +127,8 @@ def fuse_amax(graph: Graph) -> Dict[str, int]:
     (module docstring). Returns ``{"fused": quantize nodes given an amax, "skipped": other RTN / SR quantize
     nodes}``."""
     stats = {"fused": 0, "skipped": 0}
-    if not FUSE_AMAX:
+    mode = fuse_amax_mode()
+    if mode == "off":
         return stats
     aten = torch.ops.aten
     done: Dict[Node, Node] = {}        # one amax per tensor (a gradient's row-wise and transposed copies share it)
@@ -73,18 +138,23 @@ def fuse_amax(graph: Graph) -> Dict[str, int]:
         src, rounding, hadamard = q.args[0], q.args[1], q.args[4]
         if rounding not in ("rtn", "sr") or len(q.args) > _AMAX_ARG:
             continue
-        if hadamard or not _fusable(src):
+        if hadamard or not _fusable(src, mode):
             stats["skipped"] += 1
             continue
         key = root(src)                            # (max|x| is the same for every view or transpose of it)
         amax = done.get(key)
         if amax is None:
             absx = add_call(graph, aten.abs.default, (src,), after=src, anchor=src)
-            rows = add_call(graph, aten.amax.default, (absx, [-1]), after=absx, anchor=src)
-            whole = add_call(graph, aten.amax.default, (rows, [0]), after=rows, anchor=src)
+            flat, val = absx, src.meta["val"]
+            if (POINTWISE_ROW and not _after_row_reduction(_producer(src), val) and val.is_contiguous()
+                    and val.numel() % POINTWISE_ROW == 0):
+                flat = add_call(graph, aten.view.default, (absx, [-1, POINTWISE_ROW]), after=absx, anchor=src)
+            rows = add_call(graph, aten.amax.default, (flat, [-1]), after=flat, anchor=src)
+            whole = add_call(graph, aten.amax.default, (rows, list(range(rows.meta["val"].dim()))), after=rows,
+                             anchor=src)
             amax = add_call(graph, torch.ops.prims.convert_element_type.default, (whole, torch.float32),
                             after=whole, anchor=src)
-            for n in (absx, rows, whole, amax):
+            for n in dict.fromkeys((absx, flat, rows, whole, amax)):
                 _copy_meta(src, n)
             done[key] = amax
         args = list(q.args) + [None] * (_AMAX_ARG - len(q.args))
