@@ -406,14 +406,15 @@ def test_linear_bias_goes_into_the_gemm_epilogue(monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["full_stack", "rtn"])
-@pytest.mark.parametrize("mode, row", [("all", 0), ("norms", 0), ("all", 128)])
+@pytest.mark.parametrize("mode, row", [("all", 0), ("norms", 0), ("all", 128), ("all", 65536)])
 def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(monkeypatch, policy, mode, row):
     """``passes/amax.py`` (``FUSE_AMAX``): an RTN quantize of a tensor an Inductor kernel makes (LayerNorm, GELU;
     with the RTN policy also the GELU's backward, a gradient) gets its amax from the graph, the same output and
     gradients bit for bit (the CPU reference raises if a given amax is not max|x|, so a wrong one cannot pass);
     graph inputs (x, the weights, the loss's tangent) and MS-EDEN copies keep the op's own amax; off, none is
     given one (the test can fail). ``"norms"`` reaches only the LayerNorm's tensors; ``POINTWISE_ROW`` reshapes
-    the GELU's (a pointwise producer's) first reduction, not the LayerNorm's."""
+    the GELU's (a pointwise producer's) first reduction, not the LayerNorm's, and leaves a GELU tensor whose size
+    is not a multiple of it alone."""
     from fp4compile.passes import amax as amax_pass
 
     quantizes = (torch.ops.fp4compile.quantize.default, torch.ops.fp4compile.quantize_dq.default)
@@ -439,11 +440,11 @@ def test_fused_amax_gives_the_same_bytes_and_reaches_only_inductor_made_tensors(
     # forward: the LayerNorm's and the GELU's outputs (x and the three weights are graph inputs). Backward, with RTN:
     # the GELU backward's and the LayerNorm backward's outputs (dY of the 2nd and 1st linear), each quantized
     # row-wise (dgrad) and transposed (wgrad) with one amax; the last linear's dY is the tangent; MS-EDEN takes none
-    per_side = 2 if mode == "all" else 1
+    per_side = 2 if mode == "all" and 384 * 256 % max(row, 1) == 0 else 1
     assert given[mode] == {"fwd": per_side, "bwd": 2 * per_side if policy == "rtn" else 0}, given
     assert amaxes[mode] == {"fwd": per_side, "bwd": per_side if policy == "rtn" else 0}, amaxes
     # the reshaped row: the GELU's output, and with RTN its backward's (pointwise); never a LayerNorm's
-    assert views[mode] == (0 if row == 0 else 2 if policy == "rtn" else 1), views
+    assert views[mode] == (0 if per_side == 1 or row == 0 else 2 if policy == "rtn" else 1), views
 
 
 def test_fuse_amax_setting_is_checked(monkeypatch):
