@@ -19,7 +19,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     GEMMs that dequantize both operands read them as bf16 q * S        passes/linear.py
                     from the quantize launches (quantize_dq, gemm_dequantized);
                     forward weight copies saved (or MUST_RECOMPUTE: save_weight_copies)
-                    an activation's amax from the kernel that makes it (opt-in)      passes/amax.py
+                    an activation's amax from the kernel that makes it (FUSE_AMAX)  passes/amax.py
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
@@ -143,7 +143,7 @@ class FP4JointPass(CustomGraphPass):
         records = rewrite_linears(graph, self.table, cache, self.gemm_lowering)
         cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
         use_dequantized_copies(graph, cache)            # GEMM operands as bf16 q * S from the quantize launches
-        fuse_amax(graph)                                # an activation's amax from the kernel that makes it (opt-in)
+        fuse_amax(graph)                                # an activation's amax from the kernel that makes it
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
