@@ -49,10 +49,11 @@ def _mode(value) -> str:
 
 
 #: which quantized tensors :func:`fuse_amax` gives an amax from the graph: ``"off"``, ``"norms"`` or ``"all"``
-#: (module docstring). ``"all"`` by default (with :data:`POINTWISE_ROW` 1024: the 124M step 0.20 ms faster on the
-#: H200, session 35; ``"norms"`` the same, ``"all"`` over the GELU's last dim 0.29 ms slower); ``FP4COMPILE_FUSE_AMAX``
-#: sets it at import.
+#: (module docstring). ``"all"`` by default (with :data:`POINTWISE_ROW` 1024 the 124M step is 0.20 and 0.43 ms faster
+#: than off on the H200 in two calls, session 35; ``"norms"`` 0.20 and 0.27; ``"all"`` over the GELU's last dim 0.29 ms
+#: slower); ``FP4COMPILE_FUSE_AMAX`` sets it at import.
 FUSE_AMAX = _mode(os.environ.get("FP4COMPILE_FUSE_AMAX", "all"))
+
 
 def fuse_amax_mode() -> str:
     """:data:`FUSE_AMAX` as one of ``"off"``, ``"norms"``, ``"all"`` (a bool read as ``"off"`` / ``"all"``)."""
