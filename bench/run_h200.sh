@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -679,6 +679,27 @@ s35_b)
       --arm all1024:fp4compile.passes.amax.FUSE_AMAX='"all"',fp4compile.passes.amax.POINTWISE_ROW=1024 \
       --arm all256:fp4compile.passes.amax.FUSE_AMAX='"all"',fp4compile.passes.amax.POINTWISE_ROW=256 \
       --arm base2 --profile norms --profile all1024 --profile-top 30 ;;
+s36_qk)
+  # issues 4 and 7 on one nvidia-h200 (session 36; carry .data/corpus, .data/gpt2.tiktoken): the 30M qattn arm at 100M
+  # tokens against the same with K smoothed before Q-Attn quantizes it (qattn_sk: FP4COMPILE_QK_TRANSFORM=smooth_k),
+  # seed SEED (default 0), both at once on the one GPU (time-sliced: tokens/s not a measurement), each in BUDGET s
+  # (default 500); the same command again on the warm machine continues them. Then each finished arm's Q-Attn errors
+  # on its own Q, K, V (bench/attn_qk_error.py, every transform); ERR_ONLY=1 skips the training
+  seed=${SEED:-0} budget=${2:-500}; dir=.study30m_qk_seed$seed
+  step data 60 python bench/study.py --data-only
+  if [ "${ERR_ONLY:-0}" != 1 ]; then
+    for a in qattn qattn_sk; do
+      step "study_${a}_seed$seed" $((budget + 15)) python bench/study.py --size 30m --arms "$a" --out "$dir" \
+          --tokens 100e6 --skip-data --time-budget "$budget" --export "$OUT/study_${a}_seed$seed" -- --seed "$seed" &
+    done
+    wait
+  fi
+  for a in qattn qattn_sk; do
+    r="$dir/30m/$a"
+    [ -f "$r/checkpoint/state.pt" ] && step "err_${a}_seed$seed" 120 python bench/attn_qk_error.py "$r" \
+        --batches 2 --batch-size 4 --json "$OUT/err_${a}_seed$seed.json"
+  done
+  cat "$OUT"/err_*.log 2>/dev/null ;;
 s35_final)
   # issues 3 and all on one nvidia-h200 (~9 min; session 35): FUSE_AMAX="all" with POINTWISE_ROW=1024 the default now
   # (s35_b: -0.20 ms, as "norms"); the step against the pass off, "norms" and BF16 Inductor interleaved, then the GPU

@@ -12,6 +12,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     q2w        only the forward GEMMs' weight operand NVFP4 (not in the default list): the share of the
                quartet2 gap that the forward's weight quantization alone causes
     qattn      + Q-Attn (policy full_stack)                              AdamW
+    qattn_sk, qattn_had   qattn with K smoothed / Q, K rotated by a Hadamard along head_dim before Q-Attn quantizes
+               them (FP4COMPILE_QK_TRANSFORM=smooth_k / hadamard; not in the default list)
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
@@ -101,6 +103,23 @@ ARMS = {
 }
 
 
+def env_arm(base: str, **env: str) -> dict:
+    """``base`` run with these environment variables (the module switches that ``fp4compile train`` has no flag
+    for); ``arm_env`` applies them to the arm's process."""
+    return dict(ARMS[base], env={**ARMS[base].get("env", {}), **env})
+
+
+def arm_env(arm: str, env: dict) -> dict:
+    """The environment of ``arm``'s ``fp4compile train`` process: ``env`` plus the arm's own variables."""
+    return {**env, **ARMS[arm].get("env", {})}
+
+
+# Q and K prepared for Q-Attn's quantization (passes/attention.py QK_TRANSFORM): K minus its sequence mean, or both
+# rotated along head_dim
+ARMS["qattn_sk"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="smooth_k")
+ARMS["qattn_had"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="hadamard")
+
+
 def late_arm(base: str, at: float, roles: str = "") -> dict:
     """``base`` with the late switch at ``at`` (fp4compile train --late-bf16-at; ``roles``: --late-bf16-roles, default
     the linears' forward GEMMs); ``late_of``/``late_at`` let --pair-late start it from ``base``'s run."""
@@ -120,7 +139,7 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
-          "qattn": "+ Q-Attn",
+          "qattn": "+ Q-Attn", "qattn_sk": "+ Q-Attn, K smoothed", "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
           "fullf": "full stack, frozen LoRA-SVD factors",
@@ -368,7 +387,8 @@ def main(argv=None) -> int:
         return 0
     if args.print_commands:
         for arm in arms:
-            print(" ".join(arm_command(args.size, arm, out, steps, args.extra, warmup, **ddp)))
+            prefix = [f"{k}={v}" for k, v in ARMS[arm].get("env", {}).items()]
+            print(" ".join(prefix + arm_command(args.size, arm, out, steps, args.extra, warmup, **ddp)))
         return 0
     if not args.report:
         t_start = time.time()
@@ -396,14 +416,14 @@ def main(argv=None) -> int:
             deadline = t_start + args.time_budget - POST_S
             cmd = arm_command(args.size, arm, out, steps, args.extra + flags, warmup, deadline=deadline, **ddp)
             print(f"[study] {arm}: {' '.join(cmd)}", flush=True)
-            rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+            rc = subprocess.run(cmd, env=arm_env(arm, env), cwd=ROOT).returncode
             if rc != 0 and cuda_graphs:
                 left = args.time_budget - (time.time() - t_start)
                 print(f"[study] WARNING {arm} failed under CUDA graphs (exit {rc}): retrying with "
                       f"--compile-mode default ({left:.0f}s left)", flush=True)
                 cmd = arm_command(args.size, arm, out, steps, args.extra + flags + ["--compile-mode", "default"],
                                   warmup, deadline=deadline, **ddp)
-                rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+                rc = subprocess.run(cmd, env=arm_env(arm, env), cwd=ROOT).returncode
             return rc
 
         def finished(arm, rc, target):

@@ -934,3 +934,147 @@ def test_real_backend_explain_lists_six_attention_roles():
     assert set(attn) == set(R.ATTN_ROLES)
     assert {r for r, s in attn.items() if s.precision == "nvfp4"} == {"attn.qk", "attn.dsk", "attn.dsq"}
     assert attn["attn.dsk"].reused == "2d fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q and K transformed before quantization (attention_ref.qk_transform, the pass's QK_TRANSFORM)
+TRANSFORMS = ("smooth_k", "hadamard", "smooth_k+hadamard")
+
+
+@pytest.mark.parametrize("d", [1, 2, 16, 64, 128])
+def test_signed_hadamard_is_a_signed_sylvester_matrix(d):
+    """Against Sylvester's recursion H_2d = [[H, H], [H, -H]] built by Kronecker products (written independently of
+    the bit-parity formula): each row is +-1 times that row, over sqrt(d); the matrix is orthogonal."""
+    syl = torch.ones(1, 1, dtype=torch.float64)
+    while syl.shape[0] < d:
+        syl = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), syl)
+    h = R.signed_hadamard(d, dtype=torch.float64) * math.sqrt(d)
+    signs = h[:, 0]
+    assert set(signs.tolist()) <= {-1.0, 1.0}
+    assert torch.equal(h, signs[:, None] * syl)
+    if d >= 16:
+        assert (signs < 0).any() and (signs > 0).any()
+    torch.testing.assert_close(R.signed_hadamard(d, dtype=torch.float64) @ R.signed_hadamard(d, dtype=torch.float64).T,
+                               torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="power-of-two"):
+        R.signed_hadamard(48)
+
+
+@pytest.mark.parametrize("how", TRANSFORMS)
+@pytest.mark.parametrize("causal,gqa", [(True, False), (False, True)])
+def test_qk_transform_is_the_same_attention(how, causal, gqa):
+    """Unquantized float64 attention of the transformed Q, K equals that of Q, K (the transform runs in FP32, so to
+    FP32 accuracy), outputs and the gradients that autograd takes back through the transform; with an additive
+    mask too."""
+    q, k, v, do = _qkv(H=4, Hkv=2 if gqa else 4, Tq=40, Tk=40, dtype=torch.float64)
+    k = k + 3.0 * torch.linspace(-1, 1, 64, dtype=torch.float64)   # a channel bias for smoothing to remove
+    mask = None if causal else torch.randn(40, 40, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = R.sdpa_math_ref(*leaves, attn_mask=mask, is_causal=causal) if not gqa else \
+        R.sdpa_math_ref(leaves[0], *(t.repeat_interleave(2, 1) for t in leaves[1:]), attn_mask=mask, is_causal=causal)
+    g_ref = torch.autograd.grad(ref, leaves, do)
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    q2, k2 = R.qk_transform(leaves2[0], leaves2[1], how)
+    assert q2.dtype == k2.dtype == torch.float64
+    assert not torch.allclose(k2, leaves2[1])
+    v2 = leaves2[2]
+    if gqa:
+        k2, v2 = k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1)
+    out = R.sdpa_math_ref(q2, k2, v2, attn_mask=mask, is_causal=causal)
+    g = torch.autograd.grad(out, leaves2, do)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if "smooth_k" in how and "hadamard" not in how:
+        assert torch.equal(q2, leaves2[0])
+        torch.testing.assert_close(k2.mean(-2), torch.zeros_like(k2.mean(-2)), rtol=0, atol=1e-5)
+
+
+def test_qk_transform_none_and_bad_value():
+    q, k, _, _ = _qkv()
+    a, b = R.qk_transform(q, k, "none")
+    assert a is q and b is k
+    with pytest.raises(ValueError, match="smooth_k"):
+        R.qk_transform(q, k, "smooth_q")
+
+
+def _qattn_errors(q, k, v, do, how):
+    """Relative errors of the paper split's O, dQ, dK (CPU op) against float64 attention of the original Q, K."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=PAPER, qk_transform=how)
+    g = torch.autograd.grad(out, leaves, do)
+    s64 = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = R.sdpa_math_ref(*s64, is_causal=True)
+    g64 = torch.autograd.grad(o64, s64, do.double())
+    return rel(out, o64), rel(g[0], g64[0]), rel(g[1], g64[1])
+
+
+def test_smooth_k_cuts_the_error_of_a_k_with_channel_biases():
+    """K with large per-channel offsets shared by every position (what trained models' keys show): one 16x16 tile's
+    scale is set by the offset channel, the others lose their resolution. Smoothing removes the offsets before
+    quantization: O, dQ and dK all come closer to float64 attention."""
+    q, k, v, do = _qkv(H=2, Tq=128, Tk=128, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    k = (k + 6.0 * torch.randn(1, 2, 1, 64, generator=g)).bfloat16()
+    q, v, do = q.bfloat16(), v.bfloat16(), do.bfloat16()
+    base = _qattn_errors(q, k, v, do, "none")
+    smooth = _qattn_errors(q, k, v, do, "smooth_k")
+    assert all(s < 0.75 * b for s, b in zip(smooth, base)), (base, smooth)
+
+
+def test_hadamard_cuts_the_error_of_outlier_channels():
+    """Q and K whose first channels are 10x larger and vary by position (no mean to remove): the rotation spreads
+    them over all 64 channels and the 16x16 tiles' scales fit the rest; smoothing K alone cannot help."""
+    q, k, v, do = _qkv(H=2, Tq=128, Tk=128, dtype=torch.float32)
+    boost = torch.ones(64)
+    boost[:4] = 10.0
+    q, k = (q * boost).bfloat16(), (k * boost).bfloat16()
+    v, do = v.bfloat16(), do.bfloat16()
+    base = _qattn_errors(q, k, v, do, "none")
+    had = _qattn_errors(q, k, v, do, "hadamard")
+    assert had[0] < 0.75 * base[0] and had[1] < base[1] and had[2] < base[2], (base, had)
+
+
+@pytest.mark.parametrize("how", ["none", "smooth_k", "smooth_k+hadamard"])
+def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
+    """QK_TRANSFORM reaches the swapped node's kwargs (so every cache key sees it), the site's meta and explain()'s
+    notes; the compiled model equals the eager model calling qattn_sdpa with the same transform, gradients too."""
+    import fp4compile.passes.attention as A
+
+    monkeypatch.setattr(A, "QK_TRANSFORM", how)
+    torch.manual_seed(0)
+    m = Block(style="sdpa", kv_heads=1)
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    be, out = _compile_run(m, Policy.full_stack(), x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    assert node.kwargs.get("qk_transform", "none") == how
+    assert ("qk_transform" in node.kwargs) == (how != "none")
+    assert node.meta["fp4_attn"]["qk_transform"] == how
+    notes = {r["role"]: r.get("note") for r in node.meta["fp4"]}
+    assert (notes["attn.qk"] == f"Q, K {how} first") == (how != "none") and notes["attn.pv"] is None
+    torch._dynamo.reset()
+    x2 = x.detach().clone().requires_grad_()
+    orig = F.scaled_dot_product_attention
+    try:
+        F.scaled_dot_product_attention = lambda *a, **k: qattn_sdpa(*a, **k, fp4_roles=PAPER, qk_transform=how)
+        ref = m(x2)
+    finally:
+        F.scaled_dot_product_attention = orig
+    (gx2,) = torch.autograd.grad(ref.sum(), x2)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, gx2)
+
+
+def test_qk_transform_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):
+    import fp4compile.passes.attention as A
+
+    monkeypatch.setattr(A, "QK_TRANSFORM", "smoothk")
+    with pytest.raises(Exception, match="FP4COMPILE_QK_TRANSFORM"):   # Dynamo wraps the backend's ValueError
+        _compile_run(Block(style="sdpa"), Policy.full_stack(), torch.randn(1, 32, 128))
+    # only P·V in NVFP4: Q and K are not quantized, so they are not transformed
+    monkeypatch.setattr(A, "QK_TRANSFORM", "smooth_k")
+    pol = Policy.bf16().override("*", NVFP4(), role="attn.pv")
+    be, _ = _compile_run(Block(style="sdpa"), pol, torch.randn(1, 32, 128))
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    assert "qk_transform" not in node.kwargs and node.meta["fp4_attn"]["qk_transform"] == "none"

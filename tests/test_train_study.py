@@ -53,6 +53,13 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "fullbest,fullbest_late"]) == 0
     best, late = capsys.readouterr().out.strip().splitlines()
     assert late == best.replace("/fullbest ", "/fullbest_late ") + " --late-bf16-at 0.85"
+    # the Q/K transform arms: qattn's command in an environment that sets passes/attention.py's QK_TRANSFORM
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "qattn,qattn_sk,qattn_had"]) == 0
+    qa, sk, had = capsys.readouterr().out.strip().splitlines()
+    assert sk == "FP4COMPILE_QK_TRANSFORM=smooth_k " + qa.replace("/qattn ", "/qattn_sk ")
+    assert had == "FP4COMPILE_QK_TRANSFORM=hadamard " + qa.replace("/qattn ", "/qattn_had ")
+    assert study.arm_env("qattn_sk", {"A": "1"}) == {"A": "1", "FP4COMPILE_QK_TRANSFORM": "smooth_k"}
+    assert study.arm_env("qattn", {"A": "1"}) == {"A": "1"}
     # q2root: bf16root's optimizer with Quartet II linears
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "bf16root,q2root"]) == 0
     root, q2root = capsys.readouterr().out.strip().splitlines()
@@ -515,3 +522,33 @@ def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys)
     assert sg.pair_gaps(tmp_path / "b1", fork, steps=(5, 30))["train"] == {5: None, 30: pytest.approx(1.0)}
     sg.main(["--pair", "f", str(tmp_path / "b1"), str(fork), "--steps", "5,30"])
     assert "| f | " + str(fork) + " | 30 | –, +1.00 |" in capsys.readouterr().out
+
+
+def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
+    """bench/attn_qk_error.py: every layer's Q, K, V captured from a finished run's val batches; each transform's
+    O / dQ / dK errors are those of ``qattn_sdpa`` with it (recomputed here for layer 0 of the first batch); the
+    K mean share is in [0, 1]."""
+    import json
+
+    import torch
+
+    mod = _bench_module("attn_qk_error")
+    run = tmp_path / "run"
+    _tiny_run(run)
+    out = tmp_path / "e.json"
+    assert mod.main([str(run), "--batches", "1", "--batch-size", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert sorted(res["layers"]) == ["0", "1", "2", "3"]
+    from bench.ptq_eval import load_run
+
+    cfg, make_model, sets, _, autocast = load_run(run, torch.device("cpu"))
+    calls = mod.capture_qkv(make_model().eval(), sets["val"][0], 1, 2, autocast, torch.device("cpu"))
+    assert [c[0] for c in calls] == [0, 1, 2, 3]
+    _, q, k, v = calls[0]
+    assert q.shape == (2, 2, cfg.seq_len, 64)
+    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+    for how in ("none", "smooth_k"):
+        assert res["layers"]["0"][how] == pytest.approx(list(mod.errors(q, k, v, how)), rel=1e-9)
+        assert all(0.0 < e < 1.0 for e in res["layers"]["0"][how])
+    assert 0.0 <= res["layers"]["0"]["k_mean_share"] <= 1.0
+    assert "vs none (all layers)" in capsys.readouterr().out

@@ -333,6 +333,51 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
     return dq.to(odt), dk.to(odt), dv.to(odt)
 
 
+#: what ``qk_transform`` may do to Q and K before they are quantized (the attention pass's ``QK_TRANSFORM``)
+QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
+
+
+def signed_hadamard(d: int, device=None, dtype=torch.float32) -> Tensor:
+    """The orthogonal [d, d] matrix ``diag(s) @ H_d / sqrt(d)`` (``H_d`` Sylvester's Hadamard matrix, entry (i, j)
+    ``(-1)^popcount(i & j)``; ``s`` fixed signs, bit 0 of ``(i * 0x9E3779B1) >> 13`` mapped to +-1), built from
+    integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"signed_hadamard needs a power-of-two size, got {d}")
+    i = torch.arange(d, device=device, dtype=torch.int64)
+    a = i[:, None] & i[None, :]
+    parity = torch.zeros_like(a)
+    for b in range(max(1, d.bit_length() - 1)):
+        parity = parity ^ ((a >> b) & 1)
+    signs = 1 - 2 * (((i * 0x9E3779B1) >> 13) & 1)
+    h = (1 - 2 * parity) * signs[:, None]
+    return h.to(dtype) / math.sqrt(d)
+
+
+def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tensor]:
+    """Q and K changed so that ``softmax(q·kᵀ)`` is the same function and NVFP4 quantizes them more finely:
+
+    * ``"smooth_k"``: K minus its mean over the sequence (per batch, head and channel; SageAttention's smoothing).
+      Every score of query i moves by the same ``q_i·mean(k)``, which a softmax row does not see (masks and
+      causality included). Autograd's dK is then ``dK' - mean(dK')``.
+    * ``"hadamard"``: both times the orthogonal :func:`signed_hadamard` along head_dim (FlashAttention-3's
+      incoherent processing): ``(qH)(kH)ᵀ = q·kᵀ``; a channel of large values is spread over every channel of
+      the 16x16 tile. dQ, dK come back through ``Hᵀ``.
+
+    Computed in FP32 with one rounding to the inputs' dtype. ``"none"`` returns q, k themselves."""
+    if how not in QK_TRANSFORMS:
+        raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
+    if how == "none":
+        return q, k
+    qf, kf = q.float(), k.float()
+    if "smooth_k" in how:
+        kf = kf - kf.mean(dim=-2, keepdim=True)
+    if "hadamard" in how:
+        h = signed_hadamard(q.shape[-1], q.device)
+        qf, kf = qf @ h, kf @ h
+        return qf.to(q.dtype), kf.to(k.dtype)
+    return q, kf.to(k.dtype)
+
+
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:
     """Number of KV heads, from K or from its FP4 copy."""
     for t in (k, views.k_codes, views.v_codes):

@@ -31,6 +31,7 @@ warning naming the node. Every site found, swapped or not, is returned as an ``A
         "reason": None | "dropout_p=0.1 is not supported",   # why SDPA was kept
         "roles": {"attn.qk": NVFP4(...), "attn.pv": BF16, ...},   # the six resolved specs (policy order)
         "fp4_roles": 0b110001,                         # the op's bit mask (bit i = ATTN_ROLES[i] in NVFP4)
+        "qk_transform": "none" | "smooth_k" | ...,     # what the site does to Q, K first (QK_TRANSFORM)
     }
 
 NVFP4 specs other than plain RTN (SR, MS-EDEN, 4/6, Hadamard) are implemented as RTN for attention operands
@@ -43,6 +44,7 @@ import dataclasses
 import math
 import numbers
 import operator
+import os
 import re
 import warnings
 from typing import Any, Optional
@@ -51,18 +53,35 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import ATTN_ROLES, PAPER_ROLES, bthd_empty
+from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_TRANSFORMS, bthd_empty
+from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
+#: what a swapped site does to Q and K before Q-Attn quantizes them (``attention_ref.qk_transform``: ``"none"``,
+#: ``"smooth_k"``, ``"hadamard"``, ``"smooth_k+hadamard"``), where attn.qk, attn.dsk or attn.dsq is NVFP4.
+#: ``FP4COMPILE_QK_TRANSFORM`` sets it at import. The swap writes it into the node's kwargs, so the graph (and with
+#: it every compile cache key) differs between settings.
+QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "none")
+
+
+def qk_transform_mode() -> str:
+    """:data:`QK_TRANSFORM`, checked."""
+    if QK_TRANSFORM not in QK_TRANSFORMS:
+        raise ValueError(f"QK_TRANSFORM / FP4COMPILE_QK_TRANSFORM must be one of {QK_TRANSFORMS}, "
+                         f"got {QK_TRANSFORM!r}")
+    return QK_TRANSFORM
+
 
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               *, fp4_roles: int = PAPER_ROLES):
+               *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none"):
     """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
     with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout. The output is
-    [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous)."""
+    [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
+    ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
+    :data:`QK_TRANSFORM`)."""
     if dropout_p:
         raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
     if attn_mask is not None and is_causal:
@@ -71,6 +90,7 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    query, key = _qk_transform(query, key, qk_transform)
     if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
         from ..ops import qattn_eager
 
@@ -102,11 +122,13 @@ class AttnSite:
     reason: Optional[str]
     roles: dict
     fp4_roles: int = 0
+    qk_transform: str = "none"
 
     def meta(self) -> dict:
         """This site as the ``node.meta["fp4_attn"]`` dict (see the module docstring)."""
         return {"module_path": self.module_path, "source": self.source, "swapped": self.swapped,
-                "reason": self.reason, "roles": dict(self.roles), "fp4_roles": self.fp4_roles}
+                "reason": self.reason, "roles": dict(self.roles), "fp4_roles": self.fp4_roles,
+                "qk_transform": self.qk_transform}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,6 +226,8 @@ def _gemm_records(node: fx.Node, site: AttnSite, args: Optional[dict]) -> list:
             rec["shape"] = tuple(int(x) for x in shape[role])
         if not site.swapped and spec.name == "nvfp4":
             rec["note"] = f"kept SDPA: {site.reason}"
+        elif fp4 and role in ("attn.qk", "attn.dsk", "attn.dsq") and site.qk_transform != "none":
+            rec["note"] = f"Q, K {site.qk_transform} first"
         recs.append(rec)
     return recs
 
@@ -235,6 +259,7 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Option
         warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
                       "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO, 1x16 blocks for P/dS)", stacklevel=3)
     site.swapped = True
+    site.qk_transform = _transform_kwargs(mask).get("qk_transform", "none")
     _record(node, site, sites, args)
     return mask
 
@@ -392,6 +417,13 @@ def _guard_views(graph: fx.Graph, node: fx.Node):
         u.replace_input_with(node, c)
 
 
+def _transform_kwargs(mask: int) -> dict:
+    """``qattn_sdpa``'s ``qk_transform`` kwarg for a site of precision mask ``mask`` (none when Q and K are not
+    quantized or :data:`QK_TRANSFORM` is ``"none"``: the node then reads as before)."""
+    how = qk_transform_mode()
+    return {"qk_transform": how} if how != "none" and mask & (QK | DSK | DSQ) else {}
+
+
 def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
     """Rewrite SDPA and hand-written attention in a Dynamo graph into ``fp4compile::qattn`` (see module doc).
 
@@ -408,6 +440,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
                 continue
             kwargs = {k: args[k] for k in _SDPA_PARAMS[3:]}
             kwargs["fp4_roles"] = mask
+            kwargs.update(_transform_kwargs(mask))
             node.target = qattn_sdpa
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = kwargs
@@ -439,7 +472,8 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
                     except Exception:  # meta only; AOT re-traces the graph anyway
                         pass
                 new = graph.call_function(qattn_sdpa, (m["q"], m["k"], m["v"]),
-                                          {"attn_mask": attn_mask, "scale": m["scale"], "fp4_roles": mask})
+                                          {"attn_mask": attn_mask, "scale": m["scale"], "fp4_roles": mask,
+                                           **_transform_kwargs(mask)})
             new.meta = dict(out.meta)
             out.replace_all_uses_with(new)
             _guard_views(graph, new)

@@ -1,0 +1,124 @@
+"""Q-Attn's error on a trained model's own Q, K, V, with each ``qk_transform`` (issues 4, 7).
+
+    python bench/attn_qk_error.py RUN_DIR [--batches 2] [--batch-size 4] [--json OUT.json]
+
+RUN_DIR is a finished ``fp4compile train`` run (``config.json`` and ``checkpoint/``; ``bench/ptq_eval.py`` rebuilds
+it, LoRA-SVD branch included). Its val batches go through the model eagerly (the run's autocast); every attention
+call's Q, K, V (after RoPE: what SDPA receives) is captured. For each layer and each transform
+(``attention_ref.QK_TRANSFORMS``) the paper split (QKᵀ, dS·K, dSᵀ·Q in NVFP4) runs through ``qattn_sdpa`` (the
+Triton kernels on CUDA) with a fixed N(0, 1) dO; the table gives the relative Frobenius error of O, dQ and dK against
+float64 attention of the *untransformed* Q, K, V. It also gives how much of K's energy is its mean over the
+sequence (``T·‖mean_t k‖² / ‖k‖²``, per head and channel, summed): what ``smooth_k`` removes before quantization.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def capture_qkv(model, batches, n_batches: int, batch_size: int, autocast, device) -> list:
+    """[(layer, q, k, v)] of every attention call of ``n_batches`` batches (eager, no grad)."""
+    import fp4compile.train.model as M
+
+    seen, orig = [], M.F.scaled_dot_product_attention
+
+    def grab(q, k, v, *a, **kw):
+        seen.append((q.detach(), k.detach(), v.detach()))
+        return orig(q, k, v, *a, **kw)
+
+    n_layers = len(model.blocks) if hasattr(model, "blocks") else None
+    M.F.scaled_dot_product_attention = grab
+    try:
+        with torch.no_grad(), autocast():
+            for i in range(n_batches):
+                x, _ = batches.batch(i, batch_size, 0, 1, device=device)
+                model(x)
+    finally:
+        M.F.scaled_dot_product_attention = orig
+    per_pass = n_layers or len(seen) // max(1, n_batches)
+    return [(j % per_pass, q, k, v) for j, (q, k, v) in enumerate(seen)]
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def errors(q, k, v, how: str, seed: int = 0) -> tuple[float, float, float]:
+    """Relative errors of O, dQ, dK of the paper split with ``how`` against float64 attention of q, k, v."""
+    from fp4compile.kernels import attention_ref as R
+    from fp4compile.passes.attention import qattn_sdpa
+
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=R.PAPER_ROLES, qk_transform=how)
+    gq, gk, _ = torch.autograd.grad(out, leaves, do)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = R.sdpa_math_ref(*ref, is_causal=True)
+    g64 = torch.autograd.grad(o64, ref, do.double())
+    return rel(out, o64), rel(gq, g64[0]), rel(gk, g64[1])
+
+
+def k_mean_share(k) -> float:
+    """The share of K's energy in its sequence mean: T·‖mean_t k‖² / ‖k‖² over [B, H, T, D]."""
+    kf = k.double()
+    return (kf.shape[-2] * kf.mean(-2).pow(2).sum() / kf.pow(2).sum()).item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a finished fp4compile train run directory")
+    ap.add_argument("--batches", type=int, default=2, help="val batches to capture")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--json", type=Path, help="write the per-layer numbers here")
+    args = ap.parse_args(argv)
+
+    from bench.ptq_eval import load_run
+    from fp4compile.kernels.attention_ref import QK_TRANSFORMS
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, make_model, sets, step, autocast = load_run(args.run, device)
+    batches, _ = sets["val"]
+    model = make_model().eval()
+    calls = capture_qkv(model, batches, args.batches, args.batch_size, autocast, device)
+    rows = {}
+    for layer, q, k, v in calls:
+        q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+        r = rows.setdefault(layer, {"k_mean_share": [], **{h: [] for h in QK_TRANSFORMS}})
+        r["k_mean_share"].append(k_mean_share(k))
+        for how in QK_TRANSFORMS:
+            r[how].append(errors(q, k, v, how))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"{args.run} (step {step}, {cfg.model}): {args.batches} val batches of {args.batch_size} x {cfg.seq_len}; "
+          f"relative error against float64 attention, O / dQ / dK; device {device}")
+    head = " | ".join(f"{h:>20s}" for h in QK_TRANSFORMS)
+    print(f"layer  K mean share | {head}")
+    summary = {"run": str(args.run), "step": step, "layers": {}}
+    for layer in sorted(rows):
+        r = rows[layer]
+        cells = {h: tuple(mean([e[i] for e in r[h]]) for i in range(3)) for h in QK_TRANSFORMS}
+        share = mean(r["k_mean_share"])
+        summary["layers"][layer] = {"k_mean_share": share, **cells}
+        print(f"{layer:5d}  {share:12.3f} | " + " | ".join("{:.3f}/{:.3f}/{:.3f}".format(*cells[h]).rjust(20)
+                                                          for h in QK_TRANSFORMS))
+    avg = {h: tuple(mean([summary["layers"][la][h][i] for la in rows]) for i in range(3)) for h in QK_TRANSFORMS}
+    print("  all  " + " " * 12 + " | " + " | ".join("{:.3f}/{:.3f}/{:.3f}".format(*avg[h]).rjust(20)
+                                                   for h in QK_TRANSFORMS))
+    print("vs none (all layers): " + ", ".join(
+        f"{h} " + "/".join(f"{a / b:.2f}x" for a, b in zip(avg[h], avg["none"])) for h in QK_TRANSFORMS[1:]))
+    summary["mean"] = avg
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
