@@ -9,6 +9,11 @@ call's Q, K, V (after RoPE: what SDPA receives) is captured. For each layer and 
 Triton kernels on CUDA) with a fixed N(0, 1) dO; the table gives the relative Frobenius error of O, dQ and dK against
 float64 attention of the *untransformed* Q, K, V. It also gives how much of K's energy is its mean over the
 sequence (``T·‖mean_t k‖² / ‖k‖²``, per head and channel, summed): what ``smooth_k`` removes before quantization.
+
+A second table splits the error without a transform: the paper split's QKᵀ alone in NVFP4 (O, dQ, dK) and its two
+dS products alone (dQ, dK), through the same op; and O of float64 attention of Q, K fake-quantized by the format's
+RTN (``formats.nvfp4.quantize_rtn_``) in Q-Attn's 16x16 tiles, with 4/6, and in 1x16 blocks along head_dim (which
+the backward could not reuse along the sequence): what the tile costs the forward.
 """
 from __future__ import annotations
 
@@ -51,15 +56,37 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def errors(q, k, v, how: str, seed: int = 0) -> tuple[float, float, float]:
-    """Relative errors of O, dQ, dK of the paper split with ``how`` against float64 attention of q, k, v."""
+#: fake quantizations of Q and K for the forward-only comparison: name -> (16x16 tiles, 4/6)
+FAKE_QUANT = {"16x16": (True, False), "16x16 4/6": (True, True), "1x16": (False, False), "1x16 4/6": (False, True)}
+
+
+def fake_quant(x, block2d: bool, four_over_six: bool):
+    """x's RTN NVFP4 values (per-tensor global; 16x16 tiles over the last two dims or 1x16 blocks), float64."""
+    from fp4compile.formats import nvfp4
+
+    codes, scales, g = nvfp4.quantize_rtn_(x.float(), block2d, four_over_six)
+    return nvfp4.dequantize_codes(codes, scales, g).double()
+
+
+def forward_errors(q, k, v) -> dict:
+    """O's relative error, float64 attention of fake-quantized Q, K (each :data:`FAKE_QUANT`) against that of Q, K."""
+    from fp4compile.kernels import attention_ref as R
+
+    o64 = R.sdpa_math_ref(q, k, v, is_causal=True)
+    return {name: rel(R.sdpa_math_ref(fake_quant(q, *f), fake_quant(k, *f), v, is_causal=True), o64)
+            for name, f in FAKE_QUANT.items()}
+
+
+def errors(q, k, v, how: str, seed: int = 0, roles: int | None = None) -> tuple[float, float, float]:
+    """Relative errors of O, dQ, dK of the paper split (or the precision mask ``roles``) with ``how`` against
+    float64 attention of q, k, v."""
     from fp4compile.kernels import attention_ref as R
     from fp4compile.passes.attention import qattn_sdpa
 
     g = torch.Generator(device=q.device).manual_seed(seed)
     do = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=R.PAPER_ROLES, qk_transform=how)
+    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=R.PAPER_ROLES if roles is None else roles, qk_transform=how)
     gq, gk, _ = torch.autograd.grad(out, leaves, do)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     o64 = R.sdpa_math_ref(*ref, is_causal=True)
@@ -82,6 +109,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from bench.ptq_eval import load_run
+    from fp4compile.kernels import attention_ref as R
     from fp4compile.kernels.attention_ref import QK_TRANSFORMS
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,10 +120,14 @@ def main(argv=None) -> int:
     rows = {}
     for layer, q, k, v in calls:
         q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
-        r = rows.setdefault(layer, {"k_mean_share": [], **{h: [] for h in QK_TRANSFORMS}})
+        r = rows.setdefault(layer, {"k_mean_share": [], "qk_only": [], "ds_only": [], "fwd": [],
+                                    **{h: [] for h in QK_TRANSFORMS}})
         r["k_mean_share"].append(k_mean_share(k))
         for how in QK_TRANSFORMS:
             r[how].append(errors(q, k, v, how))
+        r["qk_only"].append(errors(q, k, v, "none", roles=R.QK))
+        r["ds_only"].append(errors(q, k, v, "none", roles=R.DSK | R.DSQ))
+        r["fwd"].append(forward_errors(q, k, v))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"{args.run} (step {step}, {cfg.model}): {args.batches} val batches of {args.batch_size} x {cfg.seq_len}; "
           f"relative error against float64 attention, O / dQ / dK; device {device}")
@@ -115,6 +147,17 @@ def main(argv=None) -> int:
     print("vs none (all layers): " + ", ".join(
         f"{h} " + "/".join(f"{a / b:.2f}x" for a, b in zip(avg[h], avg["none"])) for h in QK_TRANSFORMS[1:]))
     summary["mean"] = avg
+    print("\nwithout a transform, split: the op with QK^T alone in NVFP4 (O/dQ/dK), with dS*K and dS^T*Q alone "
+          "(dQ/dK); float64 attention of Q, K fake-quantized, O: " + ", ".join(FAKE_QUANT))
+    print("layer |          QK^T only |   dS only | " + " | ".join(f"{n:>9s}" for n in FAKE_QUANT))
+    for layer in sorted(rows):
+        r = rows[layer]
+        qk = tuple(mean([e[i] for e in r["qk_only"]]) for i in range(3))
+        ds = tuple(mean([e[i] for e in r["ds_only"]]) for i in (1, 2))
+        fwd = {n: mean([e[n] for e in r["fwd"]]) for n in FAKE_QUANT}
+        summary["layers"][layer].update(qk_only=qk, ds_only=ds, fwd=fwd)
+        print(f"{layer:5d} | {qk[0]:.3f}/{qk[1]:.3f}/{qk[2]:.3f} | {ds[0]:.3f}/{ds[1]:.3f} | "
+              + " | ".join(f"{fwd[n]:9.3f}" for n in FAKE_QUANT))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return 0
