@@ -685,13 +685,14 @@ s36_qk)
   # seed SEED (default 0), both at once on the one GPU (time-sliced: tokens/s not a measurement), each in BUDGET s
   # (default 500); the same command again on the warm machine continues them. Then each finished arm's Q-Attn errors
   # on its own Q, K, V (bench/attn_qk_error.py, every transform, and the error split); ERR_ONLY=1 skips the training;
-  # ARMS="qattn" trains that arm alone (its tokens/s then a measurement)
+  # ARMS="qattn" trains that arm alone (its tokens/s then a measurement); SERIAL=1 trains the arms one after another
   seed=${SEED:-0} budget=${2:-500}; dir=.study30m_qk_seed$seed arms=${ARMS:-qattn qattn_sk}
   step data 60 python bench/study.py --data-only
   if [ "${ERR_ONLY:-0}" != 1 ]; then
     for a in $arms; do
       step "study_${a}_seed$seed" $((budget + 15)) python bench/study.py --size 30m --arms "$a" --out "$dir" \
           --tokens 100e6 --skip-data --time-budget "$budget" --export "$OUT/study_${a}_seed$seed" -- --seed "$seed" &
+      [ "${SERIAL:-0}" = 1 ] && wait
     done
     wait
   fi
