@@ -9,7 +9,8 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
     Dynamo FX graph
       1. sites      GEMM sites: F.linear, matmul/mm/addmm with a parameter           passes/sites.py
       2. assign     Policy(module path, role) -> spec in node.meta["fp4"]             passes/assign.py
-      3. swap       attention -> fp4compile::qattn (when passes/attention.py exists)
+      3. swap       attention -> fp4compile::qattn (when passes/attention.py exists);
+                    Q, K first transformed where QK_TRANSFORM says (off by default)  passes/attention.py
     compile_fx(..., config_patches={"joint_custom_pre_pass": FP4JointPass(...)})
       joint ATen graph (forward + backward)
       4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
