@@ -744,6 +744,21 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
+def _eager_qattn(m, x, **qattn_kw):
+    """``m`` run eagerly with every SDPA call replaced by ``qattn_sdpa(..., **qattn_kw)``: its output and the gradient
+    of its sum with respect to a copy of ``x``."""
+    torch._dynamo.reset()
+    x2 = x.detach().clone().requires_grad_()
+    orig = F.scaled_dot_product_attention
+    try:
+        F.scaled_dot_product_attention = lambda *a, **k: qattn_sdpa(*a, **k, **qattn_kw)
+        ref = m(x2)
+    finally:
+        F.scaled_dot_product_attention = orig
+    (gx2,) = torch.autograd.grad(ref.sum(), x2)
+    return ref, gx2
+
+
 def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     torch.manual_seed(0)
     m = Block(style="sdpa", kv_heads=1)
@@ -756,17 +771,7 @@ def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER and meta["source"] == "sdpa"
     assert meta["roles"]["attn.qk"].name == "nvfp4" and meta["roles"]["attn.pv"] is BF16
     # eager model with the same op: identical result
-    torch._dynamo.reset()
-    x2 = x.detach().clone().requires_grad_()
-    with torch.no_grad():
-        pass
-    orig = F.scaled_dot_product_attention
-    try:
-        F.scaled_dot_product_attention = lambda *a, **k: qattn_sdpa(*a, **k, fp4_roles=PAPER)
-        ref = m(x2)
-    finally:
-        F.scaled_dot_product_attention = orig
-    (gx2,) = torch.autograd.grad(ref.sum(), x2)
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     # the backward consumes the forward's FP4 Q/K (uint8 codes + uint8 E4M3 scales), not bf16/fp32 Q/K
@@ -1053,15 +1058,7 @@ def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
     assert node.meta["fp4_attn"]["qk_transform"] == how
     notes = {r["role"]: r.get("note") for r in node.meta["fp4"]}
     assert (notes["attn.qk"] == f"Q, K {how} first") == (how != "none") and notes["attn.pv"] is None
-    torch._dynamo.reset()
-    x2 = x.detach().clone().requires_grad_()
-    orig = F.scaled_dot_product_attention
-    try:
-        F.scaled_dot_product_attention = lambda *a, **k: qattn_sdpa(*a, **k, fp4_roles=PAPER, qk_transform=how)
-        ref = m(x2)
-    finally:
-        F.scaled_dot_product_attention = orig
-    (gx2,) = torch.autograd.grad(ref.sum(), x2)
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=how)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
 
