@@ -348,11 +348,21 @@ fork)
   fi
   if [ ! -d "$dst/30m/bf16" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/bf16"; fi
   # shellcheck disable=SC2086  # EXTRA is a list of flags
-  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start)
-  t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
+  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start); ERR=1 keeps ~15 s per arm
+  # for bench/attn_qk_error.py on each finished arm afterwards (Q-Attn's errors on its own Q, K, V; session 36)
+  err=${ERR:-0}; t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
+  [ "$err" = 1 ] && t=$((t - 15 * ($(echo "bf16,$arms" | tr -cd , | wc -c) + 1)))
   step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
       --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
-      --lora-realign-every 300 --lora-realign-after 600 $extra ;;
+      --lora-realign-every 300 --lora-realign-after 600 $extra
+  if [ "$err" = 1 ]; then
+    for a in ${arms//,/ } bf16; do
+      r="$dst/30m/$a"
+      grep -q '"status": "done"' "$r/summary.json" 2>/dev/null && step "err_fork${s}_$a" 30 python bench/attn_qk_error.py \
+          "$r" --json "$OUT/err_fork${s}_$a.json"
+    done
+    cat "$OUT"/err_fork*.log 2>/dev/null | grep -E "^\S|vs none|  all"
+  fi ;;
 first_block_lora)
   # planned for session 9 (one nvidia-h200, ~7 min): the full stack with block 0 in BF16 and a rank-RANK
   # (default 128) LoRA-SVD branch realigned every 300 steps from step 600 (post hoc, rank 128 removed 57 % of the
