@@ -368,14 +368,13 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
         raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
     if how == "none":
         return q, k
-    qf, kf = q.float(), k.float()
+    kf = k.float()
     if "smooth_k" in how:
         kf = kf - kf.mean(dim=-2, keepdim=True)
-    if "hadamard" in how:
-        h = signed_hadamard(q.shape[-1], q.device)
-        qf, kf = qf @ h, kf @ h
-        return qf.to(q.dtype), kf.to(k.dtype)
-    return q, kf.to(k.dtype)
+    if "hadamard" not in how:
+        return q, kf.to(k.dtype)                      # Q untouched: no cast of it
+    h = signed_hadamard(q.shape[-1], q.device)
+    return (q.float() @ h).to(q.dtype), (kf @ h).to(k.dtype)
 
 
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:

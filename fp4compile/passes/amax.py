@@ -41,8 +41,10 @@ _MODES = ("off", "norms", "all")
 
 def _mode(value) -> str:
     """``FUSE_AMAX``'s value as one of ``_MODES`` (a bool, ``"0"`` / ``"1"`` read as ``"off"`` / ``"all"``)."""
-    text = {True: "all", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-    mode = {"0": "off", "1": "all", "": "off"}.get(text.strip().lower(), text.strip().lower())
+    if isinstance(value, bool):
+        return "all" if value else "off"
+    text = str(value).strip().lower()
+    mode = {"0": "off", "1": "all", "": "off"}.get(text, text)
     if mode not in _MODES:
         raise ValueError(f"FUSE_AMAX / FP4COMPILE_FUSE_AMAX must be one of {_MODES} (or 0 / 1), got {value!r}")
     return mode

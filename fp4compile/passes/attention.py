@@ -259,7 +259,7 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Option
         warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
                       "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO, 1x16 blocks for P/dS)", stacklevel=3)
     site.swapped = True
-    site.qk_transform = _transform_kwargs(mask).get("qk_transform", "none")
+    site.qk_transform = qk_transform_mode() if mask & (QK | DSK | DSQ) else "none"
     _record(node, site, sites, args)
     return mask
 
@@ -417,11 +417,10 @@ def _guard_views(graph: fx.Graph, node: fx.Node):
         u.replace_input_with(node, c)
 
 
-def _transform_kwargs(mask: int) -> dict:
-    """``qattn_sdpa``'s ``qk_transform`` kwarg for a site of precision mask ``mask`` (none when Q and K are not
-    quantized or :data:`QK_TRANSFORM` is ``"none"``: the node then reads as before)."""
-    how = qk_transform_mode()
-    return {"qk_transform": how} if how != "none" and mask & (QK | DSK | DSQ) else {}
+def _transform_kwargs(site: AttnSite) -> dict:
+    """``qattn_sdpa``'s ``qk_transform`` kwarg for a swapped site (none when its transform is ``"none"``, which
+    ``_plan`` sets where Q and K are not quantized: the node then reads as before)."""
+    return {"qk_transform": site.qk_transform} if site.qk_transform != "none" else {}
 
 
 def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
@@ -440,7 +439,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
                 continue
             kwargs = {k: args[k] for k in _SDPA_PARAMS[3:]}
             kwargs["fp4_roles"] = mask
-            kwargs.update(_transform_kwargs(mask))
+            kwargs.update(_transform_kwargs(sites[-1]))
             node.target = qattn_sdpa
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = kwargs
@@ -473,7 +472,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
                         pass
                 new = graph.call_function(qattn_sdpa, (m["q"], m["k"], m["v"]),
                                           {"attn_mask": attn_mask, "scale": m["scale"], "fp4_roles": mask,
-                                           **_transform_kwargs(mask)})
+                                           **_transform_kwargs(sites[-1])})
             new.meta = dict(out.meta)
             out.replace_all_uses_with(new)
             _guard_views(graph, new)
