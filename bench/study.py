@@ -12,8 +12,9 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     q2w        only the forward GEMMs' weight operand NVFP4 (not in the default list): the share of the
                quartet2 gap that the forward's weight quantization alone causes
     qattn      + Q-Attn (policy full_stack)                              AdamW
-    qattn_sk, qattn_had   qattn with K smoothed / Q, K rotated by a Hadamard along head_dim before Q-Attn quantizes
-               them (FP4COMPILE_QK_TRANSFORM=smooth_k / hadamard; not in the default list)
+    qattn_sk, qattn_had, qattn_skh   qattn with K smoothed / Q, K rotated by a Hadamard along head_dim / both
+               before Q-Attn quantizes them (FP4COMPILE_QK_TRANSFORM=smooth_k / hadamard / smooth_k+hadamard; not in
+               the default list)
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
@@ -118,6 +119,7 @@ def arm_env(arm: str, env: dict) -> dict:
 # rotated along head_dim
 ARMS["qattn_sk"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="smooth_k")
 ARMS["qattn_had"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="hadamard")
+ARMS["qattn_skh"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="smooth_k+hadamard")
 
 
 def late_arm(base: str, at: float, roles: str = "") -> dict:
@@ -140,6 +142,7 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
           "qattn": "+ Q-Attn", "qattn_sk": "+ Q-Attn, K smoothed", "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
+          "qattn_skh": "+ Q-Attn, K smoothed, Q, K rotated",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
           "fullf": "full stack, frozen LoRA-SVD factors",
