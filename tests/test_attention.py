@@ -965,6 +965,33 @@ def test_signed_hadamard_is_a_signed_sylvester_matrix(d):
         R.signed_hadamard(48)
 
 
+def test_signed_hadamard_traces_with_int32_literals_and_its_signs():
+    """A traced graph computes the matrix (no captured constant) with integer literals that Inductor's Triton code
+    can hold (it types a literal as int32: ``2654435761*x1`` failed to compile on the H200 in session 37); its signs
+    are bit 13 of ``i * 0x9E3779B1`` mod 2^32, computed here with Python integers."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    g = make_fx(lambda x: R.signed_hadamard(128, x.device))(torch.zeros(1))
+    assert not any(n.op == "get_attr" for n in g.graph.nodes)
+    lits = [a for n in g.graph.nodes for a in (*n.args, *n.kwargs.values())
+            if isinstance(a, int) and not isinstance(a, bool)]
+    assert lits and all(-2**31 <= a < 2**31 for a in lits), lits
+    want = [1 - 2 * ((((i * 0x9E3779B1) & 0xFFFFFFFF) >> 13) & 1) for i in range(128)]
+    assert (R.signed_hadamard(128, dtype=torch.float64)[:, 0] * math.sqrt(128)).tolist() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", TRANSFORMS)
+def test_qk_transform_compiles_for_cuda(how):
+    """Inductor's Triton code for the transform (what a compiled training step runs), against eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(2, 4, 256, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    got = torch.compile(R.qk_transform, backend="inductor", fullgraph=True)(q, k, how)
+    for a, b in zip(got, R.qk_transform(q, k, how)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
+
+
 @pytest.mark.parametrize("how", TRANSFORMS)
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, True)])
 def test_qk_transform_is_the_same_attention(how, causal, gqa):

@@ -339,8 +339,10 @@ QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
 
 def signed_hadamard(d: int, device=None, dtype=torch.float32) -> Tensor:
     """The orthogonal [d, d] matrix ``diag(s) @ H_d / sqrt(d)`` (``H_d`` Sylvester's Hadamard matrix, entry (i, j)
-    ``(-1)^popcount(i & j)``; ``s`` fixed signs, bit 0 of ``(i * 0x9E3779B1) >> 13`` mapped to +-1), built from
-    integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two."""
+    ``(-1)^popcount(i & j)``; ``s`` fixed signs, bit 13 of ``i * 0x9E3779B1`` mapped to +-1), built from
+    integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two.
+    Every literal fits in int32 (Inductor's Triton code types an integer literal as int32 and rejects a larger one):
+    bit 13 of a product depends only on the factors' low 14 bits, so the multiplier is 0x9E3779B1's, 0x39B1."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"signed_hadamard needs a power-of-two size, got {d}")
     i = torch.arange(d, device=device, dtype=torch.int64)
@@ -348,7 +350,7 @@ def signed_hadamard(d: int, device=None, dtype=torch.float32) -> Tensor:
     parity = torch.zeros_like(a)
     for b in range(max(1, d.bit_length() - 1)):
         parity = parity ^ ((a >> b) & 1)
-    signs = 1 - 2 * (((i * 0x9E3779B1) >> 13) & 1)
+    signs = 1 - 2 * (((i * 0x39B1) >> 13) & 1)       # = bit 13 of i * 0x9E3779B1
     h = (1 - 2 * parity) * signs[:, None]
     return h.to(dtype) / math.sqrt(d)
 
