@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import fp4compile.ops  # noqa: F401  (registers the ops)
 from fp4compile.kernels import attention_ref as R
-from fp4compile.passes.attention import qattn_sdpa, swap_attention
+from fp4compile.passes.attention import qattn_sdpa, qk_transform_mode, swap_attention
 from fp4compile.policy import BF16, NVFP4, Policy
 
 ALL = 63
@@ -770,8 +770,9 @@ def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     meta = [n.meta["fp4_attn"] for n in be.dynamo.graph.nodes if "fp4_attn" in n.meta][0]
     assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER and meta["source"] == "sdpa"
     assert meta["roles"]["attn.qk"].name == "nvfp4" and meta["roles"]["attn.pv"] is BF16
-    # eager model with the same op: identical result
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER)
+    assert meta["qk_transform"] == qk_transform_mode() == "smooth_k+hadamard"     # the default
+    # eager model with the same op and transform: identical result
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=qk_transform_mode())
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     # the backward consumes the forward's FP4 Q/K (uint8 codes + uint8 E4M3 scales), not bf16/fp32 Q/K

@@ -54,10 +54,13 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     best, late = capsys.readouterr().out.strip().splitlines()
     assert late == best.replace("/fullbest ", "/fullbest_late ") + " --late-bf16-at 0.85"
     # the Q/K transform arms: qattn's command in an environment that sets passes/attention.py's QK_TRANSFORM
-    assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "qattn,qattn_sk,qattn_had"]) == 0
-    qa, sk, had = capsys.readouterr().out.strip().splitlines()
+    assert study.main(["--print-commands", "--tokens", "6553600", "--arms",
+                       "qattn,qattn_sk,qattn_had,qattn_skh,qattn_none"]) == 0
+    qa, sk, had, skh, none = capsys.readouterr().out.strip().splitlines()
     assert sk == "FP4COMPILE_QK_TRANSFORM=smooth_k " + qa.replace("/qattn ", "/qattn_sk ")
     assert had == "FP4COMPILE_QK_TRANSFORM=hadamard " + qa.replace("/qattn ", "/qattn_had ")
+    assert skh == "FP4COMPILE_QK_TRANSFORM=smooth_k+hadamard " + qa.replace("/qattn ", "/qattn_skh ")
+    assert none == "FP4COMPILE_QK_TRANSFORM=none " + qa.replace("/qattn ", "/qattn_none ")
     assert study.arm_env("qattn_sk", {"A": "1"}) == {"A": "1", "FP4COMPILE_QK_TRANSFORM": "smooth_k"}
     assert study.arm_env("qattn", {"A": "1"}) == {"A": "1"}
     # q2root: bf16root's optimizer with Quartet II linears

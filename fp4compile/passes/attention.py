@@ -63,8 +63,12 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 #: what a swapped site does to Q and K before Q-Attn quantizes them (``attention_ref.qk_transform``: ``"none"``,
 #: ``"smooth_k"``, ``"hadamard"``, ``"smooth_k+hadamard"``), where attn.qk, attn.dsk or attn.dsq is NVFP4.
 #: ``FP4COMPILE_QK_TRANSFORM`` sets it at import. The swap writes it into the node's kwargs, so the graph (and with
-#: it every compile cache key) differs between settings.
-QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "none")
+#: it every compile cache key) differs between settings. Default ``"smooth_k+hadamard"`` since session 37: in 30M
+#: runs forked from one BF16 checkpoint at step 800 of 1,525 (two seeds) it took the Q-Attn arm's val-loss gap to
+#: BF16 from +1.05 / +1.16 % to +0.82 / +0.85 % (Q-Attn alone costs ~0.6 point there) for ~2 % of tokens/s
+#: (docs/BENCHMARKS.md, session 37). K's mean is over the whole sequence, so with a causal mask a position's
+#: rounding depends on later keys (as it already does within a 16x16 tile); the attention function does not.
+QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 
 
 def qk_transform_mode() -> str:
