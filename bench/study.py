@@ -12,9 +12,11 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     q2w        only the forward GEMMs' weight operand NVFP4 (not in the default list): the share of the
                quartet2 gap that the forward's weight quantization alone causes
     qattn      + Q-Attn (policy full_stack)                              AdamW
-    qattn_sk, qattn_had, qattn_skh   qattn with K smoothed / Q, K rotated by a Hadamard along head_dim / both
-               before Q-Attn quantizes them (FP4COMPILE_QK_TRANSFORM=smooth_k / hadamard / smooth_k+hadamard; not in
-               the default list)
+    qattn_none, qattn_sk, qattn_had, qattn_skh   qattn with Q, K quantized as they are / K smoothed / Q, K rotated
+               by a Hadamard along head_dim / both before Q-Attn quantizes them (FP4COMPILE_QK_TRANSFORM=none /
+               smooth_k / hadamard / smooth_k+hadamard; not in the default list). Since session 37 the default
+               transform is smooth_k+hadamard, so qattn (and every arm after it) = qattn_skh; sessions up to 36 ran
+               qattn_none
     qadamw     + Q-AdamW                                                 QAdamW
     qroot      + Q-Root = the full stack                                 QRoot (matrices) + QAdamW (rest)
     bf16root   BF16 again, with Q-Root's optimizer in BF16: the full       Root, BF16 NS (matrices) + AdamW
@@ -117,6 +119,7 @@ def arm_env(arm: str, env: dict) -> dict:
 
 # Q and K prepared for Q-Attn's quantization (passes/attention.py QK_TRANSFORM): K minus its sequence mean, or both
 # rotated along head_dim
+ARMS["qattn_none"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="none")
 ARMS["qattn_sk"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="smooth_k")
 ARMS["qattn_had"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="hadamard")
 ARMS["qattn_skh"] = env_arm("qattn", FP4COMPILE_QK_TRANSFORM="smooth_k+hadamard")
@@ -141,7 +144,8 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
-          "qattn": "+ Q-Attn", "qattn_sk": "+ Q-Attn, K smoothed", "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
+          "qattn": "+ Q-Attn", "qattn_none": "+ Q-Attn, Q, K as they are", "qattn_sk": "+ Q-Attn, K smoothed",
+          "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
           "qattn_skh": "+ Q-Attn, K smoothed, Q, K rotated",
           "qadamw": "+ Q-AdamW", "qroot": "+ Q-Root (full stack)",
           "bf16root": "BF16 + Root (BF16 NS) + AdamW", "full": "full stack",
@@ -397,8 +401,9 @@ def main(argv=None) -> int:
         t_start = time.time()
         if not args.skip_data:
             prepare_data(Path(args.data_dir), args.max_train_tokens)
+        # an arm whose NVFP4 graph fails to compile stops instead of training in BF16 under its name
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", FP4COMPILE_ON_ERROR="raise")
         if (Path(args.data_dir) / "gpt2.tiktoken").is_file():
             env.setdefault("FP4COMPILE_GPT2", str(Path(args.data_dir) / "gpt2.tiktoken"))
         cuda_graphs = base.compile_mode == "reduce-overhead" and "--compile-mode" not in args.extra

@@ -10,7 +10,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
       1. sites      GEMM sites: F.linear, matmul/mm/addmm with a parameter           passes/sites.py
       2. assign     Policy(module path, role) -> spec in node.meta["fp4"]             passes/assign.py
       3. swap       attention -> fp4compile::qattn (when passes/attention.py exists);
-                    Q, K first transformed where QK_TRANSFORM says (off by default)  passes/attention.py
+                    Q, K first transformed where QK_TRANSFORM says (K smoothed + Hadamard)  passes/attention.py
     compile_fx(..., config_patches={"joint_custom_pre_pass": FP4JointPass(...)})
       joint ATen graph (forward + backward)
       4. linear     site mm/addmm by role -> quantize + quantize + fp4compile::gemm   passes/linear.py
@@ -37,7 +37,9 @@ into the consumer; see passes/linear.py), ``mode`` (a torch.compile mode, for us
 fp4compile's Triton kernels ahead of their first launch; default: on unless ``FP4COMPILE_PRECOMPILE=0``),
 ``save_weight_copies`` (True: the forward's FP4 weight copies are kept for the backward, 0.5625 bytes per weight;
 False: the backward quantizes each weight again; default ``reuse.SAVE_WEIGHT_COPIES``, True unless
-``FP4COMPILE_SAVE_WEIGHT_COPIES=0``; FSDP2 with resharding passes False, see ``train.distributed.wrap_model``).
+``FP4COMPILE_SAVE_WEIGHT_COPIES=0``; FSDP2 with resharding passes False, see ``train.distributed.wrap_model``),
+``on_error`` (``"bf16"``: a graph whose NVFP4 rewrite fails to compile warns in one line and runs as plain Inductor
+compiles it; ``"raise"``; default :data:`ON_ERROR`).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
@@ -64,12 +66,19 @@ from .passes.check import check
 from .passes.common import tangent_closure
 from .passes import amax, linear, reuse
 from .passes.amax import fuse_amax
-from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
+from .passes.linear import LOWERINGS, SiteInfo, check_spec, rewrite_linears, use_dequantized_copies
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
 
-OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies")
+OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies", "on_error")
+#: what a graph whose NVFP4 rewrite fails to compile does: ``"bf16"`` (a one-line warning naming the error and the
+#: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: BF16 / the model's own
+#: precision) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
+#: Only failures inside ``compile_fx`` are caught (a bad setting raises before it; a backward graph that Inductor
+#: compiles lazily at the first backward is not covered). ``bench/study.py`` runs its arms with ``"raise"``.
+ON_ERROR = os.environ.get("FP4COMPILE_ON_ERROR", "bf16")
+ON_ERROR_MODES = ("bf16", "raise")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
@@ -90,13 +99,14 @@ class Settings:
     mode: Optional[str] = None              # torch.compile mode (e.g. "reduce-overhead": CUDA graphs)
     precompile: Optional[bool] = None       # fp4compile/precompile.py (None: FP4COMPILE_PRECOMPILE, default on)
     save_weight_copies: Optional[bool] = None   # None: reuse.SAVE_WEIGHT_COPIES (read when the pass runs)
+    on_error: Optional[str] = None          # ON_ERROR_MODES (None: ON_ERROR, read when the graph compiles)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
         is not a path, a ``mode`` that is not a string, a ``precompile`` or ``save_weight_copies`` that is not a bool
-        or a policy of the wrong type."""
+        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES``."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -116,9 +126,12 @@ class Settings:
         save_w = options.get("save_weight_copies")
         if save_w is not None and not isinstance(save_w, bool):
             raise TypeError(f"fullstack_fp4: save_weight_copies must be True or False, got {save_w!r}")
+        on_error = options.get("on_error")
+        if on_error is not None and on_error not in ON_ERROR_MODES:
+            raise ValueError(f"fullstack_fp4: on_error must be one of {list(ON_ERROR_MODES)}, got {on_error!r}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
                    bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile,
-                   save_weight_copies=save_w)
+                   save_weight_copies=save_w, on_error=on_error)
 
 
 class FP4JointPass(CustomGraphPass):
@@ -174,9 +187,13 @@ def fullstack_fp4(gm: torch.fx.GraphModule, example_inputs: Sequence, *, mode: O
 def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = None):
     """The pipeline, for already validated settings (``fp4compile.explain`` calls this with a recorder)."""
     policy = settings.policy
+    fallback = _bf16_fallback(gm, settings)               # the graph as traced, should the rewrite fail to compile
     sites = find_sites(gm, example_inputs)                                        # 1
     specs = assign(gm, sites, policy)                                             # 2
     table = {s.name: SiteInfo(s.path, tuple(specs[s.name].items()), _weight_pos(gm, s)) for s in sites}
+    for info in table.values():                  # a spec the rewrite cannot honour raises here, not as a failed compile
+        for role, spec in info.specs:
+            check_spec(info.path, role, spec)
     attn = _swap_attention(gm, policy)                                            # 3
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
@@ -195,10 +212,49 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     nvfp4_sites = any(isinstance(spec, NVFP4) for roles in specs.values() for spec in roles.values())
     if precompile.enabled(settings.precompile) and (nvfp4_sites or any(a.swapped for a in attn)):
         precompile.prestart(example_inputs)       # 7: workers set up meanwhile (graphs with CUDA inputs)
+    amax.fuse_amax_mode()                         # a bad setting raises here, not as a failed compile
     try:
         return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+    except Exception as e:
+        if fallback is None or not (nvfp4_sites or any(a.swapped for a in attn)):
+            raise
+        _warn_fallback(e, table, specs, attn)
+        return compile_fx(fallback, example_inputs, config_patches=dict(_mode_options(mode)))
     finally:
         precompile.release()                      # workers 7 left without calls exit
+
+
+def _on_error(settings: Settings) -> str:
+    mode = settings.on_error if settings.on_error is not None else ON_ERROR
+    if mode not in ON_ERROR_MODES:
+        raise ValueError(f"fullstack_fp4: ON_ERROR / FP4COMPILE_ON_ERROR must be one of {list(ON_ERROR_MODES)}, "
+                         f"got {mode!r}")
+    return mode
+
+
+def _bf16_fallback(gm, settings: Settings):
+    """A copy of Dynamo's graph before the passes touch it (sharing ``gm``'s parameters and buffers), when
+    ``on_error`` is ``"bf16"``; None when a failure should raise (and for ``explain``'s recorder or ``debug``)."""
+    if _on_error(settings) != "bf16" or settings.recorder is not None or settings.debug:
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy
+
+
+def _warn_fallback(error: BaseException, table, specs, attn) -> None:
+    import warnings
+
+    paths = sorted({table[name].path or "<root>" for name, roles in specs.items()
+                    if any(isinstance(spec, NVFP4) for spec in roles.values())}
+                   | {f"{a.module_path or '<root>'} (attention)" for a in attn if a.swapped})
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    warnings.warn(f"fp4compile: this graph's NVFP4 rewrite failed to compile ({type(error).__name__}: {first}); "
+                  f"its NVFP4 sites {shown} run in BF16 (plain Inductor) instead. on_error='raise' "
+                  f"(FP4COMPILE_ON_ERROR=raise) stops here.", stacklevel=2)
 
 
 # ------------------------------------------------------------------------------------------------

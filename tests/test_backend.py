@@ -746,6 +746,46 @@ def test_bad_options_give_clear_errors():
         fullstack_fp4(gm, [x], mode="fastest", options={"policy": "bf16"})
 
 
+def test_a_rewrite_that_fails_to_compile_falls_back_to_bf16_with_one_warning(monkeypatch):
+    """A failure inside compile_fx (here the joint pass raising; on the H200 once Inductor's Triton code for a pass's
+    ops) leaves the graph to plain Inductor with one warning naming the error and the NVFP4 sites; the model trains
+    (forward and gradients equal plain Inductor's); on_error='raise' (or FP4COMPILE_ON_ERROR=raise) re-raises."""
+    import fp4compile.backend as B
+
+    def boom(self, graph):
+        raise RuntimeError("joint pass exploded\nsecond line")
+
+    monkeypatch.setattr(FP4JointPass, "__call__", boom)
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(48, 64)
+    ref_model = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="fullstack_fp4", options={"policy": RTN, "precompile": False})(x)
+    msgs = [str(m.message) for m in w if "failed to compile" in str(m.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0], msgs
+    assert "RuntimeError: joint pass exploded" in msgs[0] and "a, b, c run in BF16" in msgs[0], msgs[0]
+    ref = torch.compile(ref_model, backend="inductor")(x)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    for how in ({"on_error": "raise"}, {}):
+        torch._dynamo.reset()
+        if not how:
+            monkeypatch.setattr(B, "ON_ERROR", "raise")
+        with pytest.raises(Exception, match="joint pass exploded"):
+            torch.compile(Stack(), backend="fullstack_fp4", options={"policy": RTN, "precompile": False, **how})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="on_error must be one of"):
+        torch.compile(Stack(), backend="fullstack_fp4", options={"policy": RTN, "on_error": "eager"})(x)
+    monkeypatch.setattr(B, "ON_ERROR", "ignore")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="FP4COMPILE_ON_ERROR must be one of"):
+        torch.compile(Stack(), backend="fullstack_fp4", options={"policy": RTN, "precompile": False})(x)
+
+
 def test_check_raises_when_a_site_is_silently_bf16():
     from torch.fx.experimental.proxy_tensor import make_fx
 
