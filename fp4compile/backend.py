@@ -73,8 +73,8 @@ from .policy import NVFP4, Policy
 
 OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies", "on_error")
 #: what a graph whose NVFP4 rewrite fails to compile does: ``"bf16"`` (a one-line warning naming the error and the
-#: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: BF16 / the model's own
-#: precision) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
+#: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: the model's own dtype,
+#: BF16 under autocast) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
 #: Only failures inside ``compile_fx`` are caught (a bad setting raises before it; a backward graph that Inductor
 #: compiles lazily at the first backward is not covered). ``bench/study.py`` runs its arms with ``"raise"``.
 ON_ERROR = os.environ.get("FP4COMPILE_ON_ERROR", "bf16")
@@ -253,7 +253,7 @@ def _warn_fallback(error: BaseException, table, specs, attn) -> None:
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     first = (str(error).strip().splitlines() or [""])[0][:200]
     warnings.warn(f"fp4compile: this graph's NVFP4 rewrite failed to compile ({type(error).__name__}: {first}); "
-                  f"its NVFP4 sites {shown} run in BF16 (plain Inductor) instead. on_error='raise' "
+                  f"its NVFP4 sites {shown} run unquantized instead (plain Inductor, the model's own dtype). on_error='raise' "
                   f"(FP4COMPILE_ON_ERROR=raise) stops here.", stacklevel=2)
 
 
