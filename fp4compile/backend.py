@@ -75,8 +75,9 @@ OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile",
 #: what a graph whose NVFP4 rewrite fails to compile does: ``"bf16"`` (a one-line warning naming the error and the
 #: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: the model's own dtype,
 #: BF16 under autocast) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
-#: Only failures inside ``compile_fx`` are caught (a bad setting raises before it; a backward graph that Inductor
-#: compiles lazily at the first backward is not covered). ``bench/study.py`` runs its arms with ``"raise"``.
+#: Failures inside ``compile_fx`` are caught, the backward graph's included (with a fallback the backward is compiled
+#: there, not at the first backward); a bad setting raises before it. ``bench/study.py`` runs its arms with
+#: ``"raise"``.
 ON_ERROR = os.environ.get("FP4COMPILE_ON_ERROR", "bf16")
 ON_ERROR_MODES = ("bf16", "raise")
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -214,7 +215,8 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
         precompile.prestart(example_inputs)       # 7: workers set up meanwhile (graphs with CUDA inputs)
     amax.fuse_amax_mode()                         # a bad setting raises here, not as a failed compile
     try:
-        return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+        with torch._functorch.config.patch(**_eager_backward(fallback)):
+            return compile_fx(gm, example_inputs, config_patches=patches, **kw)
     except Exception as e:
         if fallback is None or not (nvfp4_sites or any(a.swapped for a in attn)):
             raise
@@ -242,6 +244,17 @@ def _bf16_fallback(gm, settings: Settings):
     copy = torch.fx.GraphModule(gm, graph)
     copy.meta = dict(getattr(gm, "meta", {}))
     return copy
+
+
+def _eager_backward(fallback) -> Dict[str, bool]:
+    """With a fallback, AOTAutograd compiles the backward graph inside ``compile_fx`` (as it does for graphs with
+    symbolic sizes) instead of at the first backward, so that its failure is caught too (the same compile work, done
+    earlier; torch versions without the switch keep the lazy backward)."""
+    import torch._functorch.config as aot_config
+
+    if fallback is None or not hasattr(aot_config, "force_non_lazy_backward_lowering"):
+        return {}
+    return {"force_non_lazy_backward_lowering": True}
 
 
 def _warn_fallback(error: BaseException, table, specs, attn) -> None:

@@ -786,6 +786,37 @@ def test_a_rewrite_that_fails_to_compile_falls_back_to_bf16_with_one_warning(mon
         torch.compile(Stack(), backend="fullstack_fp4", options={"policy": RTN, "precompile": False})(x)
 
 
+def test_a_backward_graph_that_fails_to_compile_falls_back_too(monkeypatch, tmp_path):
+    """Inductor failing on the backward graph only: with the fallback the backward is compiled inside compile_fx, so
+    the failure is caught there, and training goes on unquantized (gradients equal plain Inductor's)."""
+    import torch._inductor.compile_fx as cfx
+
+    inner = cfx.compile_fx_inner
+
+    def failing_bw(gm, example_inputs, **kw):        # the backend's recording wrapper imports it at each call
+        if kw.get("is_backward"):
+            raise RuntimeError("backward lowering failed")
+        return inner(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx_inner", failing_bw)
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(48, 64)
+    ref_model = copy.deepcopy(model)
+    opts = {"policy": RTN, "precompile": False, "dump_dir": str(tmp_path)}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="fullstack_fp4", options=opts)(x)
+    assert any("RuntimeError: backward lowering failed" in str(m.message) for m in w)
+    out.sum().backward()
+    ref_model(x).sum().backward()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch._dynamo.reset()
+    out = torch.compile(Stack(), backend="fullstack_fp4", options={**opts, "on_error": "raise"})(x)
+    with pytest.raises(Exception, match="backward lowering failed"):   # lazily, as without fp4compile
+        out.sum().backward()
+
+
 def test_check_raises_when_a_site_is_silently_bf16():
     from torch.fx.experimental.proxy_tensor import make_fx
 
