@@ -746,7 +746,7 @@ def test_bad_options_give_clear_errors():
         fullstack_fp4(gm, [x], mode="fastest", options={"policy": "bf16"})
 
 
-def test_a_rewrite_that_fails_to_compile_falls_back_to_bf16_with_one_warning(monkeypatch):
+def test_a_rewrite_that_fails_to_compile_falls_back_unquantized_with_one_warning(monkeypatch):
     """A failure inside compile_fx (here the joint pass raising; on the H200 once Inductor's Triton code for a pass's
     ops) leaves the graph to plain Inductor with one warning naming the error and the NVFP4 sites; the model trains
     (forward and gradients equal plain Inductor's); on_error='raise' (or FP4COMPILE_ON_ERROR=raise) re-raises."""
