@@ -68,30 +68,38 @@ def fake_quant(x, block2d: bool, four_over_six: bool):
     return nvfp4.dequantize_codes(codes, scales, g).double()
 
 
-def forward_errors(q, k, v) -> dict:
-    """O's relative error, float64 attention of fake-quantized Q, K (each :data:`FAKE_QUANT`) against that of Q, K."""
+def reference(q, k, v, seed: int = 0):
+    """The fixed N(0, 1) dO and float64 attention of q, k, v: (dO, O, dQ, dK), computed once per layer."""
     from fp4compile.kernels import attention_ref as R
 
-    o64 = R.sdpa_math_ref(q, k, v, is_causal=True)
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    do = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = R.sdpa_math_ref(*ref, is_causal=True)
+    g64 = torch.autograd.grad(o64, ref, do.double())
+    return do, o64.detach(), g64[0], g64[1]
+
+
+def forward_errors(q, k, v, o64) -> dict:
+    """O's relative error, float64 attention of fake-quantized Q, K (each :data:`FAKE_QUANT`) against ``o64``, that
+    of Q, K."""
+    from fp4compile.kernels import attention_ref as R
+
     return {name: rel(R.sdpa_math_ref(fake_quant(q, *f), fake_quant(k, *f), v, is_causal=True), o64)
             for name, f in FAKE_QUANT.items()}
 
 
-def errors(q, k, v, how: str, seed: int = 0, roles: int | None = None) -> tuple[float, float, float]:
+def errors(q, k, v, ref, how: str, roles: int | None = None) -> tuple[float, float, float]:
     """Relative errors of O, dQ, dK of the paper split (or the precision mask ``roles``) with ``how`` against
-    float64 attention of q, k, v."""
+    ``ref`` (:func:`reference` of q, k, v)."""
     from fp4compile.kernels import attention_ref as R
     from fp4compile.passes.attention import qattn_sdpa
 
-    g = torch.Generator(device=q.device).manual_seed(seed)
-    do = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+    do, o64, dq64, dk64 = ref
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=R.PAPER_ROLES if roles is None else roles, qk_transform=how)
     gq, gk, _ = torch.autograd.grad(out, leaves, do)
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    o64 = R.sdpa_math_ref(*ref, is_causal=True)
-    g64 = torch.autograd.grad(o64, ref, do.double())
-    return rel(out, o64), rel(gq, g64[0]), rel(gk, g64[1])
+    return rel(out, o64), rel(gq, dq64), rel(gk, dk64)
 
 
 def k_mean_share(k) -> float:
@@ -123,11 +131,12 @@ def main(argv=None) -> int:
         r = rows.setdefault(layer, {"k_mean_share": [], "qk_only": [], "ds_only": [], "fwd": [],
                                     **{h: [] for h in QK_TRANSFORMS}})
         r["k_mean_share"].append(k_mean_share(k))
+        ref = reference(q, k, v)
         for how in QK_TRANSFORMS:
-            r[how].append(errors(q, k, v, how))
-        r["qk_only"].append(errors(q, k, v, "none", roles=R.QK))
-        r["ds_only"].append(errors(q, k, v, "none", roles=R.DSK | R.DSQ))
-        r["fwd"].append(forward_errors(q, k, v))
+            r[how].append(errors(q, k, v, ref, how))
+        r["qk_only"].append(errors(q, k, v, ref, "none", roles=R.QK))
+        r["ds_only"].append(errors(q, k, v, ref, "none", roles=R.DSK | R.DSQ))
+        r["fwd"].append(forward_errors(q, k, v, ref[1]))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"{args.run} (step {step}, {cfg.model}): {args.batches} val batches of {args.batch_size} x {cfg.seq_len}; "
           f"relative error against float64 attention, O / dQ / dK; device {device}")

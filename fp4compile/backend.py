@@ -66,7 +66,7 @@ from .passes.check import check
 from .passes.common import tangent_closure
 from .passes import amax, linear, reuse
 from .passes.amax import fuse_amax
-from .passes.linear import LOWERINGS, SiteInfo, check_spec, rewrite_linears, use_dequantized_copies
+from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
 from .passes.reuse import QuantCache
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
@@ -192,9 +192,6 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     sites = find_sites(gm, example_inputs)                                        # 1
     specs = assign(gm, sites, policy)                                             # 2
     table = {s.name: SiteInfo(s.path, tuple(specs[s.name].items()), _weight_pos(gm, s)) for s in sites}
-    for info in table.values():                  # a spec the rewrite cannot honour raises here, not as a failed compile
-        for role, spec in info.specs:
-            check_spec(info.path, role, spec)
     attn = _swap_attention(gm, policy)                                            # 3
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
@@ -205,23 +202,24 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
         return _debug_compile(gm, example_inputs, joint, settings)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = dict(_mode_options(mode))
-    patches["joint_custom_pre_pass"] = joint
+    mode_patches = _mode_options(mode)
+    patches = {**mode_patches, "joint_custom_pre_pass": joint}
     kw = {}
     if settings.dump_dir or settings.recorder is not None:
         kw["inner_compile"] = _recording_inner(settings)
-    nvfp4_sites = any(isinstance(spec, NVFP4) for roles in specs.values() for spec in roles.values())
-    if precompile.enabled(settings.precompile) and (nvfp4_sites or any(a.swapped for a in attn)):
+    rewritten = any(isinstance(spec, NVFP4) for roles in specs.values() for spec in roles.values()) or any(
+        a.swapped for a in attn)
+    if precompile.enabled(settings.precompile) and rewritten:
         precompile.prestart(example_inputs)       # 7: workers set up meanwhile (graphs with CUDA inputs)
     amax.fuse_amax_mode()                         # a bad setting raises here, not as a failed compile
     try:
         with torch._functorch.config.patch(**_eager_backward(fallback)):
             return compile_fx(gm, example_inputs, config_patches=patches, **kw)
     except Exception as e:
-        if fallback is None or not (nvfp4_sites or any(a.swapped for a in attn)):
+        if fallback is None or not rewritten:
             raise
-        _warn_fallback(e, table, specs, attn)
-        return compile_fx(fallback, example_inputs, config_patches=dict(_mode_options(mode)))
+        _warn_fallback(e, table, attn)
+        return compile_fx(_fallback_module(gm, fallback), example_inputs, config_patches=dict(mode_patches))
     finally:
         precompile.release()                      # workers 7 left without calls exit
 
@@ -234,16 +232,22 @@ def _on_error(settings: Settings) -> str:
     return mode
 
 
-def _bf16_fallback(gm, settings: Settings):
-    """A copy of Dynamo's graph before the passes touch it (sharing ``gm``'s parameters and buffers), when
-    ``on_error`` is ``"bf16"``; None when a failure should raise (and for ``explain``'s recorder or ``debug``)."""
+def _bf16_fallback(gm, settings: Settings) -> Optional[torch.fx.Graph]:
+    """A copy of Dynamo's graph before the passes touch it, when ``on_error`` is ``"bf16"``; None when a failure
+    should raise (and for ``explain``'s recorder or ``debug``). Only a graph: :func:`_fallback_module` builds the
+    module (and its Python code) should it be needed."""
     if _on_error(settings) != "bf16" or settings.recorder is not None or settings.debug:
         return None
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    copy = torch.fx.GraphModule(gm, graph)
-    copy.meta = dict(getattr(gm, "meta", {}))
-    return copy
+    return graph
+
+
+def _fallback_module(gm, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``graph`` over ``gm``'s parameters and buffers (shared, not copied), with ``gm``'s meta."""
+    module = torch.fx.GraphModule(gm, graph)
+    module.meta = dict(getattr(gm, "meta", {}))
+    return module
 
 
 def _eager_backward(fallback) -> Dict[str, bool]:
@@ -257,17 +261,17 @@ def _eager_backward(fallback) -> Dict[str, bool]:
     return {"force_non_lazy_backward_lowering": True}
 
 
-def _warn_fallback(error: BaseException, table, specs, attn) -> None:
+def _warn_fallback(error: BaseException, table: Dict[str, SiteInfo], attn) -> None:
     import warnings
 
-    paths = sorted({table[name].path or "<root>" for name, roles in specs.items()
-                    if any(isinstance(spec, NVFP4) for spec in roles.values())}
+    paths = sorted({info.path or "<root>" for info in table.values()
+                    if any(isinstance(spec, NVFP4) for _, spec in info.specs)}
                    | {f"{a.module_path or '<root>'} (attention)" for a in attn if a.swapped})
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     first = (str(error).strip().splitlines() or [""])[0][:200]
     warnings.warn(f"fp4compile: this graph's NVFP4 rewrite failed to compile ({type(error).__name__}: {first}); "
-                  f"its NVFP4 sites {shown} run unquantized instead (plain Inductor, the model's own dtype). on_error='raise' "
-                  f"(FP4COMPILE_ON_ERROR=raise) stops here.", stacklevel=2)
+                  f"its NVFP4 sites {shown} run unquantized instead (plain Inductor, the model's own dtype). "
+                  f"on_error='raise' (FP4COMPILE_ON_ERROR=raise) stops here.", stacklevel=2)
 
 
 # ------------------------------------------------------------------------------------------------

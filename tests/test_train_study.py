@@ -550,8 +550,9 @@ def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
     _, q, k, v = calls[0]
     assert q.shape == (2, 2, cfg.seq_len, 64)
     q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+    ref = mod.reference(q, k, v)
     for how in ("none", "smooth_k"):
-        assert res["layers"]["0"][how] == pytest.approx(list(mod.errors(q, k, v, how)), rel=1e-9)
+        assert res["layers"]["0"][how] == pytest.approx(list(mod.errors(q, k, v, ref, how)), rel=1e-9)
         assert all(0.0 < e < 1.0 for e in res["layers"]["0"][how])
     assert 0.0 <= res["layers"]["0"]["k_mean_share"] <= 1.0
     assert "vs none (all layers)" in capsys.readouterr().out
@@ -560,9 +561,9 @@ def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
     from fp4compile.formats import nvfp4
     from fp4compile.kernels import attention_ref as R
 
-    assert res["layers"]["0"]["qk_only"] == pytest.approx(list(mod.errors(q, k, v, "none", roles=R.QK)), rel=1e-9)
+    assert res["layers"]["0"]["qk_only"] == pytest.approx(list(mod.errors(q, k, v, ref, "none", roles=R.QK)), rel=1e-9)
     assert res["layers"]["0"]["ds_only"] == pytest.approx(
-        list(mod.errors(q, k, v, "none", roles=R.DSK | R.DSQ)[1:]), rel=1e-9)
+        list(mod.errors(q, k, v, ref, "none", roles=R.DSK | R.DSQ)[1:]), rel=1e-9)
     for name, (block2d, fos) in mod.FAKE_QUANT.items():
         want = nvfp4.quantize(k, block=(16, 16) if block2d else 16, four_over_six=fos).dequantize(torch.float32)
         assert torch.equal(mod.fake_quant(k, block2d, fos), want.double()), name

@@ -81,15 +81,6 @@ if DQ_OPERANDS not in ("all", "fwd", "none"):
 FUSE_BIAS = os.environ.get("FP4COMPILE_FUSE_BIAS", "1") != "0"
 
 
-def check_spec(path: str, role: str, spec) -> None:
-    """Raise ``ValueError`` for a spec the rewrite cannot honour at this role: ``NVFP4(operands=...)`` other than
-    ``"both"`` outside linear.fprop (the backend checks every site before compiling, so this is not taken for a
-    failed compile)."""
-    if isinstance(spec, NVFP4) and spec.operands != "both" and role != "linear.fprop":
-        raise ValueError(f"fp4compile: {path or '<root>'}, {role}: NVFP4(operands={spec.operands!r}) "
-                         f"applies to linear.fprop only; the backward roles quantize both operands")
-
-
 def gemm_default_impl() -> Optional[str]:
     """``kernels/gemm.DEFAULT_IMPL`` (``FP4COMPILE_GEMM_IMPL``), which the rewrite reads (:func:`cuda_impl`), so the
     joint pass's cache key holds it; None without Triton."""
@@ -470,7 +461,6 @@ def rewrite_linears(graph: Graph, table: Dict[str, SiteInfo], cache: QuantCache,
     for g in gemms:
         info = table[g.site]
         spec = info.spec(g.role)
-        check_spec(info.path, g.role, spec)
         why = _why_not(g, spec) if isinstance(spec, NVFP4) else None
         if isinstance(spec, NVFP4) and why is None:
             records.append(rewrite_gemm(graph, g, info, cache, cache.tangents, lowering))
