@@ -962,6 +962,8 @@ def test_signed_hadamard_is_a_signed_sylvester_matrix(d):
         assert (signs < 0).any() and (signs > 0).any()
     torch.testing.assert_close(R.signed_hadamard(d, dtype=torch.float64) @ R.signed_hadamard(d, dtype=torch.float64).T,
                                torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-15)
+    pm1 = R.signed_hadamard(d, dtype=torch.bfloat16, normalize=False)
+    assert pm1.dtype == torch.bfloat16 and torch.equal(pm1.double(), h)      # +-1: exact in BF16
     with pytest.raises(ValueError, match="power-of-two"):
         R.signed_hadamard(48)
 
@@ -989,15 +991,17 @@ def test_qk_transform_compiles_for_cuda(how):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(2, 4, 256, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     got = torch.compile(R.qk_transform, backend="inductor", fullgraph=True)(q, k, how)
-    for a, b in zip(got, R.qk_transform(q, k, how)):
+    want = R.qk_transform(q, k, how)
+    assert got[2] == want[2]
+    for a, b in zip(got[:2], want[:2]):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
 
 
 @pytest.mark.parametrize("how", TRANSFORMS)
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, True)])
 def test_qk_transform_is_the_same_attention(how, causal, gqa):
-    """Unquantized float64 attention of the transformed Q, K equals that of Q, K (the transform runs in FP32, so to
-    FP32 accuracy), outputs and the gradients that autograd takes back through the transform; with an additive
+    """Unquantized float64 attention of the transformed Q, K with the scale times the returned factor equals that of
+    Q, K (K's smoothing runs in FP32 at least, so to FP32 accuracy), outputs and the gradients that autograd takes back through the transform; with an additive
     mask too."""
     q, k, v, do = _qkv(H=4, Hkv=2 if gqa else 4, Tq=40, Tk=40, dtype=torch.float64)
     k = k + 3.0 * torch.linspace(-1, 1, 64, dtype=torch.float64)   # a channel bias for smoothing to remove
@@ -1007,13 +1011,14 @@ def test_qk_transform_is_the_same_attention(how, causal, gqa):
         R.sdpa_math_ref(leaves[0], *(t.repeat_interleave(2, 1) for t in leaves[1:]), attn_mask=mask, is_causal=causal)
     g_ref = torch.autograd.grad(ref, leaves, do)
     leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
-    q2, k2 = R.qk_transform(leaves2[0], leaves2[1], how)
+    q2, k2, c = R.qk_transform(leaves2[0], leaves2[1], how)
     assert q2.dtype == k2.dtype == torch.float64
     assert not torch.allclose(k2, leaves2[1])
+    assert c == (1 / 64 if "hadamard" in how else 1.0)
     v2 = leaves2[2]
     if gqa:
         k2, v2 = k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1)
-    out = R.sdpa_math_ref(q2, k2, v2, attn_mask=mask, is_causal=causal)
+    out = R.sdpa_math_ref(q2, k2, v2, attn_mask=mask, is_causal=causal, scale=c / 8.0)
     g = torch.autograd.grad(out, leaves2, do)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(g, g_ref):
@@ -1023,10 +1028,26 @@ def test_qk_transform_is_the_same_attention(how, causal, gqa):
         torch.testing.assert_close(k2.mean(-2), torch.zeros_like(k2.mean(-2)), rtol=0, atol=1e-5)
 
 
+def test_qk_transform_keeps_the_bthd_layout_and_rounds_once():
+    """Q, K as [B, H, T, D] views of [B, T, H, D] storage (split from a fused projection) come back as such views,
+    with no copy in between; the BF16 product is float64's rounded once (FP32 accumulation may move a value that
+    sits near a rounding midpoint by one BF16 step, nothing more)."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 32, 4, 64, generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    q2, k2, c = R.qk_transform(q, k, "hadamard")
+    assert c == 1 / 64 and q2.dtype == k2.dtype == torch.bfloat16
+    assert q2.transpose(1, 2).is_contiguous() and k2.transpose(1, 2).is_contiguous()
+    s64 = R.signed_hadamard(64, dtype=torch.float64, normalize=False)
+    for got, x in ((q2, q), (k2, k)):
+        want = (x.double() @ s64).to(torch.bfloat16)
+        ulp = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert ulp.max() <= 1 and (ulp == 0).float().mean() > 0.99
+
+
 def test_qk_transform_none_and_bad_value():
     q, k, _, _ = _qkv()
-    a, b = R.qk_transform(q, k, "none")
-    assert a is q and b is k
+    a, b, c = R.qk_transform(q, k, "none")
+    assert a is q and b is k and c == 1.0
     with pytest.raises(ValueError, match="smooth_k"):
         R.qk_transform(q, k, "smooth_q")
 

@@ -337,10 +337,11 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
 QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
 
 
-def signed_hadamard(d: int, device=None, dtype=torch.float32) -> Tensor:
+def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool = True) -> Tensor:
     """The orthogonal [d, d] matrix ``diag(s) @ H_d / sqrt(d)`` (``H_d`` Sylvester's Hadamard matrix, entry (i, j)
     ``(-1)^popcount(i & j)``; ``s`` fixed signs, bit 13 of ``i * 0x9E3779B1`` mapped to +-1), built from
     integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two.
+    ``normalize=False``: the +-1 matrix ``diag(s) @ H_d`` itself (exact in every float dtype; its square is ``d I``).
     Every literal fits in int32 (Inductor's Triton code types an integer literal as int32 and rejects a larger one):
     bit 13 of a product depends only on the factors' low 14 bits, so the multiplier is 0x9E3779B1's, 0x39B1."""
     if d < 1 or d & (d - 1):
@@ -351,32 +352,45 @@ def signed_hadamard(d: int, device=None, dtype=torch.float32) -> Tensor:
     for b in range(max(1, d.bit_length() - 1)):
         parity = parity ^ ((a >> b) & 1)
     signs = 1 - 2 * (((i * 0x39B1) >> 13) & 1)       # = bit 13 of i * 0x9E3779B1
-    h = (1 - 2 * parity) * signs[:, None]
-    return h.to(dtype) / math.sqrt(d)
+    h = ((1 - 2 * parity) * signs[:, None]).to(dtype)
+    return h / math.sqrt(d) if normalize else h
 
 
-def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tensor]:
-    """Q and K changed so that ``softmax(q·kᵀ)`` is the same function and NVFP4 quantizes them more finely:
+def _times_last(x: Tensor, m: Tensor) -> Tensor:
+    """``x @ m`` along x's last dim, without the copy ``matmul`` makes of a [B, H, T, D] view of a [B, T, H, D]
+    tensor (the layout of Q, K, V split from a fused projection): the product is taken in that storage order and
+    comes back as the same kind of view."""
+    if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return (x.transpose(1, 2) @ m).transpose(1, 2)
+    return x @ m
 
-    * ``"smooth_k"``: K minus its mean over the sequence (per batch, head and channel; SageAttention's smoothing).
-      Every score of query i moves by the same ``q_i·mean(k)``, which a softmax row does not see (masks and
-      causality included). Autograd's dK is then ``dK' - mean(dK')``.
-    * ``"hadamard"``: both times the orthogonal :func:`signed_hadamard` along head_dim (FlashAttention-3's
-      incoherent processing): ``(qH)(kH)ᵀ = q·kᵀ``; a channel of large values is spread over every channel of
-      the 16x16 tile. dQ, dK come back through ``Hᵀ``.
 
-    Computed in FP32 with one rounding to the inputs' dtype. ``"none"`` returns q, k themselves."""
+def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tensor, float]:
+    """Q and K changed so that NVFP4 quantizes them more finely, and the factor ``c`` that the softmax scale takes
+    so that ``softmax(c * scale * q'·k'ᵀ) = softmax(scale * q·kᵀ)``:
+
+    * ``"smooth_k"``: K minus its mean over the sequence (per batch, head and channel; SageAttention's smoothing),
+      taken in FP32 and rounded once. Every score of query i moves by the same ``q_i·mean(k)``, which a softmax row
+      does not see (masks and causality included). Autograd's dK is then ``dK' - mean(dK')``. ``c = 1``.
+    * ``"hadamard"``: both times the +-1 :func:`signed_hadamard` ``S`` along head_dim (FlashAttention-3's incoherent
+      processing): ``(qS)(kS)ᵀ = d q·kᵀ``, so ``c = 1 / d``; a channel of large values is spread over every channel
+      of the 16x16 tile. ``S`` is exact in the inputs' dtype, so the product is one matmul in that dtype (FP32
+      accumulation on GPUs) with one rounding; dQ, dK come back through ``Sᵀ``. NVFP4's scales follow the tensor's
+      amax, so the factor ``sqrt(d)`` in Q, K's size does not change what is quantized.
+
+    ``"none"`` returns q, k themselves and ``c = 1``."""
     if how not in QK_TRANSFORMS:
         raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
     if how == "none":
-        return q, k
-    kf = k.float()
+        return q, k, 1.0
     if "smooth_k" in how:
-        kf = kf - kf.mean(dim=-2, keepdim=True)
+        kf = k.to(torch.promote_types(k.dtype, torch.float32))
+        k = (kf - kf.mean(dim=-2, keepdim=True)).to(k.dtype)
     if "hadamard" not in how:
-        return q, kf.to(k.dtype)                      # Q untouched: no cast of it
-    h = signed_hadamard(q.shape[-1], q.device)
-    return (q.float() @ h).to(q.dtype), (kf @ h).to(k.dtype)
+        return q, k, 1.0                              # Q untouched: no copy of it
+    d = q.shape[-1]
+    s = signed_hadamard(d, q.device, q.dtype, normalize=False)
+    return _times_last(q, s), _times_last(k, s), 1.0 / d
 
 
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:
