@@ -968,6 +968,26 @@ def test_signed_hadamard_is_a_signed_sylvester_matrix(d):
         R.signed_hadamard(48)
 
 
+@pytest.mark.parametrize("d,block", [(96, 32), (80, 16), (112, 16), (64, 64), (64, 16)])
+def test_signed_hadamard_blocks(d, block):
+    """A head dim that is not a power of two is rotated in diagonal blocks: torch.block_diag of Sylvester's
+    matrix (Kronecker products, as above), each row signed as the full matrix's row of that index; orthogonal."""
+    syl = torch.ones(1, 1, dtype=torch.float64)
+    while syl.shape[0] < block:
+        syl = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), syl)
+    assert R.hadamard_block(d) == (block if block == d or d != 64 else 64)
+    h = R.signed_hadamard(d, dtype=torch.float64, normalize=False, block=block)
+    signs = h.abs().sum(1).clamp(max=1) * h[torch.arange(d), (torch.arange(d) // block) * block].sign()
+    assert torch.equal(h, signs[:, None] * torch.block_diag(*[syl] * (d // block)))
+    want = [1 - 2 * ((((i * 0x9E3779B1) & 0xFFFFFFFF) >> 13) & 1) for i in range(d)]
+    assert signs.tolist() == want
+    hn = R.signed_hadamard(d, dtype=torch.float64, block=block)
+    torch.testing.assert_close(hn @ hn.T, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-15)
+    for bad in (24, 128, 0):
+        with pytest.raises(ValueError, match="power-of-two"):
+            R.signed_hadamard(d, block=bad)
+
+
 def test_signed_hadamard_traces_with_int32_literals_and_its_signs():
     """A traced graph computes the matrix (no captured constant) with integer literals that Inductor's Triton code
     can hold (it types a literal as int32: ``2654435761*x1`` failed to compile on the H200 in session 37); its signs
@@ -983,13 +1003,14 @@ def test_signed_hadamard_traces_with_int32_literals_and_its_signs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 96])
 @pytest.mark.parametrize("how", TRANSFORMS)
-def test_qk_transform_compiles_for_cuda(how):
+def test_qk_transform_compiles_for_cuda(how, D):
     """Inductor's Triton code for the transform (what a compiled training step runs), against eager."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k = (torch.randn(2, 4, 256, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    q, k = (torch.randn(2, 4, 256, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     got = torch.compile(R.qk_transform, backend="inductor", fullgraph=True)(q, k, how)
     want = R.qk_transform(q, k, how)
     assert got[2] == want[2]
@@ -1026,6 +1047,24 @@ def test_qk_transform_is_the_same_attention(how, causal, gqa):
     if "smooth_k" in how and "hadamard" not in how:
         assert torch.equal(q2, leaves2[0])
         torch.testing.assert_close(k2.mean(-2), torch.zeros_like(k2.mean(-2)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [96, 80])
+def test_qk_transform_is_the_same_attention_for_other_head_dims(D):
+    """Head dims that are not powers of two (rotated in blocks of hadamard_block(D) channels, factor 1 / block):
+    float64 attention of the transformed Q, K equals that of Q, K, outputs and gradients."""
+    q, k, v, do = _qkv(H=2, Tq=24, Tk=24, D=D, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = R.sdpa_math_ref(*leaves, is_causal=True)
+    g_ref = torch.autograd.grad(ref, leaves, do)
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    q2, k2, c = R.qk_transform(leaves2[0], leaves2[1], "smooth_k+hadamard")
+    assert c == 1 / R.hadamard_block(D) and not torch.allclose(q2, leaves2[0])
+    out = R.sdpa_math_ref(q2, k2, leaves2[2], is_causal=True, scale=c / math.sqrt(D))
+    g = torch.autograd.grad(out, leaves2, do)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_qk_transform_keeps_the_bthd_layout_and_rounds_once():
@@ -1110,6 +1149,17 @@ def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
     ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=how)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
+
+
+@pytest.mark.parametrize("D", [96, 80])
+def test_qattn_sdpa_transforms_head_dims_that_are_not_powers_of_two(D):
+    """qattn_sdpa (public, any head dim that is a multiple of 16; the pass swaps 64 and 128 only) with each transform
+    at head dims 96 and 80: it runs, and its O, dQ, dK stay as close to float64 attention as without one."""
+    q, k, v, do = _qkv(H=2, Tq=64, Tk=64, D=D)
+    base = _qattn_errors(q, k, v, do, "none")
+    for how in TRANSFORMS:
+        errs = _qattn_errors(q, k, v, do, how)
+        assert all(e < 1.25 * b for e, b in zip(errs, base)), (how, base, errs)
 
 
 def test_qk_transform_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):

@@ -337,23 +337,39 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
 QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
 
 
-def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool = True) -> Tensor:
+def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool = True,
+                    block: Optional[int] = None) -> Tensor:
     """The orthogonal [d, d] matrix ``diag(s) @ H_d / sqrt(d)`` (``H_d`` Sylvester's Hadamard matrix, entry (i, j)
     ``(-1)^popcount(i & j)``; ``s`` fixed signs, bit 13 of ``i * 0x9E3779B1`` mapped to +-1), built from
-    integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two.
-    ``normalize=False``: the +-1 matrix ``diag(s) @ H_d`` itself (exact in every float dtype; its square is ``d I``).
+    integer ops only, so that a traced graph computes it rather than capturing a constant. ``d`` a power of two,
+    or ``block`` (a power of two dividing ``d``) given: then ``H_block`` on each of the ``d / block`` diagonal
+    blocks (zero elsewhere), over ``sqrt(block)``. ``normalize=False``: the matrix times ``sqrt(block or d)``, +-1 and
+    0 entries, exact in every float dtype (its square is ``block I``).
     Every literal fits in int32 (Inductor's Triton code types an integer literal as int32 and rejects a larger one):
     bit 13 of a product depends only on the factors' low 14 bits, so the multiplier is 0x9E3779B1's, 0x39B1."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"signed_hadamard needs a power-of-two size, got {d}")
+    p = d if block is None else block
+    if p < 1 or p & (p - 1) or d % p:
+        raise ValueError(f"signed_hadamard needs a power-of-two size or block dividing it, got d={d}, block={block}")
     i = torch.arange(d, device=device, dtype=torch.int64)
-    a = i[:, None] & i[None, :]
+    ii = i if p == d else i % p                        # the index within its block
+    a = ii[:, None] & ii[None, :]
     parity = torch.zeros_like(a)
-    for b in range(max(1, d.bit_length() - 1)):
+    for b in range(max(1, p.bit_length() - 1)):
         parity = parity ^ ((a >> b) & 1)
     signs = 1 - 2 * (((i * 0x39B1) >> 13) & 1)       # = bit 13 of i * 0x9E3779B1
-    h = ((1 - 2 * parity) * signs[:, None]).to(dtype)
-    return h / math.sqrt(d) if normalize else h
+    h = (1 - 2 * parity) * signs[:, None]
+    if p < d:
+        h = h * (i[:, None] // p == i[None, :] // p)
+    h = h.to(dtype)
+    return h / math.sqrt(p) if normalize else h
+
+
+def hadamard_block(d: int) -> int:
+    """The block size of Q-Attn's rotation of a head dim ``d``: the largest power of two dividing it (``d`` itself
+    for 64 or 128; 32 for 96, 16 for 80 or 112)."""
+    if d < 1:
+        raise ValueError(f"hadamard_block needs a positive size, got {d}")
+    return d & -d
 
 
 def _times_last(x: Tensor, m: Tensor) -> Tensor:
@@ -374,7 +390,8 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
       does not see (masks and causality included). Autograd's dK is then ``dK' - mean(dK')``. ``c = 1``.
     * ``"hadamard"``: both times the +-1 :func:`signed_hadamard` ``S`` along head_dim (FlashAttention-3's incoherent
       processing): ``(qS)(kS)ᵀ = d q·kᵀ``, so ``c = 1 / d``; a channel of large values is spread over every channel
-      of the 16x16 tile. ``S`` is exact in the inputs' dtype, so the product is one matmul in that dtype (FP32
+      of the 16x16 tile. A head dim that is not a power of two (96, 80, ...) is rotated in diagonal blocks of
+      :func:`hadamard_block` channels (``c`` = 1 / block), each a whole number of 16-channel NVFP4 blocks. ``S`` is exact in the inputs' dtype, so the product is one matmul in that dtype (FP32
       accumulation on GPUs) with one rounding; dQ, dK come back through ``Sᵀ``. NVFP4's scales follow the tensor's
       amax, so the factor ``sqrt(d)`` in Q, K's size does not change what is quantized.
 
@@ -389,8 +406,9 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
     if "hadamard" not in how:
         return q, k, 1.0                              # Q untouched: no copy of it
     d = q.shape[-1]
-    s = signed_hadamard(d, q.device, q.dtype, normalize=False)
-    return _times_last(q, s), _times_last(k, s), 1.0 / d
+    p = hadamard_block(d)
+    s = signed_hadamard(d, q.device, q.dtype, normalize=False, block=p)
+    return _times_last(q, s), _times_last(k, s), 1.0 / p
 
 
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:
