@@ -373,9 +373,10 @@ def hadamard_block(d: int) -> int:
 
 
 def _times_last(x: Tensor, m: Tensor) -> Tensor:
-    """``x @ m`` along x's last dim, without the copy ``matmul`` makes of a [B, H, T, D] view of a [B, T, H, D]
-    tensor (the layout of Q, K, V split from a fused projection): the product is taken in that storage order and
-    comes back as the same kind of view."""
+    """``x @ m`` along x's last dim, without the copy ``matmul`` makes of a [B, H, T, D] view of dense [B, T, H, D]
+    storage (what a pointwise op on such a view returns, e.g. K after smoothing): the product is taken in that
+    storage order and comes back as the same kind of view. Q split from a fused QKV projection (rows 3C apart) is
+    not dense in either order and still takes matmul's copy."""
     if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
         return (x.transpose(1, 2) @ m).transpose(1, 2)
     return x @ m
@@ -390,10 +391,11 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
       does not see (masks and causality included). Autograd's dK is then ``dK' - mean(dK')``. ``c = 1``.
     * ``"hadamard"``: both times the +-1 :func:`signed_hadamard` ``S`` along head_dim (FlashAttention-3's incoherent
       processing): ``(qS)(kS)ᵀ = d q·kᵀ``, so ``c = 1 / d``; a channel of large values is spread over every channel
-      of the 16x16 tile. A head dim that is not a power of two (96, 80, ...) is rotated in diagonal blocks of
-      :func:`hadamard_block` channels (``c`` = 1 / block), each a whole number of 16-channel NVFP4 blocks. ``S`` is exact in the inputs' dtype, so the product is one matmul in that dtype (FP32
+      of the 16x16 tile. ``S`` is exact in the inputs' dtype, so the product is one matmul in that dtype (FP32
       accumulation on GPUs) with one rounding; dQ, dK come back through ``Sᵀ``. NVFP4's scales follow the tensor's
-      amax, so the factor ``sqrt(d)`` in Q, K's size does not change what is quantized.
+      amax, so the factor ``sqrt(d)`` in Q, K's size does not change what is quantized. A head dim that is not a
+      power of two (96, 80, ...) is rotated in diagonal blocks of :func:`hadamard_block` channels (``c = 1 /
+      block``), each a whole number of 16-channel NVFP4 blocks.
 
     ``"none"`` returns q, k themselves and ``c = 1``."""
     if how not in QK_TRANSFORMS:

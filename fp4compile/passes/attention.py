@@ -66,8 +66,9 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 #: it every compile cache key) differs between settings. Default ``"smooth_k+hadamard"`` since session 37: in 30M
 #: runs forked from one BF16 checkpoint at step 800 of 1,525 (two seeds) it took the Q-Attn arm's val-loss gap to
 #: BF16 from +1.05 / +1.16 % to +0.82 / +0.85 % (Q-Attn alone costs ~0.6 point there); the 30M full stack at 300M
-#: tokens ended at +1.63 % with it, +1.78 % without (one seed). It costs 1.6 ms of the 124M step's 49.5 (the rotation
-#: one BF16 GEMM by the +-1 matrix: 0.6 ms; K's mean: 1.0 ms) (docs/BENCHMARKS.md, sessions 37-38). K's mean is over the whole sequence, so with a causal mask a position's
+#: tokens ended at +1.63 % with it, +1.78 % without (one seed). It costs 1.6 ms of the 124M step's 49.5: the
+#: rotations (BF16 GEMMs by the +-1 matrix) 0.6 ms, Inductor's kernels for K's mean, Q's copy and the casts 1.1 ms
+#: (docs/BENCHMARKS.md, sessions 37-38). K's mean is over the whole sequence, so with a causal mask a position's
 #: rounding depends on later keys (as it already does within a 16x16 tile); the attention function does not.
 QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 
