@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -712,6 +712,16 @@ s36_qk)
         --batches 2 --batch-size 4 --json "$OUT/err_${a}_seed$seed.json"
   done
   cat "$OUT"/err_*.log 2>/dev/null ;;
+s39_a)
+  # issue 3 on one nvidia-h200 (~6 min; prepared in session 38 without device time): fp4compile::smooth_rotate, the
+  # Q, K transform as one Triton pass per tensor (kernels/rotate.py), on the GPU: its tests and the transform's,
+  # then the 124M step with it (QK_TRANSFORM_IMPL="op") against the aten transform (the default, session 38:
+  # +1.6 ms over none), Q, K untransformed and BF16 Inductor, interleaved in one process
+  step gpu_tests 240 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_rotate.py tests/test_attention.py \
+      -k "rotate or transform or gpu_kernel"
+  step step_ab 300 python bench/step_ab.py --rounds 10 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm op:fp4compile.passes.attention.QK_TRANSFORM_IMPL='"op"' \
+      --arm none:fp4compile.passes.attention.QK_TRANSFORM='"none"' --arm bf16:backend=inductor ;;
 s38_a)
   # issue 3 on one nvidia-h200 (~5 min; session 38): the Q, K transform as one BF16 matmul by the +-1 Hadamard in
   # Q, K's own storage order (s37_next: the FP32 product cost 4.5 ms of the 124M step); its GPU compile test, then

@@ -572,3 +572,60 @@ def qattn_eager(q, k, v, attn_mask, is_causal: bool, scale: float, fp4_roles: in
 
 
 _register_qattn_cuda()
+
+
+# =========================================================================================================
+# Q-Attn's Q, K transform: fp4compile::smooth_rotate  (numerics: attention_ref.smooth_rotate; kernel: rotate.py)
+#
+#   fp4compile::smooth_rotate(x [B,H,T,D], smooth, block, transpose) -> [B,H,T,D] (stored as [B,T,H,D])
+#       = (x - mean over T if smooth) @ (S, or Sᵀ with transpose), S the +-1 signed Hadamard in diagonal blocks
+#       of ``block`` channels (block 0: no rotation); one rounding after each step, FP32 in between.
+#       Differentiable: its gradient is the same op with ``transpose`` flipped (both maps are linear, the centring
+#       symmetric). Used by passes.attention.qattn_sdpa when QK_TRANSFORM_IMPL is "op".
+# =========================================================================================================
+def _smooth_rotate_check(x: Tensor, smooth: bool, block: int):
+    torch._check(x.dim() == 4, lambda: f"smooth_rotate takes [B, H, T, D] tensors, got {x.dim()}D")
+    torch._check(x.dtype.is_floating_point, lambda: f"smooth_rotate takes a float tensor, got {x.dtype}")
+    torch._check(bool(smooth) or block > 0, lambda: "smooth_rotate: nothing to do (smooth=False, block=0)")
+    torch._check(block == 0 or (block & (block - 1) == 0 and x.shape[-1] % block == 0),
+                 lambda: f"smooth_rotate: block must be 0 or a power of two dividing {x.shape[-1]}, got {block}")
+
+
+@torch.library.custom_op("fp4compile::smooth_rotate", mutates_args=())
+def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tensor:
+    """See the block comment above; the torch reference (CPU and any device without the kernel)."""
+    _smooth_rotate_check(x, smooth, block)
+    return _bthd(_aref.smooth_rotate(x, smooth, block, transpose))
+
+
+@smooth_rotate.register_fake
+def _smooth_rotate_fake(x, smooth, block, transpose):
+    _smooth_rotate_check(x, smooth, block)
+    return _aref.bthd_empty(*x.shape, x.dtype, x.device)
+
+
+def _smooth_rotate_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _smooth_rotate_backward(ctx, grad):
+    smooth, block, transpose = ctx.args
+    return torch.ops.fp4compile.smooth_rotate(grad, smooth, block, not transpose), None, None, None
+
+
+smooth_rotate.register_autograd(_smooth_rotate_backward, setup_context=_smooth_rotate_setup)
+
+
+def _smooth_rotate_cuda(x, smooth, block, transpose):
+    from .kernels import rotate as _rot
+
+    _smooth_rotate_check(x, smooth, block)
+    if not _rot.supported(x, block):
+        return _bthd(_aref.smooth_rotate(x, smooth, block, transpose))
+    return _rot.smooth_rotate(x, smooth, block, transpose)
+
+
+from .kernels import rotate as _rotate_mod  # noqa: E402
+
+if _rotate_mod.triton is not None:  # the CUDA kernel where Triton is present, as for the Q-Attn ops
+    smooth_rotate.register_kernel("cuda")(_smooth_rotate_cuda)

@@ -382,6 +382,21 @@ def _times_last(x: Tensor, m: Tensor) -> Tensor:
     return x @ m
 
 
+def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool = False) -> Tensor:
+    """One tensor's part of :func:`qk_transform`: ``x`` [..., T, D] minus its mean over T (``smooth``; in FP32 at
+    least, one rounding to x's dtype), then times the +-1 ``signed_hadamard(D, block=block)`` ``S`` (``block`` > 0;
+    ``Sᵀ`` with ``transpose``) in x's dtype, one rounding. Both maps are linear and the centring projection is
+    symmetric, so the gradient of ``smooth_rotate(x, s, b)`` is ``smooth_rotate(g, s, b, transpose=True)``.
+    The reference of ``fp4compile::smooth_rotate`` (``fp4compile/ops.py``, Triton: ``kernels/rotate.py``)."""
+    if smooth:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        x = (xf - xf.mean(dim=-2, keepdim=True)).to(x.dtype)
+    if block:
+        s = signed_hadamard(x.shape[-1], x.device, x.dtype, normalize=False, block=block)
+        x = _times_last(x, s.T if transpose else s)
+    return x
+
+
 def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tensor, float]:
     """Q and K changed so that NVFP4 quantizes them more finely, and the factor ``c`` that the softmax scale takes
     so that ``softmax(c * scale * q'·k'ᵀ) = softmax(scale * q·kᵀ)``:
@@ -402,15 +417,11 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
         raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
     if how == "none":
         return q, k, 1.0
-    if "smooth_k" in how:
-        kf = k.to(torch.promote_types(k.dtype, torch.float32))
-        k = (kf - kf.mean(dim=-2, keepdim=True)).to(k.dtype)
-    if "hadamard" not in how:
+    p = hadamard_block(q.shape[-1]) if "hadamard" in how else 0
+    k = smooth_rotate(k, "smooth_k" in how, p)
+    if not p:
         return q, k, 1.0                              # Q untouched: no copy of it
-    d = q.shape[-1]
-    p = hadamard_block(d)
-    s = signed_hadamard(d, q.device, q.dtype, normalize=False, block=p)
-    return _times_last(q, s), _times_last(k, s), 1.0 / p
+    return smooth_rotate(q, False, p), k, 1.0 / p
 
 
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:

@@ -54,6 +54,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_TRANSFORMS, bthd_empty
+from ..kernels.attention_ref import hadamard_block as _hadamard_block
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -72,6 +73,36 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 #: rounding depends on later keys (as it already does within a 16x16 tile); the attention function does not.
 QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 
+#: how a swapped site computes its Q, K transform: ``"torch"`` (``attention_ref.qk_transform``'s aten ops, left to
+#: Inductor: a copy of Q split from a fused projection, a subtraction pass, a cuBLAS GEMM per tensor) or ``"op"``
+#: (``fp4compile::smooth_rotate``: one Triton pass per tensor after K's mean, ``kernels/rotate.py``; its gradient
+#: likewise). The same function; sums may round one BF16 step apart. ``FP4COMPILE_QK_TRANSFORM_IMPL`` sets it at
+#: import; the swap writes ``"op"`` into the node's kwargs (cache keys see it). Default ``"torch"`` until the op is
+#: measured in the 124M step on the H200 (written in session 38 without device time left).
+QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "torch")
+QK_TRANSFORM_IMPLS = ("torch", "op")
+
+
+def qk_transform_impl() -> str:
+    """:data:`QK_TRANSFORM_IMPL`, checked."""
+    if QK_TRANSFORM_IMPL not in QK_TRANSFORM_IMPLS:
+        raise ValueError(f"QK_TRANSFORM_IMPL / FP4COMPILE_QK_TRANSFORM_IMPL must be one of {QK_TRANSFORM_IMPLS}, "
+                         f"got {QK_TRANSFORM_IMPL!r}")
+    return QK_TRANSFORM_IMPL
+
+
+def _qk_transform_op(q, k, how: str):
+    """``attention_ref.qk_transform(q, k, how)`` by ``fp4compile::smooth_rotate`` (one op per transformed tensor)."""
+    from .. import ops  # noqa: F401  (registers fp4compile::smooth_rotate)
+
+    if how == "none":
+        return q, k, 1.0
+    p = _hadamard_block(q.shape[-1]) if "hadamard" in how else 0
+    k = torch.ops.fp4compile.smooth_rotate(k, "smooth_k" in how, p, False)
+    if not p:
+        return q, k, 1.0
+    return torch.ops.fp4compile.smooth_rotate(q, False, p, False), k, 1.0 / p
+
 
 def qk_transform_mode() -> str:
     """:data:`QK_TRANSFORM`, checked."""
@@ -82,12 +113,12 @@ def qk_transform_mode() -> str:
 
 
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none"):
+               *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none", qk_impl: str = "torch"):
     """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
     with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout. The output is
     [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
     ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
-    :data:`QK_TRANSFORM`)."""
+    :data:`QK_TRANSFORM`), as aten ops (``qk_impl="torch"``) or ``fp4compile::smooth_rotate`` (``"op"``)."""
     if dropout_p:
         raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
     if attn_mask is not None and is_causal:
@@ -96,7 +127,9 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    query, key, c = _qk_transform(query, key, qk_transform)
+    if qk_impl not in QK_TRANSFORM_IMPLS:
+        raise ValueError(f"qattn_sdpa: qk_impl must be one of {QK_TRANSFORM_IMPLS}, got {qk_impl!r}")
+    query, key, c = (_qk_transform_op if qk_impl == "op" else _qk_transform)(query, key, qk_transform)
     scale = scale * c
     if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
         from ..ops import qattn_eager
@@ -427,7 +460,9 @@ def _guard_views(graph: fx.Graph, node: fx.Node):
 def _transform_kwargs(site: AttnSite) -> dict:
     """``qattn_sdpa``'s ``qk_transform`` kwarg for a swapped site (none when its transform is ``"none"``, which
     ``_plan`` sets where Q and K are not quantized: the node then reads as before)."""
-    return {"qk_transform": site.qk_transform} if site.qk_transform != "none" else {}
+    if site.qk_transform == "none":
+        return {}
+    return {"qk_transform": site.qk_transform, **({"qk_impl": "op"} if qk_transform_impl() == "op" else {})}
 
 
 def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:

@@ -1,0 +1,88 @@
+"""Triton kernel of ``fp4compile::smooth_rotate``: Q-Attn's Q, K transform in one pass per tensor.
+
+The numerics are ``attention_ref.smooth_rotate``'s: ``x`` [B, H, T, D] (any strides, the last dim contiguous)
+minus its FP32 mean over T (``smooth``), rounded once to x's dtype, then times the +-1 signed Hadamard ``S`` of
+``attention_ref.signed_hadamard(D, block=block)`` (or ``Sᵀ``) on tensor cores with FP32 accumulation, rounded once.
+The mean is one ``torch.mean(x, -2, dtype=float32)`` (a read of x); the kernel then reads each [BT, D] tile once,
+builds ``S`` in registers from the same integer formula, and writes the result in Q-Attn's layout
+(``attention_ref.bthd_empty``). Inductor's version of the same transform (``FP4COMPILE_QK_TRANSFORM_IMPL=torch``)
+takes a copy of Q split from a fused projection, a separate subtraction pass and a cuBLAS GEMM per tensor.
+Sums of 64 or 128 products may round differently from cuBLAS's or torch's order (FP32), so a value near a BF16
+rounding midpoint can land one BF16 step away from the reference's.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention_ref import bthd_empty
+from .launch import cdiv, placeholder
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU wheel without Triton: only the torch reference is available
+    triton = None
+
+Tensor = torch.Tensor
+#: head dims the kernel takes (tl.arange needs a power of two; tl.dot at least 16); others use the reference
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+BT = 64
+
+if triton is not None:
+    from .attention import _cast_like, _mma
+
+    @triton.jit
+    def _smooth_rotate_kernel(X, M, Y, T, H, sxb, sxh, sxt, syb, syh, syt,
+                              SMOOTH: tl.constexpr, BLOCK: tl.constexpr, LOGB: tl.constexpr,
+                              TRANS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+        """Grid (time blocks, batch*head): y = (x - mean if SMOOTH) @ (S or Sᵀ if BLOCK) for one [BT, D] tile."""
+        pid_t = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_t = pid_t * BT + tl.arange(0, BT)
+        offs_d = tl.arange(0, D)
+        mt = offs_t < T
+        x = tl.load(X + b * sxb + h * sxh + offs_t[:, None] * sxt + offs_d[None, :], mask=mt[:, None], other=0.0)
+        if SMOOTH:
+            mean = tl.load(M + pid_bh * D + offs_d)
+            x = _cast_like(x.to(tl.float32) - mean[None, :], Y)
+        if BLOCK > 0:
+            i = tl.arange(0, D)[:, None]
+            j = tl.arange(0, D)[None, :]
+            a = (i % BLOCK) & (j % BLOCK)
+            parity = a & 0
+            for sh in tl.static_range(LOGB):
+                parity = parity ^ ((a >> sh) & 1)
+            if TRANS:
+                row = j + i * 0                            # S^T[i, j] = S[j, i]: the sign of row j
+            else:
+                row = i + j * 0
+            neg = parity ^ (((row * 0x39B1) >> 13) & 1)     # bit 13 of row * 0x9E3779B1, as the reference
+            s = tl.where((i // BLOCK) == (j // BLOCK), 1.0 - 2.0 * neg.to(tl.float32), 0.0)
+            acc = _mma(x, s.to(Y.dtype.element_ty))
+            out = _cast_like(acc, Y)
+        else:
+            out = x
+        tl.store(Y + b * syb + h * syh + offs_t[:, None] * syt + offs_d[None, :], out, mask=mt[:, None])
+
+
+def supported(x: Tensor, block: int) -> bool:
+    """Whether the kernel takes ``x``: CUDA, 4D, a BF16 / FP16 tensor of a supported head dim."""
+    return (triton is not None and x.is_cuda and x.dim() == 4 and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[-1] in SUPPORTED_HEAD_DIMS and block <= x.shape[-1])
+
+
+def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tensor:
+    """``attention_ref.smooth_rotate(x, smooth, block, transpose)`` in Q-Attn's layout, by the Triton kernel
+    (``supported(x, block)`` must hold)."""
+    B, H, T, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = bthd_empty(B, H, T, D, x.dtype, x.device)
+    mean = torch.mean(x, dim=-2, dtype=torch.float32).contiguous() if smooth else placeholder(x.device, torch.float32)
+    _smooth_rotate_kernel[(cdiv(T, BT), B * H)](
+        x, mean, y, T, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        SMOOTH=bool(smooth), BLOCK=int(block), LOGB=max(int(block).bit_length() - 1, 0), TRANS=bool(transpose),
+        D=D, BT=BT, num_warps=4)
+    return y

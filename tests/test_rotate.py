@@ -1,0 +1,200 @@
+"""fp4compile::smooth_rotate (Q-Attn's Q, K transform as one op; kernels/rotate.py) against attention_ref's torch
+reference, float64 attention and autograd through the reference's aten ops."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fp4compile.ops  # noqa: F401  (registers the ops)
+from fp4compile.kernels import attention_ref as R
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OP = torch.ops.fp4compile.smooth_rotate
+
+
+def _split_qkv(B=2, T=40, H=3, D=64, dtype=torch.bfloat16, seed=0):
+    """Q, K as nanoGPT splits them from one fused projection: [B, H, T, D] views with rows 3C apart."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(B, T, 3 * H * D, generator=g) + 2.0 * torch.randn(3 * H * D, generator=g)).to(dtype)
+    q, k, _ = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
+    return q, k
+
+
+def _ulps(a, b):
+    """|a - b| in BF16 / FP16 steps (same sign and binade assumed: the values here are not near 0)."""
+    return (a.contiguous().view(torch.int16).int() - b.contiguous().view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("smooth,block,transpose", [(True, 64, False), (False, 64, False), (True, 0, False),
+                                                    (True, 64, True), (False, 16, True)])
+def test_op_is_the_reference_in_qattn_layout(smooth, block, transpose):
+    q, k = _split_qkv()
+    y = OP(k, smooth, block, transpose)
+    assert y.shape == k.shape and y.dtype == k.dtype
+    assert y.transpose(1, 2).is_contiguous()                          # stored [B, T, H, D], as Q-Attn's tensors
+    assert torch.equal(y, R.smooth_rotate(k, smooth, block, transpose))
+
+
+def test_op_gradient_is_the_op_transposed_and_autograds():
+    """Autograd through the op (its registered backward: the same op with Sᵀ) equals autograd through the
+    reference's aten ops, in float64 (exact linear maps: to float64 accuracy)."""
+    q, k = _split_qkv(dtype=torch.float64)
+    g = torch.randn(k.shape, dtype=torch.float64)
+    for smooth, block in ((True, 64), (False, 32), (True, 0)):
+        a = k.clone().requires_grad_()
+        b = k.clone().requires_grad_()
+        (ga,) = torch.autograd.grad(OP(a, smooth, block, False), a, g)
+        (gb,) = torch.autograd.grad(R.smooth_rotate(b, smooth, block), b, g)
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
+        if smooth:   # the gradient is centred over T, as the forward's output
+            assert ga.mean(-2).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("args", [(True, 64, False), (False, 64, True), (True, 0, False)])
+def test_opcheck(args):
+    x = torch.randn(2, 3, 24, 64, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(OP.default, (x, *args))
+
+
+def test_op_checks_its_arguments():
+    x = torch.randn(2, 3, 24, 64)
+    with pytest.raises(RuntimeError, match="nothing to do"):
+        OP(x, False, 0, False)
+    with pytest.raises(RuntimeError, match="power of two"):
+        OP(x, True, 48, False)
+    with pytest.raises(RuntimeError, match=r"\[B, H, T, D\]"):
+        OP(x[0], True, 64, False)
+    with pytest.raises(RuntimeError, match="float"):
+        OP(x.to(torch.int32), True, 64, False)
+
+
+def _errors(impl, how="smooth_k+hadamard"):
+    from fp4compile.passes.attention import qattn_sdpa
+
+    q, k = _split_qkv(T=64, H=2, seed=1)
+    v, do = (torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (2, 3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = qattn_sdpa(*leaves, is_causal=True, qk_transform=how, qk_impl=impl)
+    return (out, *torch.autograd.grad(out, leaves, do))
+
+
+def test_qattn_sdpa_with_the_op_is_the_aten_transform():
+    """qattn_sdpa(qk_impl="op") against "torch": the same forward bytes (the op's CPU implementation is the
+    reference); gradients equal up to the order of the two BF16 roundings in the transform's backward (the op
+    centres, then rotates; autograd rotates, then centres)."""
+    a, b = _errors("op"), _errors("torch")
+    assert torch.equal(a[0], b[0])
+    for x, y in zip(a[1:], b[1:]):
+        torch.testing.assert_close(x.float(), y.float(), rtol=0.02, atol=0.02 * y.float().abs().max().item())
+    with pytest.raises(ValueError, match="qk_impl"):
+        _errors("triton")
+
+
+def test_swap_writes_the_impl_and_compiles(monkeypatch):
+    """QK_TRANSFORM_IMPL="op" reaches the swapped node's kwargs (cache keys) and the compiled graph calls the op;
+    the compiled model equals the eager one with the op, gradients too. A bad setting raises at the swap."""
+    import fp4compile.passes.attention as A
+    from test_attention import PAPER, Block, _compile_run, _eager_qattn
+
+    from fp4compile.policy import Policy
+
+    monkeypatch.setattr(A, "QK_TRANSFORM_IMPL", "op")
+    torch.manual_seed(0)
+    m = Block(style="sdpa")
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    be, out = _compile_run(m, Policy.full_stack(), x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is A.qattn_sdpa]
+    assert node.kwargs["qk_impl"] == "op" and node.kwargs["qk_transform"] == A.qk_transform_mode()
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=A.qk_transform_mode(), qk_impl="op")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, gx2)
+    monkeypatch.setattr(A, "QK_TRANSFORM_IMPL", "cuda")
+    with pytest.raises(Exception, match="FP4COMPILE_QK_TRANSFORM_IMPL"):
+        _compile_run(Block(style="sdpa"), Policy.full_stack(), torch.randn(1, 32, 128))
+
+
+_INTERP = textwrap.dedent("""
+    import json, torch
+    from fp4compile.kernels import attention_ref as R, rotate as K
+    from test_rotate import _split_qkv, _ulps
+    out = {}
+    for D, block, smooth, trans, dtype, T in [(64, 64, True, False, torch.bfloat16, 40),
+                                              (64, 64, False, False, torch.bfloat16, 100),
+                                              (64, 64, True, True, torch.bfloat16, 40),
+                                              (64, 16, False, True, torch.bfloat16, 40),
+                                              (128, 128, True, False, torch.bfloat16, 70),
+                                              (64, 0, True, False, torch.bfloat16, 40),
+                                              (32, 32, True, False, torch.float16, 40)]:
+        q, k = _split_qkv(T=T, D=D, dtype=dtype)
+        res = []
+        for x, sm in ((q, False), (k, smooth)):
+            if not (sm or block):
+                continue
+            got = K.smooth_rotate(x, sm, block, trans)
+            want = R.smooth_rotate(x, sm, block, trans)
+            u = _ulps(got, want)
+            res.append([list(got.stride()) == list(got.transpose(1, 2).contiguous().transpose(1, 2).stride()),
+                        int(u.max()), float((u == 0).float().mean())])
+        out[f"{D}-{block}-{smooth}-{trans}-{dtype}-{T}"] = res
+    print("REPORT" + json.dumps(out))
+""")
+
+
+def test_triton_kernel_under_the_interpreter(tmp_path):
+    """The Triton kernel (TRITON_INTERPRET=1, fresh process) against the reference on split-QKV strided inputs:
+    ragged T, with and without centring, S and Sᵀ, blocks 64 / 16 / 128, FP16: within one BF16 / FP16 step
+    everywhere (FP32 sums in another order), equal for >= 99 % of values, stored in Q-Attn's layout."""
+    pytest.importorskip("triton")
+    import json
+
+    script = tmp_path / "rotate_interp.py"
+    script.write_text(_INTERP)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(line[0][len("REPORT"):])
+    assert len(report) == 7
+    for case, res in report.items():
+        assert res, case
+        for layout_ok, max_ulp, exact in res:
+            assert layout_ok and max_ulp <= 1 and exact >= 0.99, (case, res)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_the_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for D, block in ((64, 64), (128, 128), (64, 16)):
+        q, k = (t.cuda() for t in _split_qkv(B=4, T=1000, H=6, D=D))
+        for x, smooth in ((q, False), (k, True)):
+            for trans in (False, True):
+                got = OP(x, smooth, block, trans)
+                u = _ulps(got, R.smooth_rotate(x, smooth, block, trans))
+                assert u.max() <= 1 and (u == 0).float().mean() >= 0.99, (D, block, smooth, trans)
+                assert got.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("D,block,smooth,trans", [(64, 64, True, False), (128, 128, False, True), (64, 16, True, True)])
+def test_kernel_compiles_for_sm90(D, block, smooth, trans):
+    """The kernel through Triton's sm_90 stages to a cubin on this CPU (kernels/offline.py): what the H200 compiles,
+    the tensor-core product included (an MMA in the SASS), registers within 4 warps' share of an SM."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels import rotate as K
+    from fp4compile.kernels.offline import compile_offline, disassemble, sass_stats
+
+    sig = {"X": "*bf16", "M": "*fp32", "Y": "*bf16", "T": "i32", "H": "i32", "sxb": "i32", "sxh": "i32",
+           "sxt": "i32", "syb": "i32", "syh": "i32", "syt": "i32"}
+    cubin = compile_offline(K._smooth_rotate_kernel, sig, {"SMOOTH": smooth, "BLOCK": block,
+                                                          "LOGB": block.bit_length() - 1, "TRANS": trans, "D": D,
+                                                          "BT": K.BT}, upto="cubin")
+    sass = disassemble(cubin)
+    assert re.search(r"\bHGMMA|\bHMMA", sass)
+    _, _, regs, _ = sass_stats(cubin)
+    assert 0 < regs <= 255
