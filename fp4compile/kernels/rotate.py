@@ -80,6 +80,8 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tenso
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = bthd_empty(B, H, T, D, x.dtype, x.device)
+    if y.numel() == 0:
+        return y
     mean = torch.mean(x, dim=-2, dtype=torch.float32).contiguous() if smooth else placeholder(x.device, torch.float32)
     _smooth_rotate_kernel[(cdiv(T, BT), B * H)](
         x, mean, y, T, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
