@@ -397,7 +397,7 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool = False) 
     return x
 
 
-def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tensor, float]:
+def qk_transform(q: Tensor, k: Tensor, how: str = "none", op=None) -> tuple[Tensor, Tensor, float]:
     """Q and K changed so that NVFP4 quantizes them more finely, and the factor ``c`` that the softmax scale takes
     so that ``softmax(c * scale * q'·k'ᵀ) = softmax(scale * q·kᵀ)``:
 
@@ -412,16 +412,18 @@ def qk_transform(q: Tensor, k: Tensor, how: str = "none") -> tuple[Tensor, Tenso
       power of two (96, 80, ...) is rotated in diagonal blocks of :func:`hadamard_block` channels (``c = 1 /
       block``), each a whole number of 16-channel NVFP4 blocks.
 
-    ``"none"`` returns q, k themselves and ``c = 1``."""
+    ``"none"`` returns q, k themselves and ``c = 1``. ``op``: what computes each tensor's part, called as
+    ``op(x, smooth, block)`` (default :func:`smooth_rotate`; the pass gives ``fp4compile::smooth_rotate``)."""
     if how not in QK_TRANSFORMS:
         raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
     if how == "none":
         return q, k, 1.0
+    op = smooth_rotate if op is None else op
     p = hadamard_block(q.shape[-1]) if "hadamard" in how else 0
-    k = smooth_rotate(k, "smooth_k" in how, p)
+    k = op(k, "smooth_k" in how, p)
     if not p:
         return q, k, 1.0                              # Q untouched: no copy of it
-    return smooth_rotate(q, False, p), k, 1.0 / p
+    return op(q, False, p), k, 1.0 / p
 
 
 def views_heads(k: Optional[Tensor], views: QuantizedQKV) -> int:

@@ -54,7 +54,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_TRANSFORMS, bthd_empty
-from ..kernels.attention_ref import hadamard_block as _hadamard_block
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -91,17 +90,11 @@ def qk_transform_impl() -> str:
     return QK_TRANSFORM_IMPL
 
 
-def _qk_transform_op(q, k, how: str):
-    """``attention_ref.qk_transform(q, k, how)`` by ``fp4compile::smooth_rotate`` (one op per transformed tensor)."""
+def _smooth_rotate_op(x, smooth: bool, block: int):
+    """One tensor's part of the transform by ``fp4compile::smooth_rotate`` (``attention_ref.qk_transform``'s op)."""
     from .. import ops  # noqa: F401  (registers fp4compile::smooth_rotate)
 
-    if how == "none":
-        return q, k, 1.0
-    p = _hadamard_block(q.shape[-1]) if "hadamard" in how else 0
-    k = torch.ops.fp4compile.smooth_rotate(k, "smooth_k" in how, p, False)
-    if not p:
-        return q, k, 1.0
-    return torch.ops.fp4compile.smooth_rotate(q, False, p, False), k, 1.0 / p
+    return torch.ops.fp4compile.smooth_rotate(x, smooth, block, False)
 
 
 def qk_transform_mode() -> str:
@@ -129,7 +122,7 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         scale = 1.0 / math.sqrt(query.shape[-1])
     if qk_impl not in QK_TRANSFORM_IMPLS:
         raise ValueError(f"qattn_sdpa: qk_impl must be one of {QK_TRANSFORM_IMPLS}, got {qk_impl!r}")
-    query, key, c = (_qk_transform_op if qk_impl == "op" else _qk_transform)(query, key, qk_transform)
+    query, key, c = _qk_transform(query, key, qk_transform, op=_smooth_rotate_op if qk_impl == "op" else None)
     scale = scale * c
     if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
         from ..ops import qattn_eager
@@ -458,8 +451,9 @@ def _guard_views(graph: fx.Graph, node: fx.Node):
 
 
 def _transform_kwargs(site: AttnSite) -> dict:
-    """``qattn_sdpa``'s ``qk_transform`` kwarg for a swapped site (none when its transform is ``"none"``, which
-    ``_plan`` sets where Q and K are not quantized: the node then reads as before)."""
+    """``qattn_sdpa``'s ``qk_transform`` kwarg for a swapped site, and ``qk_impl="op"`` under that setting (none
+    when its transform is ``"none"``, which ``_plan`` sets where Q and K are not quantized: the node then reads as
+    before)."""
     if site.qk_transform == "none":
         return {}
     return {"qk_transform": site.qk_transform, **({"qk_impl": "op"} if qk_transform_impl() == "op" else {})}
