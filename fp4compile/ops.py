@@ -625,7 +625,13 @@ def _smooth_rotate_cuda(x, smooth, block, transpose):
     return _rot.smooth_rotate(x, smooth, block, transpose)
 
 
-from .kernels import rotate as _rotate_mod  # noqa: E402
+def _register_smooth_rotate_cuda():
+    """The CUDA kernel where Triton is present, as for the Q-Attn ops (kernels/rotate.py is imported at the first
+    call: importing it here would close a cycle, kernels.attention -> kernels.quantize -> ops -> rotate)."""
+    import importlib.util
 
-if _rotate_mod.triton is not None:  # the CUDA kernel where Triton is present, as for the Q-Attn ops
-    smooth_rotate.register_kernel("cuda")(_smooth_rotate_cuda)
+    if importlib.util.find_spec("triton") is not None:
+        smooth_rotate.register_kernel("cuda")(_smooth_rotate_cuda)
+
+
+_register_smooth_rotate_cuda()
