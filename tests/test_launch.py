@@ -160,9 +160,9 @@ def test_every_kernel_modules_keys_are_computed_at_import():
     cache key, so no launch order can change it (the precompile workers' disk-cache entries must match)."""
     code = textwrap.dedent('''
         import triton
-        from fp4compile.kernels import attention, dequant, gemm, gemm_wgmma, quantize
+        from fp4compile.kernels import attention, dequant, gemm, gemm_wgmma, quantize, rotate
         from fp4compile.optim import fused
-        for m in (attention, dequant, gemm, gemm_wgmma, quantize, fused):
+        for m in (attention, dequant, gemm, gemm_wgmma, quantize, rotate, fused):
             fns = [v for v in vars(m).values() if isinstance(v, triton.runtime.JITFunction)]
             assert fns, m.__name__
             missing = [f.__name__ for f in fns if f.hash is None]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention_ref import bthd_empty
-from .launch import cdiv, placeholder
+from .launch import cdiv, placeholder, stable_cache_keys
 
 try:
     import triton
@@ -88,3 +88,6 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tenso
         SMOOTH=bool(smooth), BLOCK=int(block), LOGB=max(int(block).bit_length() - 1, 0), TRANS=bool(transpose),
         D=D, BT=BT, num_warps=4)
     return y
+
+
+stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
