@@ -715,10 +715,12 @@ s36_qk)
 s39_a)
   # issue 3 on one nvidia-h200 (~6 min; prepared in session 38 without device time): fp4compile::smooth_rotate, the
   # Q, K transform as one Triton pass per tensor (kernels/rotate.py), on the GPU: its tests and the transform's,
-  # then the 124M step with it (QK_TRANSFORM_IMPL="op") against the aten transform (the default, session 38:
-  # +1.6 ms over none), Q, K untransformed and BF16 Inductor, interleaved in one process
+  # the transform alone against a copy (bench/qk_transform.py), then the 124M step with it
+  # (QK_TRANSFORM_IMPL="op") against the aten transform (the default; session 38: +1.6 ms over none), Q, K
+  # untransformed and BF16 Inductor, interleaved in one process
   step gpu_tests 240 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_rotate.py tests/test_attention.py \
       -k "rotate or transform or gpu_kernel"
+  step qk_transform 120 python bench/qk_transform.py --json "$OUT/qk_transform.json"
   step step_ab 300 python bench/step_ab.py --rounds 10 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
       --arm op:fp4compile.passes.attention.QK_TRANSFORM_IMPL='"op"' \
       --arm none:fp4compile.passes.attention.QK_TRANSFORM='"none"' --arm bf16:backend=inductor ;;

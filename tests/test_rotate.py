@@ -205,3 +205,29 @@ def test_kernel_compiles_for_sm90(D, block, smooth, trans):
     assert re.search(r"\bHGMMA|\bHMMA", sass)
     _, _, regs, _ = sass_stats(cubin)
     assert 0 < regs <= 255
+
+
+def test_bench_qk_transform_kinds_on_cpu():
+    """bench/qk_transform.py's three compiled functions on the CPU: copy returns Q, K; aten and op the same
+    forward bytes (the op's CPU implementation is the reference) and gradients within one BF16 step of the
+    largest (the backward's two roundings in the other order)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_qk_transform", os.path.join(REPO, "bench", "qk_transform.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    B, T, H, D = 2, 32, 2, 64
+    qkv = torch.randn(B, T, 3 * H * D, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+    cot = [torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2)]
+    res = {}
+    for kind in ("copy", "aten", "op"):
+        out = bench.make(kind, H, D)(qkv)
+        torch.autograd.backward(out, cot)
+        res[kind] = ([t.detach() for t in out], qkv.grad.clone())
+        qkv.grad = None
+    q, k = bench.split_qk(qkv.detach(), H, D)
+    assert torch.equal(res["copy"][0][0], q) and torch.equal(res["copy"][0][1], k)
+    assert all(torch.equal(a, b) for a, b in zip(res["op"][0], res["aten"][0]))
+    step = res["aten"][1].float().abs().max() * 2.0 ** -7
+    assert (res["op"][1].float() - res["aten"][1].float()).abs().max() <= step
