@@ -123,6 +123,13 @@ def test_swap_writes_the_impl_and_compiles(monkeypatch):
     ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=A.qk_transform_mode(), qk_impl="op")
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
+    # forward: K centred and rotated, Q rotated; backward: both rotated back (Sᵀ), nothing of Q, K saved but the
+    # FP4 copies that qattn_bwd reads
+    rot = {g: [n for n in gm.graph.nodes if n.target is OP.default] for g, gm in (("fw", be.fw), ("bw", be.bw))}
+    assert sorted((n.args[1], n.args[3]) for n in rot["fw"]) == [(False, False), (True, False)]
+    assert sorted((n.args[1], n.args[3]) for n in rot["bw"]) == [(False, True), (True, True)]
+    (bwd,) = [n for n in be.bw.graph.nodes if n.target is torch.ops.fp4compile.qattn_bwd.default]
+    assert bwd.args[1] is None and bwd.args[2] is None
     monkeypatch.setattr(A, "QK_TRANSFORM_IMPL", "cuda")
     with pytest.raises(Exception, match="FP4COMPILE_QK_TRANSFORM_IMPL"):
         _compile_run(Block(style="sdpa"), Policy.full_stack(), torch.randn(1, 32, 128))
