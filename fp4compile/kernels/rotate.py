@@ -50,15 +50,14 @@ if triton is not None:
         if BLOCK > 0:
             i = tl.arange(0, D)[:, None]
             j = tl.arange(0, D)[None, :]
-            a = (i % BLOCK) & (j % BLOCK)
-            parity = a & 0
-            for sh in tl.static_range(LOGB):
-                parity = parity ^ ((a >> sh) & 1)
+            # the sign of S's row (bit 13 of row * 0x9E3779B1, as the reference), then the parity of (i & j) in the block
             if TRANS:
-                row = j + i * 0                            # S^T[i, j] = S[j, i]: the sign of row j
+                neg = ((j * 0x39B1) >> 13) & 1             # S^T[i, j] = S[j, i]: the sign of row j
             else:
-                row = i + j * 0
-            neg = parity ^ (((row * 0x39B1) >> 13) & 1)     # bit 13 of row * 0x9E3779B1, as the reference
+                neg = ((i * 0x39B1) >> 13) & 1
+            a = (i % BLOCK) & (j % BLOCK)
+            for sh in tl.static_range(LOGB):
+                neg = neg ^ ((a >> sh) & 1)
             s = tl.where((i // BLOCK) == (j // BLOCK), 1.0 - 2.0 * neg.to(tl.float32), 0.0)
             acc = _mma(x, s.to(Y.dtype.element_ty))
             out = _cast_like(acc, Y)

@@ -82,12 +82,15 @@ QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "torch")
 QK_TRANSFORM_IMPLS = ("torch", "op")
 
 
+def _checked_impl(impl: str, what: str) -> str:
+    if impl not in QK_TRANSFORM_IMPLS:
+        raise ValueError(f"{what} must be one of {QK_TRANSFORM_IMPLS}, got {impl!r}")
+    return impl
+
+
 def qk_transform_impl() -> str:
     """:data:`QK_TRANSFORM_IMPL`, checked."""
-    if QK_TRANSFORM_IMPL not in QK_TRANSFORM_IMPLS:
-        raise ValueError(f"QK_TRANSFORM_IMPL / FP4COMPILE_QK_TRANSFORM_IMPL must be one of {QK_TRANSFORM_IMPLS}, "
-                         f"got {QK_TRANSFORM_IMPL!r}")
-    return QK_TRANSFORM_IMPL
+    return _checked_impl(QK_TRANSFORM_IMPL, "QK_TRANSFORM_IMPL / FP4COMPILE_QK_TRANSFORM_IMPL")
 
 
 def _smooth_rotate_op(x, smooth: bool, block: int):
@@ -120,9 +123,8 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    if qk_impl not in QK_TRANSFORM_IMPLS:
-        raise ValueError(f"qattn_sdpa: qk_impl must be one of {QK_TRANSFORM_IMPLS}, got {qk_impl!r}")
-    query, key, c = _qk_transform(query, key, qk_transform, op=_smooth_rotate_op if qk_impl == "op" else None)
+    op = _smooth_rotate_op if _checked_impl(qk_impl, "qattn_sdpa: qk_impl") == "op" else None
+    query, key, c = _qk_transform(query, key, qk_transform, op=op)
     scale = scale * c
     if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
         from ..ops import qattn_eager
