@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -36,6 +36,21 @@ attn_configs() {
     PYTHONPATH=$PWD step "${prefix}_${a%%=*}" 60 python bench/attention_kernels_at.py --label "${a%%=*}" \
         --shape "$shape" ${c:+--bwd-config "$c"}
   done; }
+# issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
+study124_run() {
+  local tokens=$1 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
+  [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
+  # 124M runs of another length than session 15's 100e6 get their own directories (a warm machine would resume them)
+  [ "$size" = 124m ] && [ "$tokens" != 100e6 ] && dir=.study124_$tokens
+  local extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
+  step data 60 python bench/study.py --data-only
+  local ab a b; for ab in ${2//,/ }; do a=${ab%%:*}; b=${ab##*:}
+    run_arm() { step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" \
+        --pair-late --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}" \
+        "${extra[@]}"; }
+    if [ "$par" = 1 ]; then run_arm & else run_arm; fi
+  done
+  wait; }
 case "${1:-phase1}" in
 phase1)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -126,19 +141,7 @@ study124)
   # SEED=S (session 19) trains seed S into its own run directories (.study..._seedS); PAR=1 runs the ARM:SECONDS
   # items at the same time on the one GPU (time-sliced: their tokens/s are not a measurement), e.g. session 19's
   # SIZE=30m SEED=1 PAR=1 ... study124 300e6 bf16root:540,fullbest+fullbest_late:540
-  tokens=$2 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
-  [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
-  # 124M runs of another length than session 15's 100e6 get their own directories (a warm machine would resume them)
-  [ "$size" = 124m ] && [ "$tokens" != 100e6 ] && dir=.study124_$tokens
-  extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
-  step data 60 python bench/study.py --data-only
-  for ab in ${3//,/ }; do a=${ab%%:*}; b=${ab##*:}
-    run_arm() { step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" \
-        --pair-late --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}" \
-        "${extra[@]}"; }
-    if [ "$par" = 1 ]; then run_arm & else run_arm; fi
-  done
-  wait ;;
+  study124_run "$2" "$3" ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
@@ -724,6 +727,13 @@ s39_a)
   step step_ab 300 python bench/step_ab.py --rounds 10 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
       --arm op:fp4compile.passes.attention.QK_TRANSFORM_IMPL='"op"' \
       --arm none:fp4compile.passes.attention.QK_TRANSFORM='"none"' --arm bf16:backend=inductor ;;
+s39_b)
+  # issues 3 and 7 on one nvidia-h200 (~9.5 min; carry .data/corpus, .data/gpt2.tiktoken): the Q, K transform alone
+  # with each kind's GPU kernel time (bench/qk_transform.py --profile: s39_a timed the op at 0.27x of a copy at the
+  # 124M shape while it made the 124M step 0.44 ms faster), then the 30M full stack at 300M tokens with the
+  # transform, seed 0 (SIZE=30m SEED=0; continue with "study124 300e6 fullbest:SECONDS" on the warm machine)
+  step qk_profile 100 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
+  study124_run 300e6 fullbest:"${BUDGET:-450}" ;;
 s38_a)
   # issue 3 on one nvidia-h200 (~5 min; session 38): the Q, K transform as one BF16 matmul by the +-1 Hadamard in
   # Q, K's own storage order (s37_next: the FP32 product cost 4.5 ms of the 124M step); its GPU compile test, then
