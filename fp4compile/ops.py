@@ -581,7 +581,7 @@ _register_qattn_cuda()
 #       = (x - mean over T if smooth) @ (S, or Sᵀ with transpose), S the +-1 signed Hadamard in diagonal blocks
 #       of ``block`` channels (block 0: no rotation); one rounding after each step, FP32 in between.
 #       Differentiable: its gradient is the same op with ``transpose`` flipped (both maps are linear, the centring
-#       symmetric). Used by passes.attention.qattn_sdpa when QK_TRANSFORM_IMPL is "op".
+#       symmetric). Used by passes.attention.qattn_sdpa when QK_TRANSFORM_IMPL is "op" (the default).
 # =========================================================================================================
 def _smooth_rotate_check(x: Tensor, smooth: bool, block: int):
     torch._check(x.dim() == 4, lambda: f"smooth_rotate takes [B, H, T, D] tensors, got {x.dim()}D")

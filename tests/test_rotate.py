@@ -104,28 +104,44 @@ def test_qattn_sdpa_with_the_op_is_the_aten_transform():
         _errors("triton")
 
 
-def test_swap_writes_the_impl_and_compiles(monkeypatch):
-    """QK_TRANSFORM_IMPL="op" reaches the swapped node's kwargs (cache keys) and the compiled graph calls the op;
-    the compiled model equals the eager one with the op, gradients too. A bad setting raises at the swap."""
+def test_the_op_is_the_default_impl():
+    """QK_TRANSFORM_IMPL defaults to "op" (session 39), and so does qattn_sdpa's qk_impl."""
+    import inspect
+
+    import fp4compile.passes.attention as A
+
+    if "FP4COMPILE_QK_TRANSFORM_IMPL" not in os.environ:
+        assert A.qk_transform_impl() == "op"
+    assert inspect.signature(A.qattn_sdpa).parameters["qk_impl"].default == "op"
+
+
+@pytest.mark.parametrize("impl", ["op", "torch"])
+def test_swap_writes_the_impl_and_compiles(monkeypatch, impl):
+    """QK_TRANSFORM_IMPL reaches the swapped node's kwargs (cache keys); with "op" the compiled graph calls the op,
+    with "torch" it does not; the compiled model equals the eager one with the same impl, gradients too. A bad
+    setting raises at the swap."""
     import fp4compile.passes.attention as A
     from test_attention import PAPER, Block, _compile_run, _eager_qattn
 
     from fp4compile.policy import Policy
 
-    monkeypatch.setattr(A, "QK_TRANSFORM_IMPL", "op")
+    monkeypatch.setattr(A, "QK_TRANSFORM_IMPL", impl)
     torch.manual_seed(0)
     m = Block(style="sdpa")
     x = torch.randn(2, 32, 128, requires_grad=True)
     be, out = _compile_run(m, Policy.full_stack(), x)
     (gx,) = torch.autograd.grad(out.sum(), x)
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is A.qattn_sdpa]
-    assert node.kwargs["qk_impl"] == "op" and node.kwargs["qk_transform"] == A.qk_transform_mode()
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=A.qk_transform_mode(), qk_impl="op")
+    assert node.kwargs["qk_impl"] == impl and node.kwargs["qk_transform"] == A.qk_transform_mode()
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=A.qk_transform_mode(), qk_impl=impl)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
+    rot = {g: [n for n in gm.graph.nodes if n.target is OP.default] for g, gm in (("fw", be.fw), ("bw", be.bw))}
+    if impl == "torch":
+        assert rot == {"fw": [], "bw": []}
+        return
     # forward: K centred and rotated, Q rotated; backward: both rotated back (Sᵀ), nothing of Q, K saved but the
     # FP4 copies that qattn_bwd reads
-    rot = {g: [n for n in gm.graph.nodes if n.target is OP.default] for g, gm in (("fw", be.fw), ("bw", be.bw))}
     assert sorted((n.args[1], n.args[3]) for n in rot["fw"]) == [(False, False), (True, False)]
     assert sorted((n.args[1], n.args[3]) for n in rot["bw"]) == [(False, True), (True, True)]
     (bwd,) = [n for n in be.bw.graph.nodes if n.target is torch.ops.fp4compile.qattn_bwd.default]

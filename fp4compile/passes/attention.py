@@ -66,19 +66,22 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 #: it every compile cache key) differs between settings. Default ``"smooth_k+hadamard"`` since session 37: in 30M
 #: runs forked from one BF16 checkpoint at step 800 of 1,525 (two seeds) it took the Q-Attn arm's val-loss gap to
 #: BF16 from +1.05 / +1.16 % to +0.82 / +0.85 % (Q-Attn alone costs ~0.6 point there); the 30M full stack at 300M
-#: tokens ended at +1.63 % with it, +1.78 % without (one seed). It costs 1.6 ms of the 124M step's 49.5: the
-#: rotations (BF16 GEMMs by the +-1 matrix) 0.6 ms, Inductor's kernels for K's mean, Q's copy and the casts 1.1 ms
-#: (docs/BENCHMARKS.md, sessions 37-38). K's mean is over the whole sequence, so with a causal mask a position's
-#: rounding depends on later keys (as it already does within a 16x16 tile); the attention function does not.
+#: tokens ended at +1.53 % with it (seeds 0, 1: +1.42, +1.63), +1.84 % without (+1.89, +1.78). It costs 1.1 ms of
+#: the 124M step's 48.6 with :data:`QK_TRANSFORM_IMPL` ``"op"`` (docs/BENCHMARKS.md, sessions 37-39). K's mean is
+#: over the whole sequence, so with a causal mask a position's rounding depends on later keys (as it already does
+#: within a 16x16 tile); the attention function does not.
 QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 
-#: how a swapped site computes its Q, K transform: ``"torch"`` (``attention_ref.qk_transform``'s aten ops, left to
-#: Inductor: a copy of Q split from a fused projection, a subtraction pass, a cuBLAS GEMM per tensor) or ``"op"``
-#: (``fp4compile::smooth_rotate``: one Triton pass per tensor after K's mean, ``kernels/rotate.py``; its gradient
-#: likewise). The same function; sums may round one BF16 step apart. ``FP4COMPILE_QK_TRANSFORM_IMPL`` sets it at
-#: import; the swap writes ``"op"`` into the node's kwargs (cache keys see it). Default ``"torch"`` until the op is
-#: measured in the 124M step on the H200 (written in session 38 without device time left).
-QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "torch")
+#: how a swapped site computes its Q, K transform: ``"op"`` (``fp4compile::smooth_rotate``: one Triton pass per
+#: tensor after K's mean, ``kernels/rotate.py``, on CUDA; the torch reference elsewhere; its gradient likewise) or
+#: ``"torch"`` (``attention_ref.qk_transform``'s aten ops, left to Inductor: a copy of Q split from a fused
+#: projection, a subtraction pass, a cuBLAS GEMM per tensor). The same function; sums may round one BF16 step apart
+#: (none of Q', K' at D=64, 6e-5 of them at D=128 in bench/qk_transform.py). ``FP4COMPILE_QK_TRANSFORM_IMPL`` sets
+#: it at import; the swap writes it into the node's kwargs (cache keys see it). Default ``"op"`` since session 39:
+#: the 124M step (CUDA graphs) 0.44 ms faster than with ``"torch"`` [0.38, 0.49], the transform's GPU kernels 136
+#: against 171 us per layer forward + backward there and 598 against 1,852 us at B=4, T=4096, H=16, D=128. Without
+#: CUDA graphs the op's launches cost more host time than Inductor's kernels (docs/BENCHMARKS.md, session 39).
+QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
 QK_TRANSFORM_IMPLS = ("torch", "op")
 
 
@@ -109,12 +112,13 @@ def qk_transform_mode() -> str:
 
 
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none", qk_impl: str = "torch"):
+               *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none", qk_impl: str = "op"):
     """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
     with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout. The output is
     [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
     ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
-    :data:`QK_TRANSFORM`), as aten ops (``qk_impl="torch"``) or ``fp4compile::smooth_rotate`` (``"op"``)."""
+    :data:`QK_TRANSFORM`), by ``fp4compile::smooth_rotate`` (``qk_impl="op"``) or as aten ops (``"torch"``; see
+    :data:`QK_TRANSFORM_IMPL`)."""
     if dropout_p:
         raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
     if attn_mask is not None and is_causal:
@@ -453,12 +457,12 @@ def _guard_views(graph: fx.Graph, node: fx.Node):
 
 
 def _transform_kwargs(site: AttnSite) -> dict:
-    """``qattn_sdpa``'s ``qk_transform`` kwarg for a swapped site, and ``qk_impl="op"`` under that setting (none
+    """``qattn_sdpa``'s ``qk_transform`` and ``qk_impl`` (:data:`QK_TRANSFORM_IMPL`) kwargs for a swapped site (none
     when its transform is ``"none"``, which ``_plan`` sets where Q and K are not quantized: the node then reads as
     before)."""
     if site.qk_transform == "none":
         return {}
-    return {"qk_transform": site.qk_transform, **({"qk_impl": "op"} if qk_transform_impl() == "op" else {})}
+    return {"qk_transform": site.qk_transform, "qk_impl": qk_transform_impl()}
 
 
 def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
