@@ -6,8 +6,9 @@ Q, K are split from one fused QKV projection ([B, T, 3C] -> [B, H, T, D] views w
 and the 124M benchmark model make them). Three ways, each compiled with Inductor and timed forward + backward
 (``triton.testing.do_bench``, median; a random cotangent):
 
-  aten   ``attention_ref.qk_transform`` as aten ops (``QK_TRANSFORM_IMPL="torch"``, the default)
-  op     ``fp4compile::smooth_rotate`` per tensor (``QK_TRANSFORM_IMPL="op"``, kernels/rotate.py)
+  aten   ``attention_ref.qk_transform`` as aten ops (``QK_TRANSFORM_IMPL="torch"``)
+  op     ``fp4compile::smooth_rotate`` per tensor (``QK_TRANSFORM_IMPL="op"``, the default since session 39;
+         kernels/rotate.py)
   copy   the baseline: ``clone`` of Q and K forward and of their gradients backward, the fewest bytes any
          transform must move (read Q, K and write Q', K'; the same for the gradients)
 
