@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -734,6 +734,14 @@ s39_b)
   # transform, seed 0 (SIZE=30m SEED=0; continue with "study124 300e6 fullbest:SECONDS" on the warm machine)
   step qk_profile 100 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
   study124_run 300e6 fullbest:"${BUDGET:-450}" ;;
+s39_c)
+  # issue 3 on one nvidia-h200 (~7 min): with QK_TRANSFORM_IMPL="op" the default, the GPU tests of attention, the
+  # backend, the precompile workers and the rotate kernel on torch 2.11, then the 124M step with the default against
+  # the aten transform and BF16 Inductor, interleaved in one process
+  step gpu_tests 270 python -m pytest -m gpu -q -n 6 -p no:cacheprovider tests/test_attention.py tests/test_backend.py \
+      tests/test_precompile.py tests/test_rotate.py
+  step step_ab 200 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm torch:fp4compile.passes.attention.QK_TRANSFORM_IMPL='"torch"' --arm bf16:backend=inductor ;;
 s38_a)
   # issue 3 on one nvidia-h200 (~5 min; session 38): the Q, K transform as one BF16 matmul by the +-1 Hadamard in
   # Q, K's own storage order (s37_next: the FP32 product cost 4.5 ms of the 124M step); its GPU compile test, then
