@@ -76,11 +76,12 @@ QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 #: tensor after K's mean, ``kernels/rotate.py``, on CUDA; the torch reference elsewhere; its gradient likewise) or
 #: ``"torch"`` (``attention_ref.qk_transform``'s aten ops, left to Inductor: a copy of Q split from a fused
 #: projection, a subtraction pass, a cuBLAS GEMM per tensor). The same function; sums may round one BF16 step apart
-#: (none of Q', K' at D=64, 6e-5 of them at D=128 in bench/qk_transform.py). ``FP4COMPILE_QK_TRANSFORM_IMPL`` sets
-#: it at import; the swap writes it into the node's kwargs (cache keys see it). Default ``"op"`` since session 39:
-#: the 124M step (CUDA graphs) 0.44 ms faster than with ``"torch"`` [0.38, 0.49], the transform's GPU kernels 136
-#: against 171 us per layer forward + backward there and 598 against 1,852 us at B=4, T=4096, H=16, D=128. Without
-#: CUDA graphs the op's launches cost more host time than Inductor's kernels (docs/BENCHMARKS.md, session 39).
+#: (none of Q', K' at the 124M shape, D=64; 6e-5 of them at D=128 in bench/qk_transform.py).
+#: ``FP4COMPILE_QK_TRANSFORM_IMPL`` sets it at import; the swap writes it into the node's kwargs (cache keys see it).
+#: Default ``"op"`` since session 39: the 124M step (CUDA graphs) 0.44 ms [0.38, 0.49] and 0.30 ms [0.19, 0.62]
+#: faster than with ``"torch"`` in two A/Bs; the transform's GPU kernels 136 against 171 us per layer forward +
+#: backward there and 598 against 1,852 us at B=4, T=4096, H=16, D=128. Without CUDA graphs the op's launches cost
+#: more host time than Inductor's kernels (docs/BENCHMARKS.md, session 39).
 QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
 QK_TRANSFORM_IMPLS = ("torch", "op")
 
