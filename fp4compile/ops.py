@@ -591,11 +591,15 @@ def _smooth_rotate_check(x: Tensor, smooth: bool, block: int):
                  lambda: f"smooth_rotate: block must be 0 or a power of two dividing {x.shape[-1]}, got {block}")
 
 
+def _smooth_rotate_ref(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tensor:
+    return _bthd(_aref.smooth_rotate(x, smooth, block, transpose))
+
+
 @torch.library.custom_op("fp4compile::smooth_rotate", mutates_args=())
 def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tensor:
     """See the block comment above; the torch reference (CPU and any device without the kernel)."""
     _smooth_rotate_check(x, smooth, block)
-    return _bthd(_aref.smooth_rotate(x, smooth, block, transpose))
+    return _smooth_rotate_ref(x, smooth, block, transpose)
 
 
 @smooth_rotate.register_fake
@@ -620,9 +624,8 @@ def _smooth_rotate_cuda(x, smooth, block, transpose):
     from .kernels import rotate as _rot
 
     _smooth_rotate_check(x, smooth, block)
-    if not _rot.supported(x, block):
-        return _bthd(_aref.smooth_rotate(x, smooth, block, transpose))
-    return _rot.smooth_rotate(x, smooth, block, transpose)
+    impl = _rot.smooth_rotate if _rot.supported(x, block) else _smooth_rotate_ref
+    return impl(x, smooth, block, transpose)
 
 
 def _register_smooth_rotate_cuda():
