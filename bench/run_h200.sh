@@ -734,6 +734,14 @@ s39_b)
   # transform, seed 0 (SIZE=30m SEED=0; continue with "study124 300e6 fullbest:SECONDS" on the warm machine)
   step qk_profile 100 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
   study124_run 300e6 fullbest:"${BUDGET:-450}" ;;
+s40_suite)
+  # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session
+  # 32; its transform tests ran in s39_c) on torch 2.11, the first since session 34 (fp4compile::smooth_rotate the
+  # default since session 39), with the slowest tests listed
+  nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+  step gpu_tests 420 python -m pytest -m gpu -q -n 12 -rfE --durations=12 -p no:cacheprovider tests/ \
+      --deselect tests/test_attention.py
+  tail -n 40 "$OUT/gpu_tests.log" ;;
 s39_c)
   # issue 3 on one nvidia-h200 (~7 min): with QK_TRANSFORM_IMPL="op" the default, the GPU tests of attention, the
   # backend, the precompile workers and the rotate kernel on torch 2.11, then the 124M step with the default against

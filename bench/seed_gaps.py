@@ -4,10 +4,11 @@ Each ``--pair LABEL BASE_RUN ARM_RUN`` names one seed's comparison (run director
 For every pair it prints the gap of the train loss (mean of the 10 steps up to each listed step, the way
 ``bench/study.py`` reports "train") and of each eval (val, Brown) at the steps both runs logged; then, per label,
 the mean over its pairs with the standard error and the paired difference between two labels (``--diff A B``,
-repeatable: A's gap minus B's, per seed, e.g. the NVFP4-linear gap minus the LoRA-SVD gap). Gaps compare the
-same step, so a run stopped early by a time budget is compared at its last step. ``--windows 560-600,601-620``
-adds the train gap over step ranges and its change from the first range, per pair and per label (e.g. the jump
-of the gap across a realignment at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
+repeatable: A's gap minus B's, per seed, the pairs matched by their base run, e.g. the NVFP4-linear gap minus
+the LoRA-SVD gap; a seed only one label has is left out and counted). Gaps compare the same step, so a run stopped
+early by a time budget is compared at its last step. ``--windows 560-600,601-620`` adds the train gap over step
+ranges and its change from the first range, per pair and per label (e.g. the jump of the gap across a realignment
+at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
 the first common step, ``fp4compile.train.cli.gap_curve``), one colour per label.
 ``--val-png`` draws each pair's val gap at every eval both runs logged against tokens seen (for pairs on different
 schedules, e.g. ``--pair 100M ... --pair 200M ...``).
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("LABEL", "BASE_RUN", "ARM_RUN"))
     ap.add_argument("--steps", default="400,800,1000,1200", help="comma-separated steps for the train gap")
     ap.add_argument("--diff", nargs=2, action="append", default=[], metavar=("A", "B"),
-                    help="paired per-seed difference A - B (same order); repeatable")
+                    help="paired per-seed difference A - B, pairs matched by their base run; repeatable")
     ap.add_argument("--windows", default="", help="comma-separated step ranges FIRST-LAST (e.g. 560-600,601-620): "
                     "the train gap over each, and its change from the first range, per pair and per label")
     ap.add_argument("--png", type=Path)
@@ -170,30 +171,38 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for label, base, arm in args.pair:
         g = pair_gaps(base, arm, steps, windows=windows)
+        g["base"] = str(Path(base).resolve())
         rows.setdefault(label, []).append(g)
         tr = ", ".join("–" if v is None else f"{v:+.2f}" for v in g["train"].values())  # None: before a fork
         ev = [f"{d[max(d)]:+.2f} % (step {max(d)})" if d else "–" for d in (g["val_loss"], g["brown_loss"])]
         print(f"| {label} | {arm} | {g['last']} | {tr} | {ev[0]} | {ev[1]} |")
     print("\n| label | seeds | train gap, last step | val gap, last eval | Brown gap, last eval |")
     print("|---|---|---|---|---|")
-    finals = {}
+    finals: Dict[str, Dict[str, List[Tuple[str, float]]]] = {}   # label -> metric -> [(base run, final gap)]
     for label, gs in rows.items():
-        f = {"train": [g["train"][g["last"]] for g in gs]}
+        f = {"train": [(g["base"], g["train"][g["last"]]) for g in gs]}
         for k in EVALS:
-            f[k] = [g[k][max(g[k])] for g in gs if g[k]]
+            f[k] = [(g["base"], g[k][max(g[k])]) for g in gs if g[k]]
         finals[label] = f
-        print(f"| {label} | {len(gs)} | " + " | ".join(_fmt(*mean_se(f[k])) if f[k] else "–"
+        print(f"| {label} | {len(gs)} | " + " | ".join(_fmt(*mean_se([v for _, v in f[k]])) if f[k] else "–"
                                                        for k in ("train", *EVALS)) + " |")
     for a, b in args.diff:
         for k in ("train", "val_loss"):
-            if len(finals[a][k]) != len(finals[b][k]):
-                raise SystemExit(f"--diff {a} {b}: different numbers of {k} values")
-            d = [x - y for x, y in zip(finals[a][k], finals[b][k])]
+            # pairs are matched by their base run (the same seed's baseline); a seed one label lacks is left out
+            fa, fb = dict(finals[a][k]), dict(finals[b][k])
+            if len(fa) != len(finals[a][k]) or len(fb) != len(finals[b][k]):
+                raise SystemExit(f"--diff {a} {b}: a label has two pairs with the same base run")
+            both = [base for base in fa if base in fb]
+            if not both:
+                raise SystemExit(f"--diff {a} {b}: no base run with {k} values in both labels")
+            d = [fa[base] - fb[base] for base in both]
             m, se = mean_se(d)
-            ref = statistics.fmean(finals[a][k])
+            ref = statistics.fmean(fa[base] for base in both)
             share = f"{100 * m / ref:.0f} % of {a}'s mean gap" if ref else f"{a}'s mean gap is 0"
+            left = len(fa) + len(fb) - 2 * len(both)
             print(f"\npaired {a} − {b}, {k}: per seed " + ", ".join(f"{x:+.2f}" for x in d)
-                  + f"; mean {_fmt(m, se)} points = {share}")
+                  + f"; mean {_fmt(m, se)} points = {share}"
+                  + (f" ({left} pair(s) without a same-base partner left out)" if left else ""))
     if windows:
         _print_windows(rows, windows)
     if args.png:

@@ -507,6 +507,18 @@ def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys)
     # q's train gap at step 30: +2 %; l's at step 25 (a0's last): +175.5 %; paired difference -173.5
     assert "| q | 1 | +2.00 % |" in out and "paired q − l, train: per seed -173.50" in out
     assert "paired l − q, train: per seed +173.50" in out
+    # pairs are matched by base run: q's second seed (base b0) has no l partner, so it is left out and counted;
+    # two pairs of one label on one base cannot be matched
+    sg.main(["--pair", "q", str(tmp_path / "b0"), str(tmp_path / "a1"), "--pair", "q", str(tmp_path / "b1"),
+             str(tmp_path / "a1"), "--pair", "l", str(tmp_path / "b1"), str(tmp_path / "a0"), "--steps", "20",
+             "--diff", "q", "l"])
+    out = capsys.readouterr().out
+    assert "| q | 2 | +2.00 % ± 0.00 |" in out
+    assert "paired q − l, train: per seed -173.50; " in out
+    assert "(1 pair(s) without a same-base partner left out)" in out
+    with pytest.raises(SystemExit, match="same base run"):
+        sg.main(["--pair", "q", str(tmp_path / "b1"), str(tmp_path / "a1"), "--pair", "q", str(tmp_path / "b1"),
+                 str(tmp_path / "a0"), "--pair", "l", str(tmp_path / "b1"), str(tmp_path / "a0"), "--diff", "q", "l"])
     # --windows: the gap over step ranges and its change from the first range (a1 steps 16..30 at +2 %)
     w = sg.pair_gaps(tmp_path / "b1", tmp_path / "a1", windows=[(1, 10), (16, 25), (40, 50)])["windows"]
     assert w[(1, 10)] == pytest.approx(0.0) and w[(16, 25)] == pytest.approx(2.0) and w[(40, 50)] is None
