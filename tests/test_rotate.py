@@ -156,29 +156,37 @@ _INTERP = textwrap.dedent("""
     from fp4compile.kernels import attention_ref as R, rotate as K
     from test_rotate import _kernel_vs_reference, _split_qkv
     out = {}
-    for D, block, smooth, trans, dtype, T in [(64, 64, True, False, torch.bfloat16, 40),
+    cases = [(64, 64, True, False, torch.bfloat16, 40),
                                               (64, 64, False, False, torch.bfloat16, 100),
                                               (64, 64, True, True, torch.bfloat16, 40),
                                               (64, 16, False, True, torch.bfloat16, 40),
                                               (128, 128, True, False, torch.bfloat16, 70),
                                               (64, 0, True, False, torch.bfloat16, 40),
-                                              (32, 32, True, False, torch.float16, 40)]:
-        q, k = _split_qkv(T=T, D=D, dtype=dtype)
-        res = []
-        for x, sm in ((q, False), (k, smooth)):
-            if not (sm or block):
+                                              (32, 32, True, False, torch.float16, 40)]
+    # K's mean by torch.mean, then by the partial-sums kernel: one tile per chunk (T=300: 5 chunks, NCP 8), and
+    # several tiles per chunk (MEAN_PROGRAMS 4: 2 chunks of 3 tiles, the last one ragged)
+    for impl, programs, T2 in (("torch", 512, None), ("triton", 512, 300), ("triton", 4, 300)):
+        K.MEAN_IMPL, K.MEAN_PROGRAMS = impl, programs
+        for D, block, smooth, trans, dtype, T in cases:
+            if impl != "torch" and not smooth:
                 continue
-            got = K.smooth_rotate(x, sm, block, trans)
-            res.append([got.transpose(1, 2).is_contiguous(), *_kernel_vs_reference(got, x, sm, block, trans)])
-        out[f"{D}-{block}-{smooth}-{trans}-{dtype}-{T}"] = res
+            q, k = _split_qkv(T=T2 or T, D=D, dtype=dtype)
+            res = []
+            for x, sm in ((q, False), (k, smooth)):
+                if not (sm or block):
+                    continue
+                got = K.smooth_rotate(x, sm, block, trans)
+                res.append([got.transpose(1, 2).is_contiguous(), *_kernel_vs_reference(got, x, sm, block, trans)])
+            out[f"{impl}-{programs}-{D}-{block}-{smooth}-{trans}-{dtype}-{T2 or T}"] = res
     print("REPORT" + json.dumps(out))
 """)
 
 
 def test_triton_kernel_under_the_interpreter(tmp_path):
     """The Triton kernel (TRITON_INTERPRET=1, fresh process) against the reference on split-QKV strided inputs:
-    ragged T, with and without centring, S and Sᵀ, blocks 64 / 16 / 128, FP16: within one output step and the FP32
-    summation-order bound everywhere, equal for >= 99 % of values, stored in Q-Attn's layout."""
+    ragged T, with and without centring, S and Sᵀ, blocks 64 / 16 / 128, FP16, K's mean by torch.mean and by the
+    partial-sums kernel (one and several tiles per chunk): within one output step and the FP32 summation-order
+    bound everywhere, equal for >= 99 % of values, stored in Q-Attn's layout."""
     pytest.importorskip("triton")
     import json
 
@@ -190,17 +198,44 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(line[0][len("REPORT"):])
-    assert len(report) == 7
+    assert len(report) == 7 + 2 * 5                   # the five centring cases again per partial-sums setting
     for case, res in report.items():
         assert res, case
         for layout_ok, max_ulp, exact in res:
             assert layout_ok and max_ulp <= 1 and exact >= 0.99, (case, res)
 
 
+def test_mean_chunks_cover_every_tile_once():
+    """The partial-sums grid: every BT-row tile of T in exactly one chunk, about MEAN_PROGRAMS programs in all (never
+    fewer than one chunk, never more chunks than tiles); a bad FP4COMPILE_ROTATE_MEAN raises."""
+    from fp4compile.kernels import rotate as K
+
+    for T in (1, 63, 64, 65, 1000, 1024, 4096, 8193):
+        tiles = -(-T // K.BT)
+        for bh in (1, 6, 64, 192, 4096):
+            nc, per = K.mean_chunks(T, bh)
+            assert 1 <= nc <= tiles and (nc - 1) * per < tiles <= nc * per, (T, bh, nc, per)
+            if tiles * bh >= K.MEAN_PROGRAMS:
+                assert nc * bh >= min(K.MEAN_PROGRAMS, tiles * bh) // 2, (T, bh, nc)
+    assert K.mean_chunks(1024, 192) == (3, 6) and K.mean_chunks(4096, 64) == (8, 8)
+    assert K.mean_impl() in K.MEAN_IMPLS
+    old = K.MEAN_IMPL
+    try:
+        K.MEAN_IMPL = "cub"
+        with pytest.raises(ValueError, match="FP4COMPILE_ROTATE_MEAN"):
+            K.mean_impl()
+    finally:
+        K.MEAN_IMPL = old
+
+
 @pytest.mark.gpu
-def test_gpu_kernel_matches_the_reference():
+@pytest.mark.parametrize("mean", ["torch", "triton"])
+def test_gpu_kernel_matches_the_reference(monkeypatch, mean):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from fp4compile.kernels import rotate as K
+
+    monkeypatch.setattr(K, "MEAN_IMPL", mean)
     for D, block in ((64, 64), (128, 128), (64, 16)):
         q, k = (t.cuda() for t in _split_qkv(B=4, T=1000, H=6, D=D))
         for x, smooth in ((q, False), (k, True)):
@@ -211,8 +246,9 @@ def test_gpu_kernel_matches_the_reference():
                 assert got.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("D,block,smooth,trans", [(64, 64, True, False), (128, 128, False, True), (64, 16, True, True)])
-def test_kernel_compiles_for_sm90(D, block, smooth, trans):
+@pytest.mark.parametrize("D,block,smooth,trans,nc", [(64, 64, True, False, 0), (128, 128, False, True, 0),
+                                                     (64, 16, True, True, 0), (64, 64, True, False, 3)])
+def test_kernel_compiles_for_sm90(D, block, smooth, trans, nc):
     """The kernel through Triton's sm_90 stages to a cubin on this CPU (kernels/offline.py): what the H200 compiles,
     the tensor-core product included (an MMA in the SASS), registers within 4 warps' share of an SM."""
     pytest.importorskip("triton")
@@ -223,11 +259,17 @@ def test_kernel_compiles_for_sm90(D, block, smooth, trans):
            "sxt": "i32", "syb": "i32", "syh": "i32", "syt": "i32"}
     cubin = compile_offline(K._smooth_rotate_kernel, sig, {"SMOOTH": smooth, "BLOCK": block,
                                                           "LOGB": block.bit_length() - 1, "TRANS": trans, "D": D,
-                                                          "BT": K.BT}, upto="cubin")
+                                                          "BT": K.BT, "NC": nc, "NCP": 4 if nc else 1}, upto="cubin")
     sass = disassemble(cubin)
     assert re.search(r"\bHGMMA|\bHMMA", sass)
     _, _, regs, _ = sass_stats(cubin)
     assert 0 < regs <= 255
+    if nc:   # the partial-sums kernel too: FP32 adds, no tensor cores, within 4 warps' share
+        sig = {"X": "*bf16", "P": "*fp32", "T": "i32", "H": "i32", "sxb": "i32", "sxh": "i32", "sxt": "i32"}
+        cubin = compile_offline(K._col_sums_kernel, sig, {"TILES": 6, "D": D, "BT": K.BT}, upto="cubin")
+        sass = disassemble(cubin)
+        assert re.search(r"\bFADD", sass) and not re.search(r"\bHGMMA|\bHMMA", sass)
+        assert 0 < sass_stats(cubin)[2] <= 255
 
 
 def test_bench_qk_transform_kinds_on_cpu():
@@ -244,7 +286,7 @@ def test_bench_qk_transform_kinds_on_cpu():
     qkv = torch.randn(B, T, 3 * H * D, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
     cot = [torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (1, 2)]
     res = {}
-    for kind in ("copy", "aten", "op"):
+    for kind in bench.KINDS:
         out = bench.make(kind, H, D)(qkv)
         torch.autograd.backward(out, cot)
         res[kind] = ([t.detach() for t in out], qkv.grad.clone())
@@ -252,5 +294,8 @@ def test_bench_qk_transform_kinds_on_cpu():
     q, k = bench.split_qk(qkv.detach(), H, D)
     assert torch.equal(res["copy"][0][0], q) and torch.equal(res["copy"][0][1], k)
     assert all(torch.equal(a, b) for a, b in zip(res["op"][0], res["aten"][0]))
+    assert bench.difference(res["op_tmean"][0], res["op"][0]) == (0.0, 0.0)       # on the CPU both are the reference
+    assert bench.difference(res["copy"][0], res["op"][0])[1] > 0.5
+    assert bench.mean_impl("op_tmean", "torch") == "triton" and bench.mean_impl("op", "torch") == "torch"
     step = res["aten"][1].float().abs().max() * 2.0 ** -7
     assert (res["op"][1].float() - res["aten"][1].float()).abs().max() <= step

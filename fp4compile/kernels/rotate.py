@@ -3,7 +3,10 @@
 The numerics are ``attention_ref.smooth_rotate``'s: ``x`` [B, H, T, D] (any strides, the last dim contiguous)
 minus its FP32 mean over T (``smooth``), rounded once to x's dtype, then times the +-1 signed Hadamard ``S`` of
 ``attention_ref.signed_hadamard(D, block=block)`` (or ``Sᵀ``) on tensor cores with FP32 accumulation, rounded once.
-The mean is one ``torch.mean(x, -2, dtype=float32)`` (a read of x); the kernel then reads each [BT, D] tile once,
+The mean is one ``torch.mean(x, -2, dtype=float32)`` (a read of x; ``MEAN_IMPL = "torch"``, the default) or
+``_col_sums_kernel``'s deterministic partial sums over chunks of T that the rotation kernel adds up (``"triton"``,
+``FP4COMPILE_ROTATE_MEAN=triton``: the same read at the kernel's bandwidth instead of torch's strided reduction,
+measured at ~0.7 TB/s in session 39; not yet timed on the GPU); the kernel then reads each [BT, D] tile once,
 builds ``S`` in registers from the same integer formula, and writes the result in Q-Attn's layout
 (``attention_ref.bthd_empty``). Inductor's version of the same transform (``FP4COMPILE_QK_TRANSFORM_IMPL=torch``)
 takes a copy of Q split from a fused projection, a separate subtraction pass and a cuBLAS GEMM per tensor.
@@ -11,6 +14,8 @@ Sums of 64 or 128 products may round differently from cuBLAS's or torch's order 
 rounding midpoint can land one BF16 step away from the reference's.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,15 +32,40 @@ Tensor = torch.Tensor
 #: head dims the kernel takes (tl.arange needs a power of two; tl.dot at least 16); others use the reference
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 BT = 64
+#: how K's mean over T is taken: "torch" (``torch.mean``) or "triton" (``_col_sums_kernel``); read at each call
+MEAN_IMPL = os.environ.get("FP4COMPILE_ROTATE_MEAN", "torch")
+MEAN_IMPLS = ("torch", "triton")
+#: the partial sums' grid aims at this many programs (a few waves of the H200's 132 SMs)
+MEAN_PROGRAMS = 512
 
 if triton is not None:
     from .attention import _cast_like, _mma
 
     @triton.jit
+    def _col_sums_kernel(X, P, T, H, sxb, sxh, sxt, TILES: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+        """Grid (chunks of T, batch*head): P[bh, chunk, :] = the FP32 sum over the chunk's TILES x BT rows of x
+        (rows past T count 0). Each chunk's sum is its own; no atomics, so the mean is the same on every run."""
+        pid_c = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for i in range(TILES):
+            offs_t = (pid_c * TILES + i) * BT + tl.arange(0, BT)
+            x = tl.load(X + b * sxb + h * sxh + offs_t[:, None] * sxt + offs_d[None, :], mask=(offs_t < T)[:, None],
+                        other=0.0)
+            acc += tl.sum(x.to(tl.float32), axis=0)
+        tl.store(P + (pid_bh * tl.num_programs(0) + pid_c) * D + offs_d, acc)
+
+    @triton.jit
     def _smooth_rotate_kernel(X, M, Y, T, H, sxb, sxh, sxt, syb, syh, syt,
                               SMOOTH: tl.constexpr, BLOCK: tl.constexpr, LOGB: tl.constexpr,
-                              TRANS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
-        """Grid (time blocks, batch*head): y = (x - mean if SMOOTH) @ (S or Sᵀ if BLOCK) for one [BT, D] tile."""
+                              TRANS: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr,
+                              NCP: tl.constexpr):
+        """Grid (time blocks, batch*head): y = (x - mean if SMOOTH) @ (S or Sᵀ if BLOCK) for one [BT, D] tile.
+        The mean is M[bh, :] (NC = 0), or the sum of the NC partial sums M[bh, 0:NC, :] over T divided by T (NC > 0;
+        NCP: NC's next power of two)."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -45,7 +75,13 @@ if triton is not None:
         mt = offs_t < T
         x = tl.load(X + b * sxb + h * sxh + offs_t[:, None] * sxt + offs_d[None, :], mask=mt[:, None], other=0.0)
         if SMOOTH:
-            mean = tl.load(M + pid_bh * D + offs_d)
+            if NC > 0:
+                offs_c = tl.arange(0, NCP)
+                part = tl.load(M + (pid_bh * NC + offs_c[:, None]) * D + offs_d[None, :],
+                               mask=(offs_c < NC)[:, None], other=0.0)
+                mean = tl.sum(part, axis=0) / T
+            else:
+                mean = tl.load(M + pid_bh * D + offs_d)
             x = _cast_like(x.to(tl.float32) - mean[None, :], Y)
         if BLOCK > 0:
             i = tl.arange(0, D)[:, None]
@@ -81,12 +117,43 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tenso
     y = bthd_empty(B, H, T, D, x.dtype, x.device)
     if y.numel() == 0:
         return y
-    mean = torch.mean(x, dim=-2, dtype=torch.float32).contiguous() if smooth else placeholder(x.device, torch.float32)
+    mean, nc = placeholder(x.device, torch.float32), 0
+    if smooth:
+        mean, nc = _mean_over_t(x, mean_impl())
     _smooth_rotate_kernel[(cdiv(T, BT), B * H)](
         x, mean, y, T, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         SMOOTH=bool(smooth), BLOCK=int(block), LOGB=max(int(block).bit_length() - 1, 0), TRANS=bool(transpose),
-        D=D, BT=BT, num_warps=4)
+        D=D, BT=BT, NC=nc, NCP=1 << max(nc - 1, 0).bit_length(), num_warps=4)
     return y
+
+
+def mean_impl() -> str:
+    """:data:`MEAN_IMPL`, checked (a bad ``FP4COMPILE_ROTATE_MEAN`` raises at the first smoothed call)."""
+    if MEAN_IMPL not in MEAN_IMPLS:
+        raise ValueError(f"FP4COMPILE_ROTATE_MEAN / rotate.MEAN_IMPL must be one of {MEAN_IMPLS}, got {MEAN_IMPL!r}")
+    return MEAN_IMPL
+
+
+def mean_chunks(T: int, programs_per_t: int) -> tuple:
+    """(chunks, BT-row tiles per chunk) of ``_col_sums_kernel``'s grid for a sequence of T rows and
+    ``programs_per_t`` = batch x heads: about :data:`MEAN_PROGRAMS` programs in all, each over whole tiles."""
+    tiles = cdiv(T, BT)
+    want = max(1, min(tiles, cdiv(MEAN_PROGRAMS, max(programs_per_t, 1))))
+    per = cdiv(tiles, want)
+    return cdiv(tiles, per), per
+
+
+def _mean_over_t(x: Tensor, impl: str) -> tuple:
+    """x's FP32 mean over T as the rotation kernel takes it: (M, NC) with M [B*H, D] and NC = 0 ("torch"), or
+    M [B*H, NC, D] partial sums and NC their count ("triton")."""
+    B, H, T, D = x.shape
+    if impl == "torch":
+        return torch.mean(x, dim=-2, dtype=torch.float32).contiguous(), 0
+    nc, per = mean_chunks(T, B * H)
+    part = torch.empty(B * H, nc, D, dtype=torch.float32, device=x.device)
+    _col_sums_kernel[(nc, B * H)](x, part, T, H, x.stride(0), x.stride(1), x.stride(2), TILES=per, D=D, BT=BT,
+                                  num_warps=4)
+    return part, nc
 
 
 stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
