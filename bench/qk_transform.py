@@ -17,8 +17,9 @@ and the 124M benchmark model make them). Four ways, each compiled with Inductor 
 and prints each time and its ratio to the copy (1.0 = at copy bandwidth), plus the op's largest difference from
 the aten forward (and op_tmean's from the op's) in BF16 steps of the tensor's largest magnitude (a sum of 64 or 128
 products that cancels to near 0 differs in many steps of its own tiny value when the FP32 summation order differs,
-and in none at the tensor's scale) and the fraction of elements that differ at all. ``--profile`` adds, per kind, its GPU kernels' summed time per
-forward + backward from ``torch.profiler`` (the gap to the timed median is host time: launches, autograd, guards).
+and in none at the tensor's scale) and the fraction of elements that differ at all. ``--profile`` adds, per kind,
+its GPU kernels' summed time per forward + backward from ``torch.profiler`` (the gap to the timed median is host
+time: launches, autograd, guards).
 """
 from __future__ import annotations
 

@@ -164,9 +164,11 @@ _INTERP = textwrap.dedent("""
                                               (64, 0, True, False, torch.bfloat16, 40),
                                               (32, 32, True, False, torch.float16, 40)]
     # K's mean by torch.mean, then by the partial-sums kernel: one tile per chunk (T=300: 5 chunks, NCP 8), and
-    # several tiles per chunk (MEAN_PROGRAMS 4: 2 chunks of 3 tiles, the last one ragged)
-    for impl, programs, T2 in (("torch", 512, None), ("triton", 512, 300), ("triton", 4, 300)):
+    # several tiles per chunk (MEAN_PROGRAMS 12 over B*H = 6: 2 chunks of 3 tiles, the second past T's ragged end)
+    for impl, programs, T2 in (("torch", 512, None), ("triton", 512, 300), ("triton", 12, 300)):
         K.MEAN_IMPL, K.MEAN_PROGRAMS = impl, programs
+        if impl == "triton":
+            assert K.mean_chunks(300, 6) == ((5, 1) if programs == 512 else (2, 3))
         for D, block, smooth, trans, dtype, T in cases:
             if impl != "torch" and not smooth:
                 continue

@@ -134,11 +134,11 @@ def mean_impl() -> str:
     return MEAN_IMPL
 
 
-def mean_chunks(T: int, programs_per_t: int) -> tuple:
-    """(chunks, BT-row tiles per chunk) of ``_col_sums_kernel``'s grid for a sequence of T rows and
-    ``programs_per_t`` = batch x heads: about :data:`MEAN_PROGRAMS` programs in all, each over whole tiles."""
+def mean_chunks(T: int, bh: int) -> tuple:
+    """(chunks, BT-row tiles per chunk) of ``_col_sums_kernel``'s grid for a sequence of T rows and ``bh`` = batch x
+    heads sequences: about :data:`MEAN_PROGRAMS` programs in all (chunks x bh), each over whole tiles."""
     tiles = cdiv(T, BT)
-    want = max(1, min(tiles, cdiv(MEAN_PROGRAMS, max(programs_per_t, 1))))
+    want = max(1, min(tiles, cdiv(MEAN_PROGRAMS, max(bh, 1))))
     per = cdiv(tiles, want)
     return cdiv(tiles, per), per
 
