@@ -735,14 +735,18 @@ s39_b)
   step qk_profile 100 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
   study124_run 300e6 fullbest:"${BUDGET:-450}" ;;
 s40_mean)
-  # issue 3 on one nvidia-h200 (~7 min; prepared in session 40, not yet run): K's mean over T in the Q, K transform
-  # by kernels/rotate.py's partial-sums kernel instead of torch.mean (~0.7 TB/s, 35 us of the op's 136 us per 124M
-  # layer in session 39): its GPU tests, the transform alone (--profile), then the 124M step with it against the
-  # default and BF16 Inductor, interleaved in one process
-  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_rotate.py
-  step qk_transform 150 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
-  step step_ab 230 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm tmean:fp4compile.kernels.rotate.MEAN_IMPL='"triton"' --arm bf16:backend=inductor
+  # issue 3 on one nvidia-h200 (~8 min; prepared in session 40, not yet run), two opt-in changes: K's mean over T in
+  # the Q, K transform by kernels/rotate.py's partial-sums kernel instead of torch.mean (~0.7 TB/s, 35 us of the
+  # op's 136 us per 124M layer in session 39), and the backward's 192 seed draws as one (passes/seeds.py; 0.47 ms
+  # of session 33's profile): their GPU tests, the transform alone (--profile), then the 124M step with each and
+  # both against the default and BF16 Inductor, interleaved in one process
+  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_rotate.py tests/test_seeds.py \
+      tests/test_backend.py -k "rotate or kernel or seeds or fresh or unbiased"
+  step qk_transform 120 python bench/qk_transform.py --profile --json "$OUT/qk_transform.json"
+  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm tmean:fp4compile.kernels.rotate.MEAN_IMPL='"triton"' --arm seeds:fp4compile.passes.seeds.POOL_SEEDS=true \
+      --arm both:fp4compile.kernels.rotate.MEAN_IMPL='"triton"',fp4compile.passes.seeds.POOL_SEEDS=true \
+      --arm bf16:backend=inductor
   cat "$OUT/qk_transform.log" ;;
 s40_suite)
   # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session

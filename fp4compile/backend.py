@@ -21,6 +21,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     from the quantize launches (quantize_dq, gemm_dequantized);
                     forward weight copies saved (or MUST_RECOMPUTE: save_weight_copies)
                     an activation's amax from the kernel that makes it (FUSE_AMAX)  passes/amax.py
+                    the backward's seeds from one draw (POOL_SEEDS, opt-in)           passes/seeds.py
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
@@ -64,10 +65,11 @@ from . import precompile
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
-from .passes import amax, linear, reuse
+from .passes import amax, linear, reuse, seeds
 from .passes.amax import fuse_amax
 from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
 from .passes.reuse import QuantCache
+from .passes.seeds import pool_seeds
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
 
@@ -83,7 +85,7 @@ ON_ERROR_MODES = ("bf16", "raise")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
-    "passes/amax.py", "passes/check.py", "passes/common.py",
+    "passes/amax.py", "passes/seeds.py", "passes/check.py", "passes/common.py",
     # the kernels whose shape rules the rewrite reads (kernels/gemm.py's choose_impl, for quantize_dq operands)
     "kernels/gemm.py"))
 
@@ -159,6 +161,7 @@ class FP4JointPass(CustomGraphPass):
         cache.pair_layouts()                            # a gradient's two MS-EDEN copies from one pass over it
         use_dequantized_copies(graph, cache)            # GEMM operands as bf16 q * S from the quantize launches
         fuse_amax(graph)                                # an activation's amax from the kernel that makes it
+        pool_seeds(graph)                               # the backward's seeds from one draw (opt-in: POOL_SEEDS)
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
@@ -173,7 +176,7 @@ class FP4JointPass(CustomGraphPass):
         # the module switches of the rewrite are read at call time, so they are part of the key (an A/B of
         # FP4COMPILE_DQ_OPERANDS in one machine's cache would otherwise replay the other arm's graph)
         switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights(),
-                    amax.fuse_amax_mode(), amax.POINTWISE_ROW, linear.gemm_default_impl())
+                    amax.fuse_amax_mode(), amax.POINTWISE_ROW, linear.gemm_default_impl(), seeds.POOL_SEEDS)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
                                                           self.gemm_lowering, switches)))
 

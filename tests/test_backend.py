@@ -667,10 +667,15 @@ def test_rht_signs_are_drawn_fresh_every_step():
     assert all(a["side"] == "bwd" for n, a in g.nodes(data=True) if n in signs)
 
 
-def test_quartet2_backward_is_unbiased_statistically():
+@pytest.mark.parametrize("pool", [False, True])
+def test_quartet2_backward_is_unbiased_statistically(monkeypatch, pool):
     """dgrad/wgrad with RHT-128 + MS-EDEN (fresh signs and seeds every step) average to the exact gradient:
     the error of the mean of 16 steps is well below a single step's error (it would not be if the graph
-    reused one baked draw)."""
+    reused one baked draw). ``pool``: the seeds from one draw per step (passes/seeds.py)."""
+    from fp4compile.passes import seeds
+
+    monkeypatch.setattr(seeds, "POOL_SEEDS", pool)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Linear(128, 128, bias=False)
     bwd = Policy.quartet2().resolve("x", "linear.dgrad")
@@ -694,34 +699,45 @@ def test_quartet2_backward_is_unbiased_statistically():
         assert 0.02 < single < 0.3 and mean < 0.45 * single, (single, mean)
 
 
+def cuda_graph_weight_grads(model, policy, n: int = 16):
+    """``model`` (a square nn.Linear on CUDA) compiled under ``policy`` with CUDA graphs; its weight gradient from
+    ``n`` replays of one x and dy, and the exact (float64) one."""
+    from fp4compile.backend import fullstack_fp4
+
+    dev, d = model.weight.device, model.weight.shape[0]
+    compiled = torch.compile(model, backend=fullstack_fp4, options={"policy": policy, "mode": "reduce-overhead"})
+    x = torch.randn(d, d, device=dev, requires_grad=True)
+    dy = torch.randn(d, d, device=dev)
+    gw = []
+    for _ in range(n):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        x.grad = None                        # a graph output: the next replay overwrites it, never accumulate
+        (compiled(x) * dy).sum().backward()
+        gw.append(model.weight.grad.clone())
+    return gw, (dy.double().t() @ x.detach().double()).float()
+
+
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased():
+@pytest.mark.parametrize("pool", [False, True])
+def test_gpu_cuda_graph_replays_draw_fresh_seeds_and_stay_unbiased(monkeypatch, pool):
     """The same statistics under CUDA graphs (``mode="reduce-overhead"``): the seeds and Hadamard signs are
     drawn on the GPU inside the captured graph, so every replay must draw new ones (a graph that froze its
     first draw would give 16 identical gradients, whose mean is no better than one of them). The kernels'
     cached placeholders are dropped first, so they are created during the graphs' warmup (they must not land
-    in the graph pool: fp4compile.devcache)."""
+    in the graph pool: fp4compile.devcache). ``pool``: the seeds from one draw per replay (passes/seeds.py)."""
     from fp4compile.kernels import launch
+    from fp4compile.passes import seeds
 
+    monkeypatch.setattr(seeds, "POOL_SEEDS", pool)
+    torch._dynamo.reset()
     launch._PLACEHOLDERS.clear()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = nn.Linear(256, 256, bias=False, device=dev)
     bwd = Policy.quartet2().resolve("x", "linear.dgrad")
     policy = Policy((), "bwd-only").override("*", bwd, role="linear.dgrad").override("*", bwd, role="linear.wgrad")
-    from fp4compile.backend import fullstack_fp4
-
-    compiled = torch.compile(model, backend=fullstack_fp4, options={"policy": policy, "mode": "reduce-overhead"})
-    x = torch.randn(256, 256, device=dev, requires_grad=True)
-    dy = torch.randn(256, 256, device=dev)
-    exact_w = (dy.double().t() @ x.detach().double()).float()
-    gw = []
-    for _ in range(16):
-        torch.compiler.cudagraph_mark_step_begin()
-        model.zero_grad(set_to_none=True)
-        x.grad = None                        # a graph output: the next replay overwrites it, never accumulate
-        (compiled(x) * dy).sum().backward()
-        gw.append(model.weight.grad.clone())
+    gw, exact_w = cuda_graph_weight_grads(model, policy)
     assert not any(torch.equal(gw[i], gw[i + 1]) for i in range(len(gw) - 1))
     single = sum(rel(a, exact_w) for a in gw) / len(gw)
     mean = rel(torch.stack(gw).mean(0), exact_w)
