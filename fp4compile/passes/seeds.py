@@ -10,7 +10,7 @@ the op's own draw and ``fp4compile::rht_signs``). The pool is drawn from the fir
 computed from a tangent and lands in the backward graph. Forward nodes are left alone: a forward copy that the
 backward recomputes must not take its seed from a tensor that the partitioner could recompute or save differently.
 
-Off by default (``FP4COMPILE_POOL_SEEDS=1`` turns it on) until the GPU has timed it (``bench/run_h200.sh s40_seeds``).
+Off by default (``FP4COMPILE_POOL_SEEDS=1`` turns it on) until the GPU has timed it (``bench/run_h200.sh s40_mean``).
 """
 from __future__ import annotations
 
