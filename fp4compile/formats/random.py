@@ -74,10 +74,11 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (random_bits(seed, index) >> 8).to(torch.float32) * (2.0 ** -24)
 
 
-def draw_seed(generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
-    """A fresh int64 0-dim seed tensor drawn from ``generator`` (or torch's default generator on ``device``).
+def draw_seed(generator: Optional[torch.Generator] = None, device=None, shape=()) -> torch.Tensor:
+    """A fresh int64 seed tensor drawn from ``generator`` (or torch's default generator on ``device``): 0-dim, or
+    ``shape`` independent seeds in one launch (``passes/seeds.py``'s pool).
 
     The seed stays on the generator's device: drawing it costs no host synchronization.
     """
     dev = generator.device if generator is not None else (torch.device(device) if device is not None else None)
-    return torch.randint(-(2 ** 62), 2 ** 62, (), generator=generator, device=dev, dtype=torch.int64)
+    return torch.randint(-(2 ** 62), 2 ** 62, tuple(shape), generator=generator, device=dev, dtype=torch.int64)

@@ -123,7 +123,7 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool) -> Tenso
     _smooth_rotate_kernel[(cdiv(T, BT), B * H)](
         x, mean, y, T, H, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         SMOOTH=bool(smooth), BLOCK=int(block), LOGB=max(int(block).bit_length() - 1, 0), TRANS=bool(transpose),
-        D=D, BT=BT, NC=nc, NCP=1 << max(nc - 1, 0).bit_length(), num_warps=4)
+        D=D, BT=BT, NC=nc, NCP=triton.next_power_of_2(max(nc, 1)), num_warps=4)
     return y
 
 

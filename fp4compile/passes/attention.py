@@ -66,10 +66,10 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 #: it every compile cache key) differs between settings. Default ``"smooth_k+hadamard"`` since session 37: in 30M
 #: runs forked from one BF16 checkpoint at step 800 of 1,525 (two seeds) it took the Q-Attn arm's val-loss gap to
 #: BF16 from +1.05 / +1.16 % to +0.82 / +0.85 % (Q-Attn alone costs ~0.6 point there); the 30M full stack at 300M
-#: tokens ended at +1.53 % with it (seeds 0, 1: +1.42, +1.63), +1.84 % without (+1.89, +1.78). It costs 1.1 ms of
-#: the 124M step's 48.6 with :data:`QK_TRANSFORM_IMPL` ``"op"`` (docs/BENCHMARKS.md, sessions 37-39). K's mean is
-#: over the whole sequence, so with a causal mask a position's rounding depends on later keys (as it already does
-#: within a 16x16 tile); the attention function does not.
+#: tokens ended at +1.51 % with it (seeds 0, 1, 2: +1.42, +1.63, +1.48), +1.84 % without (seeds 0, 1: +1.89, +1.78).
+#: It costs 1.1 ms of the 124M step's 48.6 with :data:`QK_TRANSFORM_IMPL` ``"op"`` (docs/BENCHMARKS.md, sessions
+#: 37-40). K's mean is over the whole sequence, so with a causal mask a position's rounding depends on later keys
+#: (as it already does within a 16x16 tile); the attention function does not.
 QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 
 #: how a swapped site computes its Q, K transform: ``"op"`` (``fp4compile::smooth_rotate``: one Triton pass per

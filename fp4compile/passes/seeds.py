@@ -20,6 +20,7 @@ from typing import List, Set, Tuple
 import torch
 from torch.fx import Graph, Node
 
+from ..formats.random import draw_seed
 from ..ops import _define
 from .common import add_call, tangent_closure
 from .reuse import QUANTIZE, QUANTIZE_BOTH, QUANTIZE_BOTH_DQ, QUANTIZE_DQ, _copy_meta
@@ -34,9 +35,9 @@ SEED_ARGS = {QUANTIZE: ((6,), 1), QUANTIZE_DQ: ((6,), 1), QUANTIZE_BOTH: ((3, 6)
 
 
 def _draw_seeds_op(like: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` fresh int64 seeds (``formats.random.draw_seed``'s range) on ``like``'s device. ``like`` only orders
-    the draw (after the tensor it is drawn for, e.g. a gradient in the backward)."""
-    return torch.randint(-(2 ** 62), 2 ** 62, (n,), device=like.device, dtype=torch.int64)
+    """``n`` fresh int64 seeds (``formats.random.draw_seed``) on ``like``'s device. ``like`` only orders the draw
+    (after the tensor it is drawn for, e.g. a gradient in the backward)."""
+    return draw_seed(device=like.device, shape=(n,))
 
 
 def _draw_seeds_fake(like, n):
