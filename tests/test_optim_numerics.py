@@ -60,3 +60,47 @@ def test_nvfp4_ns_on_clipped_momentum_is_bounded():
     eps = float(G.abs().flatten().quantile(0.99))
     O = newton_schulz(G.clamp(-eps, eps), (JORDAN,) * 5, spec=NVFP4())
     assert ns_error(G.clamp(-eps, eps), O) < 0.6
+
+
+def _orthonormal(n, k, gen):
+    return torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))[0]
+
+
+def test_ns_error_parts_against_a_constructed_output():
+    """ns_error_parts on outputs built from G's own SVD: singular values off 1 with G's singular vectors give a
+    pure ``sigma`` error and no ``direction`` error; a rotation of the left factor gives a pure ``direction``."""
+    from fp4compile.optim.study import ns_error_parts
+
+    gen = torch.Generator().manual_seed(1)
+    U, V = _orthonormal(32, 32, gen), _orthonormal(80, 32, gen)
+    G = U @ torch.diag(torch.linspace(0.1, 3.0, 32, dtype=torch.float64)) @ V.T
+    sig = torch.linspace(0.7, 1.2, 32, dtype=torch.float64)
+    parts = ns_error_parts(G, U @ torch.diag(sig) @ V.T)
+    assert parts["sigma"] == pytest.approx(0.3, abs=1e-9)
+    assert parts["direction"] < 1e-9
+    assert parts["polar"] == pytest.approx(float((sig - 1).norm() / 32 ** 0.5), rel=1e-9)
+    # rotate the left singular vectors by theta in the first plane: ||R - I||_F = 2 sqrt(2) sin(theta / 2)
+    theta = 0.2
+    R = torch.eye(32, dtype=torch.float64)
+    R[0, 0] = R[1, 1] = torch.cos(torch.tensor(theta, dtype=torch.float64))
+    R[0, 1], R[1, 0] = -torch.sin(torch.tensor(theta, dtype=torch.float64)), torch.sin(torch.tensor(theta, dtype=torch.float64))
+    parts = ns_error_parts(G, U @ R @ V.T)
+    expected = 2 * 2 ** 0.5 * torch.sin(torch.tensor(theta / 2)).item() / 32 ** 0.5
+    assert parts["sigma"] < 1e-9
+    assert parts["direction"] == pytest.approx(expected, rel=1e-6)
+    assert parts["polar"] == pytest.approx(expected, rel=1e-6)
+    assert ns_error_parts(G, torch.full_like(G, float("nan")))["polar"] == float("inf")
+
+
+def test_ns_error_table_ranks_the_variants():
+    """The per-shape table of docs/OPTIM.md on one shape: plain NVFP4 NS diverges, QRoot's default NVFP4 NS (shape-
+    aware + clip + guard + shift) is finite and closer to the polar factor than without the shift, and seven
+    Polar Express steps with the shift come closer still."""
+    from fp4compile.optim.study import ns_error_table
+
+    rows = {name: parts for _, name, parts, _ in ns_error_table([(64, 256)], seed=0)}
+    assert rows["nvfp4 jordan, plain"]["polar"] > 10
+    default = rows["nvfp4 shape-aware + clip + guard + shift (QRoot default)"]["polar"]
+    assert default < rows["nvfp4 shape-aware + clip + guard"]["polar"]
+    assert rows["nvfp4 polar-express 7 steps + clip + guard + shift"]["polar"] < default
+    assert rows["bf16 polar-express 7 steps + clip"]["polar"] < 0.1

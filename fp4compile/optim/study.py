@@ -3,7 +3,8 @@
 * :func:`tiny_gpt_states` trains a byte-level tiny GPT on real text (the shared corpus's ``val.txt.xz``, or
   any text) with torch's AdamW and returns the real second moments ``exp_avg_sq`` of its matrices;
 * :func:`v_error_table` compares the relative MSE of v through the Q-AdamW transform vs direct NVFP4;
-* :func:`ns_error` measures an NS variant's distance to the float64 SVD polar factor.
+* :func:`ns_error` measures an NS variant's distance to the float64 SVD polar factor, :func:`ns_error_parts`
+  splits it into non-orthogonality and direction, :func:`ns_error_table` tabulates the NS variants per shape.
 """
 from __future__ import annotations
 
@@ -155,8 +156,45 @@ def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Te
     return G
 
 
-def ns_error_table(shapes, steps=5, seed=0, spec=None, clip_quantile=0.99):
-    """Rows (shape, variant, error vs polar) for the NS variants the report compares."""
+#: the NS variants of :func:`ns_error_table`: (name, input ("raw" G or "clip": G clipped at the quantile), NVFP4
+#: products?, schedule, steps, guard, identity-shifted products?). "plain" is NVFP4 NS as a drop-in for BF16 NS
+#: (Jordan's coefficients, no guard, no shift); the QRoot default is "nvfp4 shape-aware + clip" (ROOT's
+#: coefficients or their fit, clipping at 0.99, the guard at 1.0, shifted products, 5 steps)
+NS_VARIANTS = (
+    ("bf16 jordan", "raw", False, "jordan", 5, None, False),
+    ("nvfp4 jordan, plain", "raw", True, "jordan", 5, None, False),
+    ("nvfp4 jordan + guard", "raw", True, "jordan", 5, 1.0, False),
+    ("nvfp4 shape-aware + clip + guard", "clip", True, "root", 5, 1.0, False),
+    ("nvfp4 shape-aware + clip + guard + shift (QRoot default)", "clip", True, "root", 5, 1.0, True),
+    ("nvfp4 polar-express + clip + guard + shift", "clip", True, "polar_express", 5, 1.0, True),
+    ("nvfp4 polar-express 7 steps + clip + guard + shift", "clip", True, "polar_express", 7, 1.0, True),
+    ("bf16 shape-aware + clip", "clip", False, "root", 5, None, False),
+    ("bf16 polar-express 7 steps + clip", "clip", False, "polar_express", 7, None, False),
+)
+
+
+def ns_error_parts(G: torch.Tensor, O: torch.Tensor) -> dict:
+    """The distance of an NS output ``O`` from the polar factor P = U Vᵀ of its input ``G``, and its two parts:
+
+    - ``polar``: ||O - P||_F / ||P||_F (:func:`ns_error`);
+    - ``sigma``: max_i |sigma_i(O) - 1|, how far O is from orthogonal (1 - sigma_min when small directions of G
+      have not converged);
+    - ``direction``: ||polar(O) - P||_F / ||P||_F, how far O's own orthogonal factor is from G's: the error an
+      NS iteration cannot correct later, since its steps change singular values and keep singular vectors.
+    """
+    P = polar_factor(G)
+    O64 = O.double()
+    if not torch.isfinite(O64).all():
+        return dict(polar=math.inf, sigma=math.inf, direction=math.inf)
+    sv = torch.linalg.svdvals(O64)
+    return dict(polar=float((O64 - P).norm() / P.norm()), sigma=float((sv - 1).abs().max()),
+                direction=float((polar_factor(O64) - P).norm() / P.norm()))
+
+
+def ns_error_table(shapes, seed=0, spec=None, clip_quantile=0.99, variants=NS_VARIANTS):
+    """Rows (shape, variant name, :func:`ns_error_parts` of the output, dev) of every NS variant on the
+    :func:`momentum_like` matrix of each shape; ``dev``: ||O - O_bf16||_F / ||O_bf16||_F against "bf16 jordan" of
+    the same raw input (None for clipped inputs). NVFP4 products use ``spec`` (default RTN 1x16, no 4/6, no RHT)."""
     from ..policy import NVFP4
     from .root import clip_by_quantile, newton_schulz, ns_coefficients
 
@@ -164,22 +202,18 @@ def ns_error_table(shapes, steps=5, seed=0, spec=None, clip_quantile=0.99):
     rows = []
     for (m, n) in shapes:
         G = momentum_like(m, n, seed)
-        Gc = clip_by_quantile(G, clip_quantile)
-        variants = [
-            ("bf16 jordan", G, None, "jordan", 1.0, None),
-            ("nvfp4 jordan (plain, no guard)", G, spec, "jordan", 1.0, None),
-            ("nvfp4 jordan + guard", G, spec, "jordan", 1.0, 1.0),
-            ("nvfp4 shape-aware + clip + guard", Gc, spec, "root", 1.0, 1.0),
-            ("nvfp4 polar-express + clip + guard", Gc, spec, "polar_express", 1.01, 1.0),
-            ("bf16 shape-aware + clip", Gc, None, "root", 1.0, None),
-        ]
+        inputs = {"raw": G, "clip": clip_by_quantile(G, clip_quantile)}
         ref_bf16 = None
-        for name, inp, sp, sched, ns_scale, guard in variants:
+        for name, which, fp4, sched, steps, guard, shift in variants:
+            inp = inputs[which]
             coeffs = ns_coefficients((m, n), steps, sched)
-            O = newton_schulz(inp, coeffs, spec=sp, norm_scale=ns_scale, guard=guard).float()
-            err = ns_error(inp, O) if math.isfinite(float(O.abs().max())) else float("inf")
+            ns_scale = 1.01 if sched == "polar_express" else 1.0
+            O = newton_schulz(inp, coeffs, spec=spec if fp4 else None, norm_scale=ns_scale, guard=guard,
+                              shift=shift).float()
             if name == "bf16 jordan":
                 ref_bf16 = O
-            dev = float((O - ref_bf16).norm() / ref_bf16.norm()) if inp is G and ref_bf16 is not None else None
-            rows.append(((m, n), name, err, dev))
+            dev = None
+            if which == "raw" and ref_bf16 is not None:
+                dev = float((O - ref_bf16).norm() / ref_bf16.norm()) if torch.isfinite(O).all() else math.inf
+            rows.append(((m, n), name, ns_error_parts(inp, O), dev))
     return rows
