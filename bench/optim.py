@@ -194,7 +194,22 @@ def bench_peak_memory(device, tiny, rows, batch=None):
     rows.append(row)
 
 
-def bench_root(name, cfg, device, iters, warmup, rows, budget_s):
+def bench_root(name, cfg, device, iters, warmup, rows, budget_s, quantile=None):
+    """Q-Root's step and its NS alone, BF16 against NVFP4 NS (and both from CUDA graphs on a GPU), on the hidden
+    matrices of a parameter set; ``quantile``: ``fp4compile.optim.root.QUANTILE_IMPL`` for the p99 clip while it
+    runs (None: the default)."""
+    from fp4compile.optim import root as R
+
+    saved = R.QUANTILE_IMPL
+    R.QUANTILE_IMPL = quantile or saved
+    try:
+        _bench_root(name, cfg, device, iters, warmup, rows, budget_s)
+        rows[-1]["quantile"] = R.QUANTILE_IMPL
+    finally:
+        R.QUANTILE_IMPL = saved
+
+
+def _bench_root(name, cfg, device, iters, warmup, rows, budget_s):
     shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]  # hidden matrices (Root's part)
     res = {}
     variants = [("bf16", False), ("nvfp4", False)]
@@ -269,6 +284,8 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,profile,warps,peak,root")
     ap.add_argument("--root-sets", default="124M", help="comma list of parameter sets for the Q-Root section "
                     f"(of {','.join(SETS)}; --tiny: tiny)")
+    ap.add_argument("--root-quantile", default="", help="comma list of fp4compile.optim.root.QUANTILE_IMPL values "
+                    "(sort, topk): the Q-Root section once per value, in this order (default: the default only)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -302,8 +319,9 @@ def main(argv=None):
     if "root" not in skip:
         for k in (["tiny"] if args.tiny else [k for k in args.root_sets.split(",") if k]):
             cfg = (TINY if args.tiny else SETS)[k]
-            jobs.append(("root " + k, lambda k=k, cfg=cfg: bench_root(k, cfg, device, 5 if not args.tiny else 2, 1,
-                                                                      rows, budget_s=20.0)))
+            for qi in args.root_quantile.split(",") if args.root_quantile else [None]:
+                jobs.append((f"root {k} {qi or ''}", lambda k=k, cfg=cfg, qi=qi: bench_root(
+                    k, cfg, device, 5 if not args.tiny else 2, 1, rows, budget_s=20.0, quantile=qi)))
     def fmt(r):
         return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
 

@@ -418,3 +418,49 @@ def test_qroot_ns_shift_group_key_and_old_state_dicts():
     opt2 = QRoot([torch.nn.Parameter(ps[0].detach().clone())], lr=1e-2)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["ns_shift"] is False
+
+
+# ----------------------------------------------------------------------------------------------
+# abs_quantile: the sort and the top-k selection
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), q=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16),
+       ties=st.booleans(), special=st.sampled_from([None, "nan", "inf", "zeros"]))
+def test_abs_quantile_topk_equals_sort_and_numpy(rows, n, q, seed, ties, special):
+    """``abs_quantile``'s top-k selection returns the sorted form's values bit for bit (ties, zeros, +-inf and NaN
+    included), and both match numpy's float64 linear-interpolation quantile of the same FP32 |x| (an independent
+    oracle) to FP32 rounding."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if ties:
+        x = (x * 4).round() / 4                          # many equal magnitudes, some zeros
+    if special == "nan":
+        x[0, seed % n] = float("nan")
+    elif special == "inf":
+        x[-1, seed % n] = -float("inf")
+    elif special == "zeros":
+        x[:, : n // 2] = 0.0
+    a = abs_quantile(x, q, "sort")
+    b = abs_quantile(x, q, "topk")
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    with np.errstate(invalid="ignore"):                  # inf - inf inside numpy's lerp: a NaN we filter out
+        ref = np.quantile(x.abs().double().numpy(), q, axis=-1, method="linear")
+    finite = np.isfinite(ref)
+    # three FP32 roundings (two products, one sum) of non-negative terms: within 1e-6 relative (and an FP32
+    # underflow of s[hi] * w for a q of ~1e-300 below 1e-30 absolute)
+    np.testing.assert_allclose(a.double().numpy()[finite], ref[finite], rtol=1e-6, atol=1e-30)
+
+
+def test_abs_quantile_rejects_an_unknown_impl(monkeypatch):
+    import fp4compile.optim.root as R
+
+    with pytest.raises(ValueError, match="QUANTILE_IMPL"):
+        abs_quantile(torch.ones(1, 4), 0.5, "heap")
+    monkeypatch.setattr(R, "QUANTILE_IMPL", "topk")      # the module switch is what the default follows
+    x = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(abs_quantile(x, 0.9), abs_quantile(x, 0.9, "sort"))

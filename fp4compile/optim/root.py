@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from typing import Iterable, Optional, Sequence, Tuple
 
@@ -388,14 +389,38 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     return X.squeeze(0) if squeeze else X
 
 
-def abs_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """Per-row q-quantile of |x| for x [B, N], linear interpolation (torch.quantile's default), any size."""
-    s = x.abs().float().sort(dim=-1).values
-    pos = q * (x.shape[-1] - 1)
+#: how :func:`abs_quantile` finds the two order statistics it interpolates: ``"sort"`` (sort each row, the
+#: default) or ``"topk"`` (``torch.topk`` of the row's largest N - lo values, the two smallest of which are the
+#: ones wanted: a selection instead of a whole sort, the same values bit for bit). ``FP4COMPILE_ROOT_QUANTILE``
+#: sets it at import. CPU (2 cores, 12 rows of 768·3072): sort 1.54 s, topk 0.17 s; not yet timed on a GPU.
+QUANTILE_IMPL = os.environ.get("FP4COMPILE_ROOT_QUANTILE", "sort")
+QUANTILE_IMPLS = ("sort", "topk")
+
+
+def abs_quantile(x: torch.Tensor, q: float, impl: Optional[str] = None) -> torch.Tensor:
+    """Per-row q-quantile of |x| for x [B, N], linear interpolation (torch.quantile's default), any size.
+
+    With s the row's |x| sorted ascending, pos = q (N - 1), lo = floor(pos), hi = min(lo + 1, N - 1) and
+    w = pos - lo, the quantile is ``s[lo] * (1 - w) + s[hi] * w`` (FP32). ``impl`` (default
+    :data:`QUANTILE_IMPL`): ``"sort"`` sorts the row; ``"topk"`` takes the N - lo largest values sorted
+    descending, whose last two are s[lo] and s[lo + 1]. Both return elements of |x| (NaN sorts above every
+    number in both), so the results are equal bit for bit."""
+    impl = impl or QUANTILE_IMPL
+    if impl not in QUANTILE_IMPLS:
+        raise ValueError(f"FP4COMPILE_ROOT_QUANTILE / root.QUANTILE_IMPL must be one of {QUANTILE_IMPLS}, "
+                         f"got {impl!r}")
+    n = x.shape[-1]
+    pos = q * (n - 1)
     lo = int(math.floor(pos))
-    hi = min(lo + 1, x.shape[-1] - 1)
+    hi = min(lo + 1, n - 1)
     w = pos - lo
-    return s[:, lo] * (1 - w) + s[:, hi] * w
+    a = x.abs().float()
+    if impl == "sort":
+        s = a.sort(dim=-1).values
+        return s[:, lo] * (1 - w) + s[:, hi] * w
+    k = n - lo                                     # s[lo] is the k-th largest, s[hi] the (k - 1)-th (hi > lo)
+    t = a.topk(k, dim=-1, largest=True, sorted=True).values
+    return t[:, k - 1] * (1 - w) + t[:, k - 1 - (hi - lo)] * w
 
 
 def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
