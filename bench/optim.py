@@ -194,19 +194,18 @@ def bench_peak_memory(device, tiny, rows, batch=None):
     rows.append(row)
 
 
-def bench_root(name, cfg, device, iters, warmup, rows, budget_s, quantile=None):
+def bench_root(name, cfg, device, iters, warmup, rows, budget_s, arm=None):
     """Q-Root's step and its NS alone, BF16 against NVFP4 NS (and both from CUDA graphs on a GPU), on the hidden
-    matrices of a parameter set; ``quantile``: ``fp4compile.optim.root.QUANTILE_IMPL`` for the p99 clip while it
-    runs (None: the default)."""
-    from fp4compile.optim import root as R
+    matrices of a parameter set; ``arm``: ``NAME:SETTING,...`` as ``bench/step_ab.py``'s ``--arm`` (module switches
+    such as ``fp4compile.optim.root.QUANTILE_IMPL="topk"``, set while it runs), the row's ``arm``."""
+    from bench.step_ab import applied, parse_arm
 
-    saved = R.QUANTILE_IMPL
-    R.QUANTILE_IMPL = quantile or saved
-    try:
+    arm_name, switches, options = parse_arm(arm or "default")
+    if options:
+        raise SystemExit(f"--root-arm {arm!r}: only module switches apply here, not {sorted(options)}")
+    with applied(switches):
         _bench_root(name, cfg, device, iters, warmup, rows, budget_s)
-        rows[-1]["quantile"] = R.QUANTILE_IMPL
-    finally:
-        R.QUANTILE_IMPL = saved
+    rows[-1]["arm"] = arm_name
 
 
 def _bench_root(name, cfg, device, iters, warmup, rows, budget_s):
@@ -284,8 +283,10 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of sections to skip: check,adamw,profile,warps,peak,root")
     ap.add_argument("--root-sets", default="124M", help="comma list of parameter sets for the Q-Root section "
                     f"(of {','.join(SETS)}; --tiny: tiny)")
-    ap.add_argument("--root-quantile", default="", help="comma list of fp4compile.optim.root.QUANTILE_IMPL values "
-                    "(sort, topk): the Q-Root section once per value, in this order (default: the default only)")
+    ap.add_argument("--root-arm", action="append", default=None,
+                    help="NAME[:module.ATTR=JSON,...] (bench/step_ab.py's arm syntax, module switches only): the Q-Root "
+                         "section once per arm, in the order given, e.g. 'topk:fp4compile.optim.root.QUANTILE_IMPL="
+                         "\"topk\"' (default: one arm, the defaults)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -319,9 +320,9 @@ def main(argv=None):
     if "root" not in skip:
         for k in (["tiny"] if args.tiny else [k for k in args.root_sets.split(",") if k]):
             cfg = (TINY if args.tiny else SETS)[k]
-            for qi in args.root_quantile.split(",") if args.root_quantile else [None]:
-                jobs.append((f"root {k} {qi or ''}", lambda k=k, cfg=cfg, qi=qi: bench_root(
-                    k, cfg, device, 5 if not args.tiny else 2, 1, rows, budget_s=20.0, quantile=qi)))
+            for arm in args.root_arm or [None]:
+                jobs.append((f"root {k} {arm or ''}", lambda k=k, cfg=cfg, arm=arm: bench_root(
+                    k, cfg, device, 5 if not args.tiny else 2, 1, rows, budget_s=20.0, arm=arm)))
     def fmt(r):
         return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
 

@@ -749,12 +749,17 @@ s40_mean)
       --arm bf16:backend=inductor
   cat "$OUT/qk_transform.log" ;;
 s41_root)
-  # issue 5 on one nvidia-h200 (~4 min; prepared in session 41, not yet run): Q-Root's p99 clip by torch.topk (a
-  # selection of the ~1 % largest |U|) instead of a sort of every element (root.QUANTILE_IMPL; bit-equal values,
-  # CPU 9x faster), its tests, then the Q-Root step at 124M and 1B with each, alternating sort/topk twice
+  # issue 5 on one nvidia-h200 (~6 min; prepared in session 41, not yet run), two opt-in changes to Q-Root's step:
+  # the p99 clip's threshold by torch.topk (a selection of the ~1 % largest |U|) instead of a sort of every element
+  # (root.QUANTILE_IMPL; bit-equal values, CPU 9x faster), and the symmetric Gram products X·Xᵀ, A·A, E² at 3/4 of
+  # the flops (root.SYMMETRIC_MIN_ROWS; 512 here, so that the 124M stacks, m = 768, take it too): the Q-Root GPU
+  # tests, then the Q-Root step at 124M and 1B per arm, the default arm first and last (drift)
   step gpu_tests 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_root.py
-  step optim_root 400 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
-      --root-quantile sort,topk,sort,topk --out "$OUT/optim_root.json"
+  step optim_root 420 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --root-arm base --root-arm 'topk:fp4compile.optim.root.QUANTILE_IMPL="topk"' \
+      --root-arm 'sym:fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512' \
+      --root-arm 'both:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512' \
+      --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/optim_root.log" ;;
 s40_suite)
   # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session

@@ -464,3 +464,61 @@ def test_abs_quantile_rejects_an_unknown_impl(monkeypatch):
     monkeypatch.setattr(R, "QUANTILE_IMPL", "topk")      # the module switch is what the default follows
     x = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(abs_quantile(x, 0.9), abs_quantile(x, 0.9, "sort"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the symmetric Gram product (root.SYMMETRIC_MIN_ROWS)
+def _exact_stack(S, m, K, seed):
+    """bf16 values k/8, |k| <= 8: every product and every partial sum over K <= 96 is exact in FP32, so any
+    summation order gives the same result."""
+    return (torch.randint(-8, 9, (S, m, K), generator=torch.Generator().manual_seed(seed)) / 8).bfloat16()
+
+
+@pytest.mark.parametrize("f32", [True, False])
+def test_symmetric_gram_equals_the_full_product_with_a_quarter_fewer_flops(monkeypatch, f32):
+    import fp4compile.optim.root as R
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a = _exact_stack(3, 64, 96, 0)
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", None)
+    with FlopCounterMode(display=False) as fc_full:
+        full = R._gram(a, f32)
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", 64)
+    with FlopCounterMode(display=False) as fc_sym:
+        sym = R._gram(a, f32)
+    assert sym.dtype == full.dtype == (torch.float32 if f32 else torch.bfloat16)
+    assert torch.equal(sym, full) and torch.equal(sym, sym.mT)
+    assert fc_full.get_total_flops() == 2 * 3 * 64 * 64 * 96
+    assert fc_sym.get_total_flops() == fc_full.get_total_flops() * 3 // 4
+    # below the threshold, and for an odd row count, the full product
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", 128)
+    with FlopCounterMode(display=False) as fc:
+        R._gram(a, f32)
+    assert fc.get_total_flops() == fc_full.get_total_flops()
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", 16)
+    odd = _exact_stack(2, 33, 96, 1)
+    with FlopCounterMode(display=False) as fc:
+        out = R._gram(odd, f32)
+    assert fc.get_total_flops() == 2 * 2 * 33 * 33 * 96 and torch.equal(out, odd.float() @ odd.float().mT
+                                                                        if f32 else odd @ odd.mT)
+
+
+@pytest.mark.parametrize("spec", [None, NVFP4()])
+def test_newton_schulz_with_symmetric_products(monkeypatch, spec):
+    """The BF16 and the NVFP4 NS with the symmetric products (X·Xᵀ, A·A or E²) against the full ones on a clipped
+    momentum-like stack: the same iteration up to FP32 summation order (equal on this CPU), and the symmetric
+    path really taken (fewer flops)."""
+    import fp4compile.optim.root as R
+    from torch.utils.flop_counter import FlopCounterMode
+
+    G = torch.stack([clip_by_quantile(momentum_like(64, 256, s), 0.99) for s in range(2)])
+    coeffs = ns_coefficients((64, 256), 5, "root")
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", None)
+    with FlopCounterMode(display=False) as fc_full:
+        full = newton_schulz(G, coeffs, spec=spec, shift=True).float()
+    monkeypatch.setattr(R, "SYMMETRIC_MIN_ROWS", 32)
+    with FlopCounterMode(display=False) as fc_sym:
+        sym = newton_schulz(G, coeffs, spec=spec, shift=True).float()
+    assert torch.isfinite(sym).all()
+    assert float((sym - full).norm() / full.norm()) < 1e-2
+    assert fc_sym.get_total_flops() < fc_full.get_total_flops()

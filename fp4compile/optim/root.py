@@ -278,6 +278,35 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float().mT)
 
 
+#: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ, and A·A and E² of a symmetric A or E) is
+#: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
+#: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
+#: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
+SYMMETRIC_MIN_ROWS = int(os.environ["FP4COMPILE_NS_SYMMETRIC"]) if os.environ.get("FP4COMPILE_NS_SYMMETRIC") else None
+
+
+def _gram(a: torch.Tensor, f32: bool) -> torch.Tensor:
+    """``a @ a.mT`` of a stack a [S, m, K]: with ``f32`` FP32 accumulation and an FP32 result (:func:`_bmm_f32`),
+    else in a's dtype (``@``: FP32 accumulation, one rounding).
+
+    From :data:`SYMMETRIC_MIN_ROWS` rows on (m even), symmetric: with a = [a1; a2] split at h = m/2, one product
+    a · a2ᵀ gives the right block column [a1 a2ᵀ; a2 a2ᵀ], one product a1 · a1ᵀ the top-left block, and the
+    bottom-left block is the transpose of the top-right one: 3/4 of the full product's multiply-adds, two products
+    and a copy of m²/4 entries instead of one product. Every entry is the dot product of the same two rows as in the
+    full product (equal up to FP32 summation order), and the result is exactly symmetric."""
+    mm = _bmm_f32 if f32 else (lambda x, y: x @ y.mT)
+    S, m, _ = a.shape
+    if SYMMETRIC_MIN_ROWS is None or m < SYMMETRIC_MIN_ROWS or m % 2:
+        return mm(a, a)
+    h = m // 2
+    right = mm(a, a[:, h:])                                    # [S, m, m - h]
+    out = torch.empty((S, m, m), dtype=right.dtype, device=a.device)
+    out[:, :, h:] = right
+    out[:, :h, :h] = mm(a[:, :h], a[:, :h])
+    out[:, h:, :h] = right[:, :h].mT
+    return out
+
+
 def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Batched NVFP4 product of two quantized stacks (as from :func:`_q_stack`, both along K): qa [S, M, ·],
     qb [S, N, ·] -> [S, M, N] = (qa·qbᵀ) * (a_global * b_global) in FP32, one rounding to ``out_dtype``.
@@ -296,7 +325,8 @@ def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
             raise ValueError(f"_bgemm_nvfp4: stacks {tuple(ac.shape)} and {tuple(bc.shape)} do not match")
         N = bc.shape[1]
         b = torch.ops.fp4compile.dequantize_blocks(bc.reshape(S * N, hk), bsc.reshape(S * N, -1)).view(S, N, 2 * hk)
-    return (_bmm_f32(a, b) * (ag.float() * qb[2].float())).to(out_dtype)
+    ab = _gram(a, True) if qb is qa else _bmm_f32(a, b)
+    return (ab * (ag.float() * qb[2].float())).to(out_dtype)
 
 
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -381,8 +411,8 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
         X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift)
     else:
         for a, b, c in coeffs:
-            A = X @ X.mT
-            B = b * A + c * (A @ A)
+            A = _gram(X, False)
+            B = b * A + c * _gram(A, False)                  # A symmetric: A·A = A·Aᵀ
             X = a * X + B @ X
     if tall:
         X = X.mT
