@@ -282,7 +282,16 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 #: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
 #: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
 #: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
-SYMMETRIC_MIN_ROWS = int(os.environ["FP4COMPILE_NS_SYMMETRIC"]) if os.environ.get("FP4COMPILE_NS_SYMMETRIC") else None
+def _env_rows(name: str) -> Optional[int]:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a row count (a non-negative integer) or unset, got {value!r}")
+    return int(value)
+
+
+SYMMETRIC_MIN_ROWS = _env_rows("FP4COMPILE_NS_SYMMETRIC")
 
 
 def _gram(a: torch.Tensor, f32: bool) -> torch.Tensor:
@@ -664,7 +673,7 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"], group["ns_shift"])
+               group["ns_guard"], group["ns_shift"], QUANTILE_IMPL, SYMMETRIC_MIN_ROWS)  # module switches: captured
         entry = self._graphs.get(key)
         if entry is None:
             static_in = U.clone() if mats is None else torch.stack(mats)

@@ -158,8 +158,8 @@ def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Te
 
 #: the NS variants of :func:`ns_error_table`: (name, input ("raw" G or "clip": G clipped at the quantile), NVFP4
 #: products?, schedule, steps, guard, identity-shifted products?). "plain" is NVFP4 NS as a drop-in for BF16 NS
-#: (Jordan's coefficients, no guard, no shift); the QRoot default is "nvfp4 shape-aware + clip" (ROOT's
-#: coefficients or their fit, clipping at 0.99, the guard at 1.0, shifted products, 5 steps)
+#: (Jordan's coefficients, no guard, no shift); "(QRoot default)" marks QRoot's defaults (ROOT's coefficients or
+#: their fit, clipping at 0.99, the guard at 1.0, shifted products, 5 steps)
 NS_VARIANTS = (
     ("bf16 jordan", "raw", False, "jordan", 5, None, False),
     ("nvfp4 jordan, plain", "raw", True, "jordan", 5, None, False),
