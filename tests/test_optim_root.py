@@ -522,3 +522,46 @@ def test_newton_schulz_with_symmetric_products(monkeypatch, spec):
     assert torch.isfinite(sym).all()
     assert float((sym - full).norm() / full.norm()) < 1e-2
     assert fc_sym.get_total_flops() < fc_full.get_total_flops()
+
+
+# ----------------------------------------------------------------------------------------------
+# NS operands from fp4compile::quantize_dq (root.NS_DQ)
+@pytest.mark.parametrize("spec,shape", [(NVFP4(), (64, 256)), (NVFP4("rtn", four_over_six=True), (64, 256)),
+                                        (NVFP4("sr", hadamard=16), (64, 256)),
+                                        (NVFP4("ms_eden", hadamard=128), (128, 256))])
+@pytest.mark.parametrize("shift", [False, True])
+def test_ns_with_quantize_dq_operands_is_the_same_iteration(monkeypatch, spec, shape, shift):
+    """NS_DQ takes each operand's bf16 q·S from the quantize call (``fp4compile::quantize_dq``) instead of a
+    ``dequantize_blocks`` of its codes: the same NS bit for bit, and no dequantize_blocks call left."""
+    import fp4compile.optim.root as R
+    from fp4compile.formats.hadamard import random_signs
+
+    G = torch.stack([clip_by_quantile(momentum_like(*shape, s), 0.99) for s in range(3)])
+    coeffs = ns_coefficients(shape, 5, "root")
+    signs = random_signs(spec.hadamard, torch.Generator().manual_seed(0)) if spec.hadamard else None
+    seed = torch.tensor(7) if spec.rounding != "rtn" else None
+    monkeypatch.setattr(R, "NS_DQ", False)
+    ref = newton_schulz(G, coeffs, spec=spec, signs=signs, seed=seed, shift=shift)
+    calls = []
+    real = torch.ops.fp4compile.dequantize_blocks
+    monkeypatch.setattr(torch.ops.fp4compile, "dequantize_blocks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(R, "NS_DQ", True)
+    out = newton_schulz(G, coeffs, spec=spec, signs=signs, seed=seed, shift=shift)
+    assert torch.isfinite(out.float()).all() and torch.equal(out, ref)
+    assert calls == []
+    monkeypatch.setattr(R, "NS_DQ", False)
+    newton_schulz(G, coeffs, spec=spec, signs=signs, seed=seed, shift=shift)
+    # the default path: per step one for X·Xᵀ and one for A·A (or E²), whose two operands are one copy, two for B·X
+    assert len(calls) == 4 * 5
+
+
+def test_bgemm_dq_equals_bgemm_nvfp4():
+    import fp4compile.optim.root as R
+
+    X = (torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(2)) / 8).bfloat16()
+    Y = (torch.randn(3, 48, 128, generator=torch.Generator().manual_seed(3)) / 8).bfloat16()
+    spec = NVFP4("rtn", four_over_six=True)
+    qx, qy = R._q_stack(X, spec, None), R._q_stack(Y, spec, None)
+    px, py = R._q_stack_dq(X, spec, None), R._q_stack_dq(Y, spec, None)
+    assert torch.equal(R._bgemm_dq(px, py), R._bgemm_nvfp4(qx, qy))
+    assert torch.equal(R._bgemm_dq(px, px, torch.float32), R._bgemm_nvfp4(qx, qx, torch.float32))

@@ -338,6 +338,33 @@ def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     return (ab * (ag.float() * qb[2].float())).to(out_dtype)
 
 
+#: the NVFP4 NS's operands as ``fp4compile::quantize_dq`` gives them (:func:`_q_stack_dq`, :func:`_bgemm_dq`):
+#: the bf16 q·S stored by the quantize launch itself (RTN and SR in the quantize kernel, MS-EDEN in its pass 2)
+#: instead of codes that a ``dequantize_blocks`` pass per operand reads back; the same values (dq is
+#: dequantize_blocks of the same codes by the op's definition), 4 passes fewer per NS step. False (the default
+#: until timed on a GPU): quantize + dequantize_blocks. ``FP4COMPILE_NS_DQ=1`` sets it at import.
+NS_DQ = os.environ.get("FP4COMPILE_NS_DQ", "0") not in ("", "0")
+
+
+def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None):
+    """:func:`_q_stack` through ``fp4compile::quantize_dq``: a stack ``x`` [S, r, K] quantized along K as its 2-D
+    view -> (dq bf16 [S, r, K] = the exact q·S, global fp32 [])."""
+    S, r, k = x.shape
+    _, _, g, dq = torch.ops.fp4compile.quantize_dq(
+        x.reshape(S * r, k), rounding=spec.rounding, four_over_six=spec.four_over_six,
+        block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0, signs=signs, seed=seed)
+    return dq.view(S, r, k), g
+
+
+def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """:func:`_bgemm_nvfp4` of two stacks from :func:`_q_stack_dq`: (dq_a · dq_bᵀ) * (a_global * b_global) in
+    FP32, one rounding to ``out_dtype`` (symmetric :func:`_gram` when ``pa is pb``)."""
+    a, ag = pa
+    b, bg = pb
+    ab = _gram(a, True) if pb is pa else _bmm_f32(a, b)
+    return (ab * (ag.float() * bg.float())).to(out_dtype)
+
+
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Reference for :func:`_bgemm_nvfp4`: the same quantized stacks, one ``fp4compile::gemm`` per matrix."""
     return torch.stack([torch.ops.fp4compile.gemm(qa[0][i], qa[1][i], qa[2], qb[0][i], qb[1][i], qb[2],
@@ -351,8 +378,9 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
 
     ``product``: :func:`_bgemm_nvfp4` (default) or :func:`_loop_gemm_nvfp4` (the per-matrix reference on the
     same quantized operands). ``guard``: as in :func:`_ns_nvfp4_one`, per matrix (batched power iteration).
-    ``quant``: the operand quantizer (default :func:`_q_stack`); ``bench/ns_quality.py`` passes an identity with
-    an exact ``product`` to separate the guard's effect from the products' error. ``shift``: compute A² and B X
+    ``quant``: the operand quantizer (default :func:`_q_stack`; :func:`_q_stack_dq` with ``product``
+    :func:`_bgemm_dq` under :data:`NS_DQ`); ``bench/ns_quality.py`` passes an identity with an exact ``product``
+    to separate the guard's effect from the products' error. ``shift``: compute A² and B X
     from the identity-shifted matrices (:func:`_shifted_poly`; same number of products and quantizations).
     """
     qfn = quant or _q_stack
@@ -417,7 +445,8 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
                       f"multiples of 16)", stacklevel=2)
         use_fp4 = False
     if use_fp4:
-        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift)
+        dq = dict(quant=_q_stack_dq, product=_bgemm_dq) if NS_DQ else {}
+        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, **dq)
     else:
         for a, b, c in coeffs:
             A = _gram(X, False)
@@ -673,7 +702,7 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"], group["ns_shift"], QUANTILE_IMPL, SYMMETRIC_MIN_ROWS)  # module switches: captured
+               group["ns_guard"], group["ns_shift"], QUANTILE_IMPL, SYMMETRIC_MIN_ROWS, NS_DQ)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
             static_in = U.clone() if mats is None else torch.stack(mats)
