@@ -284,9 +284,9 @@ def main(argv=None):
     ap.add_argument("--root-sets", default="124M", help="comma list of parameter sets for the Q-Root section "
                     f"(of {','.join(SETS)}; --tiny: tiny)")
     ap.add_argument("--root-arm", action="append", default=None,
-                    help="NAME[:module.ATTR=JSON,...] (bench/step_ab.py's arm syntax, module switches only): the Q-Root "
-                         "section once per arm, in the order given, e.g. 'topk:fp4compile.optim.root.QUANTILE_IMPL="
-                         "\"topk\"' (default: one arm, the defaults)")
+                    help="NAME[:module.ATTR=JSON,...] (bench/step_ab.py's arm syntax, module switches only): "
+                         "the Q-Root section once per arm, in the order given, e.g. "
+                         "'topk:fp4compile.optim.root.QUANTILE_IMPL=\"topk\"' (default: one arm, the defaults)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS

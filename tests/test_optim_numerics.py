@@ -1,4 +1,6 @@
 """Numerics behind docs/OPTIM.md: second-moment reconstruction on real optimizer states, NVFP4 NS stability."""
+import math
+
 import pytest
 import torch
 
@@ -81,11 +83,12 @@ def test_ns_error_parts_against_a_constructed_output():
     assert parts["polar"] == pytest.approx(float((sig - 1).norm() / 32 ** 0.5), rel=1e-9)
     # rotate the left singular vectors by theta in the first plane: ||R - I||_F = 2 sqrt(2) sin(theta / 2)
     theta = 0.2
+    c, s = math.cos(theta), math.sin(theta)
     R = torch.eye(32, dtype=torch.float64)
-    R[0, 0] = R[1, 1] = torch.cos(torch.tensor(theta, dtype=torch.float64))
-    R[0, 1], R[1, 0] = -torch.sin(torch.tensor(theta, dtype=torch.float64)), torch.sin(torch.tensor(theta, dtype=torch.float64))
+    R[0, 0] = R[1, 1] = c
+    R[0, 1], R[1, 0] = -s, s
     parts = ns_error_parts(G, U @ R @ V.T)
-    expected = 2 * 2 ** 0.5 * torch.sin(torch.tensor(theta / 2)).item() / 32 ** 0.5
+    expected = 2 * 2 ** 0.5 * math.sin(theta / 2) / 32 ** 0.5
     assert parts["sigma"] < 1e-9
     assert parts["direction"] == pytest.approx(expected, rel=1e-6)
     assert parts["polar"] == pytest.approx(expected, rel=1e-6)

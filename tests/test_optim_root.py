@@ -551,7 +551,7 @@ def test_ns_with_quantize_dq_operands_is_the_same_iteration(monkeypatch, spec, s
     assert calls == []
     monkeypatch.setattr(R, "NS_DQ", False)
     newton_schulz(G, coeffs, spec=spec, signs=signs, seed=seed, shift=shift)
-    # the default path: per step one for X·Xᵀ and one for A·A (or E²), whose two operands are one copy, two for B·X
+    # the default path, per step: one for X·Xᵀ and one for A·A (or E²), whose operands are one copy; two for B·X
     assert len(calls) == 4 * 5
 
 

@@ -278,7 +278,7 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float().mT)
 
 
-#: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ, and A·A and E² of a symmetric A or E) is
+#: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ; A·A and E² of a symmetric A or E) is
 #: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
 #: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
 #: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
