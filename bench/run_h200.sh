@@ -749,18 +749,19 @@ s40_mean)
       --arm bf16:backend=inductor
   cat "$OUT/qk_transform.log" ;;
 s41_root)
-  # issue 5 on one nvidia-h200 (~8 min; prepared in session 41, not yet run), three opt-in changes to Q-Root's step:
+  # issue 5 on one nvidia-h200 (~9 min; prepared in session 41, not yet run), three opt-in changes to Q-Root's step:
   # the p99 clip's threshold by torch.topk (a selection of the ~1 % largest |U|) instead of a sort of every element
   # (root.QUANTILE_IMPL; bit-equal values, CPU 9x faster); the symmetric Gram products X·Xᵀ, A·A, E² at 3/4 of the
   # flops (root.SYMMETRIC_MIN_ROWS; 512 here, so that the 124M stacks, m = 768, take it too); the NVFP4 NS's operands
-  # as quantize_dq's bf16 q·S instead of quantize + dequantize_blocks (root.NS_DQ; bit-equal): the Q-Root GPU tests,
-  # then the Q-Root step at 124M and 1B per arm, the default arm first and last (drift)
+  # as quantize_dq's bf16 q·S instead of quantize + dequantize_blocks (root.NS_DQ; bit-equal); and, against the new
+  # default (Root's element-wise step by torch._foreach ops), the per-matrix loop (loop): the Q-Root GPU tests, then
+  # the Q-Root step at 124M and 1B per arm, the default arm first and last (drift)
   step gpu_tests 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_root.py
   step optim_root 450 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
       --root-arm base --root-arm 'topk:fp4compile.optim.root.QUANTILE_IMPL="topk"' \
       --root-arm 'sym:fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512' --root-arm 'dq:fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
-      --root-arm base2 --out "$OUT/optim_root.json"
+      --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/optim_root.log" ;;
 s40_suite)
   # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session

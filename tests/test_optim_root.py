@@ -570,7 +570,8 @@ def test_bgemm_dq_equals_bgemm_nvfp4():
 @pytest.mark.gpu
 def test_gpu_step_switches_keep_the_root_update(monkeypatch):
     """CUDA, the session-41 switches in the optimizer as the GPU runs it (CUDA graphs, 124M-like stack shapes): the
-    top-k clip threshold and the quantize_dq operands give the default's parameters bit for bit; the symmetric
+    top-k clip threshold, the quantize_dq operands and the per-matrix loop in place of the default foreach ops give
+    the default's parameters bit for bit; the symmetric
     products may differ where a summation-order ulp flips a later FP4 rounding: far less than NVFP4 differs from
     a BF16 NS."""
     import fp4compile.optim.root as R
@@ -586,7 +587,7 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
     def dist(ps, qs):
         return sum(float((p - q).norm() / (q - p0).norm()) for p, q, p0 in zip(ps, qs, ps0))
 
-    for attr, value, exact in (("QUANTILE_IMPL", "topk", True), ("NS_DQ", True, True),
+    for attr, value, exact in (("QUANTILE_IMPL", "topk", True), ("NS_DQ", True, True), ("ROOT_FOREACH", False, True),
                                ("SYMMETRIC_MIN_ROWS", 512, False)):
         monkeypatch.setattr(R, attr, value)
         out, opt = _root_run(ps0, grads, precision=NVFP4(), cuda_graphs=True)
@@ -597,3 +598,51 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
             assert dist(out, ref) < 0.25 * dist(ref, bf16), attr
     a = torch.randn(4, 768 * 3072, device=dev)
     assert torch.equal(abs_quantile(a, 0.99, "topk"), abs_quantile(a, 0.99, "sort"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Root's element-wise step by torch._foreach ops (root.ROOT_FOREACH)
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten calls made under it (CPU: one kernel launch each on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_root_foreach_step_equals_the_per_matrix_loop(monkeypatch, dtype, nesterov, tensor_lr):
+    """ROOT_FOREACH (the default) against the per-matrix loop: parameters, momentum buffers and step counters equal
+    bit for bit after 3 steps (FP32 and BF16 parameters, Nesterov on and off, a float and a tensor lr), with fewer
+    aten calls per step (one multi-tensor call per op instead of one per matrix)."""
+    import fp4compile.optim.root as R
+
+    def run(foreach):
+        monkeypatch.setattr(R, "ROOT_FOREACH", foreach)
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter((torch.randn(64, 128, generator=g) * 0.02).to(dtype)) for _ in range(6)]
+        ps.append(torch.nn.Parameter((torch.randn(128, 64, generator=g) * 0.02).to(dtype)))
+        lr = torch.tensor(1e-2) if tensor_lr else 1e-2
+        opt = QRoot([{"params": ps, "use_root": True, "nesterov": nesterov}], lr=lr, precision=NVFP4())
+        counts = []
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            with _CountOps() as c:
+                opt.step()
+            counts.append(c.n)
+        return ps, opt, counts[-1]
+
+    a, oa, na = run(True)
+    b, ob, nb = run(False)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        for key in ("momentum_buffer", "step"):
+            assert torch.equal(oa.state[x][key], ob.state[y][key])
+    assert na < nb - 6 * (2 if tensor_lr else 4), (na, nb)

@@ -462,6 +462,11 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
 #: ones wanted: a selection instead of a whole sort, the same values bit for bit). ``FP4COMPILE_ROOT_QUANTILE``
 #: sets it at import. CPU (2 cores, 12 rows of 768·3072): sort 1.54 s, topk 0.17 s; not yet timed on a GPU.
 QUANTILE_IMPL = os.environ.get("FP4COMPILE_ROOT_QUANTILE", "sort")
+#: Root's element-wise step (the momentum buffers, the Nesterov direction, the step counters, weight decay and the
+#: update) by ``torch._foreach_*`` ops, one multi-tensor launch per op for a group's matrices, as torch.optim's
+#: optimizers do by default on CUDA, instead of a few launches per matrix; the same arithmetic per element.
+#: ``FP4COMPILE_ROOT_FOREACH=0`` turns it off at import (the per-matrix loop).
+ROOT_FOREACH = os.environ.get("FP4COMPILE_ROOT_FOREACH", "1") not in ("", "0")
 QUANTILE_IMPLS = ("sort", "topk")
 
 
@@ -730,25 +735,42 @@ class QRoot(Optimizer):
 
     def _root_update(self, params, group):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        by_shape = {}
+        states = []
         for p in params:
             st = self.state[p]
             if not st:
                 st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            st["step"] = st["step"].to(p.device)
-            st["step"].add_(1)
-            g = p.grad.to(torch.float32)
-            buf = st["momentum_buffer"]
-            buf.mul_(mu).add_(g)
-            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            if st["step"].device != p.device:
+                st["step"] = st["step"].to(p.device)
+            states.append(st)
+        gs = [p.grad.to(torch.float32) for p in params]          # no copy when the gradient is FP32 already
+        bufs = [st["momentum_buffer"] for st in states]
+        if ROOT_FOREACH:
+            # one multi-tensor launch per op for all of the group's matrices (same arithmetic per element)
+            torch._foreach_add_([st["step"] for st in states], 1)
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, gs)
+            us = torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs
+        else:
+            for st, g, buf in zip(states, gs, bufs):
+                st["step"].add_(1)
+                buf.mul_(mu).add_(g)
+            us = [g.add(buf, alpha=mu) for g, buf in zip(gs, bufs)] if group["nesterov"] else bufs
+        by_shape = {}
+        for p, u in zip(params, us):
             by_shape.setdefault((tuple(p.shape), p.device, p.dtype), []).append((p, u))
-        for (shape, dev, _), items in by_shape.items():
-            us = [u for _, u in items]
-            O = self.orthogonalize_graphed(us, group) if self._cuda_graphs and dev.type == "cuda" else \
-                self.orthogonalize(torch.stack(us), group)
+        for (shape, dev, dtype), items in by_shape.items():
+            us_ = [u for _, u in items]
+            O = self.orthogonalize_graphed(us_, group) if self._cuda_graphs and dev.type == "cuda" else \
+                self.orthogonalize(torch.stack(us_), group)
             scale = group["update_scale"] * math.sqrt(max(shape))
-            for (p, _), o in zip(items, O):
+            ps_ = [p for p, _ in items]
+            if ROOT_FOREACH and not isinstance(lr, torch.Tensor):
+                torch._foreach_mul_(ps_, 1 - lr * wd)
+                torch._foreach_add_(ps_, list(O.to(dtype).unbind(0)), alpha=-lr * scale)
+                continue
+            for p, o in zip(ps_, O):
                 p.mul_(1 - lr * wd)
                 p.add_(o.to(p.dtype), alpha=-lr * scale) if not isinstance(lr, torch.Tensor) else \
                     p.sub_(o.to(p.dtype) * (lr * scale))
