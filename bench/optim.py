@@ -149,6 +149,27 @@ def profile_step(name, cfg, device, rows):
                                                            for i, (k, ms, c) in enumerate(top[:5])}))
 
 
+def profile_root(name, cfg, device, rows, precision):
+    """The GPU kernel time of 2 Q-Root steps (eager, ``precision`` "bf16" or "nvfp4" NS) on a set's hidden matrices,
+    by kernel family (``bench.timing.kernel_table``): the issue's "NS GEMM time share" (cuBLAS gemm: the NS
+    products' bmm; nvfp4 quantize / dequantize: their operands; other: the clip, the guard, the element-wise step)."""
+    from bench.timing import profile_steps
+
+    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
+    ps = make_params(shapes, device, torch.bfloat16)
+    opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=precision)
+    opt.step()
+    sync(device)
+
+    def run(n):
+        for _ in range(n):
+            opt.step()
+    table = profile_steps(run, 2, top=12)
+    print(f"[profile root {name} {precision}]\n{table}", flush=True)
+    fam = table.splitlines()[-1].partition(": ")[2]
+    rows.append(dict(section="QRoot profile", set=name, precision=precision, families_us_per_step=fam))
+
+
 def bench_peak_memory(device, tiny, rows, batch=None):
     """Peak of a full train step with each optimizer, and what the peak is made of (params, grads, optimizer
     state, the rest = activations/logits/workspaces at the peak)."""
@@ -287,6 +308,8 @@ def main(argv=None):
                     help="NAME[:module.ATTR=JSON,...] (bench/step_ab.py's arm syntax, module switches only): "
                          "the Q-Root section once per arm, in the order given, e.g. "
                          "'topk:fp4compile.optim.root.QUANTILE_IMPL=\"topk\"' (default: one arm, the defaults)")
+    ap.add_argument("--root-profile", default="", help="comma list of parameter sets whose Q-Root step (BF16 and "
+                    "NVFP4 NS, eager) is profiled by kernel family")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -323,6 +346,12 @@ def main(argv=None):
             for arm in args.root_arm or [None]:
                 jobs.append((f"root {k} {arm or ''}", lambda k=k, cfg=cfg, arm=arm: bench_root(
                     k, cfg, device, 5 if not args.tiny else 2, 1, rows, budget_s=20.0, arm=arm)))
+    for k in [k for k in args.root_profile.split(",") if k]:
+        cfg = (TINY if args.tiny else SETS)[k]
+        for prec in ("bf16", "nvfp4"):
+            jobs.append((f"root profile {k} {prec}", lambda k=k, cfg=cfg, prec=prec: profile_root(
+                k, cfg, device, rows, prec)))
+
     def fmt(r):
         return " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
 

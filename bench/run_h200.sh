@@ -754,15 +754,17 @@ s41_root)
   # (root.QUANTILE_IMPL; bit-equal values, CPU 9x faster); the symmetric Gram products X·Xᵀ, A·A, E² at 3/4 of the
   # flops (root.SYMMETRIC_MIN_ROWS; 512 here, so that the 124M stacks, m = 768, take it too); the NVFP4 NS's operands
   # as quantize_dq's bf16 q·S instead of quantize + dequantize_blocks (root.NS_DQ; bit-equal); and, against the new
-  # default (Root's element-wise step by torch._foreach ops), the per-matrix loop (loop): the Q-Root GPU tests, then
-  # the Q-Root step at 124M and 1B per arm, the default arm first and last (drift)
+  # default (Root's element-wise step by torch._foreach ops), the per-matrix loop (loop): the Q-Root GPU tests, the
+  # 124M Q-Root step profiled by kernel family (the NS GEMM time share), then the Q-Root step at 124M and 1B per
+  # arm, the default arm first and last (drift)
   step gpu_tests 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_root.py
-  step optim_root 450 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+  step root_profile 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-profile 124M
+  step optim_root 380 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
       --root-arm base --root-arm 'topk:fp4compile.optim.root.QUANTILE_IMPL="topk"' \
       --root-arm 'sym:fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512' --root-arm 'dq:fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
-  cat "$OUT/optim_root.log" ;;
+  cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s40_suite)
   # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session
   # 32; its transform tests ran in s39_c) on torch 2.11, the first since session 34 (fp4compile::smooth_rotate the
