@@ -747,11 +747,19 @@ class QRoot(Optimizer):
         gs = [p.grad.to(torch.float32) for p in params]          # no copy when the gradient is FP32 already
         bufs = [st["momentum_buffer"] for st in states]
         if ROOT_FOREACH:
-            # one multi-tensor launch per op for all of the group's matrices (same arithmetic per element)
-            torch._foreach_add_([st["step"] for st in states], 1)
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, gs)
-            us = torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs
+            # one multi-tensor launch per op for the group's matrices on each device (same arithmetic per element)
+            us = list(bufs)
+            by_dev = {}
+            for i, p in enumerate(params):
+                by_dev.setdefault(p.device, []).append(i)
+            for idx in by_dev.values():
+                b, g = [bufs[i] for i in idx], [gs[i] for i in idx]
+                torch._foreach_add_([states[i]["step"] for i in idx], 1)
+                torch._foreach_mul_(b, mu)
+                torch._foreach_add_(b, g)
+                if group["nesterov"]:
+                    for i, u in zip(idx, torch._foreach_add(g, b, alpha=mu)):
+                        us[i] = u
         else:
             for st, g, buf in zip(states, gs, bufs):
                 st["step"].add_(1)
