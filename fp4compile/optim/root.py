@@ -744,16 +744,16 @@ class QRoot(Optimizer):
             if st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
             states.append(st)
-        gs = [p.grad.to(torch.float32) for p in params]          # no copy when the gradient is FP32 already
         bufs = [st["momentum_buffer"] for st in states]
         if ROOT_FOREACH:
-            # one multi-tensor launch per op for the group's matrices on each device (same arithmetic per element)
+            # one multi-tensor launch per op for the group's matrices on each device, the gradients as they are
+            # (a BF16 one is promoted per element, as its FP32 copy would be: the same values, no copies kept)
             us = list(bufs)
             by_dev = {}
             for i, p in enumerate(params):
                 by_dev.setdefault(p.device, []).append(i)
             for idx in by_dev.values():
-                b, g = [bufs[i] for i in idx], [gs[i] for i in idx]
+                b, g = [bufs[i] for i in idx], [params[i].grad for i in idx]
                 torch._foreach_add_([states[i]["step"] for i in idx], 1)
                 torch._foreach_mul_(b, mu)
                 torch._foreach_add_(b, g)
@@ -761,10 +761,12 @@ class QRoot(Optimizer):
                     for i, u in zip(idx, torch._foreach_add(g, b, alpha=mu)):
                         us[i] = u
         else:
-            for st, g, buf in zip(states, gs, bufs):
+            us = []
+            for p, st, buf in zip(params, states, bufs):
                 st["step"].add_(1)
+                g = p.grad.to(torch.float32)
                 buf.mul_(mu).add_(g)
-            us = [g.add(buf, alpha=mu) for g, buf in zip(gs, bufs)] if group["nesterov"] else bufs
+                us.append(g.add(buf, alpha=mu) if group["nesterov"] else buf)
         by_shape = {}
         for p, u in zip(params, us):
             by_shape.setdefault((tuple(p.shape), p.device, p.dtype), []).append((p, u))
