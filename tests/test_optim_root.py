@@ -646,3 +646,23 @@ def test_root_foreach_step_equals_the_per_matrix_loop(monkeypatch, dtype, nester
         for key in ("momentum_buffer", "step"):
             assert torch.equal(oa.state[x][key], ob.state[y][key])
     assert na < nb - 6 * (2 if tensor_lr else 4), (na, nb)
+
+
+def test_clip_by_quantile_is_roots_soft_threshold():
+    """clip_by_quantile against ROOT's B = U - T_eps(U) = U - sign(U) max(|U| - eps, 0), written out independently
+    (float64, eps from numpy's quantile), per matrix of a stack of different scales; a NaN and signed zeros pass
+    through."""
+    import numpy as np
+
+    scales = torch.tensor([1.0, 10.0, 0.01])[:, None, None]
+    U = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(4)) * scales
+    out = clip_by_quantile(U, 0.9)
+    for i in range(3):
+        u = U[i].double().numpy()
+        eps = np.quantile(np.abs(u), 0.9) + 1e-9
+        ref = u - np.sign(u) * np.maximum(np.abs(u) - eps, 0)
+        np.testing.assert_allclose(out[i].double().numpy(), ref, rtol=1e-6, atol=1e-7 * eps)
+    Z = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(5))
+    Z[0, 0, :2] = torch.tensor([-0.0, float("nan")])
+    out = clip_by_quantile(Z, 0.5)
+    assert torch.signbit(out[0, 0, 0]) and out[0, 0, 0] == 0 and torch.isnan(out[0, 0, 1])

@@ -501,7 +501,7 @@ def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
     +-(its ``q``-quantile of |U| + 1e-9)."""
     X = U if U.dim() == 3 else U.unsqueeze(0)
     eps = (abs_quantile(X.reshape(X.shape[0], -1), q) + 1e-9).view(-1, 1, 1)
-    X = torch.maximum(torch.minimum(X, eps), -eps)
+    X = torch.clamp(X, -eps, eps)                   # one pass (eps > 0: the same as max(min(X, eps), -eps))
     return X if U.dim() == 3 else X[0]
 
 
