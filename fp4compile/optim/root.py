@@ -323,19 +323,20 @@ def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     Exact NVFP4 semantics, as ``fp4compile::gemm`` per matrix: ``dequantize_blocks`` gives the exact bf16
     q·S of each operand (one call per operand for the whole stack; once when ``qa is qb``), one bmm with FP32
     accumulation, the global scales applied in FP32 after it."""
-    ac, asc, ag = qa
-    S, M, hk = ac.shape
-    a = torch.ops.fp4compile.dequantize_blocks(ac.reshape(S * M, hk), asc.reshape(S * M, -1)).view(S, M, 2 * hk)
+    pa = (_dequantize_stack(qa), qa[2])
     if qb is qa:
-        b = a
-    else:
-        bc, bsc, bg = qb
-        if bc.shape[0] != S or bc.shape[2] != hk:
-            raise ValueError(f"_bgemm_nvfp4: stacks {tuple(ac.shape)} and {tuple(bc.shape)} do not match")
-        N = bc.shape[1]
-        b = torch.ops.fp4compile.dequantize_blocks(bc.reshape(S * N, hk), bsc.reshape(S * N, -1)).view(S, N, 2 * hk)
-    ab = _gram(a, True) if qb is qa else _bmm_f32(a, b)
-    return (ab * (ag.float() * qb[2].float())).to(out_dtype)
+        return _bgemm_dq(pa, pa, out_dtype)
+    if qb[0].shape[0] != qa[0].shape[0] or qb[0].shape[2] != qa[0].shape[2]:
+        raise ValueError(f"_bgemm_nvfp4: stacks {tuple(qa[0].shape)} and {tuple(qb[0].shape)} do not match")
+    return _bgemm_dq(pa, (_dequantize_stack(qb), qb[2]), out_dtype)
+
+
+def _dequantize_stack(q) -> torch.Tensor:
+    """The exact bf16 q·S [S, r, K] (``dequantize_blocks``, no global scale) of a stack from :func:`_q_stack`."""
+    codes, scales, _ = q
+    S, r, hk = codes.shape
+    dq = torch.ops.fp4compile.dequantize_blocks(codes.reshape(S * r, hk), scales.reshape(S * r, -1))
+    return dq.view(S, r, 2 * hk)
 
 
 #: the NVFP4 NS's operands as ``fp4compile::quantize_dq`` gives them (:func:`_q_stack_dq`, :func:`_bgemm_dq`):
@@ -357,8 +358,9 @@ def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None):
 
 
 def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """:func:`_bgemm_nvfp4` of two stacks from :func:`_q_stack_dq`: (dq_a · dq_bᵀ) * (a_global * b_global) in
-    FP32, one rounding to ``out_dtype`` (symmetric :func:`_gram` when ``pa is pb``)."""
+    """The product of two stacks of (bf16 q·S, global) pairs, as :func:`_q_stack_dq` gives them (and
+    :func:`_bgemm_nvfp4` after its dequantization): (dq_a · dq_bᵀ) * (a_global * b_global) in FP32, one rounding to
+    ``out_dtype`` (symmetric :func:`_gram` when ``pa is pb``)."""
     a, ag = pa
     b, bg = pb
     ab = _gram(a, True) if pb is pa else _bmm_f32(a, b)
