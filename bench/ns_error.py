@@ -51,7 +51,7 @@ def main(argv=None):
     t0 = time.time()
     acc = {}
     for seed in range(args.seeds):
-        for shape, name, parts, _dev in ns_error_table(shapes, seed=seed, spec=spec):
+        for shape, name, parts in ns_error_table(shapes, seed=seed, spec=spec):
             for key, v in parts.items():
                 acc.setdefault((name, shape, key), []).append(v)
     print(f"NS error vs the float64 polar factor, NVFP4 operands {spec}, mean of {args.seeds} seed(s); "
