@@ -53,7 +53,7 @@ def operand_elements(model: nn.Module, policy, tokens: int, head_dim_total=None)
         roles = {r: policy.resolve(path, r) for r in ("linear.fprop", "linear.dgrad", "linear.wgrad")}
         fp4 = {r: s.name == "nvfp4" for r, s in roles.items()}
         if fp4["linear.fprop"]:
-            which = getattr(roles["linear.fprop"], "operands", "both")
+            which = roles["linear.fprop"].operands
             if which in ("both", "activation"):
                 rows.append((path, "linear.fprop", "X", tokens * k))
             if which in ("both", "weight"):
@@ -73,15 +73,14 @@ def traffic(rows, per_copy_write: float) -> dict:
     distinct source tensor (module path, operand) for all its copies (the best any fusion can do: X's fprop and
     wgrad copies both made in the forward, dY's two in one backward pass, W's two in the forward) and
     ``per_copy_write`` bytes written per element of each copy. ``kind``: the operand (X, W, dY, Q/K)."""
-    sources, out = {}, {}
+    seen, src, copies = set(), {}, {}
     for path, _, operand, n in rows:
         kind = "Q/K" if operand in ("Q", "K") else operand
-        src, copies, _ = out.get(kind, (0, 0, 0.0))
-        if (path, operand) not in sources:
-            sources[(path, operand)] = n
-            src += n
-        out[kind] = (src, copies + n, 0.0)
-    return {k: (s, c, 2.0 * s + per_copy_write * c) for k, (s, c, _) in out.items()}
+        copies[kind] = copies.get(kind, 0) + n
+        if (path, operand) not in seen:                 # the source's one read, at its first copy
+            seen.add((path, operand))
+            src[kind] = src.get(kind, 0) + n
+    return {k: (src[k], c, 2.0 * src[k] + per_copy_write * c) for k, c in copies.items()}
 
 
 def bound_ms(nbytes: float, copy_gbs: float) -> float:
