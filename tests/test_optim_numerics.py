@@ -95,6 +95,32 @@ def test_ns_error_parts_against_a_constructed_output():
     assert ns_error_parts(G, torch.full_like(G, float("nan")))["polar"] == float("inf")
 
 
+def test_ns_step_increments_locate_the_direction_error():
+    """ns_step_increments: exact steps keep the singular vectors (increments at rounding level); NVFP4 steps turn
+    them, most in the middle steps; stepping one step at a time is the NS itself (the last cumulative value is
+    newton_schulz's direction error); with every operand exact the NVFP4 path's increments shrink to the BF16
+    iterate's rounding, and with Xᵀ alone exact the total drops (B·X's right operand is the largest share)."""
+    from fp4compile.optim.root import clip_by_quantile, ns_coefficients
+    from fp4compile.optim.study import ns_error_parts, ns_step_increments
+
+    G = momentum_like(64, 256, 0)
+    exact = ns_step_increments(G, spec=None)
+    assert max(r["increment"] for r in exact) < 1e-9
+    spec = NVFP4("rtn")
+    rows = ns_step_increments(G, spec=spec)
+    inc = [r["increment"] for r in rows]
+    assert max(inc[1:4]) > 0.01 and max(inc[1:4]) > 3 * inc[0], inc
+    Gc = clip_by_quantile(G, 0.99)
+    O = newton_schulz(Gc, ns_coefficients(Gc.shape, 7, "polar_express"), spec=spec, norm_scale=1.01, shift=True)
+    assert rows[-1]["cumulative"] == pytest.approx(ns_error_parts(Gc, O.float())["direction"], rel=1e-9)
+    assert rows[1]["sigma_max"] > rows[0]["sigma_max"]
+    none = ns_step_increments(G, spec=spec, exact=("x", "e", "b", "xt"))
+    assert max(r["increment"] for r in none) < 0.2 * max(inc), [r["increment"] for r in none]
+    assert ns_step_increments(G, spec=spec, exact=("xt",))[-1]["cumulative"] < 0.8 * rows[-1]["cumulative"]
+    with pytest.raises(ValueError, match="exact"):
+        ns_step_increments(G, spec=spec, exact=("y",))
+
+
 def test_ns_error_table_ranks_the_variants():
     """The per-shape table of docs/OPTIM.md on one shape: plain NVFP4 NS diverges, QRoot's default NVFP4 NS (shape-
     aware + clip + guard + shift) is finite and closer to the polar factor than without the shift, and seven

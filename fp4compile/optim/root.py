@@ -48,6 +48,7 @@ Other parameters (1-D, embeddings, heads; ``use_root=False`` groups) get (Q-)Ada
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -367,6 +368,26 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
     return (ab * (ag.float() * bg.float())).to(out_dtype)
 
 
+#: the NS operands that ``residual`` may quantize in two terms: X of X Xᵀ ("x") and Xᵀ of B·X ("xt")
+RESIDUAL_OPERANDS = ("x", "xt")
+
+
+def _dequantized(q) -> torch.Tensor:
+    """The FP32 value q·S·global of a quantized stack, from :func:`_q_stack` (codes, scales, global) or
+    :func:`_q_stack_dq` (bf16 q·S, global)."""
+    dq = q[0] if len(q) == 2 else _dequantize_stack(q)
+    return dq.float() * q[-1].float()
+
+
+def _q_two_term(x: torch.Tensor, qfn, spec, signs, seed):
+    """``x`` [S, r, K] quantized in two terms along K: (q1, q2) with q1 = Q(x) and q2 = Q(x - q1) (the FP32
+    residual of the first quantization, quantized with its own global and block scales), so that
+    q1 + q2 = x up to ~the square of one NVFP4 quantization's relative error. Both are NVFP4 operands of the
+    same kind as ``qfn`` gives (``seed``: a callable drawing one seed per quantization)."""
+    q1 = qfn(x, spec, signs, seed())
+    return q1, qfn(x.float() - _dequantized(q1), spec, signs, seed())
+
+
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Reference for :func:`_bgemm_nvfp4`: the same quantized stacks, one ``fp4compile::gemm`` per matrix."""
     return torch.stack([torch.ops.fp4compile.gemm(qa[0][i], qa[1][i], qa[2], qb[0][i], qb[1][i], qb[2],
@@ -374,7 +395,7 @@ def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4,
-                    quant=None, shift=False) -> torch.Tensor:
+                    quant=None, shift=False, b_spec=None, residual=()) -> torch.Tensor:
     """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
     stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
 
@@ -384,14 +405,29 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     :func:`_bgemm_dq` under :data:`NS_DQ`); ``bench/ns_quality.py`` passes an identity with an exact ``product``
     to separate the guard's effect from the products' error. ``shift``: compute A² and B X
     from the identity-shifted matrices (:func:`_shifted_poly`; same number of products and quantizations).
+    ``b_spec``: the spec of B's quantization for B·X (default ``spec``); with ``block=(16, 16)`` a symmetric B
+    gets a symmetric quantized copy (a 16x16 tile and its mirror share one amax), so B's quantization error is
+    a symmetric matrix, which moves X's singular values but not, to first order, its singular vectors
+    (``study.ns_step_increments``, docs/OPTIM.md).
+    ``residual``: operands of :data:`RESIDUAL_OPERANDS` quantized in two terms (:func:`_q_two_term`), each
+    product with such an operand summed in FP32 over the terms and rounded once: ``"x"``: A = q1 q1ᵀ + C + Cᵀ
+    with C = q1 q2ᵀ (q2 q2ᵀ, of the order of the residual squared, is left out), one product more;
+    ``"xt"``: B·X = qB q1ᵀ + qB q2ᵀ, one product more. Each adds a quantization and a product per step.
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
     seed = _seed_stream(seeds)
 
+    if set(residual) - set(RESIDUAL_OPERANDS):
+        raise ValueError(f"residual takes operands of {RESIDUAL_OPERANDS}, got {residual!r}")
     for a, b, c in coeffs:
-        qx = qfn(X, spec, signs, seed())                     # along n: X Xᵀ contracts over the long dim
-        A = product(qx, qx)                                  # [S, m, m]
+        if "x" in residual:                                  # along n: X Xᵀ contracts over the long dim
+            qx, rx = _q_two_term(X, qfn, spec, signs, seed)
+            C = product(qx, rx, torch.float32)
+            A = (product(qx, qx, torch.float32) + C + C.mT).to(torch.bfloat16)
+        else:
+            qx = qfn(X, spec, signs, seed())
+            A = product(qx, qx)                              # [S, m, m]
         if guard is not None:
             # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
             # once half-way (normalizing is only a scale; with lambda_max(A) of an NS iterate in ~[1e-4, 10] no
@@ -414,15 +450,32 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
         else:
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
             B, beta = b * A + c * product(qA, qA), None
-        qB = qfn(B, spec, signs, seed())                     # rows of B along m
-        qxt = qfn(X.mT.contiguous(), spec, signs, seed())    # Xᵀ [S, n, m], rows along m
-        X = _ns_update(X, a, beta, product(qB, qxt))         # B·X = qB · qxtᵀ  [S, m, n]
+        qB = qfn(B, b_spec or spec, signs, seed())           # rows of B along m
+        if "xt" in residual:                                 # Xᵀ [S, n, m], rows along m
+            qxt, rxt = _q_two_term(X.mT.contiguous(), qfn, spec, signs, seed)
+            BX = (product(qB, qxt, torch.float32) + product(qB, rxt, torch.float32)).to(torch.bfloat16)
+        else:
+            BX = product(qB, qfn(X.mT.contiguous(), spec, signs, seed()))
+        X = _ns_update(X, a, beta, BX)                       # B·X = qB · qxtᵀ  [S, m, n]
     return X
+
+
+def ns_input(G: torch.Tensor, norm_scale: float = 1.0, eps: float = 1e-7):
+    """NS's first iterate of ``G`` ([m, n] or [B, m, n]): (X0 [B, m', n'] BF16 with m' <= n', tall), X0 =
+    G / (||G||_F * norm_scale + eps) per matrix, transposed when ``G`` is tall (``tall``)."""
+    X = G.unsqueeze(0) if G.dim() == 2 else G
+    if X.dim() != 3:
+        raise ValueError(f"newton_schulz takes [m, n] or [B, m, n], got shape {tuple(G.shape)}")
+    X = X.to(torch.bfloat16)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    return X / (X.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps), tall
 
 
 def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
                   eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0,
-                  shift: bool = False) -> torch.Tensor:
+                  shift: bool = False, b_spec=None, residual: Sequence[str] = ()) -> torch.Tensor:
     """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
 
     ``spec``: None/BF16 for BF16 matmuls, or a ``policy.NVFP4`` spec for NVFP4 products (matrices whose
@@ -431,16 +484,12 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     (NVFP4 only; None disables): before each step rescale the iterate so its power-iteration estimate of
     sigma_max is <= guard. Without it NVFP4 NS with Jordan's or ROOT's coefficients diverges (docs/OPTIM.md).
     ``shift`` (NVFP4 only): quantize A - alpha I and B - beta I instead of A and B (:func:`_shifted_poly`).
+    ``b_spec`` (NVFP4 only): another spec for B in B·X (e.g. 16x16 blocks; :func:`_ns_nvfp4_stack`).
+    ``residual`` (NVFP4 only): X's quantizations to take in two terms, names of :data:`RESIDUAL_OPERANDS`
+    (:func:`_ns_nvfp4_stack`).
     """
     squeeze = G.dim() == 2
-    X = G.unsqueeze(0) if squeeze else G
-    if X.dim() != 3:
-        raise ValueError(f"newton_schulz takes [m, n] or [B, m, n], got shape {tuple(G.shape)}")
-    X = X.to(torch.bfloat16)
-    tall = X.shape[-2] > X.shape[-1]
-    if tall:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps)
+    X, tall = ns_input(G, norm_scale, eps)
     use_fp4 = spec is not None and spec.name == "nvfp4"
     if use_fp4 and not _nvfp4_ok(X.shape[-2], X.shape[-1]):
         warnings.warn(f"Q-Root: NS of a {tuple(G.shape[-2:])} matrix runs in BF16 (NVFP4 needs dims that are "
@@ -448,7 +497,8 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
         use_fp4 = False
     if use_fp4:
         dq = dict(quant=_q_stack_dq, product=_bgemm_dq) if NS_DQ else {}
-        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, **dq)
+        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, b_spec=b_spec,
+                            residual=tuple(residual), **dq)
     else:
         for a, b, c in coeffs:
             A = _gram(X, False)
@@ -510,7 +560,8 @@ def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # the optimizer
 ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
-                     ns_schedule="root", ns_guard=1.0, ns_shift=True, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
+                     ns_schedule="root", ns_guard=1.0, ns_shift=True, ns_sym_b=False, ns_residual=(),
+                     update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
 
 
 class QRoot(Optimizer):
@@ -526,7 +577,11 @@ class QRoot(Optimizer):
         ns_schedule ("root" | "root_table" | "jordan" | "polar_express", see :func:`ns_coefficients`),
         update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables),
         ns_shift (True: NVFP4 NS quantizes the identity-shifted A - alpha I and B - beta I, see
-        :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5).
+        :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5),
+        ns_sym_b (False; True: NVFP4 NS quantizes B of B·X in 16x16 blocks, a symmetric copy of a symmetric B;
+        not with an RHT spec), ns_residual (() or a subset of ("x", "xt"): X's quantizations for X Xᵀ / for
+        B·X taken in two NVFP4 terms, one product and one quantization more per step each; see
+        :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
         policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
@@ -624,6 +679,16 @@ class QRoot(Optimizer):
             raise ValueError(f"adamw must be 'qadamw' or 'adamw', got {g['adamw']!r}")
         if not isinstance(g.get("ns_shift", False), bool):
             raise ValueError(f"ns_shift must be a bool, got {g['ns_shift']!r}")
+        if not isinstance(g.get("ns_sym_b", False), bool):
+            raise ValueError(f"ns_sym_b must be a bool, got {g['ns_sym_b']!r}")
+        spec = getattr(self, "ns_spec", None)
+        if g.get("ns_sym_b") and spec is not None and spec.name == "nvfp4" and spec.hadamard:
+            raise ValueError(f"ns_sym_b=True quantizes a symmetric B in 16x16 blocks, which an RHT does not keep "
+                             f"symmetric; the NS spec {spec} has hadamard={spec.hadamard}")
+        res = g.get("ns_residual", ())
+        if isinstance(res, str) or not isinstance(res, (tuple, list)) or set(res) - set(RESIDUAL_OPERANDS):
+            raise ValueError(f"ns_residual must be a tuple of names from {RESIDUAL_OPERANDS}, got {res!r}")
+        g["ns_residual"] = tuple(sorted(set(res)))
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:
             bad = [tuple(p.shape) for p in g["params"] if p.dim() != 2]
@@ -689,8 +754,12 @@ class QRoot(Optimizer):
             signs = self._signs_by_device.get(U.device)
             if signs is None:
                 signs = self._signs_by_device[U.device] = self._ns_signs.to(U.device)
+        b_spec = None
+        if group["ns_sym_b"] and self.ns_spec.name == "nvfp4":
+            b_spec = dataclasses.replace(self.ns_spec, block=(16, 16))
         return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
-                             norm_scale=norm_scale, guard=group["ns_guard"], shift=group["ns_shift"])
+                             norm_scale=norm_scale, guard=group["ns_guard"], shift=group["ns_shift"],
+                             b_spec=b_spec, residual=tuple(group["ns_residual"]))
 
     def orthogonalize_graphed(self, U, group: dict) -> torch.Tensor:
         """:meth:`orthogonalize` of a CUDA stack, replayed from a CUDA graph.
@@ -709,7 +778,8 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"], group["ns_shift"], QUANTILE_IMPL, SYMMETRIC_MIN_ROWS, NS_DQ)  # switches: captured
+               group["ns_guard"], group["ns_shift"], group["ns_sym_b"], tuple(group["ns_residual"]), QUANTILE_IMPL,
+               SYMMETRIC_MIN_ROWS, NS_DQ)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
             static_in = U.clone() if mats is None else torch.stack(mats)
@@ -798,6 +868,8 @@ class QRoot(Optimizer):
 
         _qa.validate_loadable(self, state_dict, check_group_fn=self._check_group, validate_entry=validate_entry)
         super().load_state_dict(state_dict)
+        for g in self.param_groups:      # a JSON round trip (safetensors metadata) gives back a list
+            g["ns_residual"] = tuple(g.get("ns_residual", ()))
         _qa.post_load(self, state_dict)
         _qa.invalidate_plans(self)
 
@@ -810,6 +882,8 @@ class QRoot(Optimizer):
         for g in self.param_groups:
             # state dicts saved before ns_shift existed were trained with the unshifted NS: resume them so
             g.setdefault("ns_shift", False)
+            g.setdefault("ns_sym_b", False)
+            g.setdefault("ns_residual", ())
         self.__dict__.setdefault("_graph_pool", None)
 
 

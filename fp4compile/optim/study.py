@@ -8,10 +8,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import lzma
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -156,20 +157,42 @@ def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Te
     return G
 
 
-#: the NS variants of :func:`ns_error_table`: (name, input ("raw" G or "clip": G clipped at the quantile), NVFP4
-#: products?, schedule, steps, guard, identity-shifted products?). "plain" is NVFP4 NS as a drop-in for BF16 NS
-#: (Jordan's coefficients, no guard, no shift); "(QRoot default)" marks QRoot's defaults (ROOT's coefficients or
-#: their fit, clipping at 0.99, the guard at 1.0, shifted products, 5 steps)
+class NSVariant(NamedTuple):
+    """One row of :func:`ns_error_table`: ``inputs`` "raw" (G) or "clip" (G clipped at the quantile); ``fp4``:
+    NVFP4 products (else BF16); ``schedule``, ``steps``: :func:`~fp4compile.optim.root.ns_coefficients`; ``guard``,
+    ``shift``, ``sym_b`` (B of B·X in 16x16 blocks), ``residual`` (X's two-term quantizations):
+    :func:`~fp4compile.optim.root.newton_schulz`'s ``guard``, ``shift``, ``b_spec``, ``residual``."""
+    name: str
+    inputs: str
+    fp4: bool
+    schedule: str
+    steps: int
+    guard: Optional[float]
+    shift: bool
+    sym_b: bool = False
+    residual: tuple = ()
+
+
+#: the NS variants of :func:`ns_error_table`. "plain" is NVFP4 NS as a drop-in for BF16 NS (Jordan's coefficients,
+#: no guard, no shift); "(QRoot default)" marks QRoot's defaults (ROOT's coefficients or their fit, clipping at
+#: 0.99, the guard at 1.0, shifted products, 5 steps); the last NVFP4 rows add QRoot's ``ns_sym_b`` and
+#: ``ns_residual`` options to the best schedule
 NS_VARIANTS = (
-    ("bf16 jordan", "raw", False, "jordan", 5, None, False),
-    ("nvfp4 jordan, plain", "raw", True, "jordan", 5, None, False),
-    ("nvfp4 jordan + guard", "raw", True, "jordan", 5, 1.0, False),
-    ("nvfp4 shape-aware + clip + guard", "clip", True, "root", 5, 1.0, False),
-    ("nvfp4 shape-aware + clip + guard + shift (QRoot default)", "clip", True, "root", 5, 1.0, True),
-    ("nvfp4 polar-express + clip + guard + shift", "clip", True, "polar_express", 5, 1.0, True),
-    ("nvfp4 polar-express 7 steps + clip + guard + shift", "clip", True, "polar_express", 7, 1.0, True),
-    ("bf16 shape-aware + clip", "clip", False, "root", 5, None, False),
-    ("bf16 polar-express 7 steps + clip", "clip", False, "polar_express", 7, None, False),
+    NSVariant("bf16 jordan", "raw", False, "jordan", 5, None, False),
+    NSVariant("nvfp4 jordan, plain", "raw", True, "jordan", 5, None, False),
+    NSVariant("nvfp4 jordan + guard", "raw", True, "jordan", 5, 1.0, False),
+    NSVariant("nvfp4 shape-aware + clip + guard", "clip", True, "root", 5, 1.0, False),
+    NSVariant("nvfp4 shape-aware + clip + guard + shift (QRoot default)", "clip", True, "root", 5, 1.0, True),
+    NSVariant("  + symmetric B + two-term X, Xᵀ", "clip", True, "root", 5, 1.0, True, True, ("x", "xt")),
+    NSVariant("nvfp4 polar-express + clip + guard + shift", "clip", True, "polar_express", 5, 1.0, True),
+    NSVariant("nvfp4 polar-express 7 steps + clip + guard + shift", "clip", True, "polar_express", 7, 1.0, True),
+    NSVariant("  + symmetric B (ns_sym_b)", "clip", True, "polar_express", 7, 1.0, True, True),
+    NSVariant("  + symmetric B + two-term Xᵀ (ns_residual=('xt',))", "clip", True, "polar_express", 7, 1.0, True, True,
+              ("xt",)),
+    NSVariant("  + symmetric B + two-term X, Xᵀ (ns_residual=('x', 'xt'))", "clip", True, "polar_express", 7, 1.0,
+              True, True, ("x", "xt")),
+    NSVariant("bf16 shape-aware + clip", "clip", False, "root", 5, None, False),
+    NSVariant("bf16 polar-express 7 steps + clip", "clip", False, "polar_express", 7, None, False),
 )
 
 
@@ -191,6 +214,61 @@ def ns_error_parts(G: torch.Tensor, O: torch.Tensor) -> dict:
                 direction=float((polar_factor(O64) - P).norm() / P.norm()))
 
 
+def ns_step_increments(G: torch.Tensor, steps: int = 7, schedule: str = "polar_express", spec=None, b_spec=None,
+                       clip_quantile: float = 0.99, guard: Optional[float] = 1.0, shift: bool = True,
+                       exact: tuple = ()) -> list:
+    """Where an NVFP4 NS loses G's singular vectors: the NS of ``G`` clipped at ``clip_quantile`` (as QRoot runs
+    it: :func:`~fp4compile.optim.root.ns_input`, then :func:`~fp4compile.optim.root._ns_nvfp4_stack` one step at a
+    time with ``spec``, ``b_spec``, ``guard``, ``shift``), and per step k a dict:
+
+    - ``increment``: ||polar(X_{k+1}) - polar(X_k)||_F / ||polar(X_k)||_F, how far step k alone turned the
+      iterate's singular vectors (an exact NS step keeps them: its output is p(X Xᵀ) X);
+    - ``cumulative``: the same between the clipped G (float64) and X_{k+1} (after the last step:
+      ``ns_error_parts``' direction of the NS output);
+    - ``sigma_min``, ``sigma_max``: X_k's extreme singular values as the step receives it (before the guard).
+
+    ``spec=None``: the steps in float64 (exact products), whose increments are rounding-level. ``exact``: names
+    of the step's operands to leave unquantized (their BF16 values, exact in the FP32 product), the others in
+    NVFP4: ``"x"`` (X of X Xᵀ), ``"e"`` (E of E², the shifted A), ``"b"`` (B of B·X), ``"xt"`` (Xᵀ of B·X), in
+    the order :func:`~fp4compile.optim.root._ns_nvfp4_stack` quantizes them with ``shift``."""
+    from .root import _bgemm_dq, _ns_nvfp4_stack, _q_stack_dq, clip_by_quantile, ns_coefficients, ns_input
+
+    order = ("x", "e", "b", "xt")
+    if set(exact) - set(order) or (exact and not shift):
+        raise ValueError(f"exact takes operand names of {order} (with shift=True), got {exact!r}")
+    hooks = {}
+    if exact:
+        calls = []
+
+        def quant(x, qspec, signs, seed=None):  # one step's four quantizations, in ``order``
+            name = order[len(calls) % 4]
+            calls.append(name)
+            return (x, torch.ones((), dtype=torch.float32)) if name in exact else _q_stack_dq(x, qspec, signs, seed)
+
+        hooks = dict(quant=quant, product=_bgemm_dq)
+
+    Gc = clip_by_quantile(G, clip_quantile)
+    coeffs = ns_coefficients(tuple(Gc.shape), steps, schedule)
+    X, tall = ns_input(Gc, 1.01 if schedule == "polar_express" else 1.0)
+    X = X.contiguous() if spec is not None else X.double()
+    P0 = polar_factor(Gc.mT if tall else Gc)         # the reference: the clipped input's, before BF16 rounding
+    P = polar_factor(X[0])
+    rows = []
+    for k, (a, b, c) in enumerate(coeffs):
+        sv = torch.linalg.svdvals(X[0].double())
+        if spec is not None:
+            X = _ns_nvfp4_stack(X, [(a, b, c)], spec, None, None, guard, shift=shift, b_spec=b_spec, **hooks)
+        else:
+            A = X @ X.mT
+            X = a * X + (b * A + c * A @ A) @ X
+        P1 = polar_factor(X[0])
+        rows.append(dict(step=k, increment=float((P1 - P).norm() / P.norm()),
+                         cumulative=float((P1 - P0).norm() / P0.norm()), sigma_min=float(sv.min()),
+                         sigma_max=float(sv.max())))
+        P = P1
+    return rows
+
+
 def ns_error_table(shapes, seed=0, spec=None, clip_quantile=0.99, variants=NS_VARIANTS):
     """Rows (shape, variant name, :func:`ns_error_parts` of the output) of every NS variant on the
     :func:`momentum_like` matrix of each shape. NVFP4 products use ``spec`` (default RTN 1x16, no 4/6, no RHT)."""
@@ -202,11 +280,12 @@ def ns_error_table(shapes, seed=0, spec=None, clip_quantile=0.99, variants=NS_VA
     for (m, n) in shapes:
         G = momentum_like(m, n, seed)
         inputs = {"raw": G, "clip": clip_by_quantile(G, clip_quantile)}
-        for name, which, fp4, sched, steps, guard, shift in variants:
-            inp = inputs[which]
-            coeffs = ns_coefficients((m, n), steps, sched)
-            ns_scale = 1.01 if sched == "polar_express" else 1.0
-            O = newton_schulz(inp, coeffs, spec=spec if fp4 else None, norm_scale=ns_scale, guard=guard,
-                              shift=shift).float()
-            rows.append(((m, n), name, ns_error_parts(inp, O)))
+        for v in variants:
+            inp = inputs[v.inputs]
+            coeffs = ns_coefficients((m, n), v.steps, v.schedule)
+            ns_scale = 1.01 if v.schedule == "polar_express" else 1.0
+            b_spec = dataclasses.replace(spec, block=(16, 16)) if v.sym_b else None
+            O = newton_schulz(inp, coeffs, spec=spec if v.fp4 else None, norm_scale=ns_scale, guard=v.guard,
+                              shift=v.shift, b_spec=b_spec, residual=v.residual).float()
+            rows.append(((m, n), v.name, ns_error_parts(inp, O)))
     return rows
