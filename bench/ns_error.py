@@ -16,10 +16,18 @@ the script prints, averaged over the seeds (``fp4compile.optim.study.ns_error_pa
 - ``sig``: max |sigma_i(O) - 1|, how far O is from orthogonal (small directions of G that did not converge).
 
 A run whose error exceeds 10 (or is not finite) prints ``diverged`` with its polar error.
+
+``--per-step`` prints instead where the direction error arises: for 7 Polar Express steps with the shift and the
+guard (the best row above), per shape and step, how far that one NVFP4 step turned the iterate's singular vectors
+(``fp4compile.optim.study.ns_step_increments``), with B of B·X in 1x16 and in 16x16 blocks, and with each of the
+step's four quantized operands left exact in turn (which quantization turns them).
+
+    python bench/ns_error.py --per-step --shapes 128x512,640x1792,1920x640
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -28,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4compile.optim.study import NS_VARIANTS, ns_error_table  # noqa: E402
+from fp4compile.optim.study import NS_VARIANTS, ns_error_table, momentum_like, ns_step_increments  # noqa: E402
 from fp4compile.policy import NVFP4  # noqa: E402
 
 #: the shapes of docs/OPTIM.md's first table, then the 30M preset's four block shapes as QRoot sees them
@@ -40,15 +48,46 @@ def _mean(values):
     return statistics.fmean(finite) if len(finite) == len(values) else math.inf
 
 
+def per_step(shapes, seeds, spec):
+    """The ``--per-step`` table: per shape, each step's direction increment (mean over seeds) and the direction
+    error after the last step, for B of B·X in 1x16 and in 16x16 blocks, and with one operand at a time left
+    unquantized (``ns_step_increments``' ``exact``); then the iterate's singular-value range entering each step."""
+    arms = {"all NVFP4": {}, "B in 16x16 blocks": dict(b_spec=dataclasses.replace(spec, block=(16, 16)))}
+    for name, label in (("xt", "Xᵀ of B·X"), ("b", "B of B·X"), ("x", "X of X Xᵀ"), ("e", "E of E²")):
+        arms[f"{label} exact"] = dict(exact=(name,))
+    print(f"Direction turned by each NVFP4 NS step (7 Polar Express steps, clip 0.99, guard 1.0, shift; {spec}), "
+          f"mean of {seeds} seed(s); last column: the direction error after the last step")
+    steps = 7
+    print("| shape | operands | " + " | ".join(f"step {k}" for k in range(steps)) + " | total |")
+    print("|" + "---|" * (steps + 3))
+    for shape in shapes:
+        runs = {name: [ns_step_increments(momentum_like(*shape, seed), steps, spec=spec, **kw)
+                       for seed in range(seeds)] for name, kw in arms.items()}
+        for name, rs in runs.items():
+            cells = [statistics.fmean(r[k]["increment"] for r in rs) for k in range(steps)]
+            total = statistics.fmean(r[-1]["cumulative"] for r in rs)
+            print(f"| {shape[0]}x{shape[1]} | {name} | " + " | ".join(f"{v:.4f}" for v in cells) + f" | {total:.4f} |")
+        rs = runs["all NVFP4"]
+        print(f"| {shape[0]}x{shape[1]} | sigma in | " + " | ".join(
+            f"{statistics.fmean(r[k]['sigma_min'] for r in rs):.2g}-{statistics.fmean(r[k]['sigma_max'] for r in rs):.2f}"
+            for k in range(steps)) + " | |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxN (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--four-over-six", action="store_true", help="NVFP4 operands with 4/6 (default: RTN 1x16)")
+    ap.add_argument("--per-step", action="store_true",
+                    help="per NS step, how far it turned the singular vectors (instead of the variants' table)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     spec = NVFP4("rtn", four_over_six=args.four_over_six)
     t0 = time.time()
+    if args.per_step:
+        per_step(shapes, args.seeds, spec)
+        print(f"({time.time() - t0:.0f} s)")
+        return
     acc = {}
     for seed in range(args.seeds):
         for shape, name, parts in ns_error_table(shapes, seed=seed, spec=spec):

@@ -218,18 +218,24 @@ def bench_peak_memory(device, tiny, rows, batch=None):
 def bench_root(name, cfg, device, iters, warmup, rows, budget_s, arm=None):
     """Q-Root's step and its NS alone, BF16 against NVFP4 NS (and both from CUDA graphs on a GPU), on the hidden
     matrices of a parameter set; ``arm``: ``NAME:SETTING,...`` as ``bench/step_ab.py``'s ``--arm`` (module switches
-    such as ``fp4compile.optim.root.QUANTILE_IMPL="topk"``, set while it runs), the row's ``arm``."""
+    such as ``fp4compile.optim.root.QUANTILE_IMPL="topk"``, set while it runs, and ``options.KEY=JSON`` for QRoot's
+    Root-group keys, e.g. ``options.ns_sym_b=true``; ``options.ns_residual=x+xt`` for the tuple ("x", "xt"), as the
+    arm syntax splits settings at commas), the row's ``arm``."""
     from bench.step_ab import applied, parse_arm
+    from fp4compile.optim.root import ROOT_DEFAULTS
 
     arm_name, switches, options = parse_arm(arm or "default")
-    if options:
-        raise SystemExit(f"--root-arm {arm!r}: only module switches apply here, not {sorted(options)}")
+    if set(options) - set(ROOT_DEFAULTS):
+        raise SystemExit(f"--root-arm {arm!r}: options.KEY must be QRoot group keys ({sorted(ROOT_DEFAULTS)}), "
+                         f"got {sorted(options)}")
+    if isinstance(options.get("ns_residual"), str):
+        options["ns_residual"] = tuple(options["ns_residual"].split("+"))
     with applied(switches):
-        _bench_root(name, cfg, device, iters, warmup, rows, budget_s)
+        _bench_root(name, cfg, device, iters, warmup, rows, budget_s, options)
     rows[-1]["arm"] = arm_name
 
 
-def _bench_root(name, cfg, device, iters, warmup, rows, budget_s):
+def _bench_root(name, cfg, device, iters, warmup, rows, budget_s, group_keys=None):
     shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]  # hidden matrices (Root's part)
     res = {}
     variants = [("bf16", False), ("nvfp4", False)]
@@ -237,7 +243,8 @@ def _bench_root(name, cfg, device, iters, warmup, rows, budget_s):
         variants += [("bf16", True), ("nvfp4", True)]
     for prec, graphs in variants:
         ps = make_params(shapes, device, torch.bfloat16)
-        opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=prec, cuda_graphs=graphs)
+        opt = QRoot([{"params": ps, "use_root": True, **(group_keys or {})}], lr=1e-3, precision=prec,
+                    cuda_graphs=graphs)
         t0 = time.perf_counter()
         opt.step()  # warm-up (fits coefficients for unseen shapes, builds kernels)
         sync(device)
@@ -305,9 +312,10 @@ def main(argv=None):
     ap.add_argument("--root-sets", default="124M", help="comma list of parameter sets for the Q-Root section "
                     f"(of {','.join(SETS)}; --tiny: tiny)")
     ap.add_argument("--root-arm", action="append", default=None,
-                    help="NAME[:module.ATTR=JSON,...] (bench/step_ab.py's arm syntax, module switches only): "
-                         "the Q-Root section once per arm, in the order given, e.g. "
-                         "'topk:fp4compile.optim.root.QUANTILE_IMPL=\"topk\"' (default: one arm, the defaults)")
+                    help="NAME[:module.ATTR=JSON,...|options.KEY=JSON,...] (bench/step_ab.py's arm syntax: module "
+                         "switches, and QRoot group keys as options.KEY): the Q-Root section once per arm, in the "
+                         "order given, e.g. 'topk:fp4compile.optim.root.QUANTILE_IMPL=\"topk\"' or "
+                         "'res:options.ns_sym_b=true,options.ns_residual=x+xt' (default: one arm, the defaults)")
     ap.add_argument("--root-profile", default="", help="comma list of parameter sets whose Q-Root step (BF16 and "
                     "NVFP4 NS, eager) is profiled by kernel family")
     args = ap.parse_args(argv)
