@@ -291,6 +291,23 @@ def test_qroot_ns_shift_reaches_the_root_group():
         L.TrainConfig(optimizer="adamw", ns_shift=False).validate()
 
 
+def test_qroot_ns_accuracy_options_reach_the_root_group():
+    """--ns-sym-b and --ns-residual x,xt set QRoot's ns_sym_b / ns_residual on the Root group (the comma list as
+    QRoot's tuple); an unknown operand is QRoot's clear error; other optimizers refuse them."""
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    cfg = L.TrainConfig(model="tiny", optimizer="qroot", ns_sym_b=True, ns_residual="x, xt")
+    cfg.validate()
+    root = [g for g in L.build_optimizer(model, cfg, None).param_groups if g["use_root"]][0]
+    assert root["ns_sym_b"] is True and root["ns_residual"] == ("x", "xt")
+    root = [g for g in L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot"), None).param_groups
+            if g["use_root"]][0]
+    assert root["ns_sym_b"] is False and root["ns_residual"] == ()
+    with pytest.raises(ValueError, match="ns_residual"):
+        L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot", ns_residual="x,b"), None)
+    with pytest.raises(ValueError, match="ns_residual"):
+        L.TrainConfig(optimizer="adamw", ns_residual="x").validate()
+
+
 def test_qadamw_v_state_reaches_every_qadamw_group():
     """--qadamw-v-state sets Q-AdamW's v_state (QAdamW, and QRoot's Q-AdamW part); None keeps "floored"; an
     optimizer without Q-AdamW, or a value Q-AdamW does not know, is refused."""

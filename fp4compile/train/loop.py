@@ -70,7 +70,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead")
 
 
 #: TrainConfig fields that are QRoot's Root-group keys of the same name (None in the config: QRoot's default)
-ROOT_GROUP_KEYS = ("ns_schedule", "ns_shift", "ns_steps")
+ROOT_GROUP_KEYS = ("ns_schedule", "ns_shift", "ns_steps", "ns_sym_b", "ns_residual")
 
 
 @dataclasses.dataclass
@@ -112,6 +112,9 @@ class TrainConfig:
     ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
     ns_shift: Optional[bool] = None           # QRoot's identity-shifted NVFP4 NS products (None: QRoot's default, on)
     ns_steps: Optional[int] = None            # QRoot's Newton–Schulz steps per update (None: QRoot's default, 5)
+    ns_sym_b: Optional[bool] = None           # QRoot's NVFP4 NS: B of B·X in 16x16 blocks (None: default, off)
+    ns_residual: Optional[str] = None         # QRoot's NVFP4 NS: X's quantizations in two terms, comma list of
+                                              # x (X·Xᵀ), xt (B·X); "" or None: none (docs/OPTIM.md)
     qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
@@ -238,7 +241,10 @@ class TrainConfig:
 
     def _root_group_settings(self) -> Dict[str, Any]:
         """QRoot's Root-group keys this config sets (None: QRoot's default)."""
-        return {k: getattr(self, k) for k in ROOT_GROUP_KEYS}
+        out = {k: getattr(self, k) for k in ROOT_GROUP_KEYS}
+        if out["ns_residual"] is not None:                 # "x,xt" -> QRoot's tuple
+            out["ns_residual"] = tuple(filter(None, (v.strip() for v in out["ns_residual"].split(","))))
+        return out
 
     def resolve_compile_mode(self, device: torch.device) -> str:
         """The torch.compile mode a run on ``device`` uses: ``compile_mode`` unless it is "auto", which picks
