@@ -502,8 +502,11 @@ def test_qroot_sym_b_and_residual_group_keys():
     for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             QRoot([torch.nn.Parameter(w.clone())], **bad)
-    with pytest.raises(ValueError, match="ns_sym_b"):
-        QRoot([torch.nn.Parameter(w.clone())], precision=NVFP4(hadamard=16), ns_sym_b=True)
+    for key, value in (("ns_sym_b", True), ("ns_residual", ("x",))):
+        with pytest.raises(ValueError, match=key):
+            QRoot([torch.nn.Parameter(w.clone())], precision=NVFP4(hadamard=16), **{key: value})
+    with pytest.raises(ValueError, match="residual"):
+        newton_schulz(w, (JORDAN,), spec=NVFP4(hadamard=16), residual=("xt",))
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         save_safetensors_state(opt.state_dict(), d + "/o.safetensors")

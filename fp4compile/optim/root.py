@@ -420,6 +420,9 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
 
     if set(residual) - set(RESIDUAL_OPERANDS):
         raise ValueError(f"residual takes operands of {RESIDUAL_OPERANDS}, got {residual!r}")
+    if residual and spec.hadamard:
+        raise ValueError(f"residual (two-term X) takes the residual in X's own coordinates, which an RHT spec "
+                         f"rotates; the NS spec {spec} has hadamard={spec.hadamard}")
     for a, b, c in coeffs:
         if "x" in residual:                                  # along n: X Xᵀ contracts over the long dim
             qx, rx = _q_two_term(X, qfn, spec, signs, seed)
@@ -578,9 +581,9 @@ class QRoot(Optimizer):
         update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables),
         ns_shift (True: NVFP4 NS quantizes the identity-shifted A - alpha I and B - beta I, see
         :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5),
-        ns_sym_b (False; True: NVFP4 NS quantizes B of B·X in 16x16 blocks, a symmetric copy of a symmetric B;
-        not with an RHT spec), ns_residual (() or a subset of ("x", "xt"): X's quantizations for X Xᵀ / for
-        B·X taken in two NVFP4 terms, one product and one quantization more per step each; see
+        ns_sym_b (False; True: NVFP4 NS quantizes B of B·X in 16x16 blocks, a symmetric copy of a symmetric B),
+        ns_residual (() or a subset of ("x", "xt"): X's quantizations for X Xᵀ / for B·X taken in two NVFP4
+        terms, one product and one quantization more per step each; neither option with an RHT spec; see
         :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
@@ -682,12 +685,16 @@ class QRoot(Optimizer):
         if not isinstance(g.get("ns_sym_b", False), bool):
             raise ValueError(f"ns_sym_b must be a bool, got {g['ns_sym_b']!r}")
         spec = getattr(self, "ns_spec", None)
-        if g.get("ns_sym_b") and spec is not None and spec.name == "nvfp4" and spec.hadamard:
+        rht = spec is not None and spec.name == "nvfp4" and spec.hadamard
+        if g.get("ns_sym_b") and rht:
             raise ValueError(f"ns_sym_b=True quantizes a symmetric B in 16x16 blocks, which an RHT does not keep "
                              f"symmetric; the NS spec {spec} has hadamard={spec.hadamard}")
         res = g.get("ns_residual", ())
         if isinstance(res, str) or not isinstance(res, (tuple, list)) or set(res) - set(RESIDUAL_OPERANDS):
             raise ValueError(f"ns_residual must be a tuple of names from {RESIDUAL_OPERANDS}, got {res!r}")
+        if res and rht:
+            raise ValueError(f"ns_residual takes X's residual in X's own coordinates, which an RHT rotates; the NS "
+                             f"spec {spec} has hadamard={spec.hadamard}")
         g["ns_residual"] = tuple(sorted(set(res)))
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:
