@@ -68,9 +68,10 @@ def per_step(shapes, seeds, spec):
             total = statistics.fmean(r[-1]["cumulative"] for r in rs)
             print(f"| {shape[0]}x{shape[1]} | {name} | " + " | ".join(f"{v:.4f}" for v in cells) + f" | {total:.4f} |")
         rs = runs["all NVFP4"]
-        print(f"| {shape[0]}x{shape[1]} | sigma in | " + " | ".join(
-            f"{statistics.fmean(r[k]['sigma_min'] for r in rs):.2g}-{statistics.fmean(r[k]['sigma_max'] for r in rs):.2f}"
-            for k in range(steps)) + " | |", flush=True)
+        lo = [statistics.fmean(r[k]["sigma_min"] for r in rs) for k in range(steps)]
+        hi = [statistics.fmean(r[k]["sigma_max"] for r in rs) for k in range(steps)]
+        print(f"| {shape[0]}x{shape[1]} | sigma in | " + " | ".join(f"{a:.2g}-{b:.2f}" for a, b in zip(lo, hi))
+              + " | |", flush=True)
 
 
 def main(argv=None):

@@ -459,7 +459,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             BX = (product(qB, qxt, torch.float32) + product(qB, rxt, torch.float32)).to(torch.bfloat16)
         else:
             BX = product(qB, qfn(X.mT.contiguous(), spec, signs, seed()))
-        X = _ns_update(X, a, beta, BX)                       # B·X = qB · qxtᵀ  [S, m, n]
+        X = _ns_update(X, a, beta, BX)                       # X <- a X + B·X  [S, m, n]
     return X
 
 
