@@ -557,6 +557,28 @@ def test_abs_quantile_topk_equals_sort_and_numpy(rows, n, q, seed, ties, special
     np.testing.assert_allclose(a.double().numpy()[finite], ref[finite], rtol=1e-6, atol=1e-30)
 
 
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 3), r16=st.integers(1, 2), k16=st.integers(1, 8), log2=st.integers(-12, 12),
+       outliers=st.booleans(), fos=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_two_term_quantization_squares_the_error(S, r16, k16, log2, outliers, fos, seed):
+    """Property of ``_q_two_term`` over stack shapes, magnitudes (2^±12), outliers and 4/6: one NVFP4 quantization
+    of any stack leaves at most ~20 % of its Frobenius norm (a block's elements sit within one grid step, at most
+    S = amax/6, of the codes), and the second term, a quantization of that residual, leaves at most ~20 % of the
+    residual: together under ~4 % of x."""
+    from fp4compile.optim.root import _dequantized, _q_two_term, _seed_stream
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, 16 * r16, 16 * k16, generator=g) * 2.0 ** log2
+    if outliers:
+        x.view(-1)[torch.randint(0, x.numel(), (max(1, x.numel() // 64),), generator=g)] *= 100.0
+    x = x.to(torch.bfloat16)
+    q1, q2 = _q_two_term(x, _q_stack, NVFP4("rtn", four_over_six=fos), None, _seed_stream(None))
+    e1 = x.double() - _dequantized(q1).double()
+    e2 = e1 - _dequantized(q2).double()
+    assert float(e1.norm()) <= 0.2 * float(x.double().norm())
+    assert float(e2.norm()) <= 0.2 * float(e1.norm())
+
+
 def test_abs_quantile_rejects_an_unknown_impl(monkeypatch):
     import fp4compile.optim.root as R
 
