@@ -766,15 +766,17 @@ s41_root)
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s42_ns)
-  # issue 5 on one nvidia-h200 (~4 min; prepared in session 42, not yet run): the NVFP4 NS accuracy options (QRoot's
+  # issue 5 on one nvidia-h200 (~5 min; prepared in session 42, not yet run): the NVFP4 NS accuracy options (QRoot's
   # ns_sym_b: B of B·X in 16x16 blocks; ns_residual: X's quantizations in two NVFP4 terms, one product each more per
-  # step): their GPU test (CUDA against the CPU reference, CUDA graphs against eager), then the Q-Root step at 124M
-  # per arm, the default arm first and last (drift)
+  # step, or x2d: one two-term 16x16-block X serving both products): their GPU tests (CUDA against the CPU
+  # reference, CUDA graphs against eager), then the Q-Root step at 124M per arm, the default arm first and last
+  # (drift)
   step gpu_tests 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_optim_root.py -k "sym_b or residual"
   step optim_root 240 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M \
       --root-arm base --root-arm 'symb:options.ns_sym_b=true' \
       --root-arm 'xt:options.ns_sym_b=true,options.ns_residual=xt' \
-      --root-arm 'both:options.ns_sym_b=true,options.ns_residual=x+xt' --root-arm base2 --out "$OUT/optim_root.json"
+      --root-arm 'both:options.ns_sym_b=true,options.ns_residual=x+xt' \
+      --root-arm 'x2d:options.ns_sym_b=true,options.ns_residual=x2d' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/gpu_tests.log" "$OUT/optim_root.log" ;;
 s40_suite)
   # one nvidia-h200 (~7 min; session 40): the whole GPU suite but attention's kernel tests (unchanged since session

@@ -472,11 +472,25 @@ def test_sym_b_and_residual_bring_nvfp4_ns_below_bf16_ns():
         return ns_error_parts(G, newton_schulz(G, coeffs, norm_scale=1.01, shift=True, **kw).float())
     base, sym = parts(spec=spec), parts(spec=spec, b_spec=b2d)
     xt, both = parts(spec=spec, b_spec=b2d, residual=("xt",)), parts(spec=spec, b_spec=b2d, residual=("x", "xt"))
-    bf16 = parts()
+    x2d, bf16 = parts(spec=spec, b_spec=b2d, residual=("x2d",)), parts()
     assert base["direction"] > sym["direction"] > 1.5 * xt["direction"], (base, sym, xt)
-    assert both["polar"] < 0.5 * base["polar"] and both["polar"] < bf16["polar"], (both, base, bf16)
-    with pytest.raises(ValueError, match="residual"):
-        parts(spec=spec, residual=("b",))
+    for p in (both, x2d):                                # x2d measured 0.014
+        assert p["polar"] < 0.5 * base["polar"] and p["polar"] < bf16["polar"], (p, base, bf16)
+    for bad in (("b",), ("x2d", "x")):
+        with pytest.raises(ValueError, match="residual"):
+            parts(spec=spec, residual=bad)
+
+
+@pytest.mark.parametrize("residual,expect", [((), 4), (("x", "xt"), 6), (("x2d",), 4)])
+def test_ns_residual_quantizations_per_step(monkeypatch, residual, expect):
+    """Quantize launches per NVFP4 NS step: 4 by default (X, E, B, Xᵀ), 6 with X and Xᵀ in two terms, and 4 with
+    the one two-term 16x16-block X serving both products (the x2d form's point)."""
+    calls = []
+    real = torch.ops.fp4compile.quantize
+    monkeypatch.setattr(torch.ops.fp4compile, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    G = clip_by_quantile(momentum_like(32, 64, 0), 0.99)
+    newton_schulz(G, (JORDAN,) * 3, spec=NVFP4("rtn"), shift=True, residual=residual)
+    assert len(calls) == 3 * expect
 
 
 def test_qroot_sym_b_and_residual_group_keys():
@@ -499,7 +513,7 @@ def test_qroot_sym_b_and_residual_group_keys():
     both, opt = one_step(ns_sym_b=True, ns_residual=["xt", "x"])
     assert opt.param_groups[0]["ns_residual"] == ("x", "xt")
     assert not torch.equal(base, both)
-    for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",))):
+    for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",)), dict(ns_residual=("x2d", "xt"))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             QRoot([torch.nn.Parameter(w.clone())], **bad)
     for key, value in (("ns_sym_b", True), ("ns_residual", ("x",))):
@@ -724,7 +738,8 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_sym_b_and_residual_ns_match_the_cpu():
+@pytest.mark.parametrize("residual", [("x", "xt"), ("x2d",)])
+def test_gpu_sym_b_and_residual_ns_match_the_cpu(residual):
     """CUDA: the NS with the symmetric B and the two-term X, Xᵀ (CUDA quantize kernels and cuBLAS products) lands
     where the CPU reference does (the same operands; FP32 summation order may flip a later FP4 rounding), below
     BF16 NS's error; and QRoot with both options runs as CUDA graphs, replaying the same update as eagerly."""
@@ -733,7 +748,7 @@ def test_gpu_sym_b_and_residual_ns_match_the_cpu():
     G = torch.stack([clip_by_quantile(momentum_like(256, 1024, s), 0.99) for s in range(3)])
     coeffs = ns_coefficients((256, 1024), 7, "polar_express")
     kw = dict(spec=NVFP4("rtn"), norm_scale=1.01, shift=True, b_spec=NVFP4("rtn", block=(16, 16)),
-              residual=("x", "xt"))
+              residual=residual)
     cpu = newton_schulz(G, coeffs, **kw).float()
     gpu = newton_schulz(G.cuda(), coeffs, **kw).float().cpu()
     assert float((gpu - cpu).norm() / cpu.norm()) < 0.01
@@ -743,7 +758,7 @@ def test_gpu_sym_b_and_residual_ns_match_the_cpu():
     torch.manual_seed(0)
     ps0 = [torch.randn(768, 3072, device="cuda") * 0.02 for _ in range(2)]
     grads = [[torch.randn_like(p) for p in ps0] for _ in range(3)]
-    opts = dict(precision=NVFP4(), ns_sym_b=True, ns_residual=("x", "xt"))
+    opts = dict(precision=NVFP4(), ns_sym_b=True, ns_residual=residual)
     graphed, _ = _root_run(ps0, grads, cuda_graphs=True, **opts)
     eager, _ = _root_run(ps0, grads, **opts)
     assert all(torch.equal(x, y) for x, y in zip(graphed, eager))

@@ -368,8 +368,9 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
     return (ab * (ag.float() * bg.float())).to(out_dtype)
 
 
-#: the NS operands that ``residual`` may quantize in two terms: X of X Xᵀ ("x") and Xᵀ of B·X ("xt")
-RESIDUAL_OPERANDS = ("x", "xt")
+#: what ``residual`` may quantize in two terms: X of X Xᵀ ("x"), Xᵀ of B·X ("xt"), or ("x2d", alone) X once per
+#: step in 16x16 blocks, whose two terms serve both products (2-D blocks are transpose-invariant)
+RESIDUAL_OPERANDS = ("x", "xt", "x2d")
 
 
 def _dequantized(q) -> torch.Tensor:
@@ -386,6 +387,11 @@ def _q_two_term(x: torch.Tensor, qfn, spec, signs, seed):
     same kind as ``qfn`` gives (``seed``: a callable drawing one seed per quantization)."""
     q1 = qfn(x, spec, signs, seed())
     return q1, qfn(x.float() - _dequantized(q1), spec, signs, seed())
+
+
+def _dq_form(q):
+    """A quantized stack as (bf16 q·S, global), the operand form of :func:`_bgemm_dq`, from either quantizer."""
+    return q if len(q) == 2 else (_dequantize_stack(q), q[2])
 
 
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -413,19 +419,26 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     product with such an operand summed in FP32 over the terms and rounded once: ``"x"``: A = q1 q1ᵀ + C + Cᵀ
     with C = q1 q2ᵀ (q2 q2ᵀ, of the order of the residual squared, is left out), one product more;
     ``"xt"``: B·X = qB q1ᵀ + qB q2ᵀ, one product more. Each adds a quantization and a product per step.
+    ``("x2d",)``: X quantized once per step, in 16x16 blocks and two terms, before the guard; the terms serve
+    X Xᵀ as with ``"x"`` and, transposed, B·X as with ``"xt"`` (a 16x16-block quantization of Xᵀ is the transpose
+    of X's), the guard's rescaling of X applied to B·X's FP32 result: 4 quantizations per step, as without
+    ``residual``, and 5 products.
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
     seed = _seed_stream(seeds)
 
-    if set(residual) - set(RESIDUAL_OPERANDS):
-        raise ValueError(f"residual takes operands of {RESIDUAL_OPERANDS}, got {residual!r}")
+    if set(residual) - set(RESIDUAL_OPERANDS) or ("x2d" in residual and len(set(residual)) > 1):
+        raise ValueError(f"residual takes operands of {RESIDUAL_OPERANDS} (\"x2d\" alone), got {residual!r}")
     if residual and spec.hadamard:
         raise ValueError(f"residual (two-term X) takes the residual in X's own coordinates, which an RHT spec "
                          f"rotates; the NS spec {spec} has hadamard={spec.hadamard}")
+    x2d = "x2d" in residual
+    x_spec = dataclasses.replace(spec, block=(16, 16)) if x2d else spec
     for a, b, c in coeffs:
-        if "x" in residual:                                  # along n: X Xᵀ contracts over the long dim
-            qx, rx = _q_two_term(X, qfn, spec, signs, seed)
+        s = None                                             # the guard's per-matrix rescaling of A (X by sqrt)
+        if "x" in residual or x2d:                           # along n: X Xᵀ contracts over the long dim
+            qx, rx = _q_two_term(X, qfn, x_spec, signs, seed)
             C = product(qx, rx, torch.float32)
             A = (product(qx, qx, torch.float32) + C + C.mT).to(torch.bfloat16)
         else:
@@ -454,7 +467,11 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
             B, beta = b * A + c * product(qA, qA), None
         qB = qfn(B, b_spec or spec, signs, seed())           # rows of B along m
-        if "xt" in residual:                                 # Xᵀ [S, n, m], rows along m
+        if x2d:                                              # X's terms, transposed: [S, n, m] views
+            pB = _dq_form(qB)
+            BX = sum(_bgemm_dq(pB, (t[0].mT, t[1]), torch.float32) for t in map(_dq_form, (qx, rx)))
+            BX = (BX if s is None else BX * s.sqrt()).to(torch.bfloat16)   # X was quantized before the guard
+        elif "xt" in residual:                               # Xᵀ [S, n, m], rows along m
             qxt, rxt = _q_two_term(X.mT.contiguous(), qfn, spec, signs, seed)
             BX = (product(qB, qxt, torch.float32) + product(qB, rxt, torch.float32)).to(torch.bfloat16)
         else:
@@ -583,7 +600,8 @@ class QRoot(Optimizer):
         :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5),
         ns_sym_b (False; True: NVFP4 NS quantizes B of B·X in 16x16 blocks, a symmetric copy of a symmetric B),
         ns_residual (() or a subset of ("x", "xt"): X's quantizations for X Xᵀ / for B·X taken in two NVFP4
-        terms, one product and one quantization more per step each; neither option with an RHT spec; see
+        terms, one product and one quantization more per step each; or ("x2d",): one two-term quantization of X
+        in 16x16 blocks serving both, 4 quantizations and 5 products per step; neither option with an RHT spec; see
         :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
@@ -692,6 +710,8 @@ class QRoot(Optimizer):
         res = g.get("ns_residual", ())
         if isinstance(res, str) or not isinstance(res, (tuple, list)) or set(res) - set(RESIDUAL_OPERANDS):
             raise ValueError(f"ns_residual must be a tuple of names from {RESIDUAL_OPERANDS}, got {res!r}")
+        if "x2d" in res and len(set(res)) > 1:
+            raise ValueError(f"ns_residual=(\"x2d\",) replaces \"x\" and \"xt\"; got {res!r}")
         if res and rht:
             raise ValueError(f"ns_residual takes X's residual in X's own coordinates, which an RHT rotates; the NS "
                              f"spec {spec} has hadamard={spec.hadamard}")

@@ -191,6 +191,8 @@ NS_VARIANTS = (
               True, ("xt",)),
     NSVariant("  + symmetric B + two-term X, Xᵀ (ns_residual=('x', 'xt'))", "clip", True, "polar_express", 7, 1.0,
               True, True, ("x", "xt")),
+    NSVariant("  + symmetric B + two-term 16x16-block X for both (ns_residual=('x2d',))", "clip", True,
+              "polar_express", 7, 1.0, True, True, ("x2d",)),
     NSVariant("bf16 shape-aware + clip", "clip", False, "root", 5, None, False),
     NSVariant("bf16 polar-express 7 steps + clip", "clip", False, "polar_express", 7, None, False),
 )
