@@ -740,9 +740,10 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("residual", [("x", "xt"), ("x2d",)])
 def test_gpu_sym_b_and_residual_ns_match_the_cpu(residual):
-    """CUDA: the NS with the symmetric B and the two-term X, Xᵀ (CUDA quantize kernels and cuBLAS products) lands
-    where the CPU reference does (the same operands; FP32 summation order may flip a later FP4 rounding), below
-    BF16 NS's error; and QRoot with both options runs as CUDA graphs, replaying the same update as eagerly."""
+    """CUDA: the NS with the symmetric B and the two-term X (CUDA quantize kernels and cuBLAS products) lands where
+    the CPU reference does (the same operands; FP32 summation order may flip a later FP4 rounding: far closer to it
+    than to the BF16 NS), below BF16 NS's error; and QRoot with both options runs as CUDA graphs, replaying the
+    same update as eagerly."""
     from fp4compile.optim.study import ns_error_parts
 
     G = torch.stack([clip_by_quantile(momentum_like(256, 1024, s), 0.99) for s in range(3)])
@@ -751,7 +752,8 @@ def test_gpu_sym_b_and_residual_ns_match_the_cpu(residual):
               residual=residual)
     cpu = newton_schulz(G, coeffs, **kw).float()
     gpu = newton_schulz(G.cuda(), coeffs, **kw).float().cpu()
-    assert float((gpu - cpu).norm() / cpu.norm()) < 0.01
+    bf16 = newton_schulz(G, coeffs, norm_scale=1.01).float()
+    assert float((gpu - cpu).norm()) < 0.5 * float((cpu - bf16).norm())
     for i in range(3):
         e_cpu, e_gpu = (ns_error_parts(G[i], o[i])["polar"] for o in (cpu, gpu))
         assert e_gpu < 0.025 and abs(e_gpu - e_cpu) < 0.2 * e_cpu, (e_gpu, e_cpu)
