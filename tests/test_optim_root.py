@@ -692,6 +692,24 @@ def test_ns_with_quantize_dq_operands_is_the_same_iteration(monkeypatch, spec, s
     assert len(calls) == 4 * 5
 
 
+@pytest.mark.parametrize("spec", [NVFP4(), NVFP4("sr", four_over_six=True)], ids=["rtn", "sr-46"])
+@pytest.mark.parametrize("residual", [("x", "xt"), ("x2d",)])
+def test_ns_accuracy_options_under_quantize_dq_operands(monkeypatch, spec, residual):
+    """ns_sym_b / ns_residual through NS_DQ's operands (quantize_dq's bf16 q·S) are the same NS bit for bit as
+    through codes and dequantize_blocks (SR: the same seed stream, one seed per quantization)."""
+    import fp4compile.optim.root as R
+
+    G = torch.stack([clip_by_quantile(momentum_like(64, 256, s), 0.99) for s in range(2)])
+    kw = dict(spec=spec, seed=torch.tensor(7) if spec.rounding != "rtn" else None, shift=True,
+              b_spec=NVFP4(spec.rounding, four_over_six=spec.four_over_six, block=(16, 16)), residual=residual)
+    coeffs = ns_coefficients((64, 256), 5, "root")
+    monkeypatch.setattr(R, "NS_DQ", False)
+    ref = newton_schulz(G, coeffs, **kw)
+    monkeypatch.setattr(R, "NS_DQ", True)
+    out = newton_schulz(G, coeffs, **kw)
+    assert torch.isfinite(out.float()).all() and torch.equal(out, ref)
+
+
 def test_bgemm_dq_equals_bgemm_nvfp4():
     import fp4compile.optim.root as R
 
