@@ -27,7 +27,6 @@ step's four quantized operands left exact in turn (which quantization turns them
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
@@ -52,7 +51,7 @@ def per_step(shapes, seeds, spec):
     """The ``--per-step`` table: per shape, each step's direction increment (mean over seeds) and the direction
     error after the last step, for B of B·X in 1x16 and in 16x16 blocks, and with one operand at a time left
     unquantized (``ns_step_increments``' ``exact``); then the iterate's singular-value range entering each step."""
-    arms = {"all NVFP4": {}, "B in 16x16 blocks": dict(b_spec=dataclasses.replace(spec, block=(16, 16)))}
+    arms = {"all NVFP4": {}, "B in 16x16 blocks": dict(sym_b=True)}
     for name, label in (("xt", "Xᵀ of B·X"), ("b", "B of B·X"), ("x", "X of X Xᵀ"), ("e", "E of E²")):
         arms[f"{label} exact"] = dict(exact=(name,))
     print(f"Direction turned by each NVFP4 NS step (7 Polar Express steps, clip 0.99, guard 1.0, shift; {spec}), "

@@ -459,38 +459,41 @@ def test_sym_b_and_residual_bring_nvfp4_ns_below_bf16_ns():
     lowers the NVFP4 NS's direction error (measured 0.044 -> 0.038 with the symmetric B, 0.016 with the
     two-term Xᵀ as well), and with both of X's quantizations in two terms the NVFP4 NS lands closer to the
     float64 polar factor than the BF16 NS of the same schedule (0.012 against 0.032)."""
-    import dataclasses
-
     from fp4compile.optim.study import ns_error_parts
 
     G = clip_by_quantile(momentum_like(64, 256, 0), 0.99)
     coeffs = ns_coefficients(G.shape, 7, "polar_express")
     spec = NVFP4("rtn")
-    b2d = dataclasses.replace(spec, block=(16, 16))
 
     def parts(**kw):
         return ns_error_parts(G, newton_schulz(G, coeffs, norm_scale=1.01, shift=True, **kw).float())
-    base, sym = parts(spec=spec), parts(spec=spec, b_spec=b2d)
-    xt, both = parts(spec=spec, b_spec=b2d, residual=("xt",)), parts(spec=spec, b_spec=b2d, residual=("x", "xt"))
-    x2d, bf16 = parts(spec=spec, b_spec=b2d, residual=("x2d",)), parts()
+    base, sym = parts(spec=spec), parts(spec=spec, sym_b=True)
+    xt, both = parts(spec=spec, sym_b=True, residual=("xt",)), parts(spec=spec, sym_b=True, residual=("x", "xt"))
+    x2d, bf16 = parts(spec=spec, sym_b=True, residual=("x2d",)), parts()
     assert base["direction"] > sym["direction"] > 1.5 * xt["direction"], (base, sym, xt)
     for p in (both, x2d):                                # x2d measured 0.014
         assert p["polar"] < 0.5 * base["polar"] and p["polar"] < bf16["polar"], (p, base, bf16)
     for bad in (("b",), ("x2d", "x")):
         with pytest.raises(ValueError, match="residual"):
             parts(spec=spec, residual=bad)
+    with pytest.raises(ValueError, match="default product"):
+        _ns_nvfp4_stack(G[None].bfloat16(), coeffs, spec, None, None, product=_loop_gemm_nvfp4, residual=("x",))
 
 
 @pytest.mark.parametrize("residual,expect", [((), 4), (("x", "xt"), 6), (("x2d",), 4)])
 def test_ns_residual_quantizations_per_step(monkeypatch, residual, expect):
     """Quantize launches per NVFP4 NS step: 4 by default (X, E, B, Xᵀ), 6 with X and Xᵀ in two terms, and 4 with
-    the one two-term 16x16-block X serving both products (the x2d form's point)."""
-    calls = []
-    real = torch.ops.fp4compile.quantize
+    the one two-term 16x16-block X serving both products (the x2d form's point). Each quantized operand is
+    dequantized once (one ``dequantize_blocks`` per quantize): a term enters the residual and up to two
+    products from that one dequantized copy."""
+    calls, deq = [], []
+    real, real_deq = torch.ops.fp4compile.quantize, torch.ops.fp4compile.dequantize_blocks
     monkeypatch.setattr(torch.ops.fp4compile, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch.ops.fp4compile, "dequantize_blocks", lambda *a: deq.append(1) or real_deq(*a))
     G = clip_by_quantile(momentum_like(32, 64, 0), 0.99)
     newton_schulz(G, (JORDAN,) * 3, spec=NVFP4("rtn"), shift=True, residual=residual)
     assert len(calls) == 3 * expect
+    assert len(deq) == 3 * expect
 
 
 def test_qroot_sym_b_and_residual_group_keys():
@@ -701,7 +704,7 @@ def test_ns_accuracy_options_under_quantize_dq_operands(monkeypatch, spec, resid
 
     G = torch.stack([clip_by_quantile(momentum_like(64, 256, s), 0.99) for s in range(2)])
     kw = dict(spec=spec, seed=torch.tensor(7) if spec.rounding != "rtn" else None, shift=True,
-              b_spec=NVFP4(spec.rounding, four_over_six=spec.four_over_six, block=(16, 16)), residual=residual)
+              sym_b=True, residual=residual)
     coeffs = ns_coefficients((64, 256), 5, "root")
     monkeypatch.setattr(R, "NS_DQ", False)
     ref = newton_schulz(G, coeffs, **kw)
@@ -766,8 +769,7 @@ def test_gpu_sym_b_and_residual_ns_match_the_cpu(residual):
 
     G = torch.stack([clip_by_quantile(momentum_like(256, 1024, s), 0.99) for s in range(3)])
     coeffs = ns_coefficients((256, 1024), 7, "polar_express")
-    kw = dict(spec=NVFP4("rtn"), norm_scale=1.01, shift=True, b_spec=NVFP4("rtn", block=(16, 16)),
-              residual=residual)
+    kw = dict(spec=NVFP4("rtn"), norm_scale=1.01, shift=True, sym_b=True, residual=residual)
     cpu = newton_schulz(G, coeffs, **kw).float()
     gpu = newton_schulz(G.cuda(), coeffs, **kw).float().cpu()
     bf16 = newton_schulz(G, coeffs, norm_scale=1.01).float()

@@ -279,11 +279,8 @@ def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float().mT)
 
 
-#: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ; A·A and E² of a symmetric A or E) is
-#: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
-#: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
-#: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
 def _env_rows(name: str) -> Optional[int]:
+    """The row count in environment variable ``name`` (None when unset or empty; a clear error otherwise)."""
     value = os.environ.get(name, "")
     if not value:
         return None
@@ -292,6 +289,10 @@ def _env_rows(name: str) -> Optional[int]:
     return int(value)
 
 
+#: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ; A·A and E² of a symmetric A or E) is
+#: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
+#: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
+#: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
 SYMMETRIC_MIN_ROWS = _env_rows("FP4COMPILE_NS_SYMMETRIC")
 
 
@@ -324,12 +325,12 @@ def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
     Exact NVFP4 semantics, as ``fp4compile::gemm`` per matrix: ``dequantize_blocks`` gives the exact bf16
     q·S of each operand (one call per operand for the whole stack; once when ``qa is qb``), one bmm with FP32
     accumulation, the global scales applied in FP32 after it."""
-    pa = (_dequantize_stack(qa), qa[2])
+    pa = _dq_form(qa)
     if qb is qa:
         return _bgemm_dq(pa, pa, out_dtype)
     if qb[0].shape[0] != qa[0].shape[0] or qb[0].shape[2] != qa[0].shape[2]:
         raise ValueError(f"_bgemm_nvfp4: stacks {tuple(qa[0].shape)} and {tuple(qb[0].shape)} do not match")
-    return _bgemm_dq(pa, (_dequantize_stack(qb), qb[2]), out_dtype)
+    return _bgemm_dq(pa, _dq_form(qb), out_dtype)
 
 
 def _dequantize_stack(q) -> torch.Tensor:
@@ -338,6 +339,18 @@ def _dequantize_stack(q) -> torch.Tensor:
     S, r, hk = codes.shape
     dq = torch.ops.fp4compile.dequantize_blocks(codes.reshape(S * r, hk), scales.reshape(S * r, -1))
     return dq.view(S, r, 2 * hk)
+
+
+def _dq_form(q):
+    """A quantized stack as (bf16 q·S, global), the operand form of :func:`_bgemm_dq`: :func:`_q_stack_dq`'s pair
+    as it is, :func:`_q_stack`'s (codes, scales, global) dequantized (one ``dequantize_blocks``)."""
+    return q if len(q) == 2 else (_dequantize_stack(q), q[2])
+
+
+def _dequantized(q) -> torch.Tensor:
+    """The FP32 value q·S·global of a quantized stack (either form, :func:`_dq_form`)."""
+    dq, g = _dq_form(q)
+    return dq.float() * g.float()
 
 
 #: the NVFP4 NS's operands as ``fp4compile::quantize_dq`` gives them (:func:`_q_stack_dq`, :func:`_bgemm_dq`):
@@ -373,25 +386,32 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
 RESIDUAL_OPERANDS = ("x", "xt", "x2d")
 
 
-def _dequantized(q) -> torch.Tensor:
-    """The FP32 value q·S·global of a quantized stack, from :func:`_q_stack` (codes, scales, global) or
-    :func:`_q_stack_dq` (bf16 q·S, global)."""
-    dq = q[0] if len(q) == 2 else _dequantize_stack(q)
-    return dq.float() * q[-1].float()
-
-
 def _q_two_term(x: torch.Tensor, qfn, spec, signs, seed):
     """``x`` [S, r, K] quantized in two terms along K: (q1, q2) with q1 = Q(x) and q2 = Q(x - q1) (the FP32
     residual of the first quantization, quantized with its own global and block scales), so that
-    q1 + q2 = x up to ~the square of one NVFP4 quantization's relative error. Both are NVFP4 operands of the
-    same kind as ``qfn`` gives (``seed``: a callable drawing one seed per quantization)."""
-    q1 = qfn(x, spec, signs, seed())
-    return q1, qfn(x.float() - _dequantized(q1), spec, signs, seed())
+    q1 + q2 = x up to ~the square of one NVFP4 quantization's relative error. Both in :func:`_bgemm_dq`'s
+    operand form (:func:`_dq_form`: each dequantized once, for the residual and every product it enters);
+    ``seed``: a callable drawing one seed per quantization."""
+    p1 = _dq_form(qfn(x, spec, signs, seed()))
+    return p1, _dq_form(qfn(x.float() - _dequantized(p1), spec, signs, seed()))
 
 
-def _dq_form(q):
-    """A quantized stack as (bf16 q·S, global), the operand form of :func:`_bgemm_dq`, from either quantizer."""
-    return q if len(q) == 2 else (_dequantize_stack(q), q[2])
+def _check_ns_options(spec, sym_b: bool, residual) -> None:
+    """The NVFP4 NS options' clear errors (:func:`_ns_nvfp4_stack`; QRoot checks its groups with it):
+    ``residual`` a tuple or list of :data:`RESIDUAL_OPERANDS` names, ``"x2d"`` alone; neither ``sym_b`` nor
+    ``residual`` with an RHT spec (a rotation along K breaks B's symmetry and moves the residual out of X's
+    coordinates)."""
+    if (isinstance(residual, str) or not isinstance(residual, (tuple, list))
+            or set(residual) - set(RESIDUAL_OPERANDS) or ("x2d" in residual and len(set(residual)) > 1)):
+        raise ValueError(f"residual (QRoot's ns_residual) must be a tuple of names from {RESIDUAL_OPERANDS}, "
+                         f"\"x2d\" alone; got {residual!r}")
+    hadamard = spec.hadamard if spec is not None and spec.name == "nvfp4" else None
+    if hadamard and sym_b:
+        raise ValueError(f"sym_b (QRoot's ns_sym_b) quantizes a symmetric B in 16x16 blocks, which an RHT does not "
+                         f"keep symmetric; the NS spec {spec} has hadamard={hadamard}")
+    if hadamard and residual:
+        raise ValueError(f"residual (QRoot's ns_residual) takes X's residual in X's own coordinates, which an RHT "
+                         f"rotates; the NS spec {spec} has hadamard={hadamard}")
 
 
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -401,7 +421,7 @@ def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4,
-                    quant=None, shift=False, b_spec=None, residual=()) -> torch.Tensor:
+                    quant=None, shift=False, sym_b=False, residual=()) -> torch.Tensor:
     """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
     stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
 
@@ -411,12 +431,13 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     :func:`_bgemm_dq` under :data:`NS_DQ`); ``bench/ns_quality.py`` passes an identity with an exact ``product``
     to separate the guard's effect from the products' error. ``shift``: compute A² and B X
     from the identity-shifted matrices (:func:`_shifted_poly`; same number of products and quantizations).
-    ``b_spec``: the spec of B's quantization for B·X (default ``spec``); with ``block=(16, 16)`` a symmetric B
-    gets a symmetric quantized copy (a 16x16 tile and its mirror share one amax), so B's quantization error is
-    a symmetric matrix, which moves X's singular values but not, to first order, its singular vectors
+    ``sym_b``: B of B·X quantized in 16x16 blocks (``spec`` with ``block=(16, 16)``): a symmetric B gets a
+    symmetric quantized copy (a 16x16 tile and its mirror share one amax), so B's quantization error is a
+    symmetric matrix, which moves X's singular values but not, to first order, its singular vectors
     (``study.ns_step_increments``, docs/OPTIM.md).
     ``residual``: operands of :data:`RESIDUAL_OPERANDS` quantized in two terms (:func:`_q_two_term`), each
-    product with such an operand summed in FP32 over the terms and rounded once: ``"x"``: A = q1 q1ᵀ + C + Cᵀ
+    product with such an operand a :func:`_bgemm_dq` of the terms (what ``product`` computes of NVFP4 operands),
+    summed in FP32 and rounded once: ``"x"``: A = q1 q1ᵀ + C + Cᵀ
     with C = q1 q2ᵀ (q2 q2ᵀ, of the order of the residual squared, is left out), one product more;
     ``"xt"``: B·X = qB q1ᵀ + qB q2ᵀ, one product more. Each adds a quantization and a product per step.
     ``("x2d",)``: X quantized once per step, in 16x16 blocks and two terms, before the guard; the terms serve
@@ -428,19 +449,18 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     S, m, _ = X.shape
     seed = _seed_stream(seeds)
 
-    if set(residual) - set(RESIDUAL_OPERANDS) or ("x2d" in residual and len(set(residual)) > 1):
-        raise ValueError(f"residual takes operands of {RESIDUAL_OPERANDS} (\"x2d\" alone), got {residual!r}")
-    if residual and spec.hadamard:
-        raise ValueError(f"residual (two-term X) takes the residual in X's own coordinates, which an RHT spec "
-                         f"rotates; the NS spec {spec} has hadamard={spec.hadamard}")
+    _check_ns_options(spec, sym_b, residual)
+    if residual and product not in (_bgemm_nvfp4, _bgemm_dq):
+        raise ValueError("residual's products are _bgemm_dq of the dequantized terms: it runs with the default "
+                         "product only")
     x2d = "x2d" in residual
-    x_spec = dataclasses.replace(spec, block=(16, 16)) if x2d else spec
+    spec2d = dataclasses.replace(spec, block=(16, 16))
     for a, b, c in coeffs:
         s = None                                             # the guard's per-matrix rescaling of A (X by sqrt)
         if "x" in residual or x2d:                           # along n: X Xᵀ contracts over the long dim
-            qx, rx = _q_two_term(X, qfn, x_spec, signs, seed)
-            C = product(qx, rx, torch.float32)
-            A = (product(qx, qx, torch.float32) + C + C.mT).to(torch.bfloat16)
+            px, rx = _q_two_term(X, qfn, spec2d if x2d else spec, signs, seed)
+            C = _bgemm_dq(px, rx, torch.float32)
+            A = (_bgemm_dq(px, px, torch.float32) + C + C.mT).to(torch.bfloat16)
         else:
             qx = qfn(X, spec, signs, seed())
             A = product(qx, qx)                              # [S, m, m]
@@ -466,14 +486,17 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
         else:
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
             B, beta = b * A + c * product(qA, qA), None
-        qB = qfn(B, b_spec or spec, signs, seed())           # rows of B along m
-        if x2d:                                              # X's terms, transposed: [S, n, m] views
+        qB = qfn(B, spec2d if sym_b else spec, signs, seed())  # rows of B along m
+        if x2d or "xt" in residual:                          # B·X over Xᵀ's two terms [S, n, m]
+            if x2d:                                          # X's own terms, transposed views
+                terms = [(t.mT, g) for t, g in (px, rx)]
+            else:
+                terms = _q_two_term(X.mT.contiguous(), qfn, spec, signs, seed)
             pB = _dq_form(qB)
-            BX = sum(_bgemm_dq(pB, (t[0].mT, t[1]), torch.float32) for t in map(_dq_form, (qx, rx)))
-            BX = (BX if s is None else BX * s.sqrt()).to(torch.bfloat16)   # X was quantized before the guard
-        elif "xt" in residual:                               # Xᵀ [S, n, m], rows along m
-            qxt, rxt = _q_two_term(X.mT.contiguous(), qfn, spec, signs, seed)
-            BX = (product(qB, qxt, torch.float32) + product(qB, rxt, torch.float32)).to(torch.bfloat16)
+            BX = sum(_bgemm_dq(pB, t, torch.float32) for t in terms)
+            if x2d and s is not None:
+                BX = BX * s.sqrt()                           # X was quantized before the guard rescaled it
+            BX = BX.to(torch.bfloat16)
         else:
             BX = product(qB, qfn(X.mT.contiguous(), spec, signs, seed()))
         X = _ns_update(X, a, beta, BX)                       # X <- a X + B·X  [S, m, n]
@@ -495,7 +518,7 @@ def ns_input(G: torch.Tensor, norm_scale: float = 1.0, eps: float = 1e-7):
 
 def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
                   eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0,
-                  shift: bool = False, b_spec=None, residual: Sequence[str] = ()) -> torch.Tensor:
+                  shift: bool = False, sym_b: bool = False, residual: Sequence[str] = ()) -> torch.Tensor:
     """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
 
     ``spec``: None/BF16 for BF16 matmuls, or a ``policy.NVFP4`` spec for NVFP4 products (matrices whose
@@ -504,7 +527,7 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     (NVFP4 only; None disables): before each step rescale the iterate so its power-iteration estimate of
     sigma_max is <= guard. Without it NVFP4 NS with Jordan's or ROOT's coefficients diverges (docs/OPTIM.md).
     ``shift`` (NVFP4 only): quantize A - alpha I and B - beta I instead of A and B (:func:`_shifted_poly`).
-    ``b_spec`` (NVFP4 only): another spec for B in B·X (e.g. 16x16 blocks; :func:`_ns_nvfp4_stack`).
+    ``sym_b`` (NVFP4 only): B of B·X in 16x16 blocks (:func:`_ns_nvfp4_stack`).
     ``residual`` (NVFP4 only): X's quantizations to take in two terms, names of :data:`RESIDUAL_OPERANDS`
     (:func:`_ns_nvfp4_stack`).
     """
@@ -517,8 +540,8 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
         use_fp4 = False
     if use_fp4:
         dq = dict(quant=_q_stack_dq, product=_bgemm_dq) if NS_DQ else {}
-        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, b_spec=b_spec,
-                            residual=tuple(residual), **dq)
+        X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, sym_b=sym_b,
+                            residual=residual, **dq)
     else:
         for a, b, c in coeffs:
             A = _gram(X, False)
@@ -702,20 +725,8 @@ class QRoot(Optimizer):
             raise ValueError(f"ns_shift must be a bool, got {g['ns_shift']!r}")
         if not isinstance(g.get("ns_sym_b", False), bool):
             raise ValueError(f"ns_sym_b must be a bool, got {g['ns_sym_b']!r}")
-        spec = getattr(self, "ns_spec", None)
-        rht = spec is not None and spec.name == "nvfp4" and spec.hadamard
-        if g.get("ns_sym_b") and rht:
-            raise ValueError(f"ns_sym_b=True quantizes a symmetric B in 16x16 blocks, which an RHT does not keep "
-                             f"symmetric; the NS spec {spec} has hadamard={spec.hadamard}")
-        res = g.get("ns_residual", ())
-        if isinstance(res, str) or not isinstance(res, (tuple, list)) or set(res) - set(RESIDUAL_OPERANDS):
-            raise ValueError(f"ns_residual must be a tuple of names from {RESIDUAL_OPERANDS}, got {res!r}")
-        if "x2d" in res and len(set(res)) > 1:
-            raise ValueError(f"ns_residual=(\"x2d\",) replaces \"x\" and \"xt\"; got {res!r}")
-        if res and rht:
-            raise ValueError(f"ns_residual takes X's residual in X's own coordinates, which an RHT rotates; the NS "
-                             f"spec {spec} has hadamard={spec.hadamard}")
-        g["ns_residual"] = tuple(sorted(set(res)))
+        _check_ns_options(getattr(self, "ns_spec", None), g.get("ns_sym_b", False), g.get("ns_residual", ()))
+        g["ns_residual"] = tuple(sorted(set(g.get("ns_residual", ()))))
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:
             bad = [tuple(p.shape) for p in g["params"] if p.dim() != 2]
@@ -781,12 +792,9 @@ class QRoot(Optimizer):
             signs = self._signs_by_device.get(U.device)
             if signs is None:
                 signs = self._signs_by_device[U.device] = self._ns_signs.to(U.device)
-        b_spec = None
-        if group["ns_sym_b"] and self.ns_spec.name == "nvfp4":
-            b_spec = dataclasses.replace(self.ns_spec, block=(16, 16))
         return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
                              norm_scale=norm_scale, guard=group["ns_guard"], shift=group["ns_shift"],
-                             b_spec=b_spec, residual=tuple(group["ns_residual"]))
+                             sym_b=group["ns_sym_b"], residual=group["ns_residual"])
 
     def orthogonalize_graphed(self, U, group: dict) -> torch.Tensor:
         """:meth:`orthogonalize` of a CUDA stack, replayed from a CUDA graph.
@@ -805,7 +813,7 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"], group["ns_shift"], group["ns_sym_b"], tuple(group["ns_residual"]), QUANTILE_IMPL,
+               group["ns_guard"], group["ns_shift"], group["ns_sym_b"], group["ns_residual"], QUANTILE_IMPL,
                SYMMETRIC_MIN_ROWS, NS_DQ)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
@@ -895,8 +903,6 @@ class QRoot(Optimizer):
 
         _qa.validate_loadable(self, state_dict, check_group_fn=self._check_group, validate_entry=validate_entry)
         super().load_state_dict(state_dict)
-        for g in self.param_groups:      # a JSON round trip (safetensors metadata) gives back a list
-            g["ns_residual"] = tuple(g.get("ns_residual", ()))
         _qa.post_load(self, state_dict)
         _qa.invalidate_plans(self)
 
@@ -910,7 +916,8 @@ class QRoot(Optimizer):
             # state dicts saved before ns_shift existed were trained with the unshifted NS: resume them so
             g.setdefault("ns_shift", False)
             g.setdefault("ns_sym_b", False)
-            g.setdefault("ns_residual", ())
+            # a tuple (part of the CUDA-graph key): a JSON round trip (safetensors metadata) gives back a list
+            g["ns_residual"] = tuple(g.get("ns_residual", ()))
         self.__dict__.setdefault("_graph_pool", None)
 
 

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import lzma
 import math
 import os
@@ -161,7 +160,7 @@ class NSVariant(NamedTuple):
     """One row of :func:`ns_error_table`: ``inputs`` "raw" (G) or "clip" (G clipped at the quantile); ``fp4``:
     NVFP4 products (else BF16); ``schedule``, ``steps``: :func:`~fp4compile.optim.root.ns_coefficients`; ``guard``,
     ``shift``, ``sym_b`` (B of B·X in 16x16 blocks), ``residual`` (X's two-term quantizations):
-    :func:`~fp4compile.optim.root.newton_schulz`'s ``guard``, ``shift``, ``b_spec``, ``residual``."""
+    :func:`~fp4compile.optim.root.newton_schulz`'s ``guard``, ``shift``, ``sym_b``, ``residual``."""
     name: str
     inputs: str
     fp4: bool
@@ -216,12 +215,12 @@ def ns_error_parts(G: torch.Tensor, O: torch.Tensor) -> dict:
                 direction=float((polar_factor(O64) - P).norm() / P.norm()))
 
 
-def ns_step_increments(G: torch.Tensor, steps: int = 7, schedule: str = "polar_express", spec=None, b_spec=None,
+def ns_step_increments(G: torch.Tensor, steps: int = 7, schedule: str = "polar_express", spec=None, sym_b=False,
                        clip_quantile: float = 0.99, guard: Optional[float] = 1.0, shift: bool = True,
                        exact: tuple = ()) -> list:
     """Where an NVFP4 NS loses G's singular vectors: the NS of ``G`` clipped at ``clip_quantile`` (as QRoot runs
     it: :func:`~fp4compile.optim.root.ns_input`, then :func:`~fp4compile.optim.root._ns_nvfp4_stack` one step at a
-    time with ``spec``, ``b_spec``, ``guard``, ``shift``), and per step k a dict:
+    time with ``spec``, ``sym_b``, ``guard``, ``shift``), and per step k a dict:
 
     - ``increment``: ||polar(X_{k+1}) - polar(X_k)||_F / ||polar(X_k)||_F, how far step k alone turned the
       iterate's singular vectors (an exact NS step keeps them: its output is p(X Xᵀ) X);
@@ -259,7 +258,7 @@ def ns_step_increments(G: torch.Tensor, steps: int = 7, schedule: str = "polar_e
     for k, (a, b, c) in enumerate(coeffs):
         sv = torch.linalg.svdvals(X[0].double())
         if spec is not None:
-            X = _ns_nvfp4_stack(X, [(a, b, c)], spec, None, None, guard, shift=shift, b_spec=b_spec, **hooks)
+            X = _ns_nvfp4_stack(X, [(a, b, c)], spec, None, None, guard, shift=shift, sym_b=sym_b, **hooks)
         else:
             A = X @ X.mT
             X = a * X + (b * A + c * A @ A) @ X
@@ -286,8 +285,7 @@ def ns_error_table(shapes, seed=0, spec=None, clip_quantile=0.99, variants=NS_VA
             inp = inputs[v.inputs]
             coeffs = ns_coefficients((m, n), v.steps, v.schedule)
             ns_scale = 1.01 if v.schedule == "polar_express" else 1.0
-            b_spec = dataclasses.replace(spec, block=(16, 16)) if v.sym_b else None
             O = newton_schulz(inp, coeffs, spec=spec if v.fp4 else None, norm_scale=ns_scale, guard=v.guard,
-                              shift=v.shift, b_spec=b_spec, residual=v.residual).float()
+                              shift=v.shift, sym_b=v.sym_b, residual=v.residual).float()
             rows.append(((m, n), v.name, ns_error_parts(inp, O)))
     return rows
