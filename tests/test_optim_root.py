@@ -601,9 +601,13 @@ def test_abs_quantile_rejects_an_unknown_impl(monkeypatch):
 
     with pytest.raises(ValueError, match="QUANTILE_IMPL"):
         abs_quantile(torch.ones(1, 4), 0.5, "heap")
-    monkeypatch.setattr(R, "QUANTILE_IMPL", "topk")      # the module switch is what the default follows
     x = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(abs_quantile(x, 0.9), abs_quantile(x, 0.9, "sort"))
+    for impl in R.QUANTILE_IMPLS:
+        monkeypatch.setattr(R, "QUANTILE_IMPL", impl)    # the module switch is what the default follows
+        assert torch.equal(abs_quantile(x, 0.9), abs_quantile(x, 0.9, impl))
+        monkeypatch.setattr(R, "QUANTILE_IMPL", "heap")
+        with pytest.raises(ValueError, match="QUANTILE_IMPL"):
+            abs_quantile(x, 0.9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,7 +749,7 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
     def dist(ps, qs):
         return sum(float((p - q).norm() / (q - p0).norm()) for p, q, p0 in zip(ps, qs, ps0))
 
-    for attr, value, exact in (("QUANTILE_IMPL", "topk", True), ("NS_DQ", True, True), ("ROOT_FOREACH", False, True),
+    for attr, value, exact in (("QUANTILE_IMPL", "sort", True), ("NS_DQ", True, True), ("ROOT_FOREACH", False, True),
                                ("SYMMETRIC_MIN_ROWS", 512, False)):
         monkeypatch.setattr(R, attr, value)
         out, opt = _root_run(ps0, grads, precision=NVFP4(), cuda_graphs=True)

@@ -291,7 +291,8 @@ def _env_rows(name: str) -> Optional[int]:
 
 #: the smallest row count m from which a stack's Gram product a·aᵀ (X·Xᵀ; A·A and E² of a symmetric A or E) is
 #: computed as a symmetric product (:func:`_gram`): the blocks on and right of the diagonal of a 2 x 2 split, 3/4 of
-#: the flops, then the mirror. None (the default until timed on a GPU): always the full product.
+#: the flops, then the mirror. None (the default): always the full product; timed in session 43 at 512 rows, the
+#: 124M set's Q-Root step took 35.44 ms against 34.38 (the second launch and the copy cost more than they save).
 #: ``FP4COMPILE_NS_SYMMETRIC=<rows>`` sets it at import.
 SYMMETRIC_MIN_ROWS = _env_rows("FP4COMPILE_NS_SYMMETRIC")
 
@@ -356,8 +357,9 @@ def _dequantized(q) -> torch.Tensor:
 #: the NVFP4 NS's operands as ``fp4compile::quantize_dq`` gives them (:func:`_q_stack_dq`, :func:`_bgemm_dq`):
 #: the bf16 q·S stored by the quantize launch itself (RTN and SR in the quantize kernel, MS-EDEN in its pass 2)
 #: instead of codes that a ``dequantize_blocks`` pass per operand reads back; the same values (dq is
-#: dequantize_blocks of the same codes by the op's definition), 4 passes fewer per NS step. False (the default
-#: until timed on a GPU): quantize + dequantize_blocks. ``FP4COMPILE_NS_DQ=1`` sets it at import.
+#: dequantize_blocks of the same codes by the op's definition), 4 passes fewer per NS step. False (the default):
+#: quantize + dequantize_blocks; timed in session 43, 34.58 against 34.38 ms (124M set) and 347.7 against 344.2 ms (1B):
+#: the bf16 store costs what the passes did. ``FP4COMPILE_NS_DQ=1`` sets it at import.
 NS_DQ = os.environ.get("FP4COMPILE_NS_DQ", "0") not in ("", "0")
 
 
@@ -552,11 +554,13 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     return X.squeeze(0) if squeeze else X
 
 
-#: how :func:`abs_quantile` finds the two order statistics it interpolates: ``"sort"`` (sort each row, the
-#: default) or ``"topk"`` (``torch.topk`` of the row's largest N - lo values, the two smallest of which are the
-#: ones wanted: a selection instead of a whole sort, the same values bit for bit). ``FP4COMPILE_ROOT_QUANTILE``
-#: sets it at import. CPU (2 cores, 12 rows of 768·3072): sort 1.54 s, topk 0.17 s; not yet timed on a GPU.
-QUANTILE_IMPL = os.environ.get("FP4COMPILE_ROOT_QUANTILE", "sort")
+#: how :func:`abs_quantile` finds the two order statistics it interpolates: ``"topk"`` (the default since session 43:
+#: ``torch.topk`` of the row's largest N - lo values, the two smallest of which are the ones wanted, a selection
+#: instead of a whole sort) or ``"sort"`` (sort each row); the same values bit for bit. ``FP4COMPILE_ROOT_QUANTILE``
+#: sets it at import. CPU (2 cores, 12 rows of 768·3072): sort 1.54 s, topk 0.17 s. H200 (session 43, CUDA graphs),
+#: Q-Root step on the 124M set 34.38 -> 30.49 ms (BF16 NS 13.75 -> 9.91), on the 1B set 344.2 -> 316.6 ms (BF16 NS
+#: 149.1 -> 120.6): the sort's radix passes were 4.3 ms of the 124M step.
+QUANTILE_IMPL = os.environ.get("FP4COMPILE_ROOT_QUANTILE", "topk")
 #: Root's element-wise step (the momentum buffers, the Nesterov direction, the step counters, weight decay and the
 #: update) by ``torch._foreach_*`` ops, one multi-tensor launch per op for a group's matrices, as torch.optim's
 #: optimizers do by default on CUDA, instead of a few launches per matrix; the same arithmetic per element.
