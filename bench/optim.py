@@ -170,6 +170,29 @@ def profile_root(name, cfg, device, rows, precision):
     rows.append(dict(section="QRoot profile", set=name, precision=precision, families_us_per_step=fam))
 
 
+def profile_root_ops(name, cfg, device, precision, top=30):
+    """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time, each with the Python lines that
+    called it (torch.profiler's op table grouped by the top frames of the call stack, sorted by the self device time
+    of the kernels each op launched): where the time between the NS products goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
+    ps = make_params(shapes, device, torch.bfloat16)
+    opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=precision)
+    for _ in range(2):
+        opt.step()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        for _ in range(2):
+            opt.step()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for title, avg in (("by op", prof.key_averages()), ("by op and caller", prof.key_averages(group_by_stack_n=4))):
+        print(f"[root ops {name} {precision}, 2 steps, {title}]", flush=True)
+        print(avg.table(sort_by=key, row_limit=top, max_name_column_width=48, max_src_column_width=110), flush=True)
+
+
 def bench_peak_memory(device, tiny, rows, batch=None):
     """Peak of a full train step with each optimizer, and what the peak is made of (params, grads, optimizer
     state, the rest = activations/logits/workspaces at the peak)."""
@@ -318,6 +341,8 @@ def main(argv=None):
                          "'res:options.ns_sym_b=true,options.ns_residual=x+xt' (default: one arm, the defaults)")
     ap.add_argument("--root-profile", default="", help="comma list of parameter sets whose Q-Root step (BF16 and "
                     "NVFP4 NS, eager) is profiled by kernel family")
+    ap.add_argument("--root-ops", default="", help="comma list of parameter sets whose Q-Root step (NVFP4 and BF16 NS, "
+                    "eager) is profiled by torch op and calling line")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -354,6 +379,11 @@ def main(argv=None):
             for arm in args.root_arm or [None]:
                 jobs.append((f"root {k} {arm or ''}", lambda k=k, cfg=cfg, arm=arm: bench_root(
                     k, cfg, device, 5 if not args.tiny else 2, 1, rows, budget_s=20.0, arm=arm)))
+    for k in [k for k in args.root_ops.split(",") if k]:
+        cfg = (TINY if args.tiny else SETS)[k]
+        for prec in ("nvfp4", "bf16"):
+            jobs.append((f"root ops {k} {prec}", lambda k=k, cfg=cfg, prec=prec: profile_root_ops(k, cfg, device,
+                                                                                                   prec)))
     for k in [k for k in args.root_profile.split(",") if k]:
         cfg = (TINY if args.tiny else SETS)[k]
         for prec in ("bf16", "nvfp4"):

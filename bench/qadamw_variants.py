@@ -3,6 +3,7 @@ the kernel costs, and the block-per-thread kernel against the first version).
 
     python bench/qadamw_variants.py --out variants.json      # H200: 124M and 1B sets (~60 s)
     python bench/qadamw_variants.py --tiny                   # CPU smoke run (TRITON_INTERPRET=1)
+    python bench/qadamw_variants.py --only 12,0,13           # chosen variants (VARIANTS indices) after the default
 
 Each row: CUDA-event ms per step (20 steps after 3 warm-up steps, compile included in the warm-up), and the
 ratio to fused AdamW measured in the same run on the same parameter set.
@@ -40,6 +41,8 @@ VARIANTS = [
     ("k2 no reuse of 4/6 codes", dict(REUSE=0), {}),
     ("k2 no 4/6, no RHT, RTN m", dict(), {**NO46, **NORHT, "m_rounding": "rtn"}),
     ("k2 4 warps", dict(NUM_WARPS=4), {}),
+    ("k2 SR codes by the comparison form (SR_RP off)", dict(SR_RP=False), {}),
+    ("k2 register cap 128", dict(MAXNREG=128), {}),
 ]
 
 
@@ -66,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sets", default="124M,1B", help="sets for the default kernel (variants run on the first)")
+    ap.add_argument("--only", default="", help="comma list of VARIANTS indices to run on the first set, in this "
+                    "order, repeats allowed (default: every variant after the default, once)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else {k: SETS[k] for k in args.sets.split(",")}
@@ -83,7 +88,8 @@ def main(argv=None):
     # the default kernel vs AdamW on every set first (the numbers that matter), then the variants on the first set
     refs = {}
     jobs = [j for name in sets for j in ((name, "AdamW", {}, {}), (name,) + VARIANTS[0])]
-    jobs += [(next(iter(sets)),) + v for v in VARIANTS[1:]]
+    order = [int(i) for i in args.only.split(",")] if args.only else range(1, len(VARIANTS))
+    jobs += [(next(iter(sets)),) + VARIANTS[i] for i in order]
     for name, label, settings, qkw in jobs:
         cfg = sets[name]
         nparam = sum(math.prod(s) for s in gpt_shapes(**cfg))

@@ -62,6 +62,15 @@ def quantize46_spec(rounding="rtn", cfg=None, dq=False) -> KernelSpec:
     return spec._replace(options={"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None)
 
 
+def quantize_sr_spec(cfg=None, SR_RP=True, **constexprs) -> KernelSpec:
+    """SR's quantize kernel as launched: CONFIG's ``s_*`` tile (the 4/6 kernels') and its register cap, 1D blocks, no
+    RHT; ``SR_RP``: its E2M1 codes by directed-rounding PTX (the default, ``quantize.SR_RP``) or the comparison form."""
+    cfg = cfg or K.CONFIG
+    tile = {"q_rows": cfg["s_rows"], "q_cols": cfg["s_cols"], "q_warps": cfg["s_warps"]}
+    spec = quantize_spec("sr", {**cfg, **tile}, SR_RP=SR_RP, **constexprs)
+    return spec._replace(options={"maxnreg": cfg["s_maxnreg"]} if cfg["s_maxnreg"] else None)
+
+
 def amax_spec(cfg=None, **constexprs) -> KernelSpec:
     """The amax kernel (``_amax_kernel``) with CONFIG's tile, no RHT."""
     cfg = cfg or K.CONFIG
@@ -113,7 +122,10 @@ def measure(cfg=None) -> list:
     rows = [("RTN quantize pass", per_element(quantize_spec(cfg=cfg))),
             ("RTN quantize pass + bf16 q * S (quantize_dq)", per_element(quantize_spec(cfg=cfg, DQ=True))),
             ("RTN 4/6 quantize pass", per_element(quantize46_spec(cfg=cfg))),
-            ("RTN 4/6 quantize pass + bf16 q * S (quantize_dq)", per_element(quantize46_spec(cfg=cfg, dq=True)))]
+            ("RTN 4/6 quantize pass + bf16 q * S (quantize_dq)", per_element(quantize46_spec(cfg=cfg, dq=True))),
+            ("SR quantize pass", per_element(quantize_sr_spec(cfg))),
+            ("SR quantize pass, comparison form (SR_RP=0)", per_element(quantize_sr_spec(cfg, SR_RP=False))),
+            ("SR quantize pass + bf16 q * S (quantize_dq)", per_element(quantize_sr_spec(cfg, DQ=True)))]
     for had in (128, 16, 0):
         rows.append((f"MS-EDEN pass 1, RHT-{had}" if had else "MS-EDEN pass 1, no RHT",
                      per_element(eden_pass1_spec(had, cfg))))

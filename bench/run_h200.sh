@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -765,6 +765,21 @@ s41_root)
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
+s43_sr)
+  # issues 2 and 5 on one nvidia-h200 (~7 min; session 43): E2M1 stochastic rounding by directed-rounding PTX
+  # (kernels/quantize.SR_RP: min over E2M1's three pieces of ceil(piece - u), one fma.rp + add.rp each) in the SR
+  # quantize kernel and in Q-AdamW's kernel. The GPU tests of both (bit for bit against the torch reference), the
+  # SR quantize kernel against the tree before (.ab/quantize_old.py, outputs checked identical, then timed
+  # alternately), Q-AdamW's default against the comparison form and a 128-register cap (the directed form takes
+  # 165 registers), and Q-Root's step by torch op and calling line (where the time between the NS products goes)
+  step gpu_tests 240 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_quantize_kernels.py \
+      tests/test_optim_fused.py
+  step quantize_ab 150 python bench/quantize_ab.py --old .ab/quantize_old.py --cases "SR,SR 4/6,RTN" --rounds 5 \
+      --json "$OUT/quantize_ab.json"
+  step qadamw_variants 150 python bench/qadamw_variants.py --sets 124M,1B --only 11,12,0,11 \
+      --out "$OUT/qadamw_variants.json"
+  step root_ops 120 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
+  tail -n 3 "$OUT/gpu_tests.log"; cat "$OUT/quantize_ab.log" "$OUT/qadamw_variants.log" ;;
 s42_ns)
   # issue 5 on one nvidia-h200 (~5 min; prepared in session 42, not yet run): the NVFP4 NS accuracy options (QRoot's
   # ns_sym_b: B of B·X in 16x16 blocks; ns_residual: X's quantizations in two NVFP4 terms, one product each more per

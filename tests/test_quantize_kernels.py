@@ -319,11 +319,12 @@ def test_dequantize_decode_keeps_subnormals(transpose, sass):
     assert ops.get("F2FP", 0) > 0 and ops.get("FSEL", 0) == 0, ops
 
 
-@pytest.mark.parametrize("rounding,four_six", [("rtn", True), ("sr", False)])
-def test_quantize_kernels_that_decode_keep_subnormals(rounding, four_six, sass):
-    """The 4/6 and SR quantize kernels decode codes with the same _e2m1_value (their block errors, SR's lower grid
-    point): compiled for sm_90 here, none of their float ops flushes subnormals."""
-    assert not re.search(r"\.ftz", sass.quantize_spec(rounding, FOUR_SIX=four_six).compile("ptx"))
+@pytest.mark.parametrize("dq", [False, True])
+def test_quantize_kernels_that_decode_keep_subnormals(dq, sass):
+    """The 4/6 and SR quantize kernels decode codes by bit placement (_mag_value_magic; their block errors, the bf16
+    q * S of quantize_dq): compiled for sm_90 here as launched, none of their float ops flushes subnormals."""
+    assert not re.search(r"\.ftz", sass.quantize46_spec(dq=dq).compile("ptx"))
+    assert not re.search(r"\.ftz", sass.quantize_sr_spec(DQ=dq).compile("ptx"))
 
 
 @pytest.mark.parametrize("hadamard", [128, 0])
@@ -576,3 +577,116 @@ def test_register_caps_reach_only_their_kernels(monkeypatch):
     assert caps(cap, rounding="sr", seed=SEED) == [("_amax_kernel", None), ("_quantize_kernel", 80)]
     assert caps(cap) == [("_amax_kernel", None), ("_quantize_kernel", None)]  # plain RTN: the q_* tile
     assert caps(four_over_six=True) == [("_amax_kernel", None), ("_quantize_kernel", 128)]  # the default cap
+
+
+# ----------------------------------------------------------------------------------------------
+# stochastic rounding's E2M1 code by directed rounding (quantize._e2m1_sr_mag_magic with RP, the compiled kernels' form)
+_MAGIC = 12582912
+
+
+def _f32_up(x):
+    """The smallest FP32 >= the rational ``x`` (round toward +inf, subnormals kept), as a Fraction."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    f = np.float32(float(x))
+    while Fraction(float(f)) < x:
+        f = np.nextafter(f, np.float32(np.inf))
+    while Fraction(float(np.nextafter(f, np.float32(-np.inf)))) >= x:
+        f = np.nextafter(f, np.float32(-np.inf))
+    return Fraction(float(f))
+
+
+def _sr_code_rp(a, nu):
+    """The PTX form's code, each fma.rp / add.rp emulated exactly: the exact value rounded once toward +inf."""
+    from fractions import Fraction
+
+    a, nu = Fraction(float(a)), Fraction(float(nu))
+    t1 = _f32_up(_f32_up(2 * a + nu) + _MAGIC)
+    t2 = _f32_up(_f32_up(a + nu) + _MAGIC + 2)
+    t3 = _f32_up(_f32_up(a / 2 + nu) + _MAGIC + 4)
+    return int(min(t1, t2, t3, Fraction(_MAGIC + 7)) - _MAGIC)
+
+
+def _sr_reference_codes(a, u):
+    from fp4compile.formats.schemes import sr_codes
+    from fp4compile.optim.codec import e2m1_sr_codes
+
+    a, u = torch.tensor(a, dtype=torch.float32), torch.tensor(u, dtype=torch.float32)
+    ref = sr_codes(a, u)
+    assert torch.equal(ref, e2m1_sr_codes(a, u).to(ref.dtype))  # the two references agree
+    return ref.tolist()
+
+
+def _sr_probe_values():
+    """Magnitudes where the rule can go wrong: every grid point, half-way points, their FP32 neighbours, values
+    just above a grid point (frac tiny), subnormals, zero, the saturation at 6 and beyond."""
+    import numpy as np
+
+    pts = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 100.0]
+    out = set()
+    for p in pts:
+        f = np.float32(p)
+        out.update([f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))])
+    out.update(np.float32(v) for v in (1e-45, 1e-40, 1.2e-38, 3e-8, 1 / 3, 5.999999, 2 ** -17, 1 + 2 ** -16))
+    return sorted(float(v) for v in out if v >= 0)
+
+
+def test_sr_directed_rounding_form_matches_the_reference():
+    """The compiled kernels' SR code (min over E2M1's three linear pieces of ceil(piece - u), each ceil by an
+    fma.rp / add.rp and an add.rp of a MAGIC constant), emulated with exact rationals, equals the torch reference's
+    "lo + [u < (a - lo) / step]" on every probe magnitude for uniforms on both kernels' grids (Q-AdamW's k / 2^16,
+    the quantize kernel's k / 2^24), including each probe's own rounding-up probability as u (the tie u == frac,
+    which must round down) and the FP32 neighbours of it."""
+    import numpy as np
+
+    us = {0.0, 2 ** -24, 2 ** -16, 0.5, 0.25, 0.75, 1 - 2 ** -16, 1 - 2 ** -24}
+    a_list, u_list = [], []
+    for a in _sr_probe_values():
+        t = min(a, 6.0)
+        step = 0.5 if t < 2 else 1.0 if t < 4 else 2.0
+        frac = (t - np.floor(t / step) * step) / step
+        ties = {float(frac), float(np.nextafter(np.float32(frac), np.float32(1))),
+                float(np.nextafter(np.float32(frac), np.float32(0)))}
+        for u in us | {x for x in ties if 0 <= x < 1}:
+            a_list.append(a)
+            u_list.append(u)
+    ref = _sr_reference_codes(a_list, u_list)
+    got = [_sr_code_rp(a, -u) for a, u in zip(a_list, u_list)]
+    bad = [(a, u, g, r) for a, u, g, r in zip(a_list, u_list, got, ref) if g != r]
+    assert not bad, bad[:10]
+    assert len(a_list) > 300 and len(set(ref)) == 8  # every code is reached
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=st.floats(0.0, 8.0, width=32, allow_subnormal=True), k=st.integers(0, 2 ** 24 - 1))
+def test_sr_directed_rounding_form_property(a, k):
+    """The same, on random FP32 magnitudes (subnormals included) and 24-bit uniforms."""
+    u = k * 2.0 ** -24
+    assert _sr_code_rp(a, -u) == _sr_reference_codes([a], [u])[0]
+
+
+@pytest.mark.parametrize("rp", [True, False])
+def test_sr_quantize_kernel_compiles_each_form(rp, sass):
+    """The SR quantize kernel as launched (the 4/6 kernels' tile and register cap), compiled for sm_90 here: with
+    ``SR_RP`` its codes come from fma.rp / add.rp (no .ftz: subnormal magnitudes are kept, which the proof needs),
+    without it from no directed rounding at all (and no flushing op but the floor); the directed form takes fewer instructions, spills nothing and
+    keeps the cap."""
+    spec = sass.quantize_sr_spec(SR_RP=rp)
+    ptx = spec.compile("ptx")
+    ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+    if rp:
+        assert "fma.rp.f32" in ptx and "add.rp.f32" in ptx and not ftz
+    else:
+        # tl.floor is cvt.rmi.ftz: harmless here, it floors s = |v| / step >= 0, and a flushed subnormal floors to the
+        # same 0 (the difference s - floor(s) is an unflushed add)
+        assert ".rp." not in ptx and all(ln.startswith("cvt.rmi.ftz.f32.f32") for ln in ftz), ftz
+    n, _, regs, spill = sass.per_element(spec)
+    assert regs <= sass.K.CONFIG["s_maxnreg"] and spill == 0
+    if rp:
+        assert n < sass.per_element(sass.quantize_sr_spec(SR_RP=False))[0]

@@ -37,6 +37,7 @@ The kernels do *not* check for NaN/Inf (the fast unchecked path; the eager ``for
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -211,6 +212,55 @@ def _e2m1_mag_magic_le7(a):
     t2 = a + 12582914.0
     t3 = tl.fma(a, 0.5, 12582916.0)
     return tl.minimum(tl.minimum(t1, t2), t3)
+
+
+#: How :func:`_e2m1_sr_mag_magic` rounds in compiled kernels (its ``RP``): by directed-rounding PTX (``fma.rp`` /
+#: ``add.rp``, True, the default) or by the comparison form (False; ``FP4COMPILE_SR_RP=0`` at import). The
+#: interpreter (``TRITON_INTERPRET=1``, the CPU tests) runs no inline PTX: always the comparison form there. Both give
+#: the reference's codes bit for bit (``tests/test_quantize_kernels.py`` checks the PTX form's arithmetic exactly).
+SR_RP = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("FP4COMPILE_SR_RP", "1") != "0"
+
+
+@triton.jit
+def _fma_rp(a, b, c):
+    """a * b + c rounded once toward +inf (PTX ``fma.rp.f32``: subnormals kept, no flush to zero)."""
+    return tl.inline_asm_elementwise("fma.rp.f32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rp(a, b):
+    """a + b rounded toward +inf (PTX ``add.rp.f32``: subnormals kept)."""
+    return tl.inline_asm_elementwise("add.rp.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _e2m1_sr_mag_magic(a, nu, RP: tl.constexpr):
+    """Stochastic rounding of |v| = ``a`` (FP32, >= 0) onto the E2M1 magnitudes -> MAGIC + code (as
+    :func:`_e2m1_mag_magic`): the code of the grid point lo below min(a, 6), plus 1 iff u < (min(a, 6) - lo) / step,
+    the reference's rule (``schemes.sr_codes``, ``codec.e2m1_sr_codes``). ``nu`` = -u, u in [0, 1) the uniform.
+
+    ``RP`` (:data:`SR_RP`; compiled kernels only): E2M1's code is the concave piecewise-linear min(2a, a + 2, a / 2 + 4,
+    7), and "lo's code + [u < frac]" is ceil(code(a) - u); ceil is monotone, so it commutes with the min, and
+    ceil(k a - u) = ceil(RU(k a - u)) (RU rounds toward +inf, and the integer ceil(k a - u) is a float that RU cannot
+    pass), and RU(y + MAGIC + c) = MAGIC + c + ceil(y) where floats have unit spacing. So each piece is one ``fma.rp``
+    (or ``add.rp``) and one ``add.rp`` of a MAGIC constant: 6 adds and 3 mins. Otherwise the comparison form (~13
+    operations): the step by two compares, s = a / step exact, floor(s) + the segment's code offset, + [u < s - fl]."""
+    if RP:
+        t1 = _add_rp(_fma_rp(a, 2.0, nu), 12582912.0)
+        t2 = _add_rp(_add_rp(a, nu), 12582914.0)
+        t3 = _add_rp(_fma_rp(a, 0.5, nu), 12582916.0)
+        return tl.minimum(tl.minimum(t1, t2), tl.minimum(t3, 12582919.0))
+    else:
+        u = 0.0 - nu
+        t = tl.minimum(a, 6.0)
+        lt2 = t < 2.0
+        lt4 = t < 4.0
+        s = t * tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))  # t / step, exact (a power-of-two step)
+        fl = tl.floor(s)
+        off = tl.where(lt2, 12582912.0, tl.where(lt4, 12582914.0, 12582916.0))
+        return (fl + off) + tl.where(u < s - fl, 1.0, 0.0)  # s - fl = (t - lo) / step exactly (Sterbenz)
 
 
 @triton.jit
@@ -559,13 +609,10 @@ def _sr_var(v, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _sr_half(v, u):
-    """SR codes of one half: the reference's (|v| - lo) / step is exact (Sterbenz difference, power-of-two
-    step), so it is computed as a multiply by 1/step (2, 1 or 0.5) instead of a correctly rounded division."""
-    a, c, lo, step = _sr_floor(v)
-    p = (a - lo) * tl.where(c < 4, 2.0, tl.where(c < 6, 1.0, 0.5))
-    mag = c + (u < p).to(tl.int32)
-    return mag | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+def _sr_half(v, u, RP: tl.constexpr):
+    """SR magnitude codes of one half as MAGIC + code floats (:func:`_e2m1_sr_mag_magic`; the caller packs them with
+    v's signs). ``u * -1.0`` is the exact negation, folded into :func:`_uniform32`'s scale."""
+    return _e2m1_sr_mag_magic(tl.abs(v), u * -1.0, RP)
 
 
 @triton.jit
@@ -586,7 +633,7 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
                      ROUNDING: tl.constexpr, FOUR_SIX: tl.constexpr, BLOCK2D: tl.constexpr,
                      HAD: tl.constexpr, NORM: tl.constexpr, RHT_IMPL: tl.constexpr, TLOAD: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr, PDL: tl.constexpr = False,
-                     DQ: tl.constexpr = False):
+                     DQ: tl.constexpr = False, SR_RP: tl.constexpr = False):
     """One [BR, BC] tile -> packed codes (int32 words, 8 codes each) and scale bytes; see the module docstring.
 
     Same arithmetic as :func:`_quantize_kernel_v0` (the first version, kept for comparison), reorganized so a
@@ -671,13 +718,15 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         # the hash takes the flat index mod 2^32: uint32 wrap-around arithmetic gives exactly that
         c0 = ((pid_c * NB + tl.arange(0, NB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]).to(tl.uint32)
         i0 = rows.to(tl.uint32)[:, None, None] * K.to(tl.uint32) + c0
-        qlo = _sr_half(lo * e3, _uniform32(k0, k1, i0))
-        qhi = _sr_half(hi * e3, _uniform32(k0, k1, i0 + 8))
-        wlo = _pack8(qlo)
-        whi = _pack8(qhi)
+        vlo = lo * e3
+        vhi = hi * e3
+        mlo = _sr_half(vlo, _uniform32(k0, k1, i0), SR_RP)
+        mhi = _sr_half(vhi, _uniform32(k0, k1, i0 + 8), SR_RP)
+        wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
+        whi = _pack_magic(mhi, vhi, MAGIC_PACK)
         if DQ:
-            _store_dq(dq_ptr, _e2m1_value(qlo) * sf[:, :, None], _e2m1_value(qhi) * sf[:, :, None], zero, rows,
-                      pid_c, R, K, NB)
+            _store_dq(dq_ptr, _signed_value(_mag_value_magic(mlo) * sf[:, :, None], vlo),
+                      _signed_value(_mag_value_magic(mhi) * sf[:, :, None], vhi), zero, rows, pid_c, R, K, NB)
 
     w = tl.reshape(tl.join(wlo, whi), (BR, 2 * NB))  # words 2b, 2b + 1 of block b
     w = tl.where(zero, 0, w)
@@ -1266,7 +1315,7 @@ def quantize(x: torch.Tensor, rounding: str = "rtn", four_over_six: bool = False
         return result
     launch(_quantize_kernel, grid, x, srow, scol, R, K, amax, seed, sg, codes.view(torch.int32), scales,
            gscale, out if dq else placeholder(dev, torch.bfloat16), MAGIC_PACK=_MAGIC_PACK, PDL=pdl, DQ=dq,
-           **args, **({"launch_pdl": True} if pdl else {}))
+           SR_RP=SR_RP and rounding == "sr", **args, **({"launch_pdl": True} if pdl else {}))
     return result
 
 

@@ -46,8 +46,9 @@ import triton
 import triton.language as tl
 
 from ..kernels.launch import stable_cache_keys
-from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_value, _e4m3_code,
-                                _e4m3_value, _fwht, _launch_opts, _mag_value_magic)
+from ..kernels.quantize import SR_RP as _SR_RP
+from ..kernels.quantize import (AMAX_FLUSH, _MAGIC_PACK, _e2m1_mag_magic, _e2m1_rne, _e2m1_sr_mag_magic, _e2m1_value,
+                                _e4m3_code, _e4m3_value, _fwht, _launch_opts, _mag_value_magic)
 from . import qadamw as _qa
 from .codec import SQRT_V_MAX
 
@@ -64,6 +65,9 @@ NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: 80 -> +144, 41 words, 12 programs; 64 -> +216, 75 words, 16 programs. H200, 124M set, alternating twice: 0 1.304,
 #: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
+#: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True) or the comparison form (False); the same codes
+#: (:data:`fp4compile.kernels.quantize.SR_RP`, ``FP4COMPILE_SR_RP``; always False under ``TRITON_INTERPRET=1``)
+SR_RP = _SR_RP
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
 #: kernel 2, timing ablations only (bit mask; results are NOT the reference's): 1 approximate sqrt/divisions in the
@@ -504,20 +508,6 @@ def _q_sse(a, enc6, enc4, qs6, qs4, NB: tl.constexpr, SSE64: tl.constexpr):
 
 
 @triton.jit
-def _q_sr_mag(t, u):
-    """``codec.e2m1_sr_codes`` magnitude of t = |x| * enc as MAGIC + code (FP32). With a = min(t, 6), the
-    step 2^-1/2^0/2^1 and s = a / step (exact), floor(s) + {0, 2, 4} is the code of the lower grid point lo
-    and s - floor(s) = (a - lo) / step exactly (Sterbenz), the reference's round-up probability."""
-    a = tl.minimum(t, 6.0)
-    lt2 = a < 2.0
-    lt4 = a < 4.0
-    s = a * tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
-    fl = tl.floor(s)
-    off = tl.where(lt2, 12582912.0, tl.where(lt4, 12582914.0, 12582916.0))
-    return (fl + off) + tl.where(u < s - fl, 1.0, 0.0)
-
-
-@triton.jit
 def _q_pack(m, x, SH: tl.constexpr):
     """4 codes (MAGIC + magnitude floats ``m``, signs from ``x``) shifted to nibbles SH/4.. of a word, plus
     MAGIC's bits shifted alike (the caller subtracts ``_MAGIC_PACK`` once per word; see ``_pack_magic``)."""
@@ -553,12 +543,24 @@ def _lo16(h):
 
 
 @triton.jit
+def _nu_hi16(h):
+    """:func:`_hi16` negated (exactly; the sign folds into the constant): :func:`_e2m1_sr_mag_magic`'s ``nu``."""
+    return (h >> 16).to(tl.float32) * -1.52587890625e-05
+
+
+@triton.jit
+def _nu_lo16(h):
+    """:func:`_lo16` negated."""
+    return (h & 0xFFFF).to(tl.float32) * -1.52587890625e-05
+
+
+@triton.jit
 def _q_encode_store(x0, x1, x2, x3, u0, u1, u2, u3, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
                     NB: tl.constexpr, FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr,
-                    REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr):
+                    REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr, SR_RP: tl.constexpr):
     """``codec.encode`` of one run held as quarters (its own second-level scale) -> stores the packed codes
     (two int32 words per block), the scale bytes and the global decode scale. ``u0..u3``: the quarters' SR
-    uniforms (read only when SR)."""
+    uniforms, negated (:func:`_nu_hi16`; read only when SR); ``SR_RP``: :data:`SR_RP`."""
     a0 = tl.abs(x0)
     a1 = tl.abs(x1)
     a2 = tl.abs(x2)
@@ -585,15 +587,15 @@ def _q_encode_store(x0, x1, x2, x3, u0, u1, u2, u3, codes_ptr, scales_ptr, gbits
         enc = tl.where(pick4, enc4, enc)
     e2 = enc[:, None]
     if SR and (PROF & 2):  # timing only: no hash (a constant uniform)
-        m0 = _q_sr_mag(a0 * e2, 0.5)
-        m1 = _q_sr_mag(a1 * e2, 0.5)
-        m2 = _q_sr_mag(a2 * e2, 0.5)
-        m3 = _q_sr_mag(a3 * e2, 0.5)
+        m0 = _e2m1_sr_mag_magic(a0 * e2, -0.5, SR_RP)
+        m1 = _e2m1_sr_mag_magic(a1 * e2, -0.5, SR_RP)
+        m2 = _e2m1_sr_mag_magic(a2 * e2, -0.5, SR_RP)
+        m3 = _e2m1_sr_mag_magic(a3 * e2, -0.5, SR_RP)
     elif SR:
-        m0 = _q_sr_mag(a0 * e2, u0)
-        m1 = _q_sr_mag(a1 * e2, u1)
-        m2 = _q_sr_mag(a2 * e2, u2)
-        m3 = _q_sr_mag(a3 * e2, u3)
+        m0 = _e2m1_sr_mag_magic(a0 * e2, u0, SR_RP)
+        m1 = _e2m1_sr_mag_magic(a1 * e2, u1, SR_RP)
+        m2 = _e2m1_sr_mag_magic(a2 * e2, u2, SR_RP)
+        m3 = _e2m1_sr_mag_magic(a3 * e2, u3, SR_RP)
     elif FOS and REUSE:
         p4 = pick4[:, None]
         m0 = tl.where(p4, m4a, m6a)
@@ -664,7 +666,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
                    MNORM: tl.constexpr, VNORM: tl.constexpr, M_SR: tl.constexpr, M_FOS: tl.constexpr,
                    V_SR: tl.constexpr, V_FOS: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                    MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, SSE64: tl.constexpr, REUSE: tl.constexpr,
-                   MAGIC_PACK: tl.constexpr, PROF: tl.constexpr = 0):
+                   MAGIC_PACK: tl.constexpr, PROF: tl.constexpr = 0, SR_RP: tl.constexpr = False):
     """One run of N elements of one tensor: decode m and sqrt(v), AdamW, re-encode, write p (block per thread;
     same arithmetic, bit for bit, as :func:`_qadamw_kernel_v1` and the torch reference)."""
     NB: tl.constexpr = N // 16
@@ -720,8 +722,9 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
         h1 = h0
         h2 = h0
         h3 = h0
-    _q_encode_store(m0, m1, m2, m3, _hi16(h0), _hi16(h1), _hi16(h2), _hi16(h3), m_codes, m_scales, m_gbits, c,
-                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF)
+    _q_encode_store(m0, m1, m2, m3, _nu_hi16(h0), _nu_hi16(h1), _nu_hi16(h2), _nu_hi16(h3), m_codes, m_scales,
+                    m_gbits, c,
+                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
     # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
     sb = (_q_tree(r0, NB) + _q_tree(r1, NB)) + (_q_tree(r2, NB) + _q_tree(r3, NB))
@@ -745,8 +748,9 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
     if V_SR and not M_SR and not (PROF & 2):
         h0, h1, h2, h3 = _q_hashes(idx0, sd)
-    _q_encode_store(r0, r1, r2, r3, _lo16(h0), _lo16(h1), _lo16(h2), _lo16(h3), v_codes, v_scales, v_gbits, c,
-                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF)
+    _q_encode_store(r0, r1, r2, r3, _nu_lo16(h0), _nu_lo16(h1), _nu_lo16(h2), _nu_lo16(h3), v_codes, v_scales,
+                    v_gbits, c,
+                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
 
 @triton.jit
@@ -922,7 +926,7 @@ def run_group(opt, gi: int, group: dict, params: list, lr: torch.Tensor, plans: 
                                               **_launch_opts(dev))
             else:
                 _qadamw_kernel[(b.nprog,)](*args, **kw, REUSE=bool(REUSE), MAGIC_PACK=_MAGIC_PACK, PROF=PROF,
-                                           num_warps=NUM_WARPS or 2, **_launch_opts(dev, MAXNREG))
+                                           SR_RP=SR_RP, num_warps=NUM_WARPS or 2, **_launch_opts(dev, MAXNREG))
         else:
             _adamw_kernel[(b.nprog,)](
                 b.table, ptab, cslice, ttot, b.chunks, 1 - beta1, beta2, 1 - beta2, eps,
