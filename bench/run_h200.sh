@@ -766,20 +766,29 @@ s41_root)
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s43_sr)
-  # issues 2 and 5 on one nvidia-h200 (~7 min; session 43): E2M1 stochastic rounding by directed-rounding PTX
+  # issues 2 and 5 on one nvidia-h200 (~8 min; session 43). (1) E2M1 stochastic rounding by directed-rounding PTX
   # (kernels/quantize.SR_RP: min over E2M1's three pieces of ceil(piece - u), one fma.rp + add.rp each) in the SR
-  # quantize kernel and in Q-AdamW's kernel. The GPU tests of both (bit for bit against the torch reference), the
-  # SR quantize kernel against the tree before (.ab/quantize_old.py, outputs checked identical, then timed
-  # alternately), Q-AdamW's default against the comparison form and a 128-register cap (the directed form takes
-  # 165 registers), and Q-Root's step by torch op and calling line (where the time between the NS products goes)
-  step gpu_tests 240 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_quantize_kernels.py \
-      tests/test_optim_fused.py
-  step quantize_ab 150 python bench/quantize_ab.py --old .ab/quantize_old.py --cases "SR,SR 4/6,RTN" --rounds 5 \
+  # quantize kernel and in Q-AdamW's kernel; (2) the NVFP4 Newton-Schulz's glue in fewer passes (root._scaled: scale
+  # and round in one pass; the update in two; Xᵀ quantized by the op's transposed quantize, no transposed copy).
+  # The GPU tests of all three (bit for bit against the torch reference; the NS against the CPU and eager), the
+  # Q-Root step of this tree against the tree before (.ab/old, 6a6cd3a), the SR quantize kernel against the tree
+  # before (.ab/quantize_old.py, outputs checked identical, then timed alternately), Q-AdamW's default against the
+  # comparison form and a 128-register cap (the directed form takes 165 registers), Q-Root's step by torch op
+  step gpu_tests 220 python -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/test_quantize_kernels.py \
+      tests/test_optim_fused.py tests/test_optim_root.py
+  step root_new 90 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --out "$OUT/root_new.json"
+  ( cd .ab/old && export PYTHONPATH=$PWD && step root_old 90 python bench/optim.py \
+      --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_old.json" )
+  step root_new2 90 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --out "$OUT/root_new2.json"
+  step quantize_ab 100 python bench/quantize_ab.py --old .ab/quantize_old.py --cases "SR,SR 4/6,RTN" --rounds 5 \
       --json "$OUT/quantize_ab.json"
-  step qadamw_variants 150 python bench/qadamw_variants.py --sets 124M,1B --only 11,12,0,11 \
+  step qadamw_variants 120 python bench/qadamw_variants.py --sets 124M,1B --only 11,12,0,11 \
       --out "$OUT/qadamw_variants.json"
-  step root_ops 120 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
-  tail -n 3 "$OUT/gpu_tests.log"; cat "$OUT/quantize_ab.log" "$OUT/qadamw_variants.log" ;;
+  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
+  tail -n 3 "$OUT/gpu_tests.log"; grep -h "QRoot step" "$OUT"/root_*.log; cat "$OUT/quantize_ab.log" \
+      "$OUT/qadamw_variants.log" ;;
 s42_ns)
   # issue 5 on one nvidia-h200 (~5 min; prepared in session 42, not yet run): the NVFP4 NS accuracy options (QRoot's
   # ns_sym_b: B of B·X in 16x16 blocks; ns_residual: X's quantizations in two NVFP4 terms, one product each more per

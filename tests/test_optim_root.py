@@ -856,3 +856,67 @@ def test_clip_by_quantile_is_roots_soft_threshold():
     Z[0, 0, :2] = torch.tensor([-0.0, float("nan")])
     out = clip_by_quantile(Z, 0.5)
     assert torch.signbit(out[0, 0, 0]) and out[0, 0, 0] == 0 and torch.isnan(out[0, 0, 1])
+
+
+# ----------------------------------------------------------------------------------------------
+# the NVFP4 NS's glue (session 43): single-pass scale-and-round, the update, Xᵀ quantized without a transposed copy
+def test_scaled_is_the_upcast_product_rounded_once():
+    """root._scaled(t, s, dtype) (one torch.mul into a ``dtype`` output) gives the bits of (t.float() * s).to(dtype)
+    for bf16 and FP32 t, a broadcast [S, 1, 1] scale and a 0-dim one (which torch would not let promote a bf16 t),
+    and refuses a non-FP32 scale."""
+    import fp4compile.optim.root as R
+
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(3, 17, 40, generator=g).to(torch.bfloat16), torch.randn(3, 17, 40, generator=g) * 1e3):
+        for s in (torch.rand(3, 1, 1, generator=g) + 0.3, torch.tensor(0.7316), torch.tensor(3e-39)):
+            for dtype in (torch.bfloat16, torch.float32):
+                ref = (t.float() * s).to(dtype)
+                out = R._scaled(t, s, dtype)
+                assert out.dtype == dtype and torch.equal(out, ref), (t.dtype, s.shape, dtype)
+    t = torch.full((4,), 1.00390625, dtype=torch.bfloat16)
+    s = torch.tensor(1.00390625)
+    with pytest.raises(TypeError, match="FP32"):
+        R._scaled(t, s.to(torch.bfloat16), torch.bfloat16)
+
+
+def test_ns_update_is_the_fp32_sum_rounded_once():
+    """The shifted NS update ((a + beta) X + Bs X in FP32, rounded once) as two passes equals the upcast form."""
+    import fp4compile.optim.root as R
+
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(3, 16, 48, generator=g).to(torch.bfloat16)
+    BX = torch.randn(3, 16, 48, generator=g).to(torch.bfloat16)
+    beta = torch.randn(3, 1, 1, generator=g)
+    ref = ((2.3 + beta) * X.float() + BX.float()).to(torch.bfloat16)
+    assert torch.equal(R._ns_update(X, 2.3, beta, BX), ref)
+    assert torch.equal(R._ns_update(X, 2.3, None, BX), 2.3 * X + BX)
+
+
+@pytest.mark.parametrize("spec", [NVFP4(), NVFP4("rtn", four_over_six=True), NVFP4("rtn", hadamard=16),
+                                  NVFP4("sr"), NVFP4("ms_eden", hadamard=128)],
+                         ids=["rtn", "rtn-46", "rtn-rht16", "sr", "ms_eden-rht128"])
+def test_transposed_stack_quantize_needs_no_transposed_copy(spec):
+    """_q_stack(X, transpose=True) quantizes each matrix's transpose through the op's own transposed quantize of
+    the stack's 2-D view: for RTN the same codes, scales, global scale and dequantized values as quantizing the
+    transposed copy X.mT.contiguous(); for the stochastic schemes valid draws of the same scheme (their bits come
+    from other flat indices), each operand's q·S within the format's error; the dq path (_q_stack_dq) agrees with
+    the codes path bit for bit."""
+    import fp4compile.optim.root as R
+    from fp4compile.formats.hadamard import random_signs
+
+    g = torch.Generator().manual_seed(2)
+    X = (torch.randn(3, 128, 96, generator=g) * torch.linspace(0.2, 3, 96)).to(torch.bfloat16)   # [S, K=128, r=96]
+    signs = random_signs(spec.hadamard, torch.Generator().manual_seed(0)) if spec.hadamard else None
+    seed = torch.tensor(5) if spec.rounding != "rtn" else None
+    qt = R._q_stack(X, spec, signs, seed, transpose=True)
+    qc = R._q_stack(X.mT.contiguous(), spec, signs, seed)
+    assert qt[0].shape == qc[0].shape == (3, 96, 64) and not qt[0].is_contiguous()
+    dt, dc = R._dequantize_stack(qt), R._dequantize_stack(qc)
+    if spec.rounding == "rtn":
+        assert all(torch.equal(a, b) for a, b in zip(qt, qc))
+        assert torch.equal(dt, dc)
+    else:   # two draws of the same (rotated) quantization: each ~0.1 from the rotated X
+        a, b = dt.float() * qt[2], dc.float() * qc[2]
+        assert 0 < float((a - b).norm() / b.norm()) < 0.3
+    pdq = R._q_stack_dq(X, spec, signs, seed, transpose=True)
+    assert torch.equal(pdq[0], dt) and torch.equal(pdq[1], qt[2])

@@ -231,12 +231,26 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=
     return x
 
 
+def _scaled(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(t.float() * s).to(dtype)`` in one pass: ``s`` an FP32 tensor broadcast against ``t``, the product in FP32
+    and rounded once to ``dtype`` as it is stored (TensorIterator computes a binary op in the operands' common
+    dtype, FP32 here, and casts on the store into ``out``): the same bits, without the FP32 copy of t and the
+    product's FP32 intermediate (the NVFP4 NS's glue read and wrote each stack three times for this)."""
+    if s.dtype != torch.float32:
+        raise TypeError(f"_scaled: the scale must be FP32, got {s.dtype}")
+    if s.dim() == 0:
+        s = s.reshape(1)      # a 0-dim tensor would not promote a bf16 t to FP32 (torch's promotion rules)
+    return torch.mul(t, s, out=torch.empty(torch.broadcast_shapes(t.shape, s.shape), dtype=dtype, device=t.device))
+
+
 def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torch.Tensor) -> torch.Tensor:
     """The NS step's new iterate from the product ``BX``: ``a X + BX`` (BF16 arithmetic, the unshifted form), or,
-    with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype."""
+    with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype (two
+    passes: the FP32 product (a + beta) X, then its sum with BX stored rounded; the same bits as upcasting both)."""
     if beta is None:
         return a * X + BX
-    return ((a + beta) * X.float() + BX.float()).to(X.dtype)
+    aX = torch.mul(X, (a + beta).float())                   # FP32: X's bf16 values times an FP32 [S, 1, 1]
+    return torch.add(aX, BX, out=torch.empty_like(X))
 
 
 def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
@@ -261,9 +275,20 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
     return Bs.to(torch.bfloat16), b * alpha + c * alpha * alpha
 
 
-def _q_stack(x: torch.Tensor, spec, signs, seed=None):
+def _q_stack(x: torch.Tensor, spec, signs, seed=None, transpose=False):
     """Quantize a stack ``x`` [S, r, K] along K as its 2-D view [S·r, K] (one op call, one global scale for
-    the stack) -> (codes [S, r, K/2], scales [S, r, K/16], global fp32 [])."""
+    the stack) -> (codes [S, r, K/2], scales [S, r, K/16], global fp32 []).
+
+    ``transpose``: quantize each matrix's transpose instead, x [S, K, r] -> the stack of xᵀ [S, r, K], by the op's
+    own transposed quantize of the 2-D view [S·K, r] (one transposing pass that also takes the amax, then the
+    row-wise kernels), with no transposed copy of the stack: the result [r, S·K] holds row j of every xᵀ side by
+    side, and is returned as [S, r, ·] views of that layout (:func:`_dequantize_stack` reads them as they are).
+    The blocks along K are those of each xᵀ (K is a multiple of 16, and of the RHT size: the caller checks), so
+    RTN gives the bits of quantizing the transposed copy; SR draws its bits at other flat indices."""
+    if transpose:
+        S, k, r = x.shape
+        codes, scales, g = _q(x.reshape(S * k, r), spec, signs, transpose=True, seed=seed)
+        return (codes.view(r, S, k // 2).permute(1, 0, 2), scales.view(r, S, k // 16).permute(1, 0, 2), g)
     S, r, k = x.shape
     codes, scales, g = _q(x.reshape(S * r, k), spec, signs, seed=seed)
     return codes.view(S, r, k // 2), scales.view(S, r, k // 16), g
@@ -335,11 +360,17 @@ def _bgemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _dequantize_stack(q) -> torch.Tensor:
-    """The exact bf16 q·S [S, r, K] (``dequantize_blocks``, no global scale) of a stack from :func:`_q_stack`."""
+    """The exact bf16 q·S [S, r, K] (``dequantize_blocks``, no global scale) of a stack from :func:`_q_stack`: one
+    call on the stack's 2-D storage, row-major [S·r, ·] or, from ``transpose=True``, [r, S·(·)] (then a strided
+    [S, r, K] view of the result, which the batched products take as it is)."""
     codes, scales, _ = q
     S, r, hk = codes.shape
-    dq = torch.ops.fp4compile.dequantize_blocks(codes.reshape(S * r, hk), scales.reshape(S * r, -1))
-    return dq.view(S, r, 2 * hk)
+    if codes.is_contiguous():
+        dq = torch.ops.fp4compile.dequantize_blocks(codes.reshape(S * r, hk), scales.reshape(S * r, -1))
+        return dq.view(S, r, 2 * hk)
+    dq = torch.ops.fp4compile.dequantize_blocks(codes.permute(1, 0, 2).reshape(r, S * hk),
+                                                scales.permute(1, 0, 2).reshape(r, -1))
+    return dq.view(r, S, 2 * hk).permute(1, 0, 2)
 
 
 def _dq_form(q):
@@ -363,14 +394,16 @@ def _dequantized(q) -> torch.Tensor:
 NS_DQ = os.environ.get("FP4COMPILE_NS_DQ", "0") not in ("", "0")
 
 
-def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None):
+def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None, transpose=False):
     """:func:`_q_stack` through ``fp4compile::quantize_dq``: a stack ``x`` [S, r, K] quantized along K as its 2-D
-    view -> (dq bf16 [S, r, K] = the exact q·S, global fp32 [])."""
-    S, r, k = x.shape
+    view -> (dq bf16 [S, r, K] = the exact q·S, global fp32 []); ``transpose``: as :func:`_q_stack`'s (x [S, K, r],
+    dq a strided [S, r, K] view of the [r, S·K] result)."""
+    S = x.shape[0]
+    a, b = x.shape[1:]
     _, _, g, dq = torch.ops.fp4compile.quantize_dq(
-        x.reshape(S * r, k), rounding=spec.rounding, four_over_six=spec.four_over_six,
-        block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0, signs=signs, seed=seed)
-    return dq.view(S, r, k), g
+        x.reshape(S * a, b), rounding=spec.rounding, four_over_six=spec.four_over_six,
+        block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0, signs=signs, seed=seed, transpose=transpose)
+    return (dq.view(b, S, a).permute(1, 0, 2) if transpose else dq.view(S, a, b)), g
 
 
 def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -380,7 +413,8 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
     a, ag = pa
     b, bg = pb
     ab = _gram(a, True) if pb is pa else _bmm_f32(a, b)
-    return (ab * (ag.float() * bg.float())).to(out_dtype)
+    g = ag.float() * bg.float()
+    return ab.mul_(g) if out_dtype == torch.float32 else _scaled(ab, g, out_dtype)
 
 
 #: what ``residual`` may quantize in two terms: X of X Xᵀ ("x"), Xᵀ of B·X ("xt"), or ("x2d", alone) X once per
@@ -478,8 +512,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
                     v = v / (v.norm(dim=1, keepdim=True) + 1e-30)
             lam = torch.bmm(v.mT, torch.bmm(A32, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
-            A = (A32 * s).to(A.dtype)
-            X = (X.float() * s.sqrt()).to(X.dtype)
+            A = _scaled(A32, s, A.dtype)
+            X = _scaled(X, s.sqrt(), X.dtype)
         if shift:
             def square(E):
                 qE = qfn(E, spec, signs, seed())             # E symmetric, like A
@@ -499,6 +533,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             if x2d and s is not None:
                 BX = BX * s.sqrt()                           # X was quantized before the guard rescaled it
             BX = BX.to(torch.bfloat16)
+        elif qfn in (_q_stack, _q_stack_dq) and m % (spec.hadamard or 16) == 0:
+            BX = product(qB, qfn(X, spec, signs, seed(), transpose=True))    # Xᵀ, no transposed copy
         else:
             BX = product(qB, qfn(X.mT.contiguous(), spec, signs, seed()))
         X = _ns_update(X, a, beta, BX)                       # X <- a X + B·X  [S, m, n]
