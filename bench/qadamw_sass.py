@@ -31,7 +31,7 @@ def cubin(kernel=2, num_warps=None, **over):
     """The sm_90 cubin bytes of the Q-AdamW kernel (``kernel`` 2 or 1) for the given constexpr overrides."""
     const = dict(DEFAULT)
     if kernel == 2:
-        const.update(REUSE=True, MAGIC_PACK=_MAGIC_PACK, PROF=0, SR_RP=True)
+        const.update(REUSE=True, MAGIC_PACK=_MAGIC_PACK, PROF=0, SR_RP=F.SR_RP)
         fn = F._qadamw_kernel
         num_warps = num_warps or 2
     else:

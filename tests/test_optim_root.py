@@ -146,14 +146,17 @@ def test_batched_nvfp4_ns_error_matches_per_matrix_globals():
 @pytest.mark.parametrize("spec", [NVFP4(), NVFP4(four_over_six=True, hadamard=16)], ids=str)
 def test_batched_nvfp4_ns_cuda_matches_gemm_loop(spec):
     """CUDA: the batched product (cuBLAS bmm, FP32 accumulation) vs the fp4compile::gemm kernel per matrix on
-    the same operands: FP32 outputs agree to summation-order tolerance. Whole NS runs (batched vs per-matrix
+    the same operands, also as the strided views of Xᵀ's transposed quantize: FP32 outputs agree to
+    summation-order tolerance. Whole NS runs (batched vs per-matrix
     gemm on CUDA, CUDA vs CPU) can differ where a summation-order ulp flips a later FP4 rounding: they must
     stay far closer to each other than to the FP64 NS (the NVFP4 error itself)."""
     X = _stack(4, 64, 192).cuda()
     signs = torch.ones(16, device="cuda") if spec.hadamard else None
     qx = _q_stack(X, spec, signs)
     qt = _q_stack(X.mT.contiguous(), spec, signs)
-    for qa, qb in ((qx, qx), (qt, qt)):
+    qs = _q_stack(X, spec, signs, transpose=True)        # the same operand as strided views (what the NS uses)
+    assert all(torch.equal(u, v) for u, v in zip(qs, qt)) and not qs[0].is_contiguous()
+    for qa, qb in ((qx, qx), (qt, qt), (qs, qs)):
         a, b = _bgemm_nvfp4(qa, qb, torch.float32), _loop_gemm_nvfp4(qa, qb, torch.float32)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * float(b.abs().max()))
     coeffs = (JORDAN,) * 5

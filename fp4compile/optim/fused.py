@@ -65,9 +65,12 @@ NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: 80 -> +144, 41 words, 12 programs; 64 -> +216, 75 words, 16 programs. H200, 124M set, alternating twice: 0 1.304,
 #: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
-#: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True) or the comparison form (False); the same codes
-#: (:data:`fp4compile.kernels.quantize.SR_RP`, ``FP4COMPILE_SR_RP``; always False under ``TRITON_INTERPRET=1``)
-SR_RP = _SR_RP
+#: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True; :data:`fp4compile.kernels.quantize.SR_RP`) or by the
+#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element, but 165
+#: registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
+#: with it against 1.32 / 1.32 without, 1.31 with it under a 128-register cap (spills). ``FP4COMPILE_QADAMW_SR_RP=1``
+#: turns it on (never under ``TRITON_INTERPRET=1``).
+SR_RP = _SR_RP and os.environ.get("FP4COMPILE_QADAMW_SR_RP", "0") == "1"
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
 #: kernel 2, timing ablations only (bit mask; results are NOT the reference's): 1 approximate sqrt/divisions in the

@@ -451,8 +451,10 @@ def _check_ns_options(spec, sym_b: bool, residual) -> None:
 
 
 def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """Reference for :func:`_bgemm_nvfp4`: the same quantized stacks, one ``fp4compile::gemm`` per matrix."""
-    return torch.stack([torch.ops.fp4compile.gemm(qa[0][i], qa[1][i], qa[2], qb[0][i], qb[1][i], qb[2],
+    """Reference for :func:`_bgemm_nvfp4`: the same quantized stacks, one ``fp4compile::gemm`` per matrix (each
+    matrix's codes and scales made contiguous: a stack from ``_q_stack(transpose=True)`` holds strided views)."""
+    c = torch.Tensor.contiguous
+    return torch.stack([torch.ops.fp4compile.gemm(c(qa[0][i]), c(qa[1][i]), qa[2], c(qb[0][i]), c(qb[1][i]), qb[2],
                                                   out_dtype=out_dtype) for i in range(qa[0].shape[0])])
 
 
