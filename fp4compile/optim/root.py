@@ -59,6 +59,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp4compile.*)
+from ..kernels import ns_glue
 from . import qadamw as _qa
 
 Coeffs = Tuple[float, float, float]
@@ -232,25 +233,22 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=
 
 
 def _scaled(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(t.float() * s).to(dtype)`` in one pass: ``s`` an FP32 tensor broadcast against ``t``, the product in FP32
-    and rounded once to ``dtype`` as it is stored (TensorIterator computes a binary op in the operands' common
-    dtype, FP32 here, and casts on the store into ``out``): the same bits, without the FP32 copy of t and the
-    product's FP32 intermediate (the NVFP4 NS's glue read and wrote each stack three times for this)."""
-    if s.dtype != torch.float32:
-        raise TypeError(f"_scaled: the scale must be FP32, got {s.dtype}")
-    if s.dim() == 0:
-        s = s.reshape(1)      # a 0-dim tensor would not promote a bf16 t to FP32 (torch's promotion rules)
-    return torch.mul(t, s, out=torch.empty(torch.broadcast_shapes(t.shape, s.shape), dtype=dtype, device=t.device))
+    """``(t.float() * s).to(dtype)`` in one pass for a stack ``t`` [S, ...] and an FP32 ``s`` of one factor per
+    matrix ([S, 1, 1]) or one for all (0-dim): ``kernels.ns_glue.scale_rows`` (a contiguous Triton pass on CUDA; torch
+    elsewhere, computing in FP32 and rounding once on the store into the ``dtype`` output). The same bits as the
+    upcast form, without the FP32 copy of t and the product's FP32 intermediate (the NVFP4 NS's glue read and wrote
+    each stack three times for this)."""
+    return ns_glue.scale_rows(t, s, dtype)
 
 
 def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torch.Tensor) -> torch.Tensor:
     """The NS step's new iterate from the product ``BX``: ``a X + BX`` (BF16 arithmetic, the unshifted form), or,
     with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype (two
-    passes: the FP32 product (a + beta) X, then its sum with BX stored rounded; the same bits as upcasting both)."""
+    the FP32 product and sum rounded as separate ops, ``kernels.ns_glue.axpy_rows``: one pass on CUDA; the same bits
+    as upcasting both)."""
     if beta is None:
         return a * X + BX
-    aX = torch.mul(X, (a + beta).float())                   # FP32: X's bf16 values times an FP32 [S, 1, 1]
-    return torch.add(aX, BX, out=torch.empty_like(X))
+    return ns_glue.axpy_rows(X, (a + beta).float(), BX, X.dtype)
 
 
 def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
