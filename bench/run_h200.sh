@@ -767,21 +767,18 @@ s41_root)
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s44_glue)
   # issue 5 on one nvidia-h200 (~4 min; prepared in session 43, not yet run): the NVFP4 NS's per-matrix scale-and-round
-  # passes by kernels/ns_glue.py (one contiguous Triton pass each instead of torch's strided broadcast kernels: ~7 ms
-  # of the 124M set's Q-Root step in session 43's op profile). Its GPU tests (bit for bit against torch) and the
-  # Q-Root GPU tests, then the Q-Root step of this tree against the tree before it, alternating (carry .ab after
-  # `mkdir -p .ab/old && git archive 7e7018b fp4compile bench pyproject.toml | tar -x -C .ab/old`), and the step by
-  # torch op
+  # passes by kernels/ns_glue.py (ns_glue.KERNEL, opt-in: one contiguous Triton pass each instead of torch's strided
+  # broadcast kernels, ~7 ms of the 124M set's Q-Root step in session 43's op profile). Its GPU tests (bit for bit
+  # against torch, the NS with and without it) and the Q-Root GPU tests, then the Q-Root step per arm (the default
+  # first and last), and the step by torch op with it. If it wins: make KERNEL the default (docs, tests).
   step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
       tests/test_optim_root.py
-  step root_new 90 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
-      --out "$OUT/root_new.json"
-  ( cd .ab/old && export PYTHONPATH=$PWD && step root_old 90 python bench/optim.py \
-      --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_old.json" )
-  step root_new2 90 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
-      --out "$OUT/root_new2.json"
-  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
-  tail -n 5 "$OUT/gpu_tests.log"; grep -h "QRoot step" "$OUT"/root_*.log ;;
+  step optim_root 150 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --root-arm base --root-arm 'glue:fp4compile.kernels.ns_glue.KERNEL=true' --root-arm base2 \
+      --out "$OUT/optim_root.json"
+  ( export FP4COMPILE_NS_GLUE=1 && step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root \
+      --root-ops 124M )
+  tail -n 5 "$OUT/gpu_tests.log"; cat "$OUT/optim_root.log" ;;
 s43_sr)
   # issues 2 and 5 on one nvidia-h200 (~8 min; session 43). (1) E2M1 stochastic rounding by directed-rounding PTX
   # (kernels/quantize.SR_RP: min over E2M1's three pieces of ceil(piece - u), one fma.rp + add.rp each) in the SR

@@ -106,9 +106,14 @@ def test_kernel_compiles_without_fma_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_kernel_is_the_torch_form_bit_for_bit():
-    """CUDA: the kernel against the torch ops on the same device, bit for bit (RNE casts on both sides), on the
-    cases above and on a 124M-set-sized stack."""
+def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
+    """CUDA: the kernel (ns_glue.KERNEL) against the torch ops on the same device, bit for bit (RNE casts on both
+    sides), on the cases above and on a 124M-set-sized stack; and Q-Root's NVFP4 NS with it equal to without."""
+    from fp4compile.optim import newton_schulz, ns_coefficients
+    from fp4compile.policy import NVFP4
+
+    monkeypatch.setattr(ns_glue, "KERNEL", True)
+    assert ns_glue._use_kernel(torch.ones(1, device="cuda"))
     cases = _cases("cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     big = torch.randn(12, 768, 3072, generator=g, device="cuda").to(torch.bfloat16)
@@ -117,3 +122,10 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit():
         for d in (torch.bfloat16, torch.float32):
             assert torch.equal(ns_glue.scale_rows(t, s, d), _ref_scale(t, s, d))
             assert torch.equal(ns_glue.axpy_rows(t, s, y, d), _ref_axpy(t, s, y, d))
+    G = torch.randn(4, 128, 384, generator=g, device="cuda")
+    coeffs = ns_coefficients((128, 384))
+    for shift in (False, True):
+        with_kernel = newton_schulz(G, coeffs, spec=NVFP4(), shift=shift)
+        monkeypatch.setattr(ns_glue, "KERNEL", False)
+        assert torch.equal(with_kernel, newton_schulz(G, coeffs, spec=NVFP4(), shift=shift))
+        monkeypatch.setattr(ns_glue, "KERNEL", True)

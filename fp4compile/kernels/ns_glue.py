@@ -10,6 +10,8 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 * :func:`axpy_rows`: ``(t.float() * s[b] + y.float()).to(dtype)``, the product and the sum rounded separately in
   FP32 as torch's two ops round them (launched without FMA contraction), then once to ``dtype``.
 
+The Triton pass is opt-in (:data:`KERNEL`) until the GPU has timed it.
+
 The torch expressions are the reference and the CPU path (the same bits: TensorIterator computes in FP32 and rounds
 once on the store). CUDA, or CPU under ``TRITON_INTERPRET=1`` for the tests (whose interpreter truncates on the
 bf16 cast instead of rounding to nearest even: one bf16 ulp there).
@@ -21,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .launch import cdiv, launch
+from .launch import cdiv, launch, stable_cache_keys
 
 try:
     import triton
@@ -30,6 +32,10 @@ except ImportError:  # CPU wheel without Triton: only the torch reference is ava
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: the Triton pass on CUDA (True) or the torch ops there too (False, the default until the H200 has timed it and run
+#: its GPU test: ``bash bench/run_h200.sh s44_glue``). ``FP4COMPILE_NS_GLUE=1`` sets it at import; read at each call.
+#: Under ``TRITON_INTERPRET=1`` the kernel always runs (the CPU tests of the kernel).
+KERNEL = os.environ.get("FP4COMPILE_NS_GLUE", "0") not in ("", "0")
 BLOCK = 2048
 
 if triton is not None:
@@ -46,7 +52,7 @@ if triton is not None:
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or (_INTERPRET and t.device.type == "cpu"))
+    return triton is not None and ((t.is_cuda and KERNEL) or (_INTERPRET and t.device.type == "cpu"))
 
 
 def _per_matrix(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -97,3 +103,7 @@ def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional
     st = _per_matrix(t, s)
     st = st.reshape((-1,) + (1,) * (t.dim() - 1)) if st.numel() > 1 else st
     return torch.add(torch.mul(t, st), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
+if triton is not None:
+    stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)

@@ -854,7 +854,7 @@ class QRoot(Optimizer):
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
                group["ns_guard"], group["ns_shift"], group["ns_sym_b"], group["ns_residual"], QUANTILE_IMPL,
-               SYMMETRIC_MIN_ROWS, NS_DQ)  # switches: captured
+               SYMMETRIC_MIN_ROWS, NS_DQ, ns_glue.KERNEL)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
             static_in = U.clone() if mats is None else torch.stack(mats)
