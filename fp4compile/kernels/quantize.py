@@ -164,14 +164,6 @@ def _e2m1_mag_code(a):
 
 
 @triton.jit
-def _pack8(q):
-    """[A, B, 8] int32 codes (0..15) -> [A, B] int32 words, element i in bits 4i..4i+3 (little-endian bytes:
-    element 2j low nibble of byte j, as ``pack_nibbles``)."""
-    sh = tl.arange(0, 8) * 4
-    return tl.sum(q << sh[None, None, :], axis=2)
-
-
-@triton.jit
 def _pack_magic(m, v, MAGIC_PACK: tl.constexpr):
     """[A, B, 8] magnitude codes ``m`` = MAGIC + code (:func:`_e2m1_mag_magic` of |v|) and the [A, B, 8] values
     ``v`` whose signs they take -> [A, B] packed words, without materializing each code: the words of MAGIC + code

@@ -726,8 +726,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
         h2 = h0
         h3 = h0
     _q_encode_store(m0, m1, m2, m3, _nu_hi16(h0), _nu_hi16(h1), _nu_hi16(h2), _nu_hi16(h3), m_codes, m_scales,
-                    m_gbits, c,
-                    base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
+                    m_gbits, c, base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
     # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
     sb = (_q_tree(r0, NB) + _q_tree(r1, NB)) + (_q_tree(r2, NB) + _q_tree(r3, NB))
@@ -752,8 +751,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if V_SR and not M_SR and not (PROF & 2):
         h0, h1, h2, h3 = _q_hashes(idx0, sd)
     _q_encode_store(r0, r1, r2, r3, _nu_lo16(h0), _nu_lo16(h1), _nu_lo16(h2), _nu_lo16(h3), v_codes, v_scales,
-                    v_gbits, c,
-                    base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
+                    v_gbits, c, base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
 
 @triton.jit

@@ -243,9 +243,9 @@ def _scaled(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torch.Tensor) -> torch.Tensor:
     """The NS step's new iterate from the product ``BX``: ``a X + BX`` (BF16 arithmetic, the unshifted form), or,
-    with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype (two
-    the FP32 product and sum rounded as separate ops, ``kernels.ns_glue.axpy_rows``: one pass on CUDA; the same bits
-    as upcasting both)."""
+    with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype
+    (``kernels.ns_glue.axpy_rows``: the FP32 product and sum rounded as two separate ops, as in the upcast form, the
+    same bits, without the FP32 copies of X and BX)."""
     if beta is None:
         return a * X + BX
     return ns_glue.axpy_rows(X, (a + beta).float(), BX, X.dtype)
