@@ -171,9 +171,10 @@ def profile_root(name, cfg, device, rows, precision):
 
 
 def profile_root_ops(name, cfg, device, precision, top=30):
-    """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time, each with the Python lines that
-    called it (torch.profiler's op table grouped by the top frames of the call stack, sorted by the self device time
-    of the kernels each op launched): where the time between the NS products goes."""
+    """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time: torch.profiler's op table sorted
+    by the self device time of the kernels each op launched, then the same grouped by the top frames of the call
+    stack (the source column appears where the profiler recorded stacks; session 43's H200 run printed none):
+    where the time between the NS products goes."""
     from torch.profiler import ProfilerActivity, profile
 
     shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]

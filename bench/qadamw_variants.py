@@ -3,7 +3,7 @@ the kernel costs, and the block-per-thread kernel against the first version).
 
     python bench/qadamw_variants.py --out variants.json      # H200: 124M and 1B sets (~60 s)
     python bench/qadamw_variants.py --tiny                   # CPU smoke run (TRITON_INTERPRET=1)
-    python bench/qadamw_variants.py --only 12,0,13           # chosen variants (VARIANTS indices) after the default
+    python bench/qadamw_variants.py --only 11,0,12           # chosen variants (VARIANTS indices) after the default
 
 Each row: CUDA-event ms per step (20 steps after 3 warm-up steps, compile included in the warm-up), and the
 ratio to fused AdamW measured in the same run on the same parameter set.
