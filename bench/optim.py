@@ -149,17 +149,24 @@ def profile_step(name, cfg, device, rows):
                                                            for i, (k, ms, c) in enumerate(top[:5])}))
 
 
+def _root_on_set(cfg, device, precision, warmup):
+    """A QRoot on a parameter set's hidden matrices (BF16 parameters with gradients), ``warmup`` steps taken."""
+    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
+    opt = QRoot([{"params": make_params(shapes, device, torch.bfloat16), "use_root": True}], lr=1e-3,
+                precision=precision)
+    for _ in range(warmup):
+        opt.step()
+    sync(device)
+    return opt
+
+
 def profile_root(name, cfg, device, rows, precision):
     """The GPU kernel time of 2 Q-Root steps (eager, ``precision`` "bf16" or "nvfp4" NS) on a set's hidden matrices,
     by kernel family (``bench.timing.kernel_table``): the issue's "NS GEMM time share" (cuBLAS gemm: the NS
     products' bmm; nvfp4 quantize / dequantize: their operands; other: the clip, the guard, the element-wise step)."""
     from bench.timing import profile_steps
 
-    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
-    ps = make_params(shapes, device, torch.bfloat16)
-    opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=precision)
-    opt.step()
-    sync(device)
+    opt = _root_on_set(cfg, device, precision, warmup=1)
 
     def run(n):
         for _ in range(n):
@@ -177,12 +184,7 @@ def profile_root_ops(name, cfg, device, precision, top=30):
     where the time between the NS products goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
-    ps = make_params(shapes, device, torch.bfloat16)
-    opt = QRoot([{"params": ps, "use_root": True}], lr=1e-3, precision=precision)
-    for _ in range(2):
-        opt.step()
-    sync(device)
+    opt = _root_on_set(cfg, device, precision, warmup=2)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts, with_stack=True) as prof:
         for _ in range(2):

@@ -18,7 +18,7 @@ def _cases(device="cpu"):
     t32 = torch.randn(3, 17, 40, generator=g) * 1e3
     y = torch.randn(3, 17, 40, generator=g).to(torch.bfloat16)
     scales = (torch.rand(3, 1, 1, generator=g) + 0.3, torch.rand(3, generator=g) - 0.5, torch.tensor(0.7316),
-              torch.tensor([3e-39]))
+              torch.tensor(3e-39), torch.tensor([3e-39]))
     return [(t.to(device), s.to(device), y.to(device)) for t in (t16, t32) for s in scales]
 
 
@@ -35,7 +35,8 @@ def _ref_axpy(t, s, y, dtype):
 def test_torch_path_is_the_upcast_form():
     """On the CPU (no interpreter) both functions are torch ops with an FP32 computation and one rounding on the
     store: the bits of the upcast expressions, for bf16 and FP32 stacks, a factor per matrix ([S, 1, 1] and [S]),
-    a 0-dim and a one-element scalar, bf16 and FP32 outputs."""
+    a 0-dim and a one-element scalar (a 0-dim one would not promote a bf16 t to FP32 in a plain torch.mul), bf16 and
+    FP32 outputs."""
     for t, s, y in _cases():
         for dtype in (torch.bfloat16, torch.float32):
             out = ns_glue.scale_rows(t, s, dtype)
@@ -77,7 +78,7 @@ def test_kernel_under_the_interpreter(tmp_path):
     outs = torch.load(tmp_path / "out.pt")
     refs = [(_ref_scale(t, s, d), _ref_axpy(t, s, y, d)) for t, s, y in _cases() for d in (torch.bfloat16,
                                                                                          torch.float32)]
-    assert len(outs) == len(refs) == 16
+    assert len(outs) == len(refs) == 20
     for got, want in zip(outs, refs):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape

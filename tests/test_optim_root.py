@@ -862,26 +862,8 @@ def test_clip_by_quantile_is_roots_soft_threshold():
 
 
 # ----------------------------------------------------------------------------------------------
-# the NVFP4 NS's glue (session 43): single-pass scale-and-round, the update, Xᵀ quantized without a transposed copy
-def test_scaled_is_the_upcast_product_rounded_once():
-    """root._scaled(t, s, dtype) (one torch.mul into a ``dtype`` output) gives the bits of (t.float() * s).to(dtype)
-    for bf16 and FP32 t, a broadcast [S, 1, 1] scale and a 0-dim one (which torch would not let promote a bf16 t),
-    and refuses a non-FP32 scale."""
-    import fp4compile.optim.root as R
-
-    g = torch.Generator().manual_seed(0)
-    for t in (torch.randn(3, 17, 40, generator=g).to(torch.bfloat16), torch.randn(3, 17, 40, generator=g) * 1e3):
-        for s in (torch.rand(3, 1, 1, generator=g) + 0.3, torch.tensor(0.7316), torch.tensor(3e-39)):
-            for dtype in (torch.bfloat16, torch.float32):
-                ref = (t.float() * s).to(dtype)
-                out = R._scaled(t, s, dtype)
-                assert out.dtype == dtype and torch.equal(out, ref), (t.dtype, s.shape, dtype)
-    t = torch.full((4,), 1.00390625, dtype=torch.bfloat16)
-    s = torch.tensor(1.00390625)
-    with pytest.raises(TypeError, match="FP32"):
-        R._scaled(t, s.to(torch.bfloat16), torch.bfloat16)
-
-
+# the NVFP4 NS's glue (session 43; the scale-and-round itself: tests/test_ns_glue.py): the update, Xᵀ quantized
+# without a transposed copy
 def test_ns_update_is_the_fp32_sum_rounded_once():
     """The shifted NS update ((a + beta) X + Bs X in FP32, rounded once) as two passes equals the upcast form."""
     import fp4compile.optim.root as R

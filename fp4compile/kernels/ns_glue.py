@@ -68,6 +68,13 @@ def _per_matrix(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return s.reshape(-1)
 
 
+def _broadcast(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The checked factor (:func:`_per_matrix`) shaped to broadcast against ``t`` in the torch forms (a one-element
+    tensor, not a 0-dim one: torch would not let a 0-dim FP32 tensor promote a bf16 ``t`` to FP32)."""
+    s = _per_matrix(t, s)
+    return s.reshape((-1,) + (1,) * (t.dim() - 1)) if s.numel() > 1 else s
+
+
 def _launch(t, s, y, dtype):
     s = _per_matrix(t, s).contiguous()
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
@@ -85,10 +92,7 @@ def scale_rows(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
     [S, 1, 1]) or a scalar: one pass on CUDA (:func:`_rows_kernel`), the torch expression elsewhere."""
     if _use_kernel(t) and t.is_contiguous():
         return _launch(t, s, None, dtype)
-    _per_matrix(t, s)
-    s = s.reshape(1) if s.dim() == 0 else s
-    return torch.mul(t, s.reshape((-1,) + (1,) * (t.dim() - 1)) if s.numel() > 1 else s,
-                     out=torch.empty(t.shape, dtype=dtype, device=t.device))
+    return torch.mul(t, _broadcast(t, s), out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
 def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional[torch.dtype] = None
@@ -100,9 +104,7 @@ def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional
         raise ValueError(f"ns_glue.axpy_rows: y {tuple(y.shape)} and t {tuple(t.shape)} differ")
     if _use_kernel(t) and t.is_contiguous() and y.is_contiguous():
         return _launch(t, s, y, dtype)
-    st = _per_matrix(t, s)
-    st = st.reshape((-1,) + (1,) * (t.dim() - 1)) if st.numel() > 1 else st
-    return torch.add(torch.mul(t, st), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+    return torch.add(torch.mul(t, _broadcast(t, s)), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
 if triton is not None:

@@ -228,10 +228,10 @@ def _add_rp(a, b):
 
 
 @triton.jit
-def _e2m1_sr_mag_magic(a, nu, RP: tl.constexpr):
+def _e2m1_sr_mag_magic(a, u, RP: tl.constexpr):
     """Stochastic rounding of |v| = ``a`` (FP32, >= 0) onto the E2M1 magnitudes -> MAGIC + code (as
     :func:`_e2m1_mag_magic`): the code of the grid point lo below min(a, 6), plus 1 iff u < (min(a, 6) - lo) / step,
-    the reference's rule (``schemes.sr_codes``, ``codec.e2m1_sr_codes``). ``nu`` = -u, u in [0, 1) the uniform.
+    the reference's rule (``schemes.sr_codes``, ``codec.e2m1_sr_codes``); u in [0, 1) the uniform.
 
     ``RP`` (:data:`SR_RP`; compiled kernels only): E2M1's code is the concave piecewise-linear min(2a, a + 2, a / 2 + 4,
     7), and "lo's code + [u < frac]" is ceil(code(a) - u); ceil is monotone, so it commutes with the min, and
@@ -240,12 +240,12 @@ def _e2m1_sr_mag_magic(a, nu, RP: tl.constexpr):
     (or ``add.rp``) and one ``add.rp`` of a MAGIC constant: 6 adds and 3 mins. Otherwise the comparison form (~13
     operations): the step by two compares, s = a / step exact, floor(s) + the segment's code offset, + [u < s - fl]."""
     if RP:
+        nu = u * -1.0                                        # exact; folds into the uniform's scale constant
         t1 = _add_rp(_fma_rp(a, 2.0, nu), 12582912.0)
         t2 = _add_rp(_add_rp(a, nu), 12582914.0)
         t3 = _add_rp(_fma_rp(a, 0.5, nu), 12582916.0)
         return tl.minimum(tl.minimum(t1, t2), tl.minimum(t3, 12582919.0))
     else:
-        u = 0.0 - nu
         t = tl.minimum(a, 6.0)
         lt2 = t < 2.0
         lt4 = t < 4.0
@@ -601,13 +601,6 @@ def _sr_var(v, BR: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _sr_half(v, u, RP: tl.constexpr):
-    """SR magnitude codes of one half as MAGIC + code floats (:func:`_e2m1_sr_mag_magic`; the caller packs them with
-    v's signs). ``u * -1.0`` is the exact negation, folded into :func:`_uniform32`'s scale."""
-    return _e2m1_sr_mag_magic(tl.abs(v), u * -1.0, RP)
-
-
-@triton.jit
 def _store_dq(dq_ptr, dlo, dhi, zero, rows, pid_c, R, K, NB: tl.constexpr):
     """Store a tile's bf16 q * S (its [BR, NB, 8] halves; all zeros where the tensor flushed to zero) into ``dq``
     [R, K]: 16 contiguous bytes per half-block."""
@@ -712,8 +705,8 @@ def _quantize_kernel(x_ptr, srow, scol, R, K, amax_ptr, seed_ptr, signs_ptr,
         i0 = rows.to(tl.uint32)[:, None, None] * K.to(tl.uint32) + c0
         vlo = lo * e3
         vhi = hi * e3
-        mlo = _sr_half(vlo, _uniform32(k0, k1, i0), SR_RP)
-        mhi = _sr_half(vhi, _uniform32(k0, k1, i0 + 8), SR_RP)
+        mlo = _e2m1_sr_mag_magic(tl.abs(vlo), _uniform32(k0, k1, i0), SR_RP)
+        mhi = _e2m1_sr_mag_magic(tl.abs(vhi), _uniform32(k0, k1, i0 + 8), SR_RP)
         wlo = _pack_magic(mlo, vlo, MAGIC_PACK)
         whi = _pack_magic(mhi, vhi, MAGIC_PACK)
         if DQ:

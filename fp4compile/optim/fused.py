@@ -546,24 +546,12 @@ def _lo16(h):
 
 
 @triton.jit
-def _nu_hi16(h):
-    """:func:`_hi16` negated (exactly; the sign folds into the constant): :func:`_e2m1_sr_mag_magic`'s ``nu``."""
-    return (h >> 16).to(tl.float32) * -1.52587890625e-05
-
-
-@triton.jit
-def _nu_lo16(h):
-    """:func:`_lo16` negated."""
-    return (h & 0xFFFF).to(tl.float32) * -1.52587890625e-05
-
-
-@triton.jit
 def _q_encode_store(x0, x1, x2, x3, u0, u1, u2, u3, codes_ptr, scales_ptr, gbits_ptr, c, base, bmask,
                     NB: tl.constexpr, FOS: tl.constexpr, SR: tl.constexpr, SSE64: tl.constexpr,
                     REUSE: tl.constexpr, MAGIC_PACK: tl.constexpr, PROF: tl.constexpr, SR_RP: tl.constexpr):
     """``codec.encode`` of one run held as quarters (its own second-level scale) -> stores the packed codes
     (two int32 words per block), the scale bytes and the global decode scale. ``u0..u3``: the quarters' SR
-    uniforms, negated (:func:`_nu_hi16`; read only when SR); ``SR_RP``: :data:`SR_RP`."""
+    uniforms (read only when SR); ``SR_RP``: :data:`SR_RP`."""
     a0 = tl.abs(x0)
     a1 = tl.abs(x1)
     a2 = tl.abs(x2)
@@ -590,10 +578,10 @@ def _q_encode_store(x0, x1, x2, x3, u0, u1, u2, u3, codes_ptr, scales_ptr, gbits
         enc = tl.where(pick4, enc4, enc)
     e2 = enc[:, None]
     if SR and (PROF & 2):  # timing only: no hash (a constant uniform)
-        m0 = _e2m1_sr_mag_magic(a0 * e2, -0.5, SR_RP)
-        m1 = _e2m1_sr_mag_magic(a1 * e2, -0.5, SR_RP)
-        m2 = _e2m1_sr_mag_magic(a2 * e2, -0.5, SR_RP)
-        m3 = _e2m1_sr_mag_magic(a3 * e2, -0.5, SR_RP)
+        m0 = _e2m1_sr_mag_magic(a0 * e2, 0.5, SR_RP)
+        m1 = _e2m1_sr_mag_magic(a1 * e2, 0.5, SR_RP)
+        m2 = _e2m1_sr_mag_magic(a2 * e2, 0.5, SR_RP)
+        m3 = _e2m1_sr_mag_magic(a3 * e2, 0.5, SR_RP)
     elif SR:
         m0 = _e2m1_sr_mag_magic(a0 * e2, u0, SR_RP)
         m1 = _e2m1_sr_mag_magic(a1 * e2, u1, SR_RP)
@@ -725,7 +713,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
         h1 = h0
         h2 = h0
         h3 = h0
-    _q_encode_store(m0, m1, m2, m3, _nu_hi16(h0), _nu_hi16(h1), _nu_hi16(h2), _nu_hi16(h3), m_codes, m_scales,
+    _q_encode_store(m0, m1, m2, m3, _hi16(h0), _hi16(h1), _hi16(h2), _hi16(h3), m_codes, m_scales,
                     m_gbits, c, base, bmask, NB, M_FOS, M_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
     # ---- re-encode sqrt(v): tile means (adjacent-pair tree: blocks, then blocks of a tile), RHT, NVFP4
@@ -750,7 +738,7 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
     if V_SR and not M_SR and not (PROF & 2):
         h0, h1, h2, h3 = _q_hashes(idx0, sd)
-    _q_encode_store(r0, r1, r2, r3, _nu_lo16(h0), _nu_lo16(h1), _nu_lo16(h2), _nu_lo16(h3), v_codes, v_scales,
+    _q_encode_store(r0, r1, r2, r3, _lo16(h0), _lo16(h1), _lo16(h2), _lo16(h3), v_codes, v_scales,
                     v_gbits, c, base, bmask, NB, V_FOS, V_SR, SSE64, REUSE, MAGIC_PACK, PROF, SR_RP)
 
 

@@ -232,15 +232,6 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=
     return x
 
 
-def _scaled(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(t.float() * s).to(dtype)`` in one pass for a stack ``t`` [S, ...] and an FP32 ``s`` of one factor per
-    matrix ([S, 1, 1]) or one for all (0-dim): ``kernels.ns_glue.scale_rows`` (a contiguous Triton pass on CUDA; torch
-    elsewhere, computing in FP32 and rounding once on the store into the ``dtype`` output). The same bits as the
-    upcast form, without the FP32 copy of t and the product's FP32 intermediate (the NVFP4 NS's glue read and wrote
-    each stack three times for this)."""
-    return ns_glue.scale_rows(t, s, dtype)
-
-
 def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torch.Tensor) -> torch.Tensor:
     """The NS step's new iterate from the product ``BX``: ``a X + BX`` (BF16 arithmetic, the unshifted form), or,
     with ``beta`` from :func:`_shifted_poly`, ``(a + beta) X + Bs X`` in FP32, rounded once to X's dtype
@@ -411,8 +402,7 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
     a, ag = pa
     b, bg = pb
     ab = _gram(a, True) if pb is pa else _bmm_f32(a, b)
-    g = ag.float() * bg.float()
-    return ab.mul_(g) if out_dtype == torch.float32 else _scaled(ab, g, out_dtype)
+    return ns_glue.scale_rows(ab, ag.float() * bg.float(), out_dtype)  # one pass, rounded once
 
 
 #: what ``residual`` may quantize in two terms: X of X Xᵀ ("x"), Xᵀ of B·X ("xt"), or ("x2d", alone) X once per
@@ -512,8 +502,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
                     v = v / (v.norm(dim=1, keepdim=True) + 1e-30)
             lam = torch.bmm(v.mT, torch.bmm(A32, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
-            A = _scaled(A32, s, A.dtype)
-            X = _scaled(X, s.sqrt(), X.dtype)
+            A = ns_glue.scale_rows(A, s, A.dtype)            # (A.float() * s).to(bf16) in one pass
+            X = ns_glue.scale_rows(X, s.sqrt(), X.dtype)
         if shift:
             def square(E):
                 qE = qfn(E, spec, signs, seed())             # E symmetric, like A
