@@ -114,7 +114,7 @@ class TrainConfig:
     ns_steps: Optional[int] = None            # QRoot's Newton–Schulz steps per update (None: QRoot's default, 5)
     ns_sym_b: Optional[bool] = None           # QRoot's NVFP4 NS: B of B·X in 16x16 blocks (None: default, off)
     ns_residual: Optional[str] = None         # QRoot's NVFP4 NS: X's quantizations in two terms, comma list of
-                                              # x (X·Xᵀ), xt (B·X); "" or None: none (docs/OPTIM.md)
+                                              # x (X·Xᵀ), xt (B·X), or x2d alone; "" or None: none (docs/OPTIM.md)
     qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
