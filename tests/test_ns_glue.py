@@ -32,6 +32,55 @@ def _ref_axpy(t, s, y, dtype):
     return ((t.float() * s) + y.float()).to(dtype)
 
 
+def _shift_cases(device="cpu"):
+    """(A, alpha, k, c, E2) for sub_diag and shift_poly: bf16 and FP32 stacks of square matrices, one of m = 1."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for S, m, dtype in ((3, 17, torch.bfloat16), (2, 16, torch.float32), (4, 1, torch.bfloat16)):
+        A = torch.randn(S, m, m, generator=g).to(dtype)
+        alpha = A.float().diagonal(dim1=-2, dim2=-1).mean(-1) + torch.randn(S, generator=g)
+        k = torch.randn(S, generator=g) * 3
+        E2 = torch.randn(S, m, m, generator=g).to(torch.bfloat16)
+        out.append(tuple(t.to(device) for t in (A, alpha, k)) + (-4.7750, E2.to(device)))
+    return out
+
+
+def _ref_sub_diag(A, alpha, dtype):
+    """A - alpha I by an identity matrix (alpha · 0 = 0 off the diagonal, and a - 0 = a), in FP32."""
+    eye = torch.eye(A.shape[-1], device=A.device)
+    return (A.float() - alpha[:, None, None] * eye).to(dtype)
+
+
+def _ref_shift_poly(A, alpha, k, c, E2, dtype):
+    E = A.float() - alpha[:, None, None] * torch.eye(A.shape[-1], device=A.device)
+    return (k[:, None, None] * E + torch.tensor(c, dtype=torch.float32) * E2.float()).to(dtype)
+
+
+def test_shift_torch_path_is_the_upcast_form():
+    """sub_diag and shift_poly on the CPU (no interpreter): the bits of the identity-matrix forms above, for bf16
+    and FP32 stacks and outputs (c taken as FP32, as torch takes a scalar operand)."""
+    for A, alpha, k, c, E2 in _shift_cases():
+        for dtype in (torch.bfloat16, torch.float32):
+            out = ns_glue.sub_diag(A, alpha, dtype)
+            assert out.dtype == dtype and torch.equal(out, _ref_sub_diag(A, alpha, dtype))
+            out = ns_glue.shift_poly(A, alpha, k, c, E2, dtype)
+            assert out.dtype == dtype and torch.equal(out, _ref_shift_poly(A, alpha, k, c, E2, dtype))
+
+
+def test_shift_bad_inputs_raise():
+    A = torch.ones(3, 4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="square"):
+        ns_glue.sub_diag(torch.ones(3, 4, 5), torch.ones(3), torch.bfloat16)
+    with pytest.raises(ValueError, match="FP32"):
+        ns_glue.sub_diag(A, torch.ones(3, dtype=torch.float64), torch.bfloat16)
+    with pytest.raises(ValueError, match="alpha"):
+        ns_glue.sub_diag(A, torch.ones(4), torch.bfloat16)
+    with pytest.raises(ValueError, match="k must be"):
+        ns_glue.shift_poly(A, torch.ones(3), torch.ones(1), 1.0, A, torch.bfloat16)
+    with pytest.raises(ValueError, match="E2"):
+        ns_glue.shift_poly(A, torch.ones(3), torch.ones(3), 1.0, A[:, :2], torch.bfloat16)
+
+
 def test_torch_path_is_the_upcast_form():
     """On the CPU (no interpreter) both functions are torch ops with an FP32 computation and one rounding on the
     store: the bits of the upcast expressions, for bf16 and FP32 stacks, a factor per matrix ([S, 1, 1] and [S]),
@@ -58,7 +107,7 @@ def test_bad_scales_and_shapes_raise():
 
 
 def test_kernel_under_the_interpreter(tmp_path):
-    """The Triton kernel (TRITON_INTERPRET=1, a fresh process) on every case: FP32 outputs equal to the torch forms
+    """The Triton kernels (TRITON_INTERPRET=1, a fresh process) on every case: FP32 outputs equal to the torch forms
     bit for bit (the axpy's product and sum rounded separately, as the kernel is written), bf16 outputs within the
     interpreter's truncating cast (one bf16 ulp) where they are normal numbers."""
     script = tmp_path / "run.py"
@@ -68,8 +117,11 @@ def test_kernel_under_the_interpreter(tmp_path):
         from fp4compile.kernels import ns_glue
         from test_ns_glue import _cases
         assert ns_glue._use_kernel(torch.ones(1))
+        from test_ns_glue import _shift_cases
         outs = [(ns_glue.scale_rows(t, s, d), ns_glue.axpy_rows(t, s, y, d)) for t, s, y in _cases()
                 for d in (torch.bfloat16, torch.float32)]
+        outs += [(ns_glue.sub_diag(A, al, d), ns_glue.shift_poly(A, al, k, c, E2, d))
+                 for A, al, k, c, E2 in _shift_cases() for d in (torch.bfloat16, torch.float32)]
         torch.save(outs, {str(tmp_path / 'out.pt')!r})
     """))
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -78,7 +130,9 @@ def test_kernel_under_the_interpreter(tmp_path):
     outs = torch.load(tmp_path / "out.pt")
     refs = [(_ref_scale(t, s, d), _ref_axpy(t, s, y, d)) for t, s, y in _cases() for d in (torch.bfloat16,
                                                                                          torch.float32)]
-    assert len(outs) == len(refs) == 20
+    refs += [(_ref_sub_diag(A, al, d), _ref_shift_poly(A, al, k, c, E2, d)) for A, al, k, c, E2 in _shift_cases()
+             for d in (torch.bfloat16, torch.float32)]
+    assert len(outs) == len(refs) == 26
     for got, want in zip(outs, refs):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
@@ -103,13 +157,19 @@ def test_kernel_compiles_without_fma_for_sm90():
     assert "fma.rn.f32" not in ptx and "mul.f32" in ptx.replace("mul.rn.f32", "mul.f32")
     assert ".ftz" not in ptx                                  # subnormal products and results are kept
     assert "cvt.rn.bf16.f32" in ptx or "cvt.rn.bf16x2.f32" in ptx
+    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", m="i32",
+               numel="i32", c="fp32")
+    ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BLOCK=ns_glue.BLOCK, POLY=True), 4, upto="ptx",
+                          divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
+    assert "fma.rn.f32" not in ptx and ".ftz" not in ptx      # k e and c e2 each rounded, then the sum
+    assert ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= 2 and "sub" in ptx
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
     """CUDA: the kernel (ns_glue.KERNEL) against the torch ops on the same device, bit for bit (RNE casts on both
-    sides), on the cases above and on a 124M-set-sized stack; and Q-Root's NVFP4 NS with it equal to without."""
+    sides), on the cases above and on 124M-set-sized stacks; and Q-Root's NVFP4 NS with it equal to without."""
     from fp4compile.optim import newton_schulz, ns_coefficients
     from fp4compile.policy import NVFP4
 
@@ -123,6 +183,14 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
         for d in (torch.bfloat16, torch.float32):
             assert torch.equal(ns_glue.scale_rows(t, s, d), _ref_scale(t, s, d))
             assert torch.equal(ns_glue.axpy_rows(t, s, y, d), _ref_axpy(t, s, y, d))
+    shift = _shift_cases("cuda")
+    A = torch.randn(48, 768, 768, generator=g, device="cuda").to(torch.bfloat16)
+    shift.append((A, torch.rand(48, generator=g, device="cuda"), torch.randn(48, generator=g, device="cuda"),
+                  2.0315, A.flip(-1)))
+    for A, al, k, c, E2 in shift:
+        for d in (torch.bfloat16, torch.float32):
+            assert torch.equal(ns_glue.sub_diag(A, al, d), _ref_sub_diag(A, al, d))
+            assert torch.equal(ns_glue.shift_poly(A, al, k, c, E2, d), _ref_shift_poly(A, al, k, c, E2, d))
     G = torch.randn(4, 128, 384, generator=g, device="cuda")
     coeffs = ns_coefficients((128, 384))
     for shift in (False, True):

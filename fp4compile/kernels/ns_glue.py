@@ -8,9 +8,14 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 
 * :func:`scale_rows`: ``(t.float() * s[b]).to(dtype)`` for a stack t [S, ...] and s [S] (or one scalar);
 * :func:`axpy_rows`: ``(t.float() * s[b] + y.float()).to(dtype)``, the product and the sum rounded separately in
-  FP32 as torch's two ops round them (launched without FMA contraction), then once to ``dtype``.
+  FP32 as torch's two ops round them (launched without FMA contraction), then once to ``dtype``;
+* :func:`sub_diag` and :func:`shift_poly`: the identity-shifted NS polynomial's two passes over a stack of square
+  matrices A (``optim.root._shifted_poly``): E = A - alpha I rounded to ``dtype`` (the operand of E²), and
+  Bs = k (A - alpha I) + c E² rounded once, each from A's bf16 values, instead of torch's six (FP32 copies of A and
+  E², the diagonal shift, a broadcast product, a scalar product, a sum, two casts).
 
-The Triton pass is opt-in (:data:`KERNEL`) until the GPU has timed it.
+The Triton pass is the default on CUDA (:data:`KERNEL`; H200, session 44: the 124M set's Q-Root step 23.8 → 17.7
+ms, the 1B set's 248 → 187 ms, the same bits as the torch ops in its GPU test).
 
 The torch expressions are the reference and the CPU path (the same bits: TensorIterator computes in FP32 and rounds
 once on the store). CUDA, or CPU under ``TRITON_INTERPRET=1`` for the tests (whose interpreter truncates on the
@@ -32,10 +37,10 @@ except ImportError:  # CPU wheel without Triton: only the torch reference is ava
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: the Triton pass on CUDA (True) or the torch ops there too (False, the default until the H200 has timed it and run
-#: its GPU test: ``bash bench/run_h200.sh s44_glue``). ``FP4COMPILE_NS_GLUE=1`` sets it at import; read at each call.
-#: Under ``TRITON_INTERPRET=1`` the kernel always runs (the CPU tests of the kernel).
-KERNEL = os.environ.get("FP4COMPILE_NS_GLUE", "0") not in ("", "0")
+#: the Triton pass on CUDA (True, the default since the H200 timed it: ``bash bench/run_h200.sh s44_glue``) or the torch
+#: ops there too (False; ``FP4COMPILE_NS_GLUE=0`` at import). Read at each call. Under ``TRITON_INTERPRET=1`` the
+#: kernel always runs on CPU (the CPU tests of the kernel).
+KERNEL = os.environ.get("FP4COMPILE_NS_GLUE", "1") not in ("", "0")
 BLOCK = 2048
 
 if triton is not None:
@@ -49,6 +54,24 @@ if triton is not None:
         if ADD:
             v = v + tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, m, numel, c, BLOCK: tl.constexpr,
+                      POLY: tl.constexpr):
+        """A stack of square m x m matrices, all contiguous: e = a - alpha[s] on the diagonal (a elsewhere), FP32;
+        out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        mat = offs // (m * m)
+        on_diag = (offs % (m * m)) % (m + 1) == 0             # r = i (m + 1), i < m, within a matrix
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        alpha = tl.load(alpha_ptr + mat, mask=mask & on_diag, other=0.0)
+        e = tl.where(on_diag, a - alpha, a)
+        if POLY:
+            k = tl.load(k_ptr + mat, mask=mask, other=0.0)
+            e = k * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, e.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
@@ -105,6 +128,56 @@ def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional
     if _use_kernel(t) and t.is_contiguous() and y.is_contiguous():
         return _launch(t, s, y, dtype)
     return torch.add(torch.mul(t, _broadcast(t, s)), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
+def _check_square_stack(A: torch.Tensor, alpha: torch.Tensor, name: str) -> None:
+    if A.dim() != 3 or A.shape[1] != A.shape[2]:
+        raise ValueError(f"ns_glue.{name}: A must be a stack of square matrices [S, m, m], got {tuple(A.shape)}")
+    if alpha.dtype != torch.float32 or alpha.shape != A.shape[:1]:
+        raise ValueError(f"ns_glue.{name}: alpha must be FP32 [S] = [{A.shape[0]}], got {alpha.dtype} "
+                         f"{tuple(alpha.shape)}")
+
+
+def _shifted_f32(A: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """The torch form's E = A - alpha I in FP32 (a new tensor)."""
+    E = A.to(torch.float32, copy=True)
+    torch.diagonal(E, dim1=-2, dim2=-1).sub_(alpha[:, None])
+    return E
+
+
+def _launch_shift(A, alpha, k, c, E2, dtype):
+    out = torch.empty(A.shape, dtype=dtype, device=A.device)
+    n = A.numel()
+    if n:
+        opts = {"enable_fp_fusion": False} if A.is_cuda else {}
+        poly = E2 is not None
+        launch(_shift_kernel, (cdiv(n, BLOCK),), A, alpha.contiguous(), k.contiguous() if poly else alpha,
+               E2 if poly else A, out, A.shape[1], n, float(c), BLOCK=BLOCK, POLY=poly, num_warps=4, **opts)
+    return out
+
+
+def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``E = A - alpha I`` of a stack of square matrices A [S, m, m] and FP32 ``alpha`` [S], computed in FP32 from
+    A's values and rounded once to ``dtype``: one pass on CUDA (:func:`_shift_kernel`), torch's FP32 copy, diagonal
+    subtraction and cast elsewhere."""
+    _check_square_stack(A, alpha, "sub_diag")
+    if _use_kernel(A) and A.is_contiguous():
+        return _launch_shift(A, alpha, None, 0.0, None, dtype)
+    return _shifted_f32(A, alpha).to(dtype)
+
+
+def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, E2: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``k (A - alpha I) + c E2`` for a stack A [S, m, m], FP32 ``alpha`` and ``k`` [S], a Python ``c`` (used as
+    FP32, as torch uses a scalar operand) and ``E2`` [S, m, m]: FP32 arithmetic, the two products and the sum each
+    rounded (no FMA), then once to ``dtype``. One pass on CUDA, the torch ops elsewhere."""
+    _check_square_stack(A, alpha, "shift_poly")
+    if k.dtype != torch.float32 or k.shape != alpha.shape or E2.shape != A.shape:
+        raise ValueError(f"ns_glue.shift_poly: k must be FP32 [S] and E2 [S, m, m] like A {tuple(A.shape)}, got "
+                         f"k {k.dtype} {tuple(k.shape)}, E2 {tuple(E2.shape)}")
+    if _use_kernel(A) and A.is_contiguous() and E2.is_contiguous():
+        return _launch_shift(A, alpha, k, c, E2, dtype)
+    return (k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype)
 
 
 if triton is not None:

@@ -244,7 +244,8 @@ def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torc
 
 def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
     """The NS polynomial B = b A + c A² of a stack A [S, m, m] split as ``beta I + Bs``, with the one product it
-    needs taken of the shifted matrix: ``(Bs, beta)``, Bs FP32 -> BF16 [S, m, m], beta FP32 [S, 1, 1].
+    needs taken of the shifted matrix: ``(Bs, beta)``, Bs BF16 [S, m, m], beta FP32 [S, 1, 1]. E and Bs each in one
+    pass from A's values (``kernels.ns_glue.sub_diag``, ``shift_poly``).
 
     With alpha = mean(diag A) per matrix and E = A - alpha I (exact algebra):
     A² = E² + 2 alpha E + alpha² I, so B = (b + 2 c alpha) E + c E² + (b alpha + c alpha²) I. ``square(E)``
@@ -256,12 +257,10 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
     (a scale of X) and quantizes only what deviates from them (E, Bs), whose error is proportionally smaller.
     Measured (``bench/ns_quality.py --shift``): distance to the BF16 NS 0.271 -> 0.176 on the 30M block shapes.
     """
-    E = A.to(torch.float32, copy=True)           # always a new tensor (one pass from BF16): shifted in place below
-    alpha = torch.diagonal(E, dim1=-2, dim2=-1).mean(-1)[:, None, None]
-    torch.diagonal(E, dim1=-2, dim2=-1).sub_(alpha[:, :, 0])
-    E2 = square(E.to(torch.bfloat16)).float()
-    Bs = (b + 2 * c * alpha) * E + c * E2
-    return Bs.to(torch.bfloat16), b * alpha + c * alpha * alpha
+    alpha = torch.diagonal(A, dim1=-2, dim2=-1).float().mean(-1)                     # [S]
+    E2 = square(ns_glue.sub_diag(A, alpha, torch.bfloat16))   # E = A - alpha I from A's values, one pass
+    Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16)   # one pass, rounded once
+    return Bs, (b * alpha + c * alpha * alpha)[:, None, None]
 
 
 def _q_stack(x: torch.Tensor, spec, signs, seed=None, transpose=False):
