@@ -81,6 +81,20 @@ def test_shift_bad_inputs_raise():
         ns_glue.shift_poly(A, torch.ones(3), torch.ones(3), 1.0, A[:, :2], torch.bfloat16)
 
 
+def _ys_cases(device="cpu"):
+    """(t, s, y, y_scale) for axpy_rows with y_scale: y an FP32 product, its scale a 0-dim global or one per matrix."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(3, 16, 40, generator=g).to(torch.bfloat16)
+    y = torch.randn(3, 16, 40, generator=g) * 300
+    out = [(t, torch.rand(3, 1, 1, generator=g) + 0.5, y, ys)
+           for ys in (torch.tensor(0.01234), torch.rand(3, generator=g), torch.tensor([3e-39]))]
+    return [tuple(x.to(device) for x in case) for case in out]
+
+
+def _ref_axpy_ys(t, s, y, ys, dtype):
+    return _ref_axpy(t, s, _ref_scale(y, ys, dtype), dtype)
+
+
 def test_torch_path_is_the_upcast_form():
     """On the CPU (no interpreter) both functions are torch ops with an FP32 computation and one rounding on the
     store: the bits of the upcast expressions, for bf16 and FP32 stacks, a factor per matrix ([S, 1, 1] and [S]),
@@ -92,6 +106,10 @@ def test_torch_path_is_the_upcast_form():
             assert out.dtype == dtype and torch.equal(out, _ref_scale(t, s, dtype))
             out = ns_glue.axpy_rows(t, s, y, dtype)
             assert out.dtype == dtype and torch.equal(out, _ref_axpy(t, s, y, dtype))
+    for t, s, y, ys in _ys_cases():       # y first rounded to dtype as y * ys, then the axpy
+        for dtype in (torch.bfloat16, torch.float32):
+            out = ns_glue.axpy_rows(t, s, y, dtype, y_scale=ys)
+            assert out.dtype == dtype and torch.equal(out, _ref_axpy_ys(t, s, y, ys, dtype))
 
 
 def test_bad_scales_and_shapes_raise():
@@ -115,13 +133,14 @@ def test_kernel_under_the_interpreter(tmp_path):
         import sys, torch
         sys.path.insert(0, {REPO!r}); sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
         from fp4compile.kernels import ns_glue
-        from test_ns_glue import _cases
+        from test_ns_glue import _cases, _shift_cases, _ys_cases
         assert ns_glue._use_kernel(torch.ones(1))
-        from test_ns_glue import _shift_cases
         outs = [(ns_glue.scale_rows(t, s, d), ns_glue.axpy_rows(t, s, y, d)) for t, s, y in _cases()
                 for d in (torch.bfloat16, torch.float32)]
         outs += [(ns_glue.sub_diag(A, al, d), ns_glue.shift_poly(A, al, k, c, E2, d))
                  for A, al, k, c, E2 in _shift_cases() for d in (torch.bfloat16, torch.float32)]
+        outs += [(ns_glue.axpy_rows(t, s, y, d, y_scale=ys),) for t, s, y, ys in _ys_cases()
+                 for d in (torch.bfloat16, torch.float32)]
         torch.save(outs, {str(tmp_path / 'out.pt')!r})
     """))
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -132,8 +151,19 @@ def test_kernel_under_the_interpreter(tmp_path):
                                                                                          torch.float32)]
     refs += [(_ref_sub_diag(A, al, d), _ref_shift_poly(A, al, k, c, E2, d)) for A, al, k, c, E2 in _shift_cases()
              for d in (torch.bfloat16, torch.float32)]
-    assert len(outs) == len(refs) == 26
-    for got, want in zip(outs, refs):
+    assert len(outs) == len(refs) + 6 == 32
+    for (got,), (t, s, y, ys, d) in zip(outs[26:], [c + (d,) for c in _ys_cases() for d in (torch.bfloat16,
+                                                                                         torch.float32)]):
+        want = _ref_axpy_ys(t, s, y, ys, d)
+        if d == torch.float32:
+            assert torch.equal(got, want)
+        else:   # two truncating casts (y * ys, then the sum) against two RNE ones: two bf16 ulps of the terms'
+            # magnitude (the GPU test compares these bit for bit)
+            mag = (t.float() * s).abs() + _ref_scale(y, ys, d).float().abs()
+            normal = want.float().abs() >= 2.0 ** -126
+            assert normal.sum() > 0
+            assert ((got.float() - want.float()).abs()[normal] <= mag[normal] * 2.0 ** -6).all()
+    for got, want in zip(outs[:26], refs):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
             if w.dtype == torch.float32:
@@ -151,12 +181,18 @@ def test_kernel_compiles_without_fma_for_sm90():
     pytest.importorskip("triton")
     from fp4compile.kernels.offline import compile_offline
 
-    sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*bf16", out_ptr="*bf16", per="i32", numel="i32")
-    ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True), 4, upto="ptx",
-                          divisible_by_16=("t_ptr", "s_ptr", "y_ptr", "out_ptr"))
-    assert "fma.rn.f32" not in ptx and "mul.f32" in ptx.replace("mul.rn.f32", "mul.f32")
-    assert ".ftz" not in ptx                                  # subnormal products and results are kept
-    assert "cvt.rn.bf16.f32" in ptx or "cvt.rn.bf16x2.f32" in ptx
+    counts = {}
+    for yscale in (False, True):      # with y_scale: y an FP32 product, rounded to bf16 after its scale
+        sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*fp32" if yscale else "*bf16", ys_ptr="*fp32",
+                   out_ptr="*bf16", per="i32", per_y="i32", numel="i32")
+        ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=yscale), 4,
+                              upto="ptx", divisible_by_16=("t_ptr", "s_ptr", "y_ptr", "ys_ptr", "out_ptr"))
+        assert "fma.rn.f32" not in ptx and "mul.f32" in ptx.replace("mul.rn.f32", "mul.f32")
+        assert ".ftz" not in ptx                              # subnormal products and results are kept
+        counts[yscale] = (ptx.count("cvt.rn.bf16.f32") + ptx.count("cvt.rn.bf16x2.f32"),
+                          ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
+    assert counts[False][0] > 0                               # the store's RNE cast
+    assert counts[True] == (2 * counts[False][0], 2 * counts[False][1])   # y * ys, rounded to bf16, per element
     sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", m="i32",
                numel="i32", c="fp32")
     ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BLOCK=ns_glue.BLOCK, POLY=True), 4, upto="ptx",
@@ -187,6 +223,9 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
     A = torch.randn(48, 768, 768, generator=g, device="cuda").to(torch.bfloat16)
     shift.append((A, torch.rand(48, generator=g, device="cuda"), torch.randn(48, generator=g, device="cuda"),
                   2.0315, A.flip(-1)))
+    for t, s, y, ys in _ys_cases("cuda") + [(big, cases[-1][1], big.float().flip(0) * 7, torch.tensor(0.3, device="cuda"))]:
+        for d in (torch.bfloat16, torch.float32):
+            assert torch.equal(ns_glue.axpy_rows(t, s, y, d, y_scale=ys), _ref_axpy_ys(t, s, y, ys, d))
     for A, al, k, c, E2 in shift:
         for d in (torch.bfloat16, torch.float32):
             assert torch.equal(ns_glue.sub_diag(A, al, d), _ref_sub_diag(A, al, d))

@@ -8,7 +8,9 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 
 * :func:`scale_rows`: ``(t.float() * s[b]).to(dtype)`` for a stack t [S, ...] and s [S] (or one scalar);
 * :func:`axpy_rows`: ``(t.float() * s[b] + y.float()).to(dtype)``, the product and the sum rounded separately in
-  FP32 as torch's two ops round them (launched without FMA contraction), then once to ``dtype``;
+  FP32 as torch's two ops round them (launched without FMA contraction), then once to ``dtype``; with ``y_scale``,
+  y is an FP32 product whose global scale the same pass applies (rounded to ``dtype`` first, as
+  :func:`scale_rows` would round it): the NS update from B·X's FP32 product without a bf16 B·X in between;
 * :func:`sub_diag` and :func:`shift_poly`: the identity-shifted NS polynomial's two passes over a stack of square
   matrices A (``optim.root._shifted_poly``): E = A - alpha I rounded to ``dtype`` (the operand of E²), and
   Bs = k (A - alpha I) + c E² rounded once, each from A's bf16 values, instead of torch's six (FP32 copies of A and
@@ -45,14 +47,20 @@ BLOCK = 2048
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(t_ptr, s_ptr, y_ptr, out_ptr, per, numel, BLOCK: tl.constexpr, ADD: tl.constexpr):
-        """out[i] = t[i] * s[i // per] (+ y[i]), FP32 arithmetic, rounded once to out's dtype; all contiguous."""
+    def _rows_kernel(t_ptr, s_ptr, y_ptr, ys_ptr, out_ptr, per, per_y, numel, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr, YSCALE: tl.constexpr):
+        """out[i] = t[i] * s[i // per] (+ y[i], with YSCALE first rounded to out's dtype as y[i] * ys[i // per_y]),
+        FP32 arithmetic, rounded once to out's dtype; all contiguous."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         s = tl.load(s_ptr + offs // per, mask=mask, other=0.0)
         v = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32) * s
         if ADD:
-            v = v + tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if YSCALE:
+                ys = tl.load(ys_ptr + offs // per_y, mask=mask, other=0.0)
+                y = (y * ys).to(out_ptr.dtype.element_ty).to(tl.float32)
+            v = v + y
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,15 +106,15 @@ def _broadcast(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return s.reshape((-1,) + (1,) * (t.dim() - 1)) if s.numel() > 1 else s
 
 
-def _launch(t, s, y, dtype):
+def _launch(t, s, y, dtype, ys=None):
     s = _per_matrix(t, s).contiguous()
+    ys = s if ys is None else ys
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     n = t.numel()
     if n:
-        per = n // s.numel()
         opts = {"enable_fp_fusion": False} if t.is_cuda else {}
-        launch(_rows_kernel, (cdiv(n, BLOCK),), t, s, t if y is None else y, out, per, n, BLOCK=BLOCK,
-               ADD=y is not None, num_warps=4, **opts)
+        launch(_rows_kernel, (cdiv(n, BLOCK),), t, s, t if y is None else y, ys, out, n // s.numel(),
+               n // ys.numel(), n, BLOCK=BLOCK, ADD=y is not None, YSCALE=ys is not s, num_warps=4, **opts)
     return out
 
 
@@ -118,15 +126,20 @@ def scale_rows(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return torch.mul(t, _broadcast(t, s), out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
-def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional[torch.dtype] = None
-              ) -> torch.Tensor:
+def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional[torch.dtype] = None,
+              y_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(t.float() * s + y.float()).to(dtype)`` (default: t's dtype), the product and the sum each rounded in FP32
-    as torch's two ops round them, then once to ``dtype``: one pass on CUDA, two torch ops elsewhere."""
+    as torch's two ops round them, then once to ``dtype``: one pass on CUDA, two torch ops elsewhere.
+
+    ``y_scale`` (FP32, one per matrix or a scalar, as ``s``): y is first ``scale_rows(y, y_scale, dtype)``, rounded
+    to ``dtype`` as that op rounds it (an FP32 product's global scale, applied in the same pass on CUDA)."""
     dtype = dtype or t.dtype
     if y.shape != t.shape:
         raise ValueError(f"ns_glue.axpy_rows: y {tuple(y.shape)} and t {tuple(t.shape)} differ")
     if _use_kernel(t) and t.is_contiguous() and y.is_contiguous():
-        return _launch(t, s, y, dtype)
+        return _launch(t, s, y, dtype, None if y_scale is None else _per_matrix(y, y_scale).contiguous())
+    if y_scale is not None:
+        y = scale_rows(y, y_scale, dtype)
     return torch.add(torch.mul(t, _broadcast(t, s)), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 

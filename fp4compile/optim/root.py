@@ -398,10 +398,14 @@ def _bgemm_dq(pa, pb, out_dtype=torch.bfloat16) -> torch.Tensor:
     """The product of two stacks of (bf16 q·S, global) pairs, as :func:`_q_stack_dq` gives them (and
     :func:`_bgemm_nvfp4` after its dequantization): (dq_a · dq_bᵀ) * (a_global * b_global) in FP32, one rounding to
     ``out_dtype`` (symmetric :func:`_gram` when ``pa is pb``)."""
+    return ns_glue.scale_rows(*_bgemm_dq_parts(pa, pb), out_dtype)   # one pass, rounded once
+
+
+def _bgemm_dq_parts(pa, pb):
+    """:func:`_bgemm_dq` before its scaling: (dq_a · dq_bᵀ FP32, a_global * b_global FP32 0-dim)."""
     a, ag = pa
     b, bg = pb
-    ab = _gram(a, True) if pb is pa else _bmm_f32(a, b)
-    return ns_glue.scale_rows(ab, ag.float() * bg.float(), out_dtype)  # one pass, rounded once
+    return _gram(a, True) if pb is pa else _bmm_f32(a, b), ag.float() * bg.float()
 
 
 #: what ``residual`` may quantize in two terms: X of X Xᵀ ("x"), Xᵀ of B·X ("xt"), or ("x2d", alone) X once per
@@ -522,10 +526,18 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             if x2d and s is not None:
                 BX = BX * s.sqrt()                           # X was quantized before the guard rescaled it
             BX = BX.to(torch.bfloat16)
-        elif qfn in (_q_stack, _q_stack_dq) and m % (spec.hadamard or 16) == 0:
-            BX = product(qB, qfn(X, spec, signs, seed(), transpose=True))    # Xᵀ, no transposed copy
         else:
-            BX = product(qB, qfn(X.mT.contiguous(), spec, signs, seed()))
+            if qfn in (_q_stack, _q_stack_dq) and m % (spec.hadamard or 16) == 0:
+                qxt = qfn(X, spec, signs, seed(), transpose=True)    # Xᵀ, no transposed copy
+            else:
+                qxt = qfn(X.mT.contiguous(), spec, signs, seed())
+            if beta is not None and product in (_bgemm_nvfp4, _bgemm_dq):
+                # (a + beta) X + Bs X from the FP32 product and its global scale in one pass: the bits of
+                # _ns_update(X, a, beta, product(qB, qxt)) without the bf16 B·X stored and read back
+                P, g = _bgemm_dq_parts(_dq_form(qB), _dq_form(qxt))
+                X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g)
+                continue
+            BX = product(qB, qxt)
         X = _ns_update(X, a, beta, BX)                       # X <- a X + B·X  [S, m, n]
     return X
 
