@@ -769,11 +769,12 @@ s44_shift)
   # issue 5 on one nvidia-h200 (~5 min; session 44). The identity-shifted NS polynomial's glue in two Triton passes
   # (kernels/ns_glue.sub_diag, shift_poly) instead of six torch passes. GPU tests of ns_glue (bit for bit against the
   # torch forms) and Q-Root; the Q-Root step of this tree against .ab/old (82c016d with FP4COMPILE_NS_GLUE=1: the
-  # scale-and-round kernels of s44_glue, the torch shift), alternating; the step by torch op.
+  # scale-and-round kernels of s44_glue, the torch shift) and .ab/mid (the shift's two passes, without the update's
+  # y_scale), alternating; the step by torch op.
   step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
       tests/test_optim_root.py
-  for t in new old new2 old2; do
-    case $t in old*) P=$PWD/.ab/old;; *) P=$PWD;; esac
+  for t in new old mid new2 old2; do
+    case $t in old*) P=$PWD/.ab/old;; mid) P=$PWD/.ab/mid;; *) P=$PWD;; esac
     ( cd "$P" && export PYTHONPATH=$P FP4COMPILE_NS_GLUE=1 && step "root_$t" 90 python bench/optim.py \
         --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_$t.json" )
   done
