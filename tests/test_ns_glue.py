@@ -88,6 +88,7 @@ def _ys_cases(device="cpu"):
     y = torch.randn(3, 16, 40, generator=g) * 300
     out = [(t, torch.rand(3, 1, 1, generator=g) + 0.5, y, ys)
            for ys in (torch.tensor(0.01234), torch.rand(3, generator=g), torch.tensor([3e-39]))]
+    out.append((t, torch.tensor(0.8125), y, torch.rand(3, generator=g)))    # the factor one, y's per matrix
     return [tuple(x.to(device) for x in case) for case in out]
 
 
@@ -151,7 +152,7 @@ def test_kernel_under_the_interpreter(tmp_path):
                                                                                          torch.float32)]
     refs += [(_ref_sub_diag(A, al, d), _ref_shift_poly(A, al, k, c, E2, d)) for A, al, k, c, E2 in _shift_cases()
              for d in (torch.bfloat16, torch.float32)]
-    assert len(outs) == len(refs) + 6 == 32
+    assert len(outs) == len(refs) + 8 == 34
     for (got,), (t, s, y, ys, d) in zip(outs[26:], [c + (d,) for c in _ys_cases() for d in (torch.bfloat16,
                                                                                          torch.float32)]):
         want = _ref_axpy_ys(t, s, y, ys, d)
@@ -184,20 +185,22 @@ def test_kernel_compiles_without_fma_for_sm90():
     counts = {}
     for yscale in (False, True):      # with y_scale: y an FP32 product, rounded to bf16 after its scale
         sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*fp32" if yscale else "*bf16", ys_ptr="*fp32",
-                   out_ptr="*bf16", per="i32", per_y="i32", numel="i32")
+                   out_ptr="*bf16", per="i32", s_step="i32", ys_step="i32")
         ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=yscale), 4,
                               upto="ptx", divisible_by_16=("t_ptr", "s_ptr", "y_ptr", "ys_ptr", "out_ptr"))
         assert "fma.rn.f32" not in ptx and "mul.f32" in ptx.replace("mul.rn.f32", "mul.f32")
         assert ".ftz" not in ptx                              # subnormal products and results are kept
+        assert "div." not in ptx and "rem." not in ptx        # a program's factors are one load each
         counts[yscale] = (ptx.count("cvt.rn.bf16.f32") + ptx.count("cvt.rn.bf16x2.f32"),
                           ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
     assert counts[False][0] > 0                               # the store's RNE cast
     assert counts[True] == (2 * counts[False][0], 2 * counts[False][1])   # y * ys, rounded to bf16, per element
-    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", m="i32",
-               numel="i32", c="fp32")
-    ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BLOCK=ns_glue.BLOCK, POLY=True), 4, upto="ptx",
+    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", m="i32", c="fp32")
+    br, bc = ns_glue.SHIFT_TILE
+    ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BR=br, BC=bc, POLY=True), 4, upto="ptx",
                           divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
     assert "fma.rn.f32" not in ptx and ".ftz" not in ptx      # k e and c e2 each rounded, then the sum
+    assert "div." not in ptx and "rem." not in ptx            # the diagonal by row == col, no index division
     assert ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= 2 and "sub" in ptx
 
 

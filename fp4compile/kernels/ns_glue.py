@@ -47,38 +47,39 @@ BLOCK = 2048
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(t_ptr, s_ptr, y_ptr, ys_ptr, out_ptr, per, per_y, numel, BLOCK: tl.constexpr,
+    def _rows_kernel(t_ptr, s_ptr, y_ptr, ys_ptr, out_ptr, per, s_step, ys_step, BLOCK: tl.constexpr,
                      ADD: tl.constexpr, YSCALE: tl.constexpr):
-        """out[i] = t[i] * s[i // per] (+ y[i], with YSCALE first rounded to out's dtype as y[i] * ys[i // per_y]),
-        FP32 arithmetic, rounded once to out's dtype; all contiguous."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        s = tl.load(s_ptr + offs // per, mask=mask, other=0.0)
-        v = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32) * s
+        """out[i] = t[i] * s (+ y[i], with YSCALE first rounded to out's dtype as y[i] * ys), FP32 arithmetic,
+        rounded once to out's dtype; all contiguous. A program covers BLOCK elements of matrix program_id(1) (per
+        elements each), whose factors are s_ptr[mat * s_step] and ys_ptr[mat * ys_step] (step 0: one for all): no
+        index division."""
+        mat = tl.program_id(1)
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = r < per
+        offs = mat.to(tl.int64) * per + r
+        v = tl.load(t_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + mat * s_step)
         if ADD:
             y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if YSCALE:
-                ys = tl.load(ys_ptr + offs // per_y, mask=mask, other=0.0)
-                y = (y * ys).to(out_ptr.dtype.element_ty).to(tl.float32)
+                y = (y * tl.load(ys_ptr + mat * ys_step)).to(out_ptr.dtype.element_ty).to(tl.float32)
             v = v + y
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
-    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, m, numel, c, BLOCK: tl.constexpr,
+    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, m, c, BR: tl.constexpr, BC: tl.constexpr,
                       POLY: tl.constexpr):
-        """A stack of square m x m matrices, all contiguous: e = a - alpha[s] on the diagonal (a elsewhere), FP32;
+        """A stack of square m x m matrices, all contiguous, one BR x BC tile of matrix program_id(2) a program
+        (no index division: the diagonal is row == col): e = a - alpha[s] on the diagonal (a elsewhere), FP32;
         out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        mat = offs // (m * m)
-        on_diag = (offs % (m * m)) % (m + 1) == 0             # r = i (m + 1), i < m, within a matrix
+        mat = tl.program_id(2)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        mask = (rows < m) & (cols < m)
+        offs = mat.to(tl.int64) * m * m + rows * m + cols
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        alpha = tl.load(alpha_ptr + mat, mask=mask & on_diag, other=0.0)
-        e = tl.where(on_diag, a - alpha, a)
+        e = tl.where(rows == cols, a - tl.load(alpha_ptr + mat), a)
         if POLY:
-            k = tl.load(k_ptr + mat, mask=mask, other=0.0)
-            e = k * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            e = tl.load(k_ptr + mat) * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, e.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -112,16 +113,25 @@ def _launch(t, s, y, dtype, ys=None):
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     n = t.numel()
     if n:
+        mats = max(s.numel(), ys.numel())              # 1, or the stack's S (each factor one per matrix or one)
         opts = {"enable_fp_fusion": False} if t.is_cuda else {}
-        launch(_rows_kernel, (cdiv(n, BLOCK),), t, s, t if y is None else y, ys, out, n // s.numel(),
-               n // ys.numel(), n, BLOCK=BLOCK, ADD=y is not None, YSCALE=ys is not s, num_warps=4, **opts)
+        launch(_rows_kernel, (cdiv(n // mats, BLOCK), mats), t, s, t if y is None else y, ys, out, n // mats,
+               int(s.numel() > 1), int(ys.numel() > 1), BLOCK=BLOCK, ADD=y is not None, YSCALE=ys is not s,
+               num_warps=4, **opts)
     return out
+
+
+def _rows_kernel_ok(t: torch.Tensor, *others: torch.Tensor) -> bool:
+    """The kernel's limits (else the torch form): contiguous operands, at most 65535 matrices (the grid's y) and
+    fewer than 2³¹ elements (int32 offsets within the part one factor covers)."""
+    return (_use_kernel(t) and t.is_contiguous() and all(x.is_contiguous() for x in others)
+            and (t.dim() == 0 or t.shape[0] <= 65535) and t.numel() < 2 ** 31)
 
 
 def scale_rows(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(t.float() * s).to(dtype)`` for a stack ``t`` [S, ...] and an FP32 ``s`` of one factor per matrix ([S] or
     [S, 1, 1]) or a scalar: one pass on CUDA (:func:`_rows_kernel`), the torch expression elsewhere."""
-    if _use_kernel(t) and t.is_contiguous():
+    if _rows_kernel_ok(t):
         return _launch(t, s, None, dtype)
     return torch.mul(t, _broadcast(t, s), out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
@@ -136,7 +146,7 @@ def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional
     dtype = dtype or t.dtype
     if y.shape != t.shape:
         raise ValueError(f"ns_glue.axpy_rows: y {tuple(y.shape)} and t {tuple(t.shape)} differ")
-    if _use_kernel(t) and t.is_contiguous() and y.is_contiguous():
+    if _rows_kernel_ok(t, y):
         return _launch(t, s, y, dtype, None if y_scale is None else _per_matrix(y, y_scale).contiguous())
     if y_scale is not None:
         y = scale_rows(y, y_scale, dtype)
@@ -158,15 +168,26 @@ def _shifted_f32(A: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return E
 
 
+SHIFT_TILE = (16, 128)   # rows x columns of one _shift_kernel program
+
+
 def _launch_shift(A, alpha, k, c, E2, dtype):
     out = torch.empty(A.shape, dtype=dtype, device=A.device)
-    n = A.numel()
-    if n:
+    S, m, _ = A.shape
+    if A.numel():
         opts = {"enable_fp_fusion": False} if A.is_cuda else {}
         poly = E2 is not None
-        launch(_shift_kernel, (cdiv(n, BLOCK),), A, alpha.contiguous(), k.contiguous() if poly else alpha,
-               E2 if poly else A, out, A.shape[1], n, float(c), BLOCK=BLOCK, POLY=poly, num_warps=4, **opts)
+        br, bc = SHIFT_TILE
+        launch(_shift_kernel, (cdiv(m, br), cdiv(m, bc), S), A, alpha.contiguous(), k.contiguous() if poly else alpha,
+               E2 if poly else A, out, m, float(c), BR=br, BC=bc, POLY=poly, num_warps=4, **opts)
     return out
+
+
+def _shift_kernel_ok(A: torch.Tensor, *others: torch.Tensor) -> bool:
+    """The kernel's limits (else the torch form): contiguous operands, S <= 65535 (the grid's z), m² < 2³¹ (int32
+    offsets within a matrix)."""
+    return (_use_kernel(A) and A.is_contiguous() and all(t.is_contiguous() for t in others)
+            and A.shape[0] <= 65535 and A.shape[1] ** 2 < 2 ** 31)
 
 
 def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,7 +195,7 @@ def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.
     A's values and rounded once to ``dtype``: one pass on CUDA (:func:`_shift_kernel`), torch's FP32 copy, diagonal
     subtraction and cast elsewhere."""
     _check_square_stack(A, alpha, "sub_diag")
-    if _use_kernel(A) and A.is_contiguous():
+    if _shift_kernel_ok(A):
         return _launch_shift(A, alpha, None, 0.0, None, dtype)
     return _shifted_f32(A, alpha).to(dtype)
 
@@ -188,7 +209,7 @@ def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, 
     if k.dtype != torch.float32 or k.shape != alpha.shape or E2.shape != A.shape:
         raise ValueError(f"ns_glue.shift_poly: k must be FP32 [S] and E2 [S, m, m] like A {tuple(A.shape)}, got "
                          f"k {k.dtype} {tuple(k.shape)}, E2 {tuple(E2.shape)}")
-    if _use_kernel(A) and A.is_contiguous() and E2.is_contiguous():
+    if _shift_kernel_ok(A, E2):
         return _launch_shift(A, alpha, k, c, E2, dtype)
     return (k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype)
 
