@@ -235,8 +235,80 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
             assert torch.equal(ns_glue.shift_poly(A, al, k, c, E2, d), _ref_shift_poly(A, al, k, c, E2, d))
     G = torch.randn(4, 128, 384, generator=g, device="cuda")
     coeffs = ns_coefficients((128, 384))
+    kernel_matvec = ns_glue.matvec
     for shift in (False, True):
+        # the guard's matvec sums in another order than cuBLAS (not the same bits by design): the torch form in both
+        # arms for the bit-for-bit comparison, then the kernel's NS against it, close
+        monkeypatch.setattr(ns_glue, "matvec", lambda A, v: torch.bmm(A.float(), v))
         with_kernel = newton_schulz(G, coeffs, spec=NVFP4(), shift=shift)
         monkeypatch.setattr(ns_glue, "KERNEL", False)
         assert torch.equal(with_kernel, newton_schulz(G, coeffs, spec=NVFP4(), shift=shift))
         monkeypatch.setattr(ns_glue, "KERNEL", True)
+        monkeypatch.setattr(ns_glue, "matvec", kernel_matvec)
+        full = newton_schulz(G, coeffs, spec=NVFP4(), shift=shift).float()
+        assert ((full - with_kernel.float()).norm() / with_kernel.float().norm()) < 1e-2
+
+
+def _matvec_cases(device="cpu"):
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for S, m, dtype in ((3, 17, torch.bfloat16), (2, 160, torch.bfloat16), (2, 32, torch.float32)):
+        out.append((torch.randn(S, m, m, generator=g).to(dtype), torch.randn(S, m, 1, generator=g)))
+    return [(A.to(device), v.to(device)) for A, v in out]
+
+
+def _check_matvec(got, A, v):
+    """Against float64: FP32 products and sums, within a bound on their rounding (m ulps of sum |a v|)."""
+    want = A.double() @ v.double()
+    bound = (A.double().abs() @ v.double().abs()) * A.shape[-1] * 2.0 ** -23
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_matvec_torch_path_and_bad_inputs():
+    """The CPU form is the FP32 bmm of the upcast A (what the guard computed before matvec), within FP32 rounding of
+    float64; bad shapes and dtypes raise."""
+    for A, v in _matvec_cases():
+        got = ns_glue.matvec(A, v)
+        assert torch.equal(got, torch.bmm(A.float(), v))
+        _check_matvec(got, A, v)
+    A = torch.ones(2, 4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="matvec"):
+        ns_glue.matvec(A, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="matvec"):
+        ns_glue.matvec(torch.ones(2, 4, 5), torch.ones(2, 4, 1))
+    with pytest.raises(TypeError, match="FP32"):
+        ns_glue.matvec(A, torch.ones(2, 4, 1, dtype=torch.bfloat16))
+
+
+def test_matvec_kernel_under_the_interpreter(tmp_path):
+    """The Triton matvec (TRITON_INTERPRET=1, a fresh process; m = 17 and 160 cover partial row and column tiles)
+    within FP32 rounding of float64."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {REPO!r}); sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+        from fp4compile.kernels import ns_glue
+        from test_ns_glue import _matvec_cases
+        assert ns_glue._use_kernel(torch.ones(1))
+        torch.save([ns_glue.matvec(A, v) for A, v in _matvec_cases()], {str(tmp_path / 'out.pt')!r})
+    """))
+    r = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs = torch.load(tmp_path / "out.pt")
+    assert len(outs) == 3
+    for got, (A, v) in zip(outs, _matvec_cases()):
+        _check_matvec(got, A, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_matvec_kernel():
+    """CUDA: the kernel within FP32 rounding of float64 on the cases and a 124M-set-sized stack."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cases = _matvec_cases("cuda") + [(torch.randn(12, 768, 768, generator=g, device="cuda").to(torch.bfloat16),
+                                      torch.randn(12, 768, 1, generator=g, device="cuda"))]
+    assert ns_glue._use_kernel(cases[0][0])
+    for A, v in cases:
+        _check_matvec(ns_glue.matvec(A, v), A, v)

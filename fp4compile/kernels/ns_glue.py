@@ -14,7 +14,9 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 * :func:`sub_diag` and :func:`shift_poly`: the identity-shifted NS polynomial's two passes over a stack of square
   matrices A (``optim.root._shifted_poly``): E = A - alpha I rounded to ``dtype`` (the operand of E²), and
   Bs = k (A - alpha I) + c E² rounded once, each from A's bf16 values, instead of torch's six (FP32 copies of A and
-  E², the diagonal shift, a broadcast product, a scalar product, a sum, two casts).
+  E², the diagonal shift, a broadcast product, a scalar product, a sum, two casts);
+* :func:`matvec`: the σ guard's power-iteration products A v from a bf16 A, without an FP32 copy of A (FP32
+  arithmetic; the one function here whose CUDA result is not the torch form's bits: another summation order).
 
 The Triton pass is the default on CUDA (:data:`KERNEL`; H200, session 44: the 124M set's Q-Root step 23.8 → 17.7
 ms, the 1B set's 248 → 187 ms, the same bits as the torch ops in its GPU test).
@@ -81,6 +83,24 @@ if triton is not None:
         if POLY:
             e = tl.load(k_ptr + mat) * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, e.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _matvec_kernel(a_ptr, v_ptr, out_ptr, m, BM: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr):
+        """out[s, i] = sum_k float(a[s, i, k]) * v[s, k] for a stack of square m x m matrices (contiguous), FP32
+        products and sums; BM rows of matrix program_id(1) a program, K_TILES = cdiv(m, BK) steps (a constexpr:
+        the interpreter takes no runtime loop bound)."""
+        mat = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        base = mat.to(tl.int64) * m * m
+        acc = tl.zeros([BM, BK], dtype=tl.float32)
+        for kk in range(0, K_TILES):
+            cols = kk * BK + tl.arange(0, BK)
+            a = tl.load(a_ptr + base + rows[:, None] * m + cols[None, :],
+                        mask=(rows[:, None] < m) & (cols[None, :] < m), other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + mat.to(tl.int64) * m + cols, mask=cols < m, other=0.0)
+            acc += a * v[None, :]
+        tl.store(out_ptr + mat.to(tl.int64) * m + rows, tl.sum(acc, axis=1), mask=rows < m)
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
@@ -212,6 +232,29 @@ def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, 
     if _shift_kernel_ok(A, E2):
         return _launch_shift(A, alpha, k, c, E2, dtype)
     return (k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype)
+
+
+MATVEC_TILE = (16, 128)   # rows x columns of one _matvec_kernel step
+
+
+def matvec(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``A.float() @ v`` for a stack of square matrices A [S, m, m] (bf16 or FP32) and FP32 v [S, m, 1] -> FP32
+    [S, m, 1]: on CUDA one Triton pass reading A in its own dtype (the NS guard's power iteration on a bf16 A without
+    its FP32 copy; FP32 products and sums in another order than cuBLAS's, so equal up to FP32 rounding), torch's
+    FP32 bmm elsewhere."""
+    if A.dim() != 3 or A.shape[1] != A.shape[2] or v.shape != (A.shape[0], A.shape[1], 1):
+        raise ValueError(f"ns_glue.matvec: A must be [S, m, m] and v [S, m, 1], got {tuple(A.shape)} and "
+                         f"{tuple(v.shape)}")
+    if v.dtype != torch.float32:
+        raise TypeError(f"ns_glue.matvec: v must be FP32, got {v.dtype}")
+    S, m, _ = A.shape
+    if _use_kernel(A) and A.is_contiguous() and S <= 65535 and m * m < 2 ** 31 and A.numel():
+        out = torch.empty((S, m, 1), dtype=torch.float32, device=A.device)
+        bm, bk = MATVEC_TILE
+        launch(_matvec_kernel, (cdiv(m, bm), S), A, v.contiguous(), out, m, BM=bm, BK=bk, K_TILES=cdiv(m, bk),
+               num_warps=4)
+        return out
+    return torch.bmm(A.float(), v)
 
 
 if triton is not None:

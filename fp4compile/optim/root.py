@@ -497,13 +497,13 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
             # once half-way (normalizing is only a scale; with lambda_max(A) of an NS iterate in ~[1e-4, 10] no
             # FP32 under/overflow), then the Rayleigh quotient v'Av / v'v
-            A32 = A.float()
-            v = torch.full((S, m, 1), 1.0 / math.sqrt(m), device=A32.device)
+            # (A v: ns_glue.matvec, A.float() @ v from A's bf16 values, no FP32 copy of A on CUDA)
+            v = torch.full((S, m, 1), 1.0 / math.sqrt(m), device=A.device)
             for i in range(6):
-                v = torch.bmm(A32, v)
+                v = ns_glue.matvec(A, v)
                 if i == 2:
                     v = v / (v.norm(dim=1, keepdim=True) + 1e-30)
-            lam = torch.bmm(v.mT, torch.bmm(A32, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
+            lam = torch.bmm(v.mT, ns_glue.matvec(A, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = ns_glue.scale_rows(A, s, A.dtype)            # (A.float() * s).to(bf16) in one pass
             X = ns_glue.scale_rows(X, s.sqrt(), X.dtype)
