@@ -27,6 +27,21 @@ step_cand_ab() {
     ( cd "$P" && export PYTHONPATH=$P && step "step_$t" 100 python bench/train_step.py --policy full_stack \
         --modes reduce-overhead --steps 30 --warmup 3 --skip-bf16 --json "$OUT/train_step_$t.jsonl" )
   done; }
+# issue 5: the GPU tests of kernels/ns_glue.py and Q-Root, the Q-Root step (bench/optim.py, 124M and 1B sets, CUDA
+# graphs) of this tree and of the trees under .ab/old and .ab/mid (carried) in the order of the labels (new*, old*,
+# mid*; FP4COMPILE_NS_GLUE=1, so that a tree from before session 44 runs its kernels), then this tree's step by torch
+# op: root_trees LABEL...
+root_trees() {
+  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
+      tests/test_optim_root.py
+  local t P
+  for t in "$@"; do
+    case $t in old*) P=$PWD/.ab/old;; mid*) P=$PWD/.ab/mid;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P FP4COMPILE_NS_GLUE=1 && step "root_$t" 90 python bench/optim.py \
+        --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_$t.json" )
+  done
+  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
+  tail -n 5 "$OUT/gpu_tests.log"; grep -h "^section=QRoot" "$OUT"/root_*.log; }
 # bench/attention_kernels_at.py of this tree once per LABEL[=JSON] in the order given (JSON: a --bwd-config override
 # for the paper split; none: the default), at SHAPE, each logged as PREFIX_LABEL: attn_configs PREFIX SHAPE LABEL[=JSON]...
 attn_configs() {
@@ -770,30 +785,14 @@ s44_next)
   # (the shift kernel took ~4x its bytes' time); (2) the guard's matvecs from A's bf16 values (ns_glue.matvec).
   # GPU tests; the Q-Root step of this tree (new), .ab/mid (1 only) and .ab/old (s44_shift's tree), alternating;
   # the step by torch op.
-  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
-      tests/test_optim_root.py
-  for t in new old mid new2 old2 mid2; do
-    case $t in old*) P=$PWD/.ab/old;; mid*) P=$PWD/.ab/mid;; *) P=$PWD;; esac
-    ( cd "$P" && export PYTHONPATH=$P && step "root_$t" 90 python bench/optim.py \
-        --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_$t.json" )
-  done
-  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
-  tail -n 5 "$OUT/gpu_tests.log"; grep -h "^section=QRoot" "$OUT"/root_*.log ;;
+  root_trees new old mid new2 old2 mid2 ;;
 s44_shift)
   # issue 5 on one nvidia-h200 (~5 min; session 44). The identity-shifted NS polynomial's glue in two Triton passes
   # (kernels/ns_glue.sub_diag, shift_poly) instead of six torch passes. GPU tests of ns_glue (bit for bit against the
   # torch forms) and Q-Root; the Q-Root step of this tree against .ab/old (82c016d with FP4COMPILE_NS_GLUE=1: the
   # scale-and-round kernels of s44_glue, the torch shift) and .ab/mid (the shift's two passes, without the update's
   # y_scale), alternating; the step by torch op.
-  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
-      tests/test_optim_root.py
-  for t in new old mid new2 old2; do
-    case $t in old*) P=$PWD/.ab/old;; mid) P=$PWD/.ab/mid;; *) P=$PWD;; esac
-    ( cd "$P" && export PYTHONPATH=$P FP4COMPILE_NS_GLUE=1 && step "root_$t" 90 python bench/optim.py \
-        --skip check,adamw,profile,warps,peak --root-sets 124M,1B --out "$OUT/root_$t.json" )
-  done
-  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
-  tail -n 5 "$OUT/gpu_tests.log"; grep -h "^section=QRoot" "$OUT"/root_*.log ;;
+  root_trees new old mid new2 old2 ;;
 s44_glue)
   # issue 5 on one nvidia-h200 (~4 min; prepared in session 43, not yet run): the NVFP4 NS's per-matrix scale-and-round
   # passes by kernels/ns_glue.py (ns_glue.KERNEL, opt-in: one contiguous Triton pass each instead of torch's strided
