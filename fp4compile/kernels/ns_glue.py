@@ -85,7 +85,6 @@ if triton is not None:
             e = tl.load(k_ptr + mat) * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, e.to(out_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
     def _matvec_kernel(a_ptr, v_ptr, out_ptr, m, BM: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr):
         """out[s, i] = sum_k float(a[s, i, k]) * v[s, k] for a stack of square m x m matrices (contiguous), FP32
