@@ -179,21 +179,18 @@ def profile_root(name, cfg, device, rows, precision):
 
 def profile_root_ops(name, cfg, device, precision, top=30):
     """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time: torch.profiler's op table sorted
-    by the self device time of the kernels each op launched, then the same grouped by the top frames of the call
-    stack (the source column appears where the profiler recorded stacks; session 43's H200 run printed none):
-    where the time between the NS products goes."""
+    by the self device time of the kernels each op launched (where the time between the NS products goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     opt = _root_on_set(cfg, device, precision, warmup=2)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, with_stack=True) as prof:
+    with profile(activities=acts) as prof:
         for _ in range(2):
             opt.step()
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    for title, avg in (("by op", prof.key_averages()), ("by op and caller", prof.key_averages(group_by_stack_n=4))):
-        print(f"[root ops {name} {precision}, 2 steps, {title}]", flush=True)
-        print(avg.table(sort_by=key, row_limit=top, max_name_column_width=48, max_src_column_width=110), flush=True)
+    print(f"[root ops {name} {precision}, 2 steps, by op]", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=48), flush=True)
 
 
 def bench_peak_memory(device, tiny, rows, batch=None):
@@ -345,7 +342,7 @@ def main(argv=None):
     ap.add_argument("--root-profile", default="", help="comma list of parameter sets whose Q-Root step (BF16 and "
                     "NVFP4 NS, eager) is profiled by kernel family")
     ap.add_argument("--root-ops", default="", help="comma list of parameter sets whose Q-Root step (NVFP4 and BF16 NS, "
-                    "eager) is profiled by torch op and calling line")
+                    "eager) is profiled by torch op")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS

@@ -129,14 +129,15 @@ def _broadcast(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _launch(t, s, y, dtype, ys=None):
     s = _per_matrix(t, s).contiguous()
-    ys = s if ys is None else ys
+    yscale = ys is not None
+    ys = ys if yscale else s                           # a placeholder pointer when not read
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     n = t.numel()
     if n:
         mats = max(s.numel(), ys.numel())              # 1, or the stack's S (each factor one per matrix or one)
         opts = {"enable_fp_fusion": False} if t.is_cuda else {}
         launch(_rows_kernel, (cdiv(n // mats, BLOCK), mats), t, s, t if y is None else y, ys, out, n // mats,
-               int(s.numel() > 1), int(ys.numel() > 1), BLOCK=BLOCK, ADD=y is not None, YSCALE=ys is not s,
+               int(s.numel() > 1), int(ys.numel() > 1), BLOCK=BLOCK, ADD=y is not None, YSCALE=yscale,
                num_warps=4, **opts)
     return out
 
@@ -203,9 +204,10 @@ def _launch_shift(A, alpha, k, c, E2, dtype):
     return out
 
 
-def _shift_kernel_ok(A: torch.Tensor, *others: torch.Tensor) -> bool:
-    """The kernel's limits (else the torch form): contiguous operands, S <= 65535 (the grid's z), m² < 2³¹ (int32
-    offsets within a matrix)."""
+def _square_kernel_ok(A: torch.Tensor, *others: torch.Tensor) -> bool:
+    """The limits of the kernels over a stack of square matrices (:func:`_shift_kernel`, :func:`_matvec_kernel`;
+    else the torch form): contiguous operands, S <= 65535 (a grid dimension past x), m² < 2³¹ (int32 offsets within a
+    matrix)."""
     return (_use_kernel(A) and A.is_contiguous() and all(t.is_contiguous() for t in others)
             and A.shape[0] <= 65535 and A.shape[1] ** 2 < 2 ** 31)
 
@@ -215,7 +217,7 @@ def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.
     A's values and rounded once to ``dtype``: one pass on CUDA (:func:`_shift_kernel`), torch's FP32 copy, diagonal
     subtraction and cast elsewhere."""
     _check_square_stack(A, alpha, "sub_diag")
-    if _shift_kernel_ok(A):
+    if _square_kernel_ok(A):
         return _launch_shift(A, alpha, None, 0.0, None, dtype)
     return _shifted_f32(A, alpha).to(dtype)
 
@@ -229,7 +231,7 @@ def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, 
     if k.dtype != torch.float32 or k.shape != alpha.shape or E2.shape != A.shape:
         raise ValueError(f"ns_glue.shift_poly: k must be FP32 [S] and E2 [S, m, m] like A {tuple(A.shape)}, got "
                          f"k {k.dtype} {tuple(k.shape)}, E2 {tuple(E2.shape)}")
-    if _shift_kernel_ok(A, E2):
+    if _square_kernel_ok(A, E2):
         return _launch_shift(A, alpha, k, c, E2, dtype)
     return (k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype)
 
@@ -248,7 +250,7 @@ def matvec(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if v.dtype != torch.float32:
         raise TypeError(f"ns_glue.matvec: v must be FP32, got {v.dtype}")
     S, m, _ = A.shape
-    if _use_kernel(A) and A.is_contiguous() and S <= 65535 and m * m < 2 ** 31 and A.numel():
+    if _square_kernel_ok(A) and A.numel():
         out = torch.empty((S, m, 1), dtype=torch.float32, device=A.device)
         bm, bk = MATVEC_TILE
         launch(_matvec_kernel, (cdiv(m, bm), S), A, v.contiguous(), out, m, BM=bm, BK=bk, K_TILES=cdiv(m, bk),

@@ -525,20 +525,19 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             BX = sum(_bgemm_dq(pB, t, torch.float32) for t in terms)
             if x2d and s is not None:
                 BX = BX * s.sqrt()                           # X was quantized before the guard rescaled it
-            BX = BX.to(torch.bfloat16)
+            X = _ns_update(X, a, beta, BX.to(torch.bfloat16))
+            continue
+        if qfn in (_q_stack, _q_stack_dq) and m % (spec.hadamard or 16) == 0:
+            qxt = qfn(X, spec, signs, seed(), transpose=True)    # Xᵀ, no transposed copy
         else:
-            if qfn in (_q_stack, _q_stack_dq) and m % (spec.hadamard or 16) == 0:
-                qxt = qfn(X, spec, signs, seed(), transpose=True)    # Xᵀ, no transposed copy
-            else:
-                qxt = qfn(X.mT.contiguous(), spec, signs, seed())
-            if beta is not None and product in (_bgemm_nvfp4, _bgemm_dq):
-                # (a + beta) X + Bs X from the FP32 product and its global scale in one pass: the bits of
-                # _ns_update(X, a, beta, product(qB, qxt)) without the bf16 B·X stored and read back
-                P, g = _bgemm_dq_parts(_dq_form(qB), _dq_form(qxt))
-                X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g)
-                continue
-            BX = product(qB, qxt)
-        X = _ns_update(X, a, beta, BX)                       # X <- a X + B·X  [S, m, n]
+            qxt = qfn(X.mT.contiguous(), spec, signs, seed())
+        if beta is not None and product in (_bgemm_nvfp4, _bgemm_dq):
+            # (a + beta) X + Bs X from the FP32 product and its global scale in one pass: the bits of
+            # _ns_update(X, a, beta, product(qB, qxt)) without the bf16 B·X stored and read back
+            P, g = _bgemm_dq_parts(_dq_form(qB), _dq_form(qxt))
+            X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g)
+        else:
+            X = _ns_update(X, a, beta, product(qB, qxt))     # X <- a X + B·X  [S, m, n]
     return X
 
 
