@@ -127,21 +127,27 @@ def bench_adamw(name, cfg, device, iters, warmup, rows, warps=None, impl=None, q
                      state_ratio=b_q / b_ref, qadamw_wall_incl_compile_s=wall_q))
 
 
-def profile_step(name, cfg, device, rows):
-    """torch.profiler of 3 Q-AdamW steps: GPU time per kernel (is the fused kernel or the overhead the cost?)."""
+def _profiled_steps(opt, device, n, prefix=""):
+    """torch.profiler of ``n`` steps of ``opt`` (CPU activity, and CUDA's on CUDA) -> (the profile, the event field
+    to sort by: ``prefix`` + the device time total on CUDA, the CPU time total elsewhere)."""
     from torch.profiler import ProfilerActivity, profile
 
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            opt.step()
+        sync(device)
+    return prof, prefix + ("device_time_total" if device.type == "cuda" else "cpu_time_total")
+
+
+def profile_step(name, cfg, device, rows):
+    """torch.profiler of 3 Q-AdamW steps: GPU time per kernel (is the fused kernel or the overhead the cost?)."""
     ps = make_params(gpt_shapes(**cfg), device)
     opt = QAdamW(ps, lr=1e-4)
     for _ in range(2):
         opt.step()
     sync(device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(3):
-            opt.step()
-        sync(device)
-    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    prof, key = _profiled_steps(opt, device, 3)
     avgs = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))
     top = [(e.key[:60], getattr(e, key, 0.0) / 3e3, e.count // 3) for e in avgs[:8]]
     print("\n".join(f"[profile {name}] {k}: {ms:.3f} ms/step, {c} calls/step" for k, ms, c in top))
@@ -180,15 +186,7 @@ def profile_root(name, cfg, device, rows, precision):
 def profile_root_ops(name, cfg, device, precision, top=30):
     """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time: torch.profiler's op table sorted
     by the self device time of the kernels each op launched (where the time between the NS products goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    opt = _root_on_set(cfg, device, precision, warmup=2)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(2):
-            opt.step()
-        sync(device)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    prof, key = _profiled_steps(_root_on_set(cfg, device, precision, warmup=2), device, 2, prefix="self_")
     print(f"[root ops {name} {precision}, 2 steps, by op]", flush=True)
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=48), flush=True)
 
