@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -780,6 +780,21 @@ s41_root)
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
+s45_shared)
+  # issue 5 on one nvidia-h200 (~4 min; prepared in session 45, not yet run): QRoot's ns_shared_x (X quantized once per
+  # NS step in 16x16 blocks for both X Xᵀ and B·X: 3 quantizations and dequantizations per step instead of 4, no
+  # transposing pass; CPU error about the default's, docs/OPTIM.md), alone and with ns_sym_b (free in session 43).
+  # GPU tests (ns_glue and Q-Root, incl. the shared X's CUDA-vs-CPU and graphed-vs-eager test), then the Q-Root step
+  # per arm on the 124M and 1B sets in one process, the default first and last (drift), then the op profile.
+  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
+      tests/test_optim_root.py
+  step optim_root 240 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --root-arm base --root-arm 'shared:options.ns_shared_x=true' \
+      --root-arm 'symshared:options.ns_sym_b=true,options.ns_shared_x=true' --root-arm 'symb:options.ns_sym_b=true' \
+      --root-arm base2 --root-arm 'symshared2:options.ns_sym_b=true,options.ns_shared_x=true' \
+      --out "$OUT/optim_root.json"
+  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
+  tail -n 5 "$OUT/gpu_tests.log"; grep -h "section=QRoot" "$OUT/optim_root.log" ;;
 s44_next)
   # issue 5 on one nvidia-h200 (~4 min; session 44, after s44_shift). (1) ns_glue's kernels without index division
   # (the shift kernel took ~4x its bytes' time); (2) the guard's matvecs from A's bf16 values (ns_glue.matvec).

@@ -483,20 +483,23 @@ def test_sym_b_and_residual_bring_nvfp4_ns_below_bf16_ns():
         _ns_nvfp4_stack(G[None].bfloat16(), coeffs, spec, None, None, product=_loop_gemm_nvfp4, residual=("x",))
 
 
-@pytest.mark.parametrize("residual,expect", [((), 4), (("x", "xt"), 6), (("x2d",), 4)])
-def test_ns_residual_quantizations_per_step(monkeypatch, residual, expect):
-    """Quantize launches per NVFP4 NS step: 4 by default (X, E, B, Xᵀ), 6 with X and Xᵀ in two terms, and 4 with
-    the one two-term 16x16-block X serving both products (the x2d form's point). Each quantized operand is
-    dequantized once (one ``dequantize_blocks`` per quantize): a term enters the residual and up to two
-    products from that one dequantized copy."""
+@pytest.mark.parametrize("residual,shared_x,expect", [((), False, 4), (("x", "xt"), False, 6), (("x2d",), False, 4),
+                                                      ((), True, 3)])
+def test_ns_residual_quantizations_per_step(monkeypatch, residual, shared_x, expect):
+    """Quantize launches per NVFP4 NS step: 4 by default (X, E, B, Xᵀ), 6 with X and Xᵀ in two terms, 4 with
+    the one two-term 16x16-block X serving both products (the x2d form's point), and 3 with the shared one-term X
+    (no transposed quantization at all). Each quantized operand is dequantized once (one ``dequantize_blocks`` per
+    quantize): a term enters the residual and up to two products from that one dequantized copy."""
     calls, deq = [], []
     real, real_deq = torch.ops.fp4compile.quantize, torch.ops.fp4compile.dequantize_blocks
-    monkeypatch.setattr(torch.ops.fp4compile, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch.ops.fp4compile, "quantize", lambda *a, **k: calls.append(k.get("transpose")) or
+                        real(*a, **k))
     monkeypatch.setattr(torch.ops.fp4compile, "dequantize_blocks", lambda *a: deq.append(1) or real_deq(*a))
     G = clip_by_quantile(momentum_like(32, 64, 0), 0.99)
-    newton_schulz(G, (JORDAN,) * 3, spec=NVFP4("rtn"), shift=True, residual=residual)
+    newton_schulz(G, (JORDAN,) * 3, spec=NVFP4("rtn"), shift=True, residual=residual, shared_x=shared_x)
     assert len(calls) == 3 * expect
     assert len(deq) == 3 * expect
+    assert (True in calls) == (not residual and not shared_x)   # only the default quantizes Xᵀ by transposing
 
 
 def test_qroot_sym_b_and_residual_group_keys():
@@ -519,14 +522,19 @@ def test_qroot_sym_b_and_residual_group_keys():
     both, opt = one_step(ns_sym_b=True, ns_residual=["xt", "x"])
     assert opt.param_groups[0]["ns_residual"] == ("x", "xt")
     assert not torch.equal(base, both)
-    for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",)), dict(ns_residual=("x2d", "xt"))):
+    for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",)), dict(ns_residual=("x2d", "xt")),
+                dict(ns_shared_x=1), dict(ns_shared_x=True, ns_residual=("x2d",))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             QRoot([torch.nn.Parameter(w.clone())], **bad)
-    for key, value in (("ns_sym_b", True), ("ns_residual", ("x",))):
+    for key, value in (("ns_sym_b", True), ("ns_residual", ("x",)), ("ns_shared_x", True)):
         with pytest.raises(ValueError, match=key):
             QRoot([torch.nn.Parameter(w.clone())], precision=NVFP4(hadamard=16), **{key: value})
     with pytest.raises(ValueError, match="residual"):
         newton_schulz(w, (JORDAN,), spec=NVFP4(hadamard=16), residual=("xt",))
+    with pytest.raises(ValueError, match="shared_x"):
+        newton_schulz(w, (JORDAN,), spec=NVFP4(), residual=("x",), shared_x=True)
+    shared, opt_s = one_step(ns_shared_x=True)
+    assert opt_s.param_groups[0]["ns_shared_x"] is True and not torch.equal(base, shared)
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         save_safetensors_state(opt.state_dict(), d + "/o.safetensors")
@@ -534,11 +542,115 @@ def test_qroot_sym_b_and_residual_group_keys():
     opt2 = QRoot([torch.nn.Parameter(w.clone())], lr=1e-2, adamw="adamw")
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["ns_residual"] == ("x", "xt") and opt2.param_groups[0]["ns_sym_b"] is True
+    with tempfile.TemporaryDirectory() as d:
+        save_safetensors_state(opt_s.state_dict(), d + "/s.safetensors")
+        opt2.load_state_dict(load_safetensors_state(d + "/s.safetensors"))
+    assert opt2.param_groups[0]["ns_shared_x"] is True
     old = copy.deepcopy(opt.state_dict())
-    del old["param_groups"][0]["ns_sym_b"], old["param_groups"][0]["ns_residual"]
+    del old["param_groups"][0]["ns_sym_b"], old["param_groups"][0]["ns_residual"], old["param_groups"][0]["ns_shared_x"]
     opt3 = QRoot([torch.nn.Parameter(w.clone())], lr=1e-2, adamw="adamw")
     opt3.load_state_dict(old)
     assert opt3.param_groups[0]["ns_sym_b"] is False and opt3.param_groups[0]["ns_residual"] == ()
+    assert opt3.param_groups[0]["ns_shared_x"] is False
+
+
+# ----------------------------------------------------------------------------------------------
+# the shared X (ns_shared_x): X quantized once per step, 16x16 blocks, for both products
+def _shared_x_reference(X, coeffs, spec, shift, sym_b, guard=None, rescale_copy=True):
+    """Independent per-matrix form of the shared-X NS, from the ops: X's 16x16-block copy by ``fp4compile::quantize``
+    for X Xᵀ, and for B·X the op's own transposed quantize of the same X (``transpose=True``: Xᵀ's 16x16 blocks are
+    X's, so it must give the same values), each product one ``fp4compile::gemm``; the shifted polynomial written out
+    in FP32 from its definition (E = A - alpha I, Bs = (b + 2 c alpha) E + c E²). ``guard``: the power-iteration
+    sigma guard in plain torch; the copy was taken before the rescaling, so B·X (FP32) is multiplied by sqrt(s)
+    (``rescale_copy=False``: forgotten, a wrong form the tests tell apart)."""
+    spec2d = NVFP4(spec.rounding, four_over_six=spec.four_over_six, block=(16, 16))
+    g = torch.ops.fp4compile.gemm
+    m = X.shape[0]
+    for a, b, c in coeffs:
+        qx = _q(X, spec2d, None)
+        qxt = _q(X, spec2d, None, transpose=True)
+        A = g(*qx, *qx, out_dtype=torch.bfloat16)
+        s = torch.ones(())
+        if guard is not None:
+            v = torch.full((m, 1), 1.0 / math.sqrt(m))
+            for i in range(6):
+                v = A.float() @ v
+                if i == 2:
+                    v = v / (v.norm() + 1e-30)
+            lam = (v.T @ (A.float() @ v)) / (v.T @ v + 1e-30)
+            s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0).reshape(())
+            A = (A.float() * s).bfloat16()
+            X = (X.float() * s.sqrt()).bfloat16()
+        if shift:
+            alpha = torch.diagonal(A).float().mean()
+            E = A.float() - alpha * torch.eye(m)
+            qe = _q(E.bfloat16(), spec, None)
+            B = (E * (b + 2 * c * alpha) + c * g(*qe, *qe, out_dtype=torch.bfloat16).float()).bfloat16()
+            beta = b * alpha + c * alpha * alpha
+        else:
+            qa = _q(A, spec, None)
+            B, beta = b * A + c * g(*qa, *qa, out_dtype=torch.bfloat16), None
+        qb = _q(B, spec2d if sym_b else spec, None)
+        if guard is None:
+            BX = g(*qb, *qxt, out_dtype=torch.bfloat16)
+        else:
+            BX = (g(*qb, *qxt, out_dtype=torch.float32) * (s.sqrt() if rescale_copy else 1.0)).bfloat16()
+        X = a * X + BX if beta is None else (X.float() * (a + beta) + BX.float()).bfloat16()
+    return X
+
+
+@pytest.mark.parametrize("spec", [NVFP4(), NVFP4(four_over_six=True)], ids=str)
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("sym_b", [False, True])
+def test_shared_x_ns_equals_per_matrix_reference(spec, shift, sym_b):
+    """shared_x without the guard, one matrix: the batched NS (X's 16x16-block copy dequantized once and read
+    transposed for B·X, the update in one pass from B·X's FP32 product) gives the per-matrix reference's bits, and
+    differs from the default NS (which quantizes X and Xᵀ in 1x16 blocks)."""
+    X = _stack(1, 32, 96)
+    coeffs = (JORDAN,) * 4
+    out = _ns_nvfp4_stack(X, coeffs, spec, None, None, guard=None, shift=shift, sym_b=sym_b, shared_x=True)
+    ref = _shared_x_reference(X[0], coeffs, spec, shift, sym_b)
+    assert torch.isfinite(out.float()).all() and torch.equal(out[0], ref)
+    assert not torch.equal(out, _ns_nvfp4_stack(X, coeffs, spec, None, None, guard=None, shift=shift, sym_b=sym_b))
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_shared_x_guard_rescales_the_shared_copy(shift):
+    """With the guard active (an iterate with sigma_max ~1.6, so s < 1 in the first step), X's copy, taken before
+    the rescaling, enters B·X times sqrt(s): the stack lands on the reference that applies sqrt(s) to B·X's FP32
+    product (it rounds g·sqrt(s) in another order: a few bf16 ulps that later FP4 roundings may amplify), at under
+    a tenth of its distance from the reference that forgets it; a stack of 3 with the loop product (one
+    fp4compile::gemm per matrix for X Xᵀ) gives the batched product's bits."""
+    X = (_stack(3, 32, 96).float() * 1.6).bfloat16()
+    coeffs = (JORDAN,) * 3
+    spec = NVFP4()
+    kw = dict(guard=1.0, shift=shift, shared_x=True)
+    out = _ns_nvfp4_stack(X, coeffs, spec, None, None, **kw)
+    assert torch.equal(out, _ns_nvfp4_stack(X, coeffs, spec, None, None, product=_loop_gemm_nvfp4, **kw))
+    one = _ns_nvfp4_stack(X[:1].contiguous(), coeffs, spec, None, None, **kw)[0].float()
+    ref = _shared_x_reference(X[0], coeffs, spec, shift, False, guard=1.0).float()
+    wrong = _shared_x_reference(X[0], coeffs, spec, shift, False, guard=1.0, rescale_copy=False).float()
+    d_ref, d_wrong = float((one - ref).norm()), float((one - wrong).norm())
+    assert torch.isfinite(one).all() and d_ref < 0.1 * d_wrong, (d_ref, d_wrong)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (128, 512), (640, 1792)])
+def test_shared_x_error_is_the_defaults(shape):
+    """docs/OPTIM.md's rows: QRoot's default NS with the symmetric B and the shared X (3 quantizations per step
+    instead of 4) turns the singular vectors about as far as the default (direction error, mean of 3 seeds,
+    measured 0.035 / 0.084 / 0.068 against 0.038 / 0.096 / 0.082 here; on the tall shapes it is worse, 0.055 /
+    0.064 against 0.043 / 0.049, in bench/ns_error.py's table), and stays on the polar factor's side of the BF16
+    NS's unconverged singular values (polar error within 10 % of the default's; measured +4.4 %, +0.4 %, −0.5 %)."""
+    from fp4compile.optim.study import ns_error_parts
+
+    coeffs = ns_coefficients(shape, 5, "root")
+    d, p = {}, {}
+    for name, kw in (("default", {}), ("shared", dict(sym_b=True, shared_x=True))):
+        parts = [ns_error_parts(G, newton_schulz(G, coeffs, spec=NVFP4(), shift=True, **kw).float())
+                 for G in (clip_by_quantile(momentum_like(*shape, s), 0.99) for s in range(3))]
+        d[name] = sum(q["direction"] for q in parts) / 3
+        p[name] = sum(q["polar"] for q in parts) / 3
+    assert d["shared"] < d["default"] and p["shared"] < 1.1 * p["default"], (d, p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -703,15 +815,16 @@ def test_ns_with_quantize_dq_operands_is_the_same_iteration(monkeypatch, spec, s
 
 
 @pytest.mark.parametrize("spec", [NVFP4(), NVFP4("sr", four_over_six=True)], ids=["rtn", "sr-46"])
-@pytest.mark.parametrize("residual", [("x", "xt"), ("x2d",)])
-def test_ns_accuracy_options_under_quantize_dq_operands(monkeypatch, spec, residual):
-    """ns_sym_b / ns_residual through NS_DQ's operands (quantize_dq's bf16 q·S) are the same NS bit for bit as
-    through codes and dequantize_blocks (SR: the same seed stream, one seed per quantization)."""
+@pytest.mark.parametrize("option", [dict(residual=("x", "xt")), dict(residual=("x2d",)), dict(shared_x=True)],
+                         ids=["x-xt", "x2d", "shared_x"])
+def test_ns_accuracy_options_under_quantize_dq_operands(monkeypatch, spec, option):
+    """ns_sym_b / ns_residual / ns_shared_x through NS_DQ's operands (quantize_dq's bf16 q·S) are the same NS bit for
+    bit as through codes and dequantize_blocks (SR: the same seed stream, one seed per quantization)."""
     import fp4compile.optim.root as R
 
     G = torch.stack([clip_by_quantile(momentum_like(64, 256, s), 0.99) for s in range(2)])
     kw = dict(spec=spec, seed=torch.tensor(7) if spec.rounding != "rtn" else None, shift=True,
-              sym_b=True, residual=residual)
+              sym_b=True, **option)
     coeffs = ns_coefficients((64, 256), 5, "root")
     monkeypatch.setattr(R, "NS_DQ", False)
     ref = newton_schulz(G, coeffs, **kw)
@@ -788,6 +901,34 @@ def test_gpu_sym_b_and_residual_ns_match_the_cpu(residual):
     ps0 = [torch.randn(768, 3072, device="cuda") * 0.02 for _ in range(2)]
     grads = [[torch.randn_like(p) for p in ps0] for _ in range(3)]
     opts = dict(precision=NVFP4(), ns_sym_b=True, ns_residual=residual)
+    graphed, _ = _root_run(ps0, grads, cuda_graphs=True, **opts)
+    eager, _ = _root_run(ps0, grads, **opts)
+    assert all(torch.equal(x, y) for x, y in zip(graphed, eager))
+
+
+@pytest.mark.gpu
+def test_gpu_shared_x_ns_matches_the_cpu():
+    """CUDA: the NS with the symmetric B and the shared X (CUDA quantize kernels in 16x16 blocks, cuBLAS products on
+    the copy and its transposed view, the update kernel's per-matrix g·sqrt(s)) lands where the CPU reference does
+    (FP32 summation order may flip a later FP4 rounding: far closer to it than to the BF16 NS), at the CPU's error
+    against the polar factor; and QRoot with the options replays as CUDA graphs the update it computes eagerly."""
+    from fp4compile.optim.study import ns_error_parts
+
+    G = torch.stack([clip_by_quantile(momentum_like(256, 1024, s), 0.99) for s in range(3)])
+    coeffs = ns_coefficients((256, 1024), 5, "root")
+    kw = dict(spec=NVFP4("rtn"), shift=True, sym_b=True, shared_x=True)
+    cpu = newton_schulz(G, coeffs, **kw).float()
+    gpu = newton_schulz(G.cuda(), coeffs, **kw).float().cpu()
+    bf16 = newton_schulz(G, coeffs).float()
+    assert float((gpu - cpu).norm()) < 0.5 * float((cpu - bf16).norm())
+    for i in range(3):
+        e_cpu, e_gpu = (ns_error_parts(G[i], o[i])["polar"] for o in (cpu, gpu))
+        assert abs(e_gpu - e_cpu) < 0.1 * e_cpu, (e_gpu, e_cpu)
+    torch.manual_seed(0)
+    ps0 = [torch.randn(768, 3072, device="cuda") * 0.02 for _ in range(2)] + [torch.randn(768, 768, device="cuda")
+                                                                           * 0.02]
+    grads = [[torch.randn_like(p) for p in ps0] for _ in range(3)]
+    opts = dict(precision=NVFP4(), ns_sym_b=True, ns_shared_x=True)
     graphed, _ = _root_run(ps0, grads, cuda_graphs=True, **opts)
     eager, _ = _root_run(ps0, grads, **opts)
     assert all(torch.equal(x, y) for x, y in zip(graphed, eager))

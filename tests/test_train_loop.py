@@ -292,8 +292,9 @@ def test_qroot_ns_shift_reaches_the_root_group():
 
 
 def test_qroot_ns_accuracy_options_reach_the_root_group():
-    """--ns-sym-b and --ns-residual x,xt set QRoot's ns_sym_b / ns_residual on the Root group (the comma list as
-    QRoot's tuple); an unknown operand is QRoot's clear error; other optimizers refuse them."""
+    """--ns-sym-b, --ns-residual x,xt and --ns-shared-x set QRoot's ns_sym_b / ns_residual / ns_shared_x on the Root
+    group (the comma list as QRoot's tuple); an unknown operand, or the shared X with a residual, is QRoot's clear
+    error; other optimizers refuse them."""
     model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
     cfg = L.TrainConfig(model="tiny", optimizer="qroot", ns_sym_b=True, ns_residual="x, xt")
     cfg.validate()
@@ -306,6 +307,14 @@ def test_qroot_ns_accuracy_options_reach_the_root_group():
         L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot", ns_residual="x,b"), None)
     with pytest.raises(ValueError, match="ns_residual"):
         L.TrainConfig(optimizer="adamw", ns_residual="x").validate()
+    cfg = L.TrainConfig(model="tiny", optimizer="qroot", ns_sym_b=True, ns_shared_x=True)
+    root = [g for g in L.build_optimizer(model, cfg, None).param_groups if g["use_root"]][0]
+    assert root["ns_shared_x"] is True and root["ns_sym_b"] is True
+    with pytest.raises(ValueError, match="ns_shared_x"):
+        L.TrainConfig(optimizer="qadamw", ns_shared_x=True).validate()
+    with pytest.raises(ValueError, match="shared_x"):
+        L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot", ns_shared_x=True, ns_residual="x2d"),
+                          None)
 
 
 def test_qadamw_v_state_reaches_every_qadamw_group():

@@ -423,16 +423,22 @@ def _q_two_term(x: torch.Tensor, qfn, spec, signs, seed):
     return p1, _dq_form(qfn(x.float() - _dequantized(p1), spec, signs, seed()))
 
 
-def _check_ns_options(spec, sym_b: bool, residual) -> None:
+def _check_ns_options(spec, sym_b: bool, residual, shared_x: bool = False) -> None:
     """The NVFP4 NS options' clear errors (:func:`_ns_nvfp4_stack`; QRoot checks its groups with it):
-    ``residual`` a tuple or list of :data:`RESIDUAL_OPERANDS` names, ``"x2d"`` alone; neither ``sym_b`` nor
-    ``residual`` with an RHT spec (a rotation along K breaks B's symmetry and moves the residual out of X's
-    coordinates)."""
+    ``residual`` a tuple or list of :data:`RESIDUAL_OPERANDS` names, ``"x2d"`` alone; ``shared_x`` without
+    ``residual`` (each of those quantizes X its own way); none of them with an RHT spec (a rotation along K breaks
+    B's symmetry, moves the residual out of X's coordinates, and makes X's copy differ from its transpose's)."""
     if (isinstance(residual, str) or not isinstance(residual, (tuple, list))
             or set(residual) - set(RESIDUAL_OPERANDS) or ("x2d" in residual and len(set(residual)) > 1)):
         raise ValueError(f"residual (QRoot's ns_residual) must be a tuple of names from {RESIDUAL_OPERANDS}, "
                          f"\"x2d\" alone; got {residual!r}")
+    if shared_x and residual:
+        raise ValueError(f"shared_x (QRoot's ns_shared_x) quantizes X once for both products; residual (ns_residual) "
+                         f"{tuple(residual)!r} quantizes it its own way (\"x2d\" is the two-term shared X): use one")
     hadamard = spec.hadamard if spec is not None and spec.name == "nvfp4" else None
+    if hadamard and shared_x:
+        raise ValueError(f"shared_x (QRoot's ns_shared_x) serves B·X with the transpose of X's 16x16-block copy, which "
+                         f"an RHT along K does not give; the NS spec {spec} has hadamard={hadamard}")
     if hadamard and sym_b:
         raise ValueError(f"sym_b (QRoot's ns_sym_b) quantizes a symmetric B in 16x16 blocks, which an RHT does not "
                          f"keep symmetric; the NS spec {spec} has hadamard={hadamard}")
@@ -450,7 +456,7 @@ def _loop_gemm_nvfp4(qa, qb, out_dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, product=_bgemm_nvfp4,
-                    quant=None, shift=False, sym_b=False, residual=()) -> torch.Tensor:
+                    quant=None, shift=False, sym_b=False, residual=(), shared_x=False) -> torch.Tensor:
     """NS on a stack X [S, m, n] of BF16 matrices (m <= n), all three products in NVFP4, batched over the
     stack (see the module docstring): per step 4 quantize calls, 4 ``dequantize_blocks`` and 3 bmm whatever S.
 
@@ -473,12 +479,17 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     X Xᵀ as with ``"x"`` and, transposed, B·X as with ``"xt"`` (a 16x16-block quantization of Xᵀ is the transpose
     of X's), the guard's rescaling of X applied to B·X's FP32 result: 4 quantizations per step, as without
     ``residual``, and 5 products.
+    ``shared_x``: X quantized once per step, in 16x16 blocks and one term, before the guard: its copy is X Xᵀ's
+    operand and, transposed, B·X's (the same values as a 16x16-block quantization of Xᵀ), the guard's rescaling
+    applied with B·X's global scale (one factor g·sqrt(s) per matrix on the FP32 product): 3 quantizations and
+    3 dequantizations per step instead of 4 and 4, no transposing pass, the same 3 products. Its error against
+    the polar factor is the default's within ±30 % per shape, lower on some, higher on tall ones (docs/OPTIM.md).
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
     seed = _seed_stream(seeds)
 
-    _check_ns_options(spec, sym_b, residual)
+    _check_ns_options(spec, sym_b, residual, shared_x)
     if residual and product not in (_bgemm_nvfp4, _bgemm_dq):
         raise ValueError("residual's products are _bgemm_dq of the dequantized terms: it runs with the default "
                          "product only")
@@ -490,6 +501,10 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             px, rx = _q_two_term(X, qfn, spec2d if x2d else spec, signs, seed)
             C = _bgemm_dq(px, rx, torch.float32)
             A = (_bgemm_dq(px, px, torch.float32) + C + C.mT).to(torch.bfloat16)
+        elif shared_x:                                       # X once, 16x16 blocks: also B·X's operand
+            qx = qfn(X, spec2d, signs, seed())
+            px = _dq_form(qx)                                # dequantized once, for both products
+            A = _bgemm_dq(px, px) if product in (_bgemm_nvfp4, _bgemm_dq) else product(qx, qx)
         else:
             qx = qfn(X, spec, signs, seed())
             A = product(qx, qx)                              # [S, m, m]
@@ -516,14 +531,18 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
             B, beta = b * A + c * product(qA, qA), None
         qB = qfn(B, spec2d if sym_b else spec, signs, seed())  # rows of B along m
-        if x2d or "xt" in residual:                          # B·X over Xᵀ's two terms [S, n, m]
-            if x2d:                                          # X's own terms, transposed views
-                terms = [(t.mT, g) for t, g in (px, rx)]
+        if shared_x and beta is not None:                    # B·X over X's 16x16-block copy, transposed view;
+            P, g = _bgemm_dq_parts(_dq_form(qB), (px[0].mT, px[1]))     # the guard's sqrt(s) with its global
+            X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g if s is None else g * s.sqrt())
+            continue
+        if x2d or shared_x or "xt" in residual:              # B·X over Xᵀ's terms [S, n, m]
+            if x2d or shared_x:                              # X's own terms, transposed views
+                terms = [(t.mT, g) for t, g in ((px,) if shared_x else (px, rx))]
             else:
                 terms = _q_two_term(X.mT.contiguous(), qfn, spec, signs, seed)
             pB = _dq_form(qB)
             BX = sum(_bgemm_dq(pB, t, torch.float32) for t in terms)
-            if x2d and s is not None:
+            if (x2d or shared_x) and s is not None:
                 BX = BX * s.sqrt()                           # X was quantized before the guard rescaled it
             X = _ns_update(X, a, beta, BX.to(torch.bfloat16))
             continue
@@ -556,7 +575,8 @@ def ns_input(G: torch.Tensor, norm_scale: float = 1.0, eps: float = 1e-7):
 
 def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs=None, seed=None,
                   eps: float = 1e-7, norm_scale: float = 1.0, guard: Optional[float] = 1.0,
-                  shift: bool = False, sym_b: bool = False, residual: Sequence[str] = ()) -> torch.Tensor:
+                  shift: bool = False, sym_b: bool = False, residual: Sequence[str] = (),
+                  shared_x: bool = False) -> torch.Tensor:
     """Orthogonalize ``G`` ([m, n] or a stack [B, m, n]) with the quintic NS iteration; returns BF16.
 
     ``spec``: None/BF16 for BF16 matmuls, or a ``policy.NVFP4`` spec for NVFP4 products (matrices whose
@@ -567,7 +587,8 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     ``shift`` (NVFP4 only): quantize A - alpha I and B - beta I instead of A and B (:func:`_shifted_poly`).
     ``sym_b`` (NVFP4 only): B of B·X in 16x16 blocks (:func:`_ns_nvfp4_stack`).
     ``residual`` (NVFP4 only): X's quantizations to take in two terms, names of :data:`RESIDUAL_OPERANDS`
-    (:func:`_ns_nvfp4_stack`).
+    (:func:`_ns_nvfp4_stack`). ``shared_x`` (NVFP4 only): X quantized once per step in 16x16 blocks for both
+    products (:func:`_ns_nvfp4_stack`).
     """
     squeeze = G.dim() == 2
     X, tall = ns_input(G, norm_scale, eps)
@@ -579,7 +600,7 @@ def newton_schulz(G: torch.Tensor, coeffs: Sequence[Coeffs], *, spec=None, signs
     if use_fp4:
         dq = dict(quant=_q_stack_dq, product=_bgemm_dq) if NS_DQ else {}
         X = _ns_nvfp4_stack(X.contiguous(), coeffs, spec, signs, seed, guard, shift=shift, sym_b=sym_b,
-                            residual=residual, **dq)
+                            residual=residual, shared_x=shared_x, **dq)
     else:
         for a, b, c in coeffs:
             A = _gram(X, False)
@@ -644,7 +665,7 @@ def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
 # the optimizer
 ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
                      ns_schedule="root", ns_guard=1.0, ns_shift=True, ns_sym_b=False, ns_residual=(),
-                     update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
+                     ns_shared_x=False, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
 
 
 class QRoot(Optimizer):
@@ -666,6 +687,9 @@ class QRoot(Optimizer):
         terms, one product and one quantization more per step each; or ("x2d",): one two-term quantization of X
         in 16x16 blocks serving both, 4 quantizations and 5 products per step; neither option with an RHT spec; see
         :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
+        ns_shared_x (False; True: NVFP4 NS quantizes X once per step, in 16x16 blocks, for both X Xᵀ and B·X: 3
+        quantizations per step instead of 4 and no transposing pass, at about the default's error; not with
+        ``ns_residual`` or an RHT spec; :func:`_ns_nvfp4_stack`).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
         policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
@@ -765,7 +789,10 @@ class QRoot(Optimizer):
             raise ValueError(f"ns_shift must be a bool, got {g['ns_shift']!r}")
         if not isinstance(g.get("ns_sym_b", False), bool):
             raise ValueError(f"ns_sym_b must be a bool, got {g['ns_sym_b']!r}")
-        _check_ns_options(getattr(self, "ns_spec", None), g.get("ns_sym_b", False), g.get("ns_residual", ()))
+        if not isinstance(g.get("ns_shared_x", False), bool):
+            raise ValueError(f"ns_shared_x must be a bool, got {g['ns_shared_x']!r}")
+        _check_ns_options(getattr(self, "ns_spec", None), g.get("ns_sym_b", False), g.get("ns_residual", ()),
+                          g.get("ns_shared_x", False))
         g["ns_residual"] = tuple(sorted(set(g.get("ns_residual", ()))))
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:
@@ -834,7 +861,8 @@ class QRoot(Optimizer):
                 signs = self._signs_by_device[U.device] = self._ns_signs.to(U.device)
         return newton_schulz(Bc, coeffs, spec=self.ns_spec, signs=signs, seed=seed,
                              norm_scale=norm_scale, guard=group["ns_guard"], shift=group["ns_shift"],
-                             sym_b=group["ns_sym_b"], residual=group["ns_residual"])
+                             sym_b=group["ns_sym_b"], residual=group["ns_residual"],
+                             shared_x=group["ns_shared_x"])
 
     def orthogonalize_graphed(self, U, group: dict) -> torch.Tensor:
         """:meth:`orthogonalize` of a CUDA stack, replayed from a CUDA graph.
@@ -853,7 +881,8 @@ class QRoot(Optimizer):
         first = U if mats is None else mats[0]
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
-               group["ns_guard"], group["ns_shift"], group["ns_sym_b"], group["ns_residual"], QUANTILE_IMPL,
+               group["ns_guard"], group["ns_shift"], group["ns_sym_b"], group["ns_residual"], group["ns_shared_x"],
+               QUANTILE_IMPL,
                SYMMETRIC_MIN_ROWS, NS_DQ, ns_glue.KERNEL)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
@@ -956,6 +985,7 @@ class QRoot(Optimizer):
             # state dicts saved before ns_shift existed were trained with the unshifted NS: resume them so
             g.setdefault("ns_shift", False)
             g.setdefault("ns_sym_b", False)
+            g.setdefault("ns_shared_x", False)
             # a tuple (part of the CUDA-graph key): a JSON round trip (safetensors metadata) gives back a list
             g["ns_residual"] = tuple(g.get("ns_residual", ()))
         self.__dict__.setdefault("_graph_pool", None)

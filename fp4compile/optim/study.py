@@ -159,8 +159,9 @@ def momentum_like(m: int, n: int, seed: int = 0, decay: float = 1.0) -> torch.Te
 class NSVariant(NamedTuple):
     """One row of :func:`ns_error_table`: ``inputs`` "raw" (G) or "clip" (G clipped at the quantile); ``fp4``:
     NVFP4 products (else BF16); ``schedule``, ``steps``: :func:`~fp4compile.optim.root.ns_coefficients`; ``guard``,
-    ``shift``, ``sym_b`` (B of B·X in 16x16 blocks), ``residual`` (X's two-term quantizations):
-    :func:`~fp4compile.optim.root.newton_schulz`'s ``guard``, ``shift``, ``sym_b``, ``residual``."""
+    ``shift``, ``sym_b`` (B of B·X in 16x16 blocks), ``residual`` (X's two-term quantizations), ``shared_x`` (X
+    once per step in 16x16 blocks for both products): :func:`~fp4compile.optim.root.newton_schulz`'s ``guard``,
+    ``shift``, ``sym_b``, ``residual``, ``shared_x``."""
     name: str
     inputs: str
     fp4: bool
@@ -170,12 +171,13 @@ class NSVariant(NamedTuple):
     shift: bool
     sym_b: bool = False
     residual: tuple = ()
+    shared_x: bool = False
 
 
 #: the NS variants of :func:`ns_error_table`. "plain" is NVFP4 NS as a drop-in for BF16 NS (Jordan's coefficients,
 #: no guard, no shift); "(QRoot default)" marks QRoot's defaults (ROOT's coefficients or their fit, clipping at
-#: 0.99, the guard at 1.0, shifted products, 5 steps); the last NVFP4 rows add QRoot's ``ns_sym_b`` and
-#: ``ns_residual`` options to the best schedule
+#: 0.99, the guard at 1.0, shifted products, 5 steps); the rows starting "+" add QRoot's ``ns_sym_b``,
+#: ``ns_residual`` and ``ns_shared_x`` options to the default and to the best schedule
 NS_VARIANTS = (
     NSVariant("bf16 jordan", "raw", False, "jordan", 5, None, False),
     NSVariant("nvfp4 jordan, plain", "raw", True, "jordan", 5, None, False),
@@ -183,6 +185,8 @@ NS_VARIANTS = (
     NSVariant("nvfp4 shape-aware + clip + guard", "clip", True, "root", 5, 1.0, False),
     NSVariant("nvfp4 shape-aware + clip + guard + shift (QRoot default)", "clip", True, "root", 5, 1.0, True),
     NSVariant("  + symmetric B + two-term X, Xᵀ", "clip", True, "root", 5, 1.0, True, True, ("x", "xt")),
+    NSVariant("  + shared 16x16-block X (ns_shared_x)", "clip", True, "root", 5, 1.0, True, False, (), True),
+    NSVariant("  + symmetric B + shared 16x16-block X", "clip", True, "root", 5, 1.0, True, True, (), True),
     NSVariant("nvfp4 polar-express + clip + guard + shift", "clip", True, "polar_express", 5, 1.0, True),
     NSVariant("nvfp4 polar-express 7 steps + clip + guard + shift", "clip", True, "polar_express", 7, 1.0, True),
     NSVariant("  + symmetric B (ns_sym_b)", "clip", True, "polar_express", 7, 1.0, True, True),
@@ -192,6 +196,8 @@ NS_VARIANTS = (
               True, True, ("x", "xt")),
     NSVariant("  + symmetric B + two-term 16x16-block X for both (ns_residual=('x2d',))", "clip", True,
               "polar_express", 7, 1.0, True, True, ("x2d",)),
+    NSVariant("  + symmetric B + shared 16x16-block X (ns_shared_x)", "clip", True, "polar_express", 7, 1.0, True,
+              True, (), True),
     NSVariant("bf16 shape-aware + clip", "clip", False, "root", 5, None, False),
     NSVariant("bf16 polar-express 7 steps + clip", "clip", False, "polar_express", 7, None, False),
 )
@@ -286,6 +292,7 @@ def ns_error_table(shapes, seed=0, spec=None, clip_quantile=0.99, variants=NS_VA
             coeffs = ns_coefficients((m, n), v.steps, v.schedule)
             ns_scale = 1.01 if v.schedule == "polar_express" else 1.0
             O = newton_schulz(inp, coeffs, spec=spec if v.fp4 else None, norm_scale=ns_scale, guard=v.guard,
-                              shift=v.shift, sym_b=v.sym_b, residual=v.residual).float()
+                              shift=v.shift, sym_b=v.sym_b, residual=v.residual,
+                              shared_x=v.shared_x).float()
             rows.append(((m, n), v.name, ns_error_parts(inp, O)))
     return rows

@@ -70,7 +70,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead")
 
 
 #: TrainConfig fields that are QRoot's Root-group keys of the same name (None in the config: QRoot's default)
-ROOT_GROUP_KEYS = ("ns_schedule", "ns_shift", "ns_steps", "ns_sym_b", "ns_residual")
+ROOT_GROUP_KEYS = ("ns_schedule", "ns_shift", "ns_steps", "ns_sym_b", "ns_residual", "ns_shared_x")
 
 
 @dataclasses.dataclass
@@ -115,6 +115,8 @@ class TrainConfig:
     ns_sym_b: Optional[bool] = None           # QRoot's NVFP4 NS: B of B·X in 16x16 blocks (None: default, off)
     ns_residual: Optional[str] = None         # QRoot's NVFP4 NS: X's quantizations in two terms, comma list of
                                               # x (X·Xᵀ), xt (B·X), or x2d alone; "" or None: none (docs/OPTIM.md)
+    ns_shared_x: Optional[bool] = None        # QRoot's NVFP4 NS: X quantized once per step (16x16 blocks) for both
+                                              # products, 3 quantizations per step (None: default, off)
     qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
