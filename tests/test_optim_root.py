@@ -561,8 +561,11 @@ def _shared_x_reference(X, coeffs, spec, shift, sym_b, guard=None, rescale_copy=
     for X Xᵀ, and for B·X the op's own transposed quantize of the same X (``transpose=True``: Xᵀ's 16x16 blocks are
     X's, so it must give the same values), each product one ``fp4compile::gemm``; the shifted polynomial written out
     in FP32 from its definition (E = A - alpha I, Bs = (b + 2 c alpha) E + c E²). ``guard``: the power-iteration
-    sigma guard in plain torch; the copy was taken before the rescaling, so B·X (FP32) is multiplied by sqrt(s)
-    (``rescale_copy=False``: forgotten, a wrong form the tests tell apart)."""
+    sigma guard in plain torch; the copy was taken before the rescaling, so B·X is multiplied by sqrt(s): without
+    the shift its FP32 product, rounded then to bf16; with the shift, as the documented one-pass update
+    X <- ((a + beta) sqrt(s)) X + (g sqrt(s)) P (the second factor given to ``fp4compile::gemm`` as the global scales
+    1 and g sqrt(s), whose product it forms exactly) of the unscaled X (``rescale_copy=False``: sqrt(s) left out
+    of B·X, a wrong form the tests tell apart)."""
     spec2d = NVFP4(spec.rounding, four_over_six=spec.four_over_six, block=(16, 16))
     g = torch.ops.fp4compile.gemm
     m = X.shape[0]
@@ -570,7 +573,7 @@ def _shared_x_reference(X, coeffs, spec, shift, sym_b, guard=None, rescale_copy=
         qx = _q(X, spec2d, None)
         qxt = _q(X, spec2d, None, transpose=True)
         A = g(*qx, *qx, out_dtype=torch.bfloat16)
-        s = torch.ones(())
+        s = None
         if guard is not None:
             v = torch.full((m, 1), 1.0 / math.sqrt(m))
             for i in range(6):
@@ -580,7 +583,8 @@ def _shared_x_reference(X, coeffs, spec, shift, sym_b, guard=None, rescale_copy=
             lam = (v.T @ (A.float() @ v)) / (v.T @ v + 1e-30)
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0).reshape(())
             A = (A.float() * s).bfloat16()
-            X = (X.float() * s.sqrt()).bfloat16()
+            if not shift:
+                X = (X.float() * s.sqrt()).bfloat16()
         if shift:
             alpha = torch.diagonal(A).float().mean()
             E = A.float() - alpha * torch.eye(m)
@@ -591,11 +595,15 @@ def _shared_x_reference(X, coeffs, spec, shift, sym_b, guard=None, rescale_copy=
             qa = _q(A, spec, None)
             B, beta = b * A + c * g(*qa, *qa, out_dtype=torch.bfloat16), None
         qb = _q(B, spec2d if sym_b else spec, None)
-        if guard is None:
-            BX = g(*qb, *qxt, out_dtype=torch.bfloat16)
+        r = s.sqrt() if s is not None and rescale_copy else torch.ones(())
+        if shift:
+            one = torch.ones((), dtype=torch.float32)
+            BX = g(qb[0], qb[1], one, qxt[0], qxt[1], (qb[2] * qxt[2]) * r, out_dtype=torch.bfloat16)
+            k = (a + beta) * (s.sqrt() if s is not None else 1.0)
+            X = (X.float() * k + BX.float()).bfloat16()
         else:
-            BX = (g(*qb, *qxt, out_dtype=torch.float32) * (s.sqrt() if rescale_copy else 1.0)).bfloat16()
-        X = a * X + BX if beta is None else (X.float() * (a + beta) + BX.float()).bfloat16()
+            BX = g(*qb, *qxt, out_dtype=torch.bfloat16 if s is None else torch.float32)
+            X = a * X + (BX * r).bfloat16()
     return X
 
 
@@ -617,10 +625,9 @@ def test_shared_x_ns_equals_per_matrix_reference(spec, shift, sym_b):
 @pytest.mark.parametrize("shift", [False, True])
 def test_shared_x_guard_rescales_the_shared_copy(shift):
     """With the guard active (an iterate with sigma_max ~1.6, so s < 1 in the first step), X's copy, taken before
-    the rescaling, enters B·X times sqrt(s): the stack lands on the reference that applies sqrt(s) to B·X's FP32
-    product (it rounds g·sqrt(s) in another order: a few bf16 ulps that later FP4 roundings may amplify), at under
-    a tenth of its distance from the reference that forgets it; a stack of 3 with the loop product (one
-    fp4compile::gemm per matrix for X Xᵀ) gives the batched product's bits."""
+    the rescaling, enters B·X times sqrt(s), and with the shift X's own sqrt(s) goes into the update's factor: the
+    stack gives the per-matrix reference's bits, not those of the reference that leaves sqrt(s) out of B·X; a stack
+    of 3 with the loop product (one fp4compile::gemm per matrix for X Xᵀ) gives the batched product's bits."""
     X = (_stack(3, 32, 96).float() * 1.6).bfloat16()
     coeffs = (JORDAN,) * 3
     spec = NVFP4()
@@ -630,8 +637,8 @@ def test_shared_x_guard_rescales_the_shared_copy(shift):
     one = _ns_nvfp4_stack(X[:1].contiguous(), coeffs, spec, None, None, **kw)[0].float()
     ref = _shared_x_reference(X[0], coeffs, spec, shift, False, guard=1.0).float()
     wrong = _shared_x_reference(X[0], coeffs, spec, shift, False, guard=1.0, rescale_copy=False).float()
-    d_ref, d_wrong = float((one - ref).norm()), float((one - wrong).norm())
-    assert torch.isfinite(one).all() and d_ref < 0.1 * d_wrong, (d_ref, d_wrong)
+    assert torch.isfinite(one).all() and torch.equal(one, ref)
+    assert float((one - wrong).norm()) > 0.05 * float(one.norm())
 
 
 @pytest.mark.parametrize("shape", [(64, 256), (128, 512), (640, 1792)])

@@ -481,9 +481,11 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     ``residual``, and 5 products.
     ``shared_x``: X quantized once per step, in 16x16 blocks and one term, before the guard: its copy is X Xᵀ's
     operand and, transposed, B·X's (the same values as a 16x16-block quantization of Xᵀ), the guard's rescaling
-    applied with B·X's global scale (one factor g·sqrt(s) per matrix on the FP32 product): 3 quantizations and
-    3 dequantizations per step instead of 4 and 4, no transposing pass, the same 3 products. Its error against
-    the polar factor is the default's within ±30 % per shape, lower on some, higher on tall ones (docs/OPTIM.md).
+    applied with B·X's global scale (one factor g·sqrt(s) per matrix on the FP32 product); with ``shift`` the update
+    also takes X's sqrt(s) in its factor, X <- ((a + beta) sqrt(s)) X + (g sqrt(s)) P in one pass, with no rescaled
+    copy of X. 3 quantizations and 3 dequantizations per step instead of 4 and 4, no transposing pass and one pass
+    over X fewer, the same 3 products. Its error against the polar factor is the default's within −3 … +5 % with
+    ``sym_b`` (docs/OPTIM.md).
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
@@ -521,7 +523,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             lam = torch.bmm(v.mT, ns_glue.matvec(A, v)) / (torch.bmm(v.mT, v) + 1e-30)   # [S, 1, 1]
             s = torch.clamp(guard * guard / torch.clamp(lam, min=1e-30), max=1.0)
             A = ns_glue.scale_rows(A, s, A.dtype)            # (A.float() * s).to(bf16) in one pass
-            X = ns_glue.scale_rows(X, s.sqrt(), X.dtype)
+            if not (shared_x and shift):                     # (shared_x + shift: sqrt(s) in the update's factors)
+                X = ns_glue.scale_rows(X, s.sqrt(), X.dtype)
         if shift:
             def square(E):
                 qE = qfn(E, spec, signs, seed())             # E symmetric, like A
@@ -532,8 +535,11 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             B, beta = b * A + c * product(qA, qA), None
         qB = qfn(B, spec2d if sym_b else spec, signs, seed())  # rows of B along m
         if shared_x and beta is not None:                    # B·X over X's 16x16-block copy, transposed view;
-            P, g = _bgemm_dq_parts(_dq_form(qB), (px[0].mT, px[1]))     # the guard's sqrt(s) with its global
-            X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g if s is None else g * s.sqrt())
+            P, g = _bgemm_dq_parts(_dq_form(qB), (px[0].mT, px[1]))     # the guard's sqrt(s) with both factors
+            k = (a + beta).float()
+            if s is not None:
+                k, g = k * s.sqrt(), g * s.sqrt()
+            X = ns_glue.axpy_rows(X, k, P, X.dtype, y_scale=g)
             continue
         if x2d or shared_x or "xt" in residual:              # B·X over Xᵀ's terms [S, n, m]
             if x2d or shared_x:                              # X's own terms, transposed views
