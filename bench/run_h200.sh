@@ -781,18 +781,20 @@ s41_root)
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s45_shared)
-  # issue 5 on one nvidia-h200 (~4 min; prepared in session 45, not yet run): QRoot's ns_shared_x (X quantized once per
-  # NS step in 16x16 blocks for both X Xᵀ and B·X: 3 quantizations and dequantizations per step instead of 4, no
-  # transposing pass; CPU error about the default's, docs/OPTIM.md), alone and with ns_sym_b (free in session 43).
-  # GPU tests (ns_glue and Q-Root, incl. the shared X's CUDA-vs-CPU and graphed-vs-eager test), then the Q-Root step
-  # per arm on the 124M and 1B sets in one process, the default first and last (drift), then the op profile.
+  # issue 5 on one nvidia-h200 (~5 min; prepared in session 45, not yet run): (1) QRoot's ns_shared_x (X quantized
+  # once per NS step in 16x16 blocks for both X Xᵀ and B·X: 3 quantizations and dequantizations per step instead of
+  # 4, no transposing pass, with the shift no rescaled copy of X; CPU error about the default's, docs/OPTIM.md), alone
+  # and with ns_sym_b (free in session 43); (2) root.FUSE_AMAX (the quantized operands' amax taken by the ns_glue
+  # passes that make them, no amax passes; the same bits). GPU tests (ns_glue and Q-Root, incl. the shared X's
+  # CUDA-vs-CPU and graphed-vs-eager test and FUSE_AMAX bit for bit), then the Q-Root step per arm on the 124M and 1B
+  # sets in one process, the default first and last (drift), then the op profile.
   step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
       tests/test_optim_root.py
-  step optim_root 240 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
-      --root-arm base --root-arm 'shared:options.ns_shared_x=true' \
-      --root-arm 'symshared:options.ns_sym_b=true,options.ns_shared_x=true' --root-arm 'symb:options.ns_sym_b=true' \
-      --root-arm base2 --root-arm 'symshared2:options.ns_sym_b=true,options.ns_shared_x=true' \
-      --out "$OUT/optim_root.json"
+  A='fp4compile.optim.root.FUSE_AMAX=true' S='options.ns_sym_b=true,options.ns_shared_x=true'
+  step optim_root 300 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --root-arm base --root-arm 'shared:options.ns_shared_x=true' --root-arm "symshared:$S" \
+      --root-arm "amax:$A" --root-arm "symshared_amax:$S,$A" --root-arm 'symb:options.ns_sym_b=true' \
+      --root-arm base2 --root-arm "symshared2:$S" --root-arm "symshared_amax2:$S,$A" --out "$OUT/optim_root.json"
   step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
   tail -n 5 "$OUT/gpu_tests.log"; grep -h "section=QRoot" "$OUT/optim_root.log" ;;
 s44_next)

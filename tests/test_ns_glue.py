@@ -185,9 +185,11 @@ def test_kernel_compiles_without_fma_for_sm90():
     counts = {}
     for yscale in (False, True):      # with y_scale: y an FP32 product, rounded to bf16 after its scale
         sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*fp32" if yscale else "*bf16", ys_ptr="*fp32",
-                   out_ptr="*bf16", per="i32", s_step="i32", ys_step="i32")
-        ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=yscale), 4,
+                   out_ptr="*bf16", amax_ptr="*i32", per="i32", s_step="i32", ys_step="i32")
+        ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=yscale,
+                                                              AMAX=False), 4,
                               upto="ptx", divisible_by_16=("t_ptr", "s_ptr", "y_ptr", "ys_ptr", "out_ptr"))
+        assert "atom" not in ptx and "red." not in ptx
         assert "fma.rn.f32" not in ptx and "mul.f32" in ptx.replace("mul.rn.f32", "mul.f32")
         assert ".ftz" not in ptx                              # subnormal products and results are kept
         assert "div." not in ptx and "rem." not in ptx        # a program's factors are one load each
@@ -195,13 +197,97 @@ def test_kernel_compiles_without_fma_for_sm90():
                           ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
     assert counts[False][0] > 0                               # the store's RNE cast
     assert counts[True] == (2 * counts[False][0], 2 * counts[False][1])   # y * ys, rounded to bf16, per element
-    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", m="i32", c="fp32")
+    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", amax_ptr="*i32",
+               m="i32", c="fp32")
     br, bc = ns_glue.SHIFT_TILE
-    ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BR=br, BC=bc, POLY=True), 4, upto="ptx",
-                          divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
-    assert "fma.rn.f32" not in ptx and ".ftz" not in ptx      # k e and c e2 each rounded, then the sum
-    assert "div." not in ptx and "rem." not in ptx            # the diagonal by row == col, no index division
-    assert ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= 2 and "sub" in ptx
+    for amax in (False, True):
+        ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BR=br, BC=bc, POLY=True, AMAX=amax), 4, upto="ptx",
+                              divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
+        assert "fma.rn.f32" not in ptx and ".ftz" not in ptx      # k e and c e2 each rounded, then the sum
+        assert "div." not in ptx and "rem." not in ptx            # the diagonal by row == col, no index division
+        assert ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= 2 and "sub" in ptx
+        # the amax slot: one integer atomic max per program (of |out|'s FP32 bits), none without it
+        assert (".max.s32" in ptx and ("atom." in ptx or "red." in ptx)) == amax
+    sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*fp32", ys_ptr="*fp32", out_ptr="*bf16", amax_ptr="*i32",
+               per="i32", s_step="i32", ys_step="i32")
+    ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=True, AMAX=True), 4,
+                          upto="ptx", divisible_by_16=("t_ptr", "s_ptr", "y_ptr", "ys_ptr", "out_ptr"))
+    assert ".max.s32" in ptx and ("atom." in ptx or "red." in ptx) and "fma.rn.f32" not in ptx
+
+
+def _amax_calls(device="cpu"):
+    """(name, call(slot) -> output) of every pass that takes an amax slot, on the cases above, plus inputs with a
+    NaN, an inf and only (signed) zeros."""
+    calls = []
+    for i, (t, s, y) in enumerate(_cases(device)):
+        calls.append((f"scale{i}", lambda sl, t=t, s=s: ns_glue.scale_rows(t, s, torch.bfloat16, amax=sl)))
+        calls.append((f"axpy{i}", lambda sl, t=t, s=s, y=y: ns_glue.axpy_rows(t, s, y, torch.bfloat16, amax=sl)))
+    for i, (t, s, y, ys) in enumerate(_ys_cases(device)):
+        calls.append((f"axpy_ys{i}", lambda sl, t=t, s=s, y=y, ys=ys: ns_glue.axpy_rows(t, s, y, torch.bfloat16,
+                                                                                         y_scale=ys, amax=sl)))
+    for i, (A, al, k, c, E2) in enumerate(_shift_cases(device)):
+        calls.append((f"sub{i}", lambda sl, A=A, al=al: ns_glue.sub_diag(A, al, torch.bfloat16, amax=sl)))
+        calls.append((f"poly{i}", lambda sl, A=A, al=al, k=k, c=c, E2=E2: ns_glue.shift_poly(
+            A, al, k, c, E2, torch.bfloat16, amax=sl)))
+    t = _cases(device)[0][0].clone()
+    one = torch.ones((), device=device)
+    for name, special in (("nan", float("nan")), ("inf", -float("inf"))):
+        u = t.clone()
+        u[1, 3, 5] = special
+        calls.append((name, lambda sl, u=u: ns_glue.scale_rows(u, one, torch.bfloat16, amax=sl)))
+    z = torch.zeros_like(t)
+    z[0] = -0.0
+    calls.append(("zeros", lambda sl, z=z: ns_glue.axpy_rows(z, one, z, amax=sl)))
+    return calls
+
+
+def _check_amax(slot, out):
+    """The slot holds max|out| exactly (NaN where out has one)."""
+    want = out.float().abs().amax()
+    got = ns_glue.amax_value(slot)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert torch.equal(got.cpu(), want.cpu()) or (bool(got.isnan()) and bool(want.isnan())), (got, want)
+
+
+def test_amax_slot_torch_path():
+    """The torch forms (CPU) fill an amax slot with their output's max|·| exactly (NaN, inf, signed zeros
+    included); a slot keeps the larger of two passes' maxima (the integer order of |x|'s FP32 bits is the floats'
+    order); a slot that is not one int32 element on the output's device is a clear error."""
+    for name, call in _amax_calls():
+        slot = torch.zeros(1, dtype=torch.int32)
+        _check_amax(slot, call(slot))
+    t = torch.tensor([[[1.0, -3.0]], [[0.5, 2.0]]], dtype=torch.bfloat16)
+    slot = torch.zeros(1, dtype=torch.int32)
+    ns_glue.scale_rows(t, torch.tensor([2.0, 1.0]), torch.bfloat16, amax=slot)     # max 6
+    ns_glue.scale_rows(t, torch.tensor([1.0, 1.0]), torch.bfloat16, amax=slot)     # max 3
+    assert float(ns_glue.amax_value(slot)) == 6.0
+    for bad in (torch.zeros(1), torch.zeros(2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="amax"):
+            ns_glue.scale_rows(t, torch.tensor(1.0), torch.bfloat16, amax=bad)
+
+
+def test_amax_slot_kernel_under_the_interpreter(tmp_path):
+    """The kernels' amax (TRITON_INTERPRET=1, a fresh process): an integer atomic max of |out|'s bits per program
+    gives exactly max|out| of the kernel's own output, NaN and inf included, in one slot however many programs and
+    matrices the pass has."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {REPO!r}); sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+        from fp4compile.kernels import ns_glue
+        from test_ns_glue import _amax_calls, _check_amax
+        assert ns_glue._use_kernel(torch.ones(1))
+        n = 0
+        for name, call in _amax_calls():
+            slot = torch.zeros(1, dtype=torch.int32)
+            _check_amax(slot, call(slot))
+            n += 1
+        print("checked", n)
+    """))
+    r = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"checked {len(_amax_calls())}" in r.stdout
 
 
 @pytest.mark.gpu
@@ -233,6 +319,11 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
         for d in (torch.bfloat16, torch.float32):
             assert torch.equal(ns_glue.sub_diag(A, al, d), _ref_sub_diag(A, al, d))
             assert torch.equal(ns_glue.shift_poly(A, al, k, c, E2, d), _ref_shift_poly(A, al, k, c, E2, d))
+    for name, call in _amax_calls("cuda"):          # the kernels' amax slots: max|out| exactly
+        slot = torch.zeros(1, dtype=torch.int32, device="cuda")
+        _check_amax(slot, call(slot))
+    slot = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _check_amax(slot, ns_glue.axpy_rows(big, cases[-1][1], big.flip(0), amax=slot))
     G = torch.randn(4, 128, 384, generator=g, device="cuda")
     coeffs = ns_coefficients((128, 384))
     kernel_matvec = ns_glue.matvec

@@ -1,6 +1,10 @@
 """QRoot: coefficient schedules, NS accuracy, equality with an independent BF16 Root, NVFP4 NS, state dict."""
 import copy
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from fp4compile.optim.root import (JORDAN, abs_quantile, clip_by_quantile, ROOT_
                                     _q, _q_stack)
 from fp4compile.optim.study import momentum_like, ns_error
 from fp4compile.policy import BF16, NVFP4, Policy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_public_name_and_policy_resolution():
@@ -641,6 +647,71 @@ def test_shared_x_guard_rescales_the_shared_copy(shift):
     assert float((one - wrong).norm()) > 0.05 * float(one.norm())
 
 
+# ----------------------------------------------------------------------------------------------
+# the amax passes folded into ns_glue's passes (root.FUSE_AMAX)
+def _count_amax(monkeypatch):
+    """Wrap the quantize ops: -> list of (amax given?) per call."""
+    calls = []
+    for name in ("quantize", "quantize_dq"):
+        real = getattr(torch.ops.fp4compile, name)
+        monkeypatch.setattr(torch.ops.fp4compile, name,
+                            lambda *a, real=real, **k: calls.append(k.get("amax") is not None) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kw,given", [
+    (dict(spec=NVFP4()), 8), (dict(spec=NVFP4("sr", four_over_six=True), seed=torch.tensor(3)), 8),
+    (dict(spec=NVFP4(), sym_b=True, shared_x=True), 8), (dict(spec=NVFP4(four_over_six=True), shared_x=True), 8),
+    (dict(spec=NVFP4(), residual=("x2d",)), 6), (dict(spec=NVFP4(), shift=False), 0),
+    (dict(spec=NVFP4(hadamard=16), signs=torch.ones(16)), 0), (dict(spec=NVFP4("ms_eden"), seed=torch.tensor(4)), 0)],
+    ids=["rtn", "sr-46", "sym-shared", "46-shared", "x2d", "unshifted", "rht", "ms_eden"])
+@pytest.mark.parametrize("dq", [False, True], ids=["codes", "dq"])
+def test_fused_amax_keeps_the_ns_bits(monkeypatch, kw, given, dq):
+    """FUSE_AMAX: the NS's quantize calls take the amax that the pass making their operand recorded (3 steps: E and
+    Bs of each step and X of steps 1 and 2 under the shift; the first X, two-term X's, the unshifted form (whose
+    update is torch's), RHT and MS-EDEN specs measure their own), and the NS keeps its bits; the op's CPU reference checks every given
+    amax against max|x| (it raises otherwise), through codes and through quantize_dq's operands alike."""
+    import fp4compile.optim.root as R
+
+    G = torch.stack([clip_by_quantile(momentum_like(32, 96, s), 0.99) for s in range(2)])
+    kw = dict(dict(shift=True), **kw)
+    monkeypatch.setattr(R, "NS_DQ", dq)
+    ref = newton_schulz(G, (JORDAN,) * 3, **kw)
+    monkeypatch.setattr(R, "FUSE_AMAX", True)
+    calls = _count_amax(monkeypatch)
+    out = newton_schulz(G, (JORDAN,) * 3, **kw)
+    assert torch.isfinite(out.float()).all() and torch.equal(out, ref)
+    assert sum(calls) == given, calls
+
+
+def test_fused_amax_under_the_interpreter(tmp_path):
+    """FUSE_AMAX with ns_glue's Triton kernels (TRITON_INTERPRET=1, a fresh process): the slots the kernels fill by
+    atomic max pass the quantize op's check (max|x| exactly, else it raises) in the default NS and with the shared X,
+    and the NS is the one without the fused amax bit for bit (the same kernels either way)."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {REPO!r})
+        import fp4compile.optim.root as R
+        from fp4compile.kernels import ns_glue
+        from fp4compile.optim import newton_schulz
+        from fp4compile.optim.study import momentum_like
+        from fp4compile.policy import NVFP4
+        assert ns_glue._use_kernel(torch.ones(1))
+        G = torch.stack([R.clip_by_quantile(momentum_like(32, 64, s), 0.99) for s in range(2)])
+        for kw in (dict(), dict(sym_b=True, shared_x=True)):
+            R.FUSE_AMAX = False
+            ref = newton_schulz(G, (R.JORDAN,) * 3, spec=NVFP4(), shift=True, **kw)
+            R.FUSE_AMAX = True
+            out = newton_schulz(G, (R.JORDAN,) * 3, spec=NVFP4(), shift=True, **kw)
+            assert torch.isfinite(out.float()).all() and torch.equal(out, ref), kw
+        print("ok")
+    """))
+    r = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("shape", [(64, 256), (128, 512), (640, 1792)])
 def test_shared_x_error_is_the_defaults(shape):
     """docs/OPTIM.md's rows: QRoot's default NS with the symmetric B and the shared X (3 quantizations per step
@@ -855,8 +926,8 @@ def test_bgemm_dq_equals_bgemm_nvfp4():
 @pytest.mark.gpu
 def test_gpu_step_switches_keep_the_root_update(monkeypatch):
     """CUDA, the session-41 switches in the optimizer as the GPU runs it (CUDA graphs, 124M-like stack shapes): the
-    top-k clip threshold, the quantize_dq operands and the per-matrix loop in place of the default foreach ops give
-    the default's parameters bit for bit; the symmetric
+    top-k clip threshold, the quantize_dq operands, the per-matrix loop in place of the default foreach ops and the
+    amax slots of ns_glue's passes (session 45) give the default's parameters bit for bit; the symmetric
     products may differ where a summation-order ulp flips a later FP4 rounding: far less than NVFP4 differs from
     a BF16 NS."""
     import fp4compile.optim.root as R
@@ -873,7 +944,7 @@ def test_gpu_step_switches_keep_the_root_update(monkeypatch):
         return sum(float((p - q).norm() / (q - p0).norm()) for p, q, p0 in zip(ps, qs, ps0))
 
     for attr, value, exact in (("QUANTILE_IMPL", "sort", True), ("NS_DQ", True, True), ("ROOT_FOREACH", False, True),
-                               ("SYMMETRIC_MIN_ROWS", 512, False)):
+                               ("FUSE_AMAX", True, True), ("SYMMETRIC_MIN_ROWS", 512, False)):
         monkeypatch.setattr(R, attr, value)
         out, opt = _root_run(ps0, grads, precision=NVFP4(), cuda_graphs=True)
         monkeypatch.undo()

@@ -18,6 +18,12 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 * :func:`matvec`: the σ guard's power-iteration products A v from a bf16 A, without an FP32 copy of A (FP32
   arithmetic; the one function here whose CUDA result is not the torch form's bits: another summation order).
 
+The passes whose output is quantized next (:func:`axpy_rows`' new iterate X, :func:`sub_diag`'s E,
+:func:`shift_poly`'s Bs) can also take that output's amax on the way (``amax=``, an int32 slot): the quantize op
+then gets the global amax it needs from the slot instead of reading the tensor once more (its amax pass). The slot
+holds FP32 bit patterns as int32, whose order is the floats' for |x| (and NaN's above inf's), so an atomic integer
+max is the exact max|x| of the rounded output, NaN included.
+
 The Triton passes are the default on CUDA (:data:`KERNEL`). H200, session 44, CUDA graphs: the 124M set's Q-Root
 step 23.8 → 17.7 ms by the scale-and-round passes, → 16.6 ms with the shift and the update, → 14.4 ms without index
 division in the kernels and with :func:`matvec` (the 1B set's 248 → 187 → 171 → 149.6 ms).
@@ -50,12 +56,20 @@ BLOCK = 2048
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(t_ptr, s_ptr, y_ptr, ys_ptr, out_ptr, per, s_step, ys_step, BLOCK: tl.constexpr,
-                     ADD: tl.constexpr, YSCALE: tl.constexpr):
+    def _amax_bits(o, mask, amax_ptr):
+        """Raise the int32 slot ``amax_ptr`` to the largest |o| (o: the rounded output values, any shape; masked
+        lanes left out) as an FP32 bit pattern: the sign bit cleared, an integer max (exact; NaN's bits are above
+        inf's)."""
+        bits = tl.where(mask, o.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        tl.atomic_max(amax_ptr, tl.max(tl.reshape(bits, (bits.numel,)), axis=0))
+
+    @triton.jit
+    def _rows_kernel(t_ptr, s_ptr, y_ptr, ys_ptr, out_ptr, amax_ptr, per, s_step, ys_step, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr, YSCALE: tl.constexpr, AMAX: tl.constexpr):
         """out[i] = t[i] * s (+ y[i], with YSCALE first rounded to out's dtype as y[i] * ys), FP32 arithmetic,
         rounded once to out's dtype; all contiguous. A program covers BLOCK elements of matrix program_id(1) (per
         elements each), whose factors are s_ptr[mat * s_step] and ys_ptr[mat * ys_step] (step 0: one for all): no
-        index division."""
+        index division. AMAX: also raise the int32 slot amax_ptr to max|out| (:func:`_amax_bits`)."""
         mat = tl.program_id(1)
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = r < per
@@ -66,14 +80,18 @@ if triton is not None:
             if YSCALE:
                 y = (y * tl.load(ys_ptr + mat * ys_step)).to(out_ptr.dtype.element_ty).to(tl.float32)
             v = v + y
-        tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+        o = v.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, o, mask=mask)
+        if AMAX:
+            _amax_bits(o, mask, amax_ptr)
 
     @triton.jit
-    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, m, c, BR: tl.constexpr, BC: tl.constexpr,
-                      POLY: tl.constexpr):
+    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, amax_ptr, m, c, BR: tl.constexpr, BC: tl.constexpr,
+                      POLY: tl.constexpr, AMAX: tl.constexpr):
         """A stack of square m x m matrices, all contiguous, one BR x BC tile of matrix program_id(2) a program
         (no index division: the diagonal is row == col): e = a - alpha[s] on the diagonal (a elsewhere), FP32;
-        out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype."""
+        out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype. AMAX:
+        also raise the int32 slot amax_ptr to max|out| (:func:`_amax_bits`)."""
         mat = tl.program_id(2)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
         cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
@@ -83,7 +101,10 @@ if triton is not None:
         e = tl.where(rows == cols, a - tl.load(alpha_ptr + mat), a)
         if POLY:
             e = tl.load(k_ptr + mat) * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, e.to(out_ptr.dtype.element_ty), mask=mask)
+        o = e.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, o, mask=mask)
+        if AMAX:
+            _amax_bits(o, mask, amax_ptr)
 
     @triton.jit
     def _matvec_kernel(a_ptr, v_ptr, out_ptr, m, BM: tl.constexpr, BK: tl.constexpr, K_TILES: tl.constexpr):
@@ -127,7 +148,26 @@ def _broadcast(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return s.reshape((-1,) + (1,) * (t.dim() - 1)) if s.numel() > 1 else s
 
 
-def _launch(t, s, y, dtype, ys=None):
+def _check_amax_slot(amax: Optional[torch.Tensor], t: torch.Tensor) -> None:
+    if amax is not None and (amax.dtype != torch.int32 or amax.numel() != 1 or amax.device != t.device):
+        raise ValueError(f"ns_glue: amax must be a one-element int32 slot on {t.device}, got {amax.dtype} "
+                         f"{tuple(amax.shape)} on {amax.device}")
+
+
+def _record_amax(out: torch.Tensor, amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """The torch form of the kernels' ``amax``: raise the int32 slot to max|out|'s FP32 bit pattern; -> out."""
+    if amax is not None and out.numel():
+        torch.maximum(amax, out.float().abs().amax().view(torch.int32), out=amax.view(-1))
+    return out
+
+
+def amax_value(slot: torch.Tensor) -> torch.Tensor:
+    """An ``amax`` slot as the 0-dim FP32 max|x| the quantize op takes (a view: read after the pass that fills it;
+    a slot must start at 0)."""
+    return slot.view(torch.float32).reshape(())
+
+
+def _launch(t, s, y, dtype, ys=None, amax=None):
     s = _per_matrix(t, s).contiguous()
     yscale = ys is not None
     ys = ys if yscale else s                           # a placeholder pointer when not read
@@ -136,9 +176,9 @@ def _launch(t, s, y, dtype, ys=None):
     if n:
         mats = max(s.numel(), ys.numel())              # 1, or the stack's S (each factor one per matrix or one)
         opts = {"enable_fp_fusion": False} if t.is_cuda else {}
-        launch(_rows_kernel, (cdiv(n // mats, BLOCK), mats), t, s, t if y is None else y, ys, out, n // mats,
-               int(s.numel() > 1), int(ys.numel() > 1), BLOCK=BLOCK, ADD=y is not None, YSCALE=yscale,
-               num_warps=4, **opts)
+        launch(_rows_kernel, (cdiv(n // mats, BLOCK), mats), t, s, t if y is None else y, ys, out,
+               s if amax is None else amax, n // mats, int(s.numel() > 1), int(ys.numel() > 1), BLOCK=BLOCK,
+               ADD=y is not None, YSCALE=yscale, AMAX=amax is not None, num_warps=4, **opts)
     return out
 
 
@@ -149,29 +189,36 @@ def _rows_kernel_ok(t: torch.Tensor, *others: torch.Tensor) -> bool:
             and (t.dim() == 0 or t.shape[0] <= 65535) and t.numel() < 2 ** 31)
 
 
-def scale_rows(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_rows(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, amax: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
     """``(t.float() * s).to(dtype)`` for a stack ``t`` [S, ...] and an FP32 ``s`` of one factor per matrix ([S] or
-    [S, 1, 1]) or a scalar: one pass on CUDA (:func:`_rows_kernel`), the torch expression elsewhere."""
+    [S, 1, 1]) or a scalar: one pass on CUDA (:func:`_rows_kernel`), the torch expression elsewhere. ``amax``: an
+    int32 slot raised to max|result| (module docstring; :func:`amax_value`)."""
+    _check_amax_slot(amax, t)
     if _rows_kernel_ok(t):
-        return _launch(t, s, None, dtype)
-    return torch.mul(t, _broadcast(t, s), out=torch.empty(t.shape, dtype=dtype, device=t.device))
+        return _launch(t, s, None, dtype, amax=amax)
+    return _record_amax(torch.mul(t, _broadcast(t, s), out=torch.empty(t.shape, dtype=dtype, device=t.device)),
+                        amax)
 
 
 def axpy_rows(t: torch.Tensor, s: torch.Tensor, y: torch.Tensor, dtype: Optional[torch.dtype] = None,
-              y_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              y_scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(t.float() * s + y.float()).to(dtype)`` (default: t's dtype), the product and the sum each rounded in FP32
     as torch's two ops round them, then once to ``dtype``: one pass on CUDA, two torch ops elsewhere.
 
     ``y_scale`` (FP32, one per matrix or a scalar, as ``s``): y is first ``scale_rows(y, y_scale, dtype)``, rounded
-    to ``dtype`` as that op rounds it (an FP32 product's global scale, applied in the same pass on CUDA)."""
+    to ``dtype`` as that op rounds it (an FP32 product's global scale, applied in the same pass on CUDA). ``amax``:
+    an int32 slot raised to max|result| (module docstring)."""
     dtype = dtype or t.dtype
     if y.shape != t.shape:
         raise ValueError(f"ns_glue.axpy_rows: y {tuple(y.shape)} and t {tuple(t.shape)} differ")
+    _check_amax_slot(amax, t)
     if _rows_kernel_ok(t, y):
-        return _launch(t, s, y, dtype, None if y_scale is None else _per_matrix(y, y_scale).contiguous())
+        return _launch(t, s, y, dtype, None if y_scale is None else _per_matrix(y, y_scale).contiguous(), amax)
     if y_scale is not None:
         y = scale_rows(y, y_scale, dtype)
-    return torch.add(torch.mul(t, _broadcast(t, s)), y, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+    return _record_amax(torch.add(torch.mul(t, _broadcast(t, s)), y,
+                                  out=torch.empty(t.shape, dtype=dtype, device=t.device)), amax)
 
 
 def _check_square_stack(A: torch.Tensor, alpha: torch.Tensor, name: str) -> None:
@@ -192,7 +239,7 @@ def _shifted_f32(A: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 SHIFT_TILE = (16, 128)   # rows x columns of one _shift_kernel program
 
 
-def _launch_shift(A, alpha, k, c, E2, dtype):
+def _launch_shift(A, alpha, k, c, E2, dtype, amax=None):
     out = torch.empty(A.shape, dtype=dtype, device=A.device)
     S, m, _ = A.shape
     if A.numel():
@@ -200,7 +247,8 @@ def _launch_shift(A, alpha, k, c, E2, dtype):
         poly = E2 is not None
         br, bc = SHIFT_TILE
         launch(_shift_kernel, (cdiv(m, br), cdiv(m, bc), S), A, alpha.contiguous(), k.contiguous() if poly else alpha,
-               E2 if poly else A, out, m, float(c), BR=br, BC=bc, POLY=poly, num_warps=4, **opts)
+               E2 if poly else A, out, alpha if amax is None else amax, m, float(c), BR=br, BC=bc, POLY=poly,
+               AMAX=amax is not None, num_warps=4, **opts)
     return out
 
 
@@ -212,28 +260,32 @@ def _square_kernel_ok(A: torch.Tensor, *others: torch.Tensor) -> bool:
             and A.shape[0] <= 65535 and A.shape[1] ** 2 < 2 ** 31)
 
 
-def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype, amax: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
     """``E = A - alpha I`` of a stack of square matrices A [S, m, m] and FP32 ``alpha`` [S], computed in FP32 from
     A's values and rounded once to ``dtype``: one pass on CUDA (:func:`_shift_kernel`), torch's FP32 copy, diagonal
-    subtraction and cast elsewhere."""
+    subtraction and cast elsewhere. ``amax``: an int32 slot raised to max|E| (module docstring)."""
     _check_square_stack(A, alpha, "sub_diag")
+    _check_amax_slot(amax, A)
     if _square_kernel_ok(A):
-        return _launch_shift(A, alpha, None, 0.0, None, dtype)
-    return _shifted_f32(A, alpha).to(dtype)
+        return _launch_shift(A, alpha, None, 0.0, None, dtype, amax)
+    return _record_amax(_shifted_f32(A, alpha).to(dtype), amax)
 
 
 def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, E2: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``k (A - alpha I) + c E2`` for a stack A [S, m, m], FP32 ``alpha`` and ``k`` [S], a Python ``c`` (used as
     FP32, as torch uses a scalar operand) and ``E2`` [S, m, m]: FP32 arithmetic, the two products and the sum each
-    rounded (no FMA), then once to ``dtype``. One pass on CUDA, the torch ops elsewhere."""
+    rounded (no FMA), then once to ``dtype``. One pass on CUDA, the torch ops elsewhere. ``amax``: an int32 slot
+    raised to max|result| (module docstring)."""
     _check_square_stack(A, alpha, "shift_poly")
     if k.dtype != torch.float32 or k.shape != alpha.shape or E2.shape != A.shape:
         raise ValueError(f"ns_glue.shift_poly: k must be FP32 [S] and E2 [S, m, m] like A {tuple(A.shape)}, got "
                          f"k {k.dtype} {tuple(k.shape)}, E2 {tuple(E2.shape)}")
+    _check_amax_slot(amax, A)
     if _square_kernel_ok(A, E2):
-        return _launch_shift(A, alpha, k, c, E2, dtype)
-    return (k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype)
+        return _launch_shift(A, alpha, k, c, E2, dtype, amax)
+    return _record_amax((k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype), amax)
 
 
 MATVEC_TILE = (16, 128)   # rows x columns of one _matvec_kernel step

@@ -171,10 +171,10 @@ def _nvfp4_ok(m: int, n: int) -> bool:
     return m % 16 == 0 and n % 16 == 0
 
 
-def _q(x: torch.Tensor, spec, signs, transpose=False, seed=None):
+def _q(x: torch.Tensor, spec, signs, transpose=False, seed=None, amax=None):
     return torch.ops.fp4compile.quantize(x, rounding=spec.rounding, four_over_six=spec.four_over_six,
                                          block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0,
-                                         signs=signs, seed=seed, transpose=transpose)
+                                         signs=signs, seed=seed, transpose=transpose, amax=amax)
 
 
 def _qgemm(qa, qb) -> torch.Tensor:
@@ -242,10 +242,11 @@ def _ns_update(X: torch.Tensor, a: float, beta: Optional[torch.Tensor], BX: torc
     return ns_glue.axpy_rows(X, (a + beta).float(), BX, X.dtype)
 
 
-def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
+def _shifted_poly(A: torch.Tensor, b: float, c: float, square, slots=(None, None)):
     """The NS polynomial B = b A + c A² of a stack A [S, m, m] split as ``beta I + Bs``, with the one product it
     needs taken of the shifted matrix: ``(Bs, beta)``, Bs BF16 [S, m, m], beta FP32 [S, 1, 1]. E and Bs each in one
-    pass from A's values (``kernels.ns_glue.sub_diag``, ``shift_poly``).
+    pass from A's values (``kernels.ns_glue.sub_diag``, ``shift_poly``). ``slots``: ns_glue amax slots (or None) that
+    the two passes fill with E's and Bs's max|·| (``square`` may read E's from its slot: it runs after).
 
     With alpha = mean(diag A) per matrix and E = A - alpha I (exact algebra):
     A² = E² + 2 alpha E + alpha² I, so B = (b + 2 c alpha) E + c E² + (b alpha + c alpha²) I. ``square(E)``
@@ -258,14 +259,17 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square):
     Measured (``bench/ns_quality.py --shift``): distance to the BF16 NS 0.271 -> 0.176 on the 30M block shapes.
     """
     alpha = torch.diagonal(A, dim1=-2, dim2=-1).float().mean(-1)                     # [S]
-    E2 = square(ns_glue.sub_diag(A, alpha, torch.bfloat16))   # E = A - alpha I from A's values, one pass
-    Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16)   # one pass, rounded once
+    e_slot, b_slot = slots
+    E = ns_glue.sub_diag(A, alpha, torch.bfloat16, amax=e_slot)      # E = A - alpha I from A's values, one pass
+    E2 = square(E)
+    Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16, amax=b_slot)   # one pass
     return Bs, (b * alpha + c * alpha * alpha)[:, None, None]
 
 
-def _q_stack(x: torch.Tensor, spec, signs, seed=None, transpose=False):
+def _q_stack(x: torch.Tensor, spec, signs, seed=None, transpose=False, amax=None):
     """Quantize a stack ``x`` [S, r, K] along K as its 2-D view [S·r, K] (one op call, one global scale for
-    the stack) -> (codes [S, r, K/2], scales [S, r, K/16], global fp32 []).
+    the stack) -> (codes [S, r, K/2], scales [S, r, K/16], global fp32 []). ``amax``: the stack's max|x| when the
+    pass that made x took it (the op's ``amax``: no amax pass of its own).
 
     ``transpose``: quantize each matrix's transpose instead, x [S, K, r] -> the stack of xᵀ [S, r, K], by the op's
     own transposed quantize of the 2-D view [S·K, r] (one transposing pass that also takes the amax, then the
@@ -275,10 +279,10 @@ def _q_stack(x: torch.Tensor, spec, signs, seed=None, transpose=False):
     RTN gives the bits of quantizing the transposed copy; SR draws its bits at other flat indices."""
     if transpose:
         S, k, r = x.shape
-        codes, scales, g = _q(x.reshape(S * k, r), spec, signs, transpose=True, seed=seed)
+        codes, scales, g = _q(x.reshape(S * k, r), spec, signs, transpose=True, seed=seed, amax=amax)
         return (codes.view(r, S, k // 2).permute(1, 0, 2), scales.view(r, S, k // 16).permute(1, 0, 2), g)
     S, r, k = x.shape
-    codes, scales, g = _q(x.reshape(S * r, k), spec, signs, seed=seed)
+    codes, scales, g = _q(x.reshape(S * r, k), spec, signs, seed=seed, amax=amax)
     return codes.view(S, r, k // 2), scales.view(S, r, k // 16), g
 
 
@@ -380,9 +384,16 @@ def _dequantized(q) -> torch.Tensor:
 #: quantize + dequantize_blocks; timed in session 43, 34.58 against 34.38 ms (124M set) and 347.7 against 344.2 ms (1B):
 #: the bf16 store costs what the passes did. ``FP4COMPILE_NS_DQ=1`` sets it at import.
 NS_DQ = os.environ.get("FP4COMPILE_NS_DQ", "0") not in ("", "0")
+#: the NVFP4 NS's amax passes folded into the passes that make the quantized operands (``kernels.ns_glue``'s
+#: ``amax=`` slots: the new iterate X from the update, E from ``sub_diag``, Bs from ``shift_poly``), which then give
+#: the quantize op its ``amax`` instead of it reading each operand once more; RTN and SR specs without an RHT (the op
+#: takes no amax otherwise), the stack's own quantizers. The same bits (the op's CPU reference checks that a given
+#: amax is max|x|). Off until timed on a GPU (``bash bench/run_h200.sh s45_shared``); ``FP4COMPILE_NS_AMAX=1`` sets it
+#: at import.
+FUSE_AMAX = os.environ.get("FP4COMPILE_NS_AMAX", "0") not in ("", "0")
 
 
-def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None, transpose=False):
+def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None, transpose=False, amax=None):
     """:func:`_q_stack` through ``fp4compile::quantize_dq``: a stack ``x`` [S, r, K] quantized along K as its 2-D
     view -> (dq bf16 [S, r, K] = the exact q·S, global fp32 []); ``transpose``: as :func:`_q_stack`'s (x [S, K, r],
     dq a strided [S, r, K] view of the [r, S·K] result)."""
@@ -390,7 +401,8 @@ def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None, transpose=False):
     a, b = x.shape[1:]
     _, _, g, dq = torch.ops.fp4compile.quantize_dq(
         x.reshape(S * a, b), rounding=spec.rounding, four_over_six=spec.four_over_six,
-        block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0, signs=signs, seed=seed, transpose=transpose)
+        block2d=spec.block == (16, 16), hadamard=spec.hadamard or 0, signs=signs, seed=seed, transpose=transpose,
+        amax=amax)
     return (dq.view(b, S, a).permute(1, 0, 2) if transpose else dq.view(S, a, b)), g
 
 
@@ -484,7 +496,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     applied with B·X's global scale (one factor g·sqrt(s) per matrix on the FP32 product); with ``shift`` the update
     also takes X's sqrt(s) in its factor, X <- ((a + beta) sqrt(s)) X + (g sqrt(s)) P in one pass, with no rescaled
     copy of X. 3 quantizations and 3 dequantizations per step instead of 4 and 4, no transposing pass and one pass
-    over X fewer, the same 3 products. Its error against the polar factor is the default's within −3 … +5 % with
+    over X fewer, the same 3 products. Its error against the polar factor is the default's within −2 … +5 % with
     ``sym_b`` (docs/OPTIM.md).
     """
     qfn = quant or _q_stack
@@ -497,19 +509,33 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
                          "product only")
     x2d = "x2d" in residual
     spec2d = dataclasses.replace(spec, block=(16, 16))
-    for a, b, c in coeffs:
+    # FUSE_AMAX: per step three int32 amax slots (E, Bs, next X), zeroed by one fill for the whole NS
+    fuse = (FUSE_AMAX and qfn in (_q_stack, _q_stack_dq) and spec.rounding in ("rtn", "sr") and not spec.hadamard)
+    slots = torch.zeros(3 * len(coeffs), dtype=torch.int32, device=X.device) if fuse else None
+
+    def slot(i):
+        return None if slots is None else slots[i:i + 1]
+
+    def q(x, qspec, sl=None):                                # qfn with the slot's amax, when there is one
+        seed_ = seed()
+        return qfn(x, qspec, signs, seed_) if sl is None else qfn(x, qspec, signs, seed_, amax=ns_glue.amax_value(sl))
+    x_slot = None                                            # X's amax, when the previous update took it
+    for step, (a, b, c) in enumerate(coeffs):
+        e_slot, b_slot = slot(3 * step), slot(3 * step + 1)
+        nx_slot = slot(3 * step + 2) if step + 1 < len(coeffs) else None
         s = None                                             # the guard's per-matrix rescaling of A (X by sqrt)
         if "x" in residual or x2d:                           # along n: X Xᵀ contracts over the long dim
             px, rx = _q_two_term(X, qfn, spec2d if x2d else spec, signs, seed)
             C = _bgemm_dq(px, rx, torch.float32)
             A = (_bgemm_dq(px, px, torch.float32) + C + C.mT).to(torch.bfloat16)
         elif shared_x:                                       # X once, 16x16 blocks: also B·X's operand
-            qx = qfn(X, spec2d, signs, seed())
+            qx = q(X, spec2d, x_slot)
             px = _dq_form(qx)                                # dequantized once, for both products
             A = _bgemm_dq(px, px) if product in (_bgemm_nvfp4, _bgemm_dq) else product(qx, qx)
         else:
-            qx = qfn(X, spec, signs, seed())
+            qx = q(X, spec, x_slot)
             A = product(qx, qx)                              # [S, m, m]
+        x_slot = None
         if guard is not None:
             # the guard of _ns_nvfp4_one per matrix, with fewer launches: 6 power-iteration matvecs normalized
             # once half-way (normalizing is only a scale; with lambda_max(A) of an NS iterate in ~[1e-4, 10] no
@@ -527,19 +553,20 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
                 X = ns_glue.scale_rows(X, s.sqrt(), X.dtype)
         if shift:
             def square(E):
-                qE = qfn(E, spec, signs, seed())             # E symmetric, like A
+                qE = q(E, spec, e_slot)                      # E symmetric, like A
                 return product(qE, qE)
-            B, beta = _shifted_poly(A, b, c, square)         # B here is Bs = B - beta I
+            B, beta = _shifted_poly(A, b, c, square, (e_slot, b_slot))   # B here is Bs = B - beta I
         else:
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
-            B, beta = b * A + c * product(qA, qA), None
-        qB = qfn(B, spec2d if sym_b else spec, signs, seed())  # rows of B along m
+            B, beta, b_slot = b * A + c * product(qA, qA), None, None
+        qB = q(B, spec2d if sym_b else spec, b_slot)         # rows of B along m
         if shared_x and beta is not None:                    # B·X over X's 16x16-block copy, transposed view;
             P, g = _bgemm_dq_parts(_dq_form(qB), (px[0].mT, px[1]))     # the guard's sqrt(s) with both factors
             k = (a + beta).float()
             if s is not None:
                 k, g = k * s.sqrt(), g * s.sqrt()
-            X = ns_glue.axpy_rows(X, k, P, X.dtype, y_scale=g)
+            X = ns_glue.axpy_rows(X, k, P, X.dtype, y_scale=g, amax=nx_slot)
+            x_slot = nx_slot
             continue
         if x2d or shared_x or "xt" in residual:              # B·X over Xᵀ's terms [S, n, m]
             if x2d or shared_x:                              # X's own terms, transposed views
@@ -560,7 +587,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
             # (a + beta) X + Bs X from the FP32 product and its global scale in one pass: the bits of
             # _ns_update(X, a, beta, product(qB, qxt)) without the bf16 B·X stored and read back
             P, g = _bgemm_dq_parts(_dq_form(qB), _dq_form(qxt))
-            X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g)
+            X = ns_glue.axpy_rows(X, (a + beta).float(), P, X.dtype, y_scale=g, amax=nx_slot)
+            x_slot = nx_slot
         else:
             X = _ns_update(X, a, beta, product(qB, qxt))     # X <- a X + B·X  [S, m, n]
     return X
@@ -888,7 +916,7 @@ class QRoot(Optimizer):
         shape = tuple(U.shape) if mats is None else (len(mats), *first.shape)
         key = (shape, first.dtype, first.device, group["clip_quantile"], group["ns_steps"], group["ns_schedule"],
                group["ns_guard"], group["ns_shift"], group["ns_sym_b"], group["ns_residual"], group["ns_shared_x"],
-               QUANTILE_IMPL,
+               QUANTILE_IMPL, FUSE_AMAX,
                SYMMETRIC_MIN_ROWS, NS_DQ, ns_glue.KERNEL)  # switches: captured
         entry = self._graphs.get(key)
         if entry is None:
