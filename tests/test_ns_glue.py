@@ -56,15 +56,33 @@ def _ref_shift_poly(A, alpha, k, c, E2, dtype):
     return (k[:, None, None] * E + torch.tensor(c, dtype=torch.float32) * E2.float()).to(dtype)
 
 
+def _e2_scale_cases(device="cpu"):
+    """(A, alpha, k, c, E2 as an FP32 product, its scale) for shift_poly's e2_scale: a 0-dim global and one per
+    matrix."""
+    out = []
+    for i, (A, alpha, k, c, E2) in enumerate(_shift_cases(device)):
+        g = torch.Generator().manual_seed(10 + i)
+        P = (torch.randn(E2.shape, generator=g) * 300).to(device)
+        for scale in (torch.tensor(0.00731), torch.rand(A.shape[0], generator=g) + 0.1):
+            out.append((A, alpha, k, c, P, scale.to(device)))
+    return out
+
+
 def test_shift_torch_path_is_the_upcast_form():
     """sub_diag and shift_poly on the CPU (no interpreter): the bits of the identity-matrix forms above, for bf16
-    and FP32 stacks and outputs (c taken as FP32, as torch takes a scalar operand)."""
+    and FP32 stacks and outputs (c taken as FP32, as torch takes a scalar operand); with ``e2_scale``, those of the
+    form with E² first scaled and rounded to bf16 (the product's own rounding)."""
     for A, alpha, k, c, E2 in _shift_cases():
         for dtype in (torch.bfloat16, torch.float32):
             out = ns_glue.sub_diag(A, alpha, dtype)
             assert out.dtype == dtype and torch.equal(out, _ref_sub_diag(A, alpha, dtype))
             out = ns_glue.shift_poly(A, alpha, k, c, E2, dtype)
             assert out.dtype == dtype and torch.equal(out, _ref_shift_poly(A, alpha, k, c, E2, dtype))
+    for A, alpha, k, c, P, g in _e2_scale_cases():
+        for dtype in (torch.bfloat16, torch.float32):
+            out = ns_glue.shift_poly(A, alpha, k, c, P, dtype, e2_scale=g)
+            want = _ref_shift_poly(A, alpha, k, c, _ref_scale(P, g, torch.bfloat16), dtype)
+            assert out.dtype == dtype and torch.equal(out, want)
 
 
 def test_shift_bad_inputs_raise():
@@ -197,17 +215,24 @@ def test_kernel_compiles_without_fma_for_sm90():
                           ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
     assert counts[False][0] > 0                               # the store's RNE cast
     assert counts[True] == (2 * counts[False][0], 2 * counts[False][1])   # y * ys, rounded to bf16, per element
-    sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*bf16", out_ptr="*bf16", amax_ptr="*i32",
-               m="i32", c="fp32")
     br, bc = ns_glue.SHIFT_TILE
-    for amax in (False, True):
-        ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BR=br, BC=bc, POLY=True, AMAX=amax), 4, upto="ptx",
-                              divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
+    counts = {}
+    for amax, e2s in ((False, False), (True, False), (True, True)):
+        sig = dict(a_ptr="*bf16", alpha_ptr="*fp32", k_ptr="*fp32", e2_ptr="*fp32" if e2s else "*bf16",
+                   e2s_ptr="*fp32", out_ptr="*bf16", amax_ptr="*i32", m="i32", c="fp32", e2s_step="i32")
+        ptx = compile_offline(ns_glue._shift_kernel, sig, dict(BR=br, BC=bc, POLY=True, E2S=e2s, AMAX=amax), 4,
+                              upto="ptx", divisible_by_16=("a_ptr", "alpha_ptr", "k_ptr", "e2_ptr", "out_ptr"))
+        counts[amax, e2s] = (ptx.count("cvt.rn.bf16.f32") + 2 * ptx.count("cvt.rn.bf16x2.f32"),
+                             ptx.count("mul.rn.f32") + ptx.count("mul.f32"))
         assert "fma.rn.f32" not in ptx and ".ftz" not in ptx      # k e and c e2 each rounded, then the sum
         assert "div." not in ptx and "rem." not in ptx            # the diagonal by row == col, no index division
         assert ptx.count("mul.rn.f32") + ptx.count("mul.f32") >= 2 and "sub" in ptx
         # the amax slot: one integer atomic max per program (of |out|'s FP32 bits), none without it
         assert (".max.s32" in ptx and ("atom." in ptx or "red." in ptx)) == amax
+    # e2_scale: E² times its scale and rounded to bf16 per element, in the pass (bf16 roundings and products of
+    # the per-element work: twice and 1.5 times those without it)
+    (cvt, mul), (cvt_s, mul_s) = counts[True, False], counts[True, True]
+    assert cvt > 0 and cvt_s == 2 * cvt and 2 * mul_s == 3 * mul, counts
     sig = dict(t_ptr="*bf16", s_ptr="*fp32", y_ptr="*fp32", ys_ptr="*fp32", out_ptr="*bf16", amax_ptr="*i32",
                per="i32", s_step="i32", ys_step="i32")
     ptx = compile_offline(ns_glue._rows_kernel, sig, dict(BLOCK=ns_glue.BLOCK, ADD=True, YSCALE=True, AMAX=True), 4,
@@ -225,6 +250,9 @@ def _amax_calls(device="cpu"):
     for i, (t, s, y, ys) in enumerate(_ys_cases(device)):
         calls.append((f"axpy_ys{i}", lambda sl, t=t, s=s, y=y, ys=ys: ns_glue.axpy_rows(t, s, y, torch.bfloat16,
                                                                                          y_scale=ys, amax=sl)))
+    for i, (A, al, k, c, P, g) in enumerate(_e2_scale_cases(device)):
+        calls.append((f"poly_e2s{i}", lambda sl, A=A, al=al, k=k, c=c, P=P, g=g: ns_glue.shift_poly(
+            A, al, k, c, P, torch.bfloat16, amax=sl, e2_scale=g)))
     for i, (A, al, k, c, E2) in enumerate(_shift_cases(device)):
         calls.append((f"sub{i}", lambda sl, A=A, al=al: ns_glue.sub_diag(A, al, torch.bfloat16, amax=sl)))
         calls.append((f"poly{i}", lambda sl, A=A, al=al, k=k, c=c, E2=E2: ns_glue.shift_poly(
@@ -269,13 +297,13 @@ def test_amax_slot_torch_path():
 def test_amax_slot_kernel_under_the_interpreter(tmp_path):
     """The kernels' amax (TRITON_INTERPRET=1, a fresh process): an integer atomic max of |out|'s bits per program
     gives exactly max|out| of the kernel's own output, NaN and inf included, in one slot however many programs and
-    matrices the pass has."""
+    matrices the pass has. Also shift_poly's ``e2_scale``: one pass equal to the two (scale_rows, then shift_poly)."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {REPO!r}); sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
         from fp4compile.kernels import ns_glue
-        from test_ns_glue import _amax_calls, _check_amax
+        from test_ns_glue import _amax_calls, _check_amax, _e2_scale_cases
         assert ns_glue._use_kernel(torch.ones(1))
         n = 0
         for name, call in _amax_calls():
@@ -283,11 +311,18 @@ def test_amax_slot_kernel_under_the_interpreter(tmp_path):
             _check_amax(slot, call(slot))
             n += 1
         print("checked", n)
+        # shift_poly's e2_scale: the interpreter's own scale-and-round of E² (the same truncating casts) in one pass
+        for A, al, k, c, P, g in _e2_scale_cases():
+            for d in (torch.bfloat16, torch.float32):
+                one = ns_glue.shift_poly(A, al, k, c, P, d, e2_scale=g)
+                two = ns_glue.shift_poly(A, al, k, c, ns_glue.scale_rows(P, g, torch.bfloat16), d)
+                assert torch.equal(one, two)
+        print("e2 ok")
     """))
     r = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TRITON_INTERPRET="1"),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"checked {len(_amax_calls())}" in r.stdout
+    assert f"checked {len(_amax_calls())}" in r.stdout and "e2 ok" in r.stdout
 
 
 @pytest.mark.gpu
@@ -319,6 +354,11 @@ def test_gpu_kernel_is_the_torch_form_bit_for_bit(monkeypatch):
         for d in (torch.bfloat16, torch.float32):
             assert torch.equal(ns_glue.sub_diag(A, al, d), _ref_sub_diag(A, al, d))
             assert torch.equal(ns_glue.shift_poly(A, al, k, c, E2, d), _ref_shift_poly(A, al, k, c, E2, d))
+    for A, al, k, c, P, sc in _e2_scale_cases("cuda") + [(A, shift[-1][1], shift[-1][2], 2.0315, A.float() * 5,
+                                                          torch.rand(48, device="cuda"))]:
+        for d in (torch.bfloat16, torch.float32):
+            assert torch.equal(ns_glue.shift_poly(A, al, k, c, P, d, e2_scale=sc),
+                               _ref_shift_poly(A, al, k, c, _ref_scale(P, sc, torch.bfloat16), d))
     for name, call in _amax_calls("cuda"):          # the kernels' amax slots: max|out| exactly
         slot = torch.zeros(1, dtype=torch.int32, device="cuda")
         _check_amax(slot, call(slot))

@@ -14,7 +14,8 @@ torch's generic strided element-wise kernel (H200, session 43: 120 such calls, ~
 * :func:`sub_diag` and :func:`shift_poly`: the identity-shifted NS polynomial's two passes over a stack of square
   matrices A (``optim.root._shifted_poly``): E = A - alpha I rounded to ``dtype`` (the operand of E²), and
   Bs = k (A - alpha I) + c E² rounded once, each from A's bf16 values, instead of torch's six (FP32 copies of A and
-  E², the diagonal shift, a broadcast product, a scalar product, a sum, two casts);
+  E², the diagonal shift, a broadcast product, a scalar product, a sum, two casts); with ``e2_scale`` E² comes as
+  its product's FP32 result and global scale, rounded to bf16 in the same pass (as ``axpy_rows``' ``y_scale``);
 * :func:`matvec`: the σ guard's power-iteration products A v from a bf16 A, without an FP32 copy of A (FP32
   arithmetic; the one function here whose CUDA result is not the torch form's bits: another summation order).
 
@@ -86,12 +87,13 @@ if triton is not None:
             _amax_bits(o, mask, amax_ptr)
 
     @triton.jit
-    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, out_ptr, amax_ptr, m, c, BR: tl.constexpr, BC: tl.constexpr,
-                      POLY: tl.constexpr, AMAX: tl.constexpr):
+    def _shift_kernel(a_ptr, alpha_ptr, k_ptr, e2_ptr, e2s_ptr, out_ptr, amax_ptr, m, c, e2s_step,
+                      BR: tl.constexpr, BC: tl.constexpr, POLY: tl.constexpr, E2S: tl.constexpr, AMAX: tl.constexpr):
         """A stack of square m x m matrices, all contiguous, one BR x BC tile of matrix program_id(2) a program
         (no index division: the diagonal is row == col): e = a - alpha[s] on the diagonal (a elsewhere), FP32;
-        out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype. AMAX:
-        also raise the int32 slot amax_ptr to max|out| (:func:`_amax_bits`)."""
+        out = e, or with POLY out = k[s] * e + c * e2 (FP32, each op rounded); rounded once to out's dtype. E2S: e2
+        is an FP32 product, first scaled by e2s_ptr[mat * e2s_step] and rounded to bf16 (the product's own
+        scale-and-round). AMAX: also raise the int32 slot amax_ptr to max|out| (:func:`_amax_bits`)."""
         mat = tl.program_id(2)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
         cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
@@ -100,7 +102,10 @@ if triton is not None:
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         e = tl.where(rows == cols, a - tl.load(alpha_ptr + mat), a)
         if POLY:
-            e = tl.load(k_ptr + mat) * e + c * tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            e2 = tl.load(e2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if E2S:
+                e2 = (e2 * tl.load(e2s_ptr + mat * e2s_step)).to(tl.bfloat16).to(tl.float32)
+            e = tl.load(k_ptr + mat) * e + c * e2
         o = e.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, o, mask=mask)
         if AMAX:
@@ -239,7 +244,7 @@ def _shifted_f32(A: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 SHIFT_TILE = (16, 128)   # rows x columns of one _shift_kernel program
 
 
-def _launch_shift(A, alpha, k, c, E2, dtype, amax=None):
+def _launch_shift(A, alpha, k, c, E2, dtype, amax=None, e2s=None):
     out = torch.empty(A.shape, dtype=dtype, device=A.device)
     S, m, _ = A.shape
     if A.numel():
@@ -247,7 +252,8 @@ def _launch_shift(A, alpha, k, c, E2, dtype, amax=None):
         poly = E2 is not None
         br, bc = SHIFT_TILE
         launch(_shift_kernel, (cdiv(m, br), cdiv(m, bc), S), A, alpha.contiguous(), k.contiguous() if poly else alpha,
-               E2 if poly else A, out, alpha if amax is None else amax, m, float(c), BR=br, BC=bc, POLY=poly,
+               E2 if poly else A, alpha if e2s is None else e2s, out, alpha if amax is None else amax, m, float(c),
+               0 if e2s is None else int(e2s.numel() > 1), BR=br, BC=bc, POLY=poly, E2S=e2s is not None,
                AMAX=amax is not None, num_warps=4, **opts)
     return out
 
@@ -273,18 +279,24 @@ def sub_diag(A: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype, amax: Opt
 
 
 def shift_poly(A: torch.Tensor, alpha: torch.Tensor, k: torch.Tensor, c: float, E2: torch.Tensor,
-               dtype: torch.dtype, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+               dtype: torch.dtype, amax: Optional[torch.Tensor] = None, e2_scale: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
     """``k (A - alpha I) + c E2`` for a stack A [S, m, m], FP32 ``alpha`` and ``k`` [S], a Python ``c`` (used as
     FP32, as torch uses a scalar operand) and ``E2`` [S, m, m]: FP32 arithmetic, the two products and the sum each
     rounded (no FMA), then once to ``dtype``. One pass on CUDA, the torch ops elsewhere. ``amax``: an int32 slot
-    raised to max|result| (module docstring)."""
+    raised to max|result| (module docstring). ``e2_scale`` (FP32, one per matrix or a scalar): E2 is an FP32
+    product whose global scale this pass applies, E2 first becoming ``scale_rows(E2, e2_scale, torch.bfloat16)``
+    (the product's own scale-and-round, in the same pass on CUDA: no bf16 E2 written and read)."""
     _check_square_stack(A, alpha, "shift_poly")
     if k.dtype != torch.float32 or k.shape != alpha.shape or E2.shape != A.shape:
         raise ValueError(f"ns_glue.shift_poly: k must be FP32 [S] and E2 [S, m, m] like A {tuple(A.shape)}, got "
                          f"k {k.dtype} {tuple(k.shape)}, E2 {tuple(E2.shape)}")
     _check_amax_slot(amax, A)
     if _square_kernel_ok(A, E2):
-        return _launch_shift(A, alpha, k, c, E2, dtype, amax)
+        return _launch_shift(A, alpha, k, c, E2, dtype, amax,
+                             None if e2_scale is None else _per_matrix(E2, e2_scale).contiguous())
+    if e2_scale is not None:
+        E2 = scale_rows(E2, e2_scale, torch.bfloat16)
     return _record_amax((k[:, None, None] * _shifted_f32(A, alpha) + c * E2.float()).to(dtype), amax)
 
 

@@ -247,6 +247,8 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square, slots=(None, None
     needs taken of the shifted matrix: ``(Bs, beta)``, Bs BF16 [S, m, m], beta FP32 [S, 1, 1]. E and Bs each in one
     pass from A's values (``kernels.ns_glue.sub_diag``, ``shift_poly``). ``slots``: ns_glue amax slots (or None) that
     the two passes fill with E's and Bs's max|·| (``square`` may read E's from its slot: it runs after).
+    ``square(E)`` returns E² in bf16, or as (FP32 product, global scale) for ``shift_poly`` to scale and round in its
+    own pass (the same bits).
 
     With alpha = mean(diag A) per matrix and E = A - alpha I (exact algebra):
     A² = E² + 2 alpha E + alpha² I, so B = (b + 2 c alpha) E + c E² + (b alpha + c alpha²) I. ``square(E)``
@@ -262,7 +264,8 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square, slots=(None, None
     e_slot, b_slot = slots
     E = ns_glue.sub_diag(A, alpha, torch.bfloat16, amax=e_slot)      # E = A - alpha I from A's values, one pass
     E2 = square(E)
-    Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16, amax=b_slot)   # one pass
+    E2, e2_scale = E2 if isinstance(E2, tuple) else (E2, None)
+    Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16, amax=b_slot, e2_scale=e2_scale)
     return Bs, (b * alpha + c * alpha * alpha)[:, None, None]
 
 
@@ -554,6 +557,9 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
         if shift:
             def square(E):
                 qE = q(E, spec, e_slot)                      # E symmetric, like A
+                if product in (_bgemm_nvfp4, _bgemm_dq):     # its scale and rounding in shift_poly's pass
+                    pE = _dq_form(qE)
+                    return _bgemm_dq_parts(pE, pE)
                 return product(qE, qE)
             B, beta = _shifted_poly(A, b, c, square, (e_slot, b_slot))   # B here is Bs = B - beta I
         else:
