@@ -155,11 +155,12 @@ def profile_step(name, cfg, device, rows):
                                                            for i, (k, ms, c) in enumerate(top[:5])}))
 
 
-def _root_on_set(cfg, device, precision, warmup):
-    """A QRoot on a parameter set's hidden matrices (BF16 parameters with gradients), ``warmup`` steps taken."""
+def _root_on_set(cfg, device, precision, warmup, options=None):
+    """A QRoot on a parameter set's hidden matrices (BF16 parameters with gradients), ``warmup`` steps taken;
+    ``options``: further Root-group keys."""
     shapes = [s for s in gpt_shapes(**cfg)[2:] if len(s) == 2]
-    opt = QRoot([{"params": make_params(shapes, device, torch.bfloat16), "use_root": True}], lr=1e-3,
-                precision=precision)
+    opt = QRoot([{"params": make_params(shapes, device, torch.bfloat16), "use_root": True, **(options or {})}],
+                lr=1e-3, precision=precision)
     for _ in range(warmup):
         opt.step()
     sync(device)
@@ -183,11 +184,17 @@ def profile_root(name, cfg, device, rows, precision):
     rows.append(dict(section="QRoot profile", set=name, precision=precision, families_us_per_step=fam))
 
 
-def profile_root_ops(name, cfg, device, precision, top=30):
+def profile_root_ops(name, cfg, device, precision, top=30, arm=None):
     """Which torch ops of 2 Q-Root steps (eager, ``precision`` NS) take the GPU time: torch.profiler's op table sorted
-    by the self device time of the kernels each op launched (where the time between the NS products goes)."""
-    prof, key = _profiled_steps(_root_on_set(cfg, device, precision, warmup=2), device, 2, prefix="self_")
-    print(f"[root ops {name} {precision}, 2 steps, by op]", flush=True)
+    by the self device time of the kernels each op launched (where the time between the NS products goes); ``arm``:
+    as :func:`bench_root`'s, its switches set and its Root-group keys given while it runs."""
+    from bench.step_ab import applied
+
+    arm_name, switches, options = _root_arm(arm)
+    with applied(switches):
+        prof, key = _profiled_steps(_root_on_set(cfg, device, precision, warmup=2, options=options), device, 2,
+                                    prefix="self_")
+    print(f"[root ops {name} {precision}, arm {arm_name}, 2 steps, by op]", flush=True)
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=48), flush=True)
 
 
@@ -242,7 +249,18 @@ def bench_root(name, cfg, device, iters, warmup, rows, budget_s, arm=None):
     such as ``fp4compile.optim.root.QUANTILE_IMPL="topk"``, set while it runs, and ``options.KEY=JSON`` for QRoot's
     Root-group keys, e.g. ``options.ns_sym_b=true``; ``options.ns_residual=x+xt`` for the tuple ("x", "xt"), as the
     arm syntax splits settings at commas), the row's ``arm``."""
-    from bench.step_ab import applied, parse_arm
+    from bench.step_ab import applied
+
+    arm_name, switches, options = _root_arm(arm)
+    with applied(switches):
+        _bench_root(name, cfg, device, iters, warmup, rows, budget_s, options)
+    rows[-1]["arm"] = arm_name
+
+
+def _root_arm(arm):
+    """``--root-arm`` syntax -> (name, module switches, Root-group keys), the keys checked (``ns_residual=x+xt`` as
+    the tuple)."""
+    from bench.step_ab import parse_arm
     from fp4compile.optim.root import ROOT_DEFAULTS
 
     arm_name, switches, options = parse_arm(arm or "default")
@@ -251,9 +269,7 @@ def bench_root(name, cfg, device, iters, warmup, rows, budget_s, arm=None):
                          f"got {sorted(options)}")
     if isinstance(options.get("ns_residual"), str):
         options["ns_residual"] = tuple(options["ns_residual"].split("+"))
-    with applied(switches):
-        _bench_root(name, cfg, device, iters, warmup, rows, budget_s, options)
-    rows[-1]["arm"] = arm_name
+    return arm_name, switches, options
 
 
 def _bench_root(name, cfg, device, iters, warmup, rows, budget_s, group_keys=None):
@@ -341,6 +357,7 @@ def main(argv=None):
                     "NVFP4 NS, eager) is profiled by kernel family")
     ap.add_argument("--root-ops", default="", help="comma list of parameter sets whose Q-Root step (NVFP4 and BF16 NS, "
                     "eager) is profiled by torch op")
+    ap.add_argument("--root-ops-arm", default=None, help="the --root-ops profile with this --root-arm's settings")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     sets = TINY if args.tiny else SETS
@@ -380,8 +397,8 @@ def main(argv=None):
     for k in [k for k in args.root_ops.split(",") if k]:
         cfg = (TINY if args.tiny else SETS)[k]
         for prec in ("nvfp4", "bf16"):
-            jobs.append((f"root ops {k} {prec}", lambda k=k, cfg=cfg, prec=prec: profile_root_ops(k, cfg, device,
-                                                                                                   prec)))
+            jobs.append((f"root ops {k} {prec}", lambda k=k, cfg=cfg, prec=prec: profile_root_ops(
+                k, cfg, device, prec, arm=args.root_ops_arm)))
     for k in [k for k in args.root_profile.split(",") if k]:
         cfg = (TINY if args.tiny else SETS)[k]
         for prec in ("bf16", "nvfp4"):

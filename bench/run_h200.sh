@@ -795,7 +795,8 @@ s45_shared)
       --root-arm base --root-arm 'shared:options.ns_shared_x=true' --root-arm "symshared:$S" \
       --root-arm "amax:$A" --root-arm "symshared_amax:$S,$A" --root-arm 'symb:options.ns_sym_b=true' \
       --root-arm base2 --root-arm "symshared2:$S" --root-arm "symshared_amax2:$S,$A" --out "$OUT/optim_root.json"
-  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
+  step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M \
+      --root-ops-arm "symshared_amax:$S,$A"
   tail -n 5 "$OUT/gpu_tests.log"; grep -h "section=QRoot" "$OUT/optim_root.log" ;;
 s44_next)
   # issue 5 on one nvidia-h200 (~4 min; session 44, after s44_shift). (1) ns_glue's kernels without index division
