@@ -23,6 +23,13 @@ guard (the best row above), per shape and step, how far that one NVFP4 step turn
 step's four quantized operands left exact in turn (which quantization turns them).
 
     python bench/ns_error.py --per-step --shapes 128x512,640x1792,1920x640
+
+``--real`` measures QRoot's default NVFP4 NS and its ``ns_sym_b`` / ``ns_shared_x`` options (ROOT's coefficients,
+5 steps, clip + guard + shift) on real momentum-like matrices instead: a tiny GPT's AdamW ``exp_avg`` of its block
+weights after 400 steps on the shared corpus (``fp4compile.optim.study.tiny_gpt_momenta``), per weight kind, mean
+over its layers and the seeds.
+
+    python bench/ns_error.py --real --seeds 3
 """
 from __future__ import annotations
 
@@ -73,6 +80,43 @@ def per_step(shapes, seeds, spec):
               + " | |", flush=True)
 
 
+#: ``--real``'s arms: QRoot's default NVFP4 NS with its options (newton_schulz keywords), then the BF16 NS
+REAL_ARMS = (("QRoot default", dict(spec=NVFP4(), shift=True)),
+             ("+ ns_sym_b", dict(spec=NVFP4(), shift=True, sym_b=True)),
+             ("+ ns_shared_x", dict(spec=NVFP4(), shift=True, shared_x=True)),
+             ("+ ns_sym_b + ns_shared_x", dict(spec=NVFP4(), shift=True, sym_b=True, shared_x=True)),
+             ("BF16 NS", {}))
+
+
+def real(seeds):
+    """The ``--real`` table: per block weight kind of the tiny GPT and arm, polar (dir, sig) against the polar factor
+    of the clipped momentum, mean over the layers and ``seeds``."""
+    from fp4compile.optim.root import clip_by_quantile, newton_schulz, ns_coefficients
+    from fp4compile.optim.study import ns_error_parts, tiny_gpt_momenta
+
+    acc, shapes = {}, {}
+    for seed in range(seeds):
+        for name, M in tiny_gpt_momenta(seed=seed).items():
+            kind = name.split(".", 2)[-1]
+            G = clip_by_quantile(M, 0.99)
+            shapes[kind] = tuple(G.shape)
+            coeffs = ns_coefficients(tuple(G.shape), 5, "root")
+            for arm, kw in REAL_ARMS:
+                parts = ns_error_parts(G, newton_schulz(G, coeffs, **kw).float())
+                acc.setdefault((kind, arm), []).append(parts)
+    kinds = sorted(shapes)
+    print(f"NS error vs the float64 polar factor on a tiny GPT's momenta (d=128, 2 layers, 400 AdamW steps, clipped "
+          f"at 0.99), mean over layers and {seeds} seed(s); each cell: polar (dir, sig)")
+    print("| arm | " + " | ".join(f"{k} {shapes[k][0]}x{shapes[k][1]}" for k in kinds) + " |")
+    print("|" + "---|" * (len(kinds) + 1))
+    for arm, _ in REAL_ARMS:
+        cells = []
+        for k in kinds:
+            p, d, s = (_mean([q[key] for q in acc[(k, arm)]]) for key in ("polar", "direction", "sigma"))
+            cells.append(f"{p:.3f} ({d:.3f}, {s:.2f})")
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxN (default: %(default)s)")
@@ -80,10 +124,16 @@ def main(argv=None):
     ap.add_argument("--four-over-six", action="store_true", help="NVFP4 operands with 4/6 (default: RTN 1x16)")
     ap.add_argument("--per-step", action="store_true",
                     help="per NS step, how far it turned the singular vectors (instead of the variants' table)")
+    ap.add_argument("--real", action="store_true",
+                    help="QRoot's NVFP4 NS and its options on a tiny GPT's real momenta (instead of the variants' table)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     spec = NVFP4("rtn", four_over_six=args.four_over_six)
     t0 = time.time()
+    if args.real:
+        real(args.seeds)
+        print(f"({time.time() - t0:.0f} s)")
+        return
     if args.per_step:
         per_step(shapes, args.seeds, spec)
         print(f"({time.time() - t0:.0f} s)")

@@ -133,3 +133,19 @@ def test_ns_error_table_ranks_the_variants():
     assert default < rows["nvfp4 shape-aware + clip + guard"]["polar"]
     assert rows["nvfp4 polar-express 7 steps + clip + guard + shift"]["polar"] < default
     assert rows["bf16 polar-express 7 steps + clip"]["polar"] < 0.1
+
+
+def test_tiny_gpt_momenta_are_the_block_weights_exp_avg():
+    """bench/ns_error.py --real's inputs: every block weight matrix of the tiny GPT (qkv, proj, fc, fc2 per layer,
+    nothing else), each AdamW's first moment after the steps: finite, non-zero, of the weight's shape, and what a
+    second run with the same seed gives (deterministic)."""
+    from fp4compile.optim.study import tiny_gpt_momenta
+
+    data = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
+    got = tiny_gpt_momenta(steps=3, d=32, layers=2, seed=1, data=data)
+    assert sorted(got) == sorted(f"blocks.{i}.{k}.weight" for i in range(2) for k in ("qkv", "proj", "fc", "fc2"))
+    shapes = {"qkv": (96, 32), "proj": (32, 32), "fc": (128, 32), "fc2": (32, 128)}
+    for name, M in got.items():
+        assert tuple(M.shape) == shapes[name.split(".")[2]] and torch.isfinite(M).all() and M.abs().sum() > 0
+    again = tiny_gpt_momenta(steps=3, d=32, layers=2, seed=1, data=data)
+    assert all(torch.equal(got[k], again[k]) for k in got)

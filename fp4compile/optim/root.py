@@ -499,8 +499,8 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     applied with B·X's global scale (one factor g·sqrt(s) per matrix on the FP32 product); with ``shift`` the update
     also takes X's sqrt(s) in its factor, X <- ((a + beta) sqrt(s)) X + (g sqrt(s)) P in one pass, with no rescaled
     copy of X. 3 quantizations and 3 dequantizations per step instead of 4 and 4, no transposing pass and one pass
-    over X fewer, the same 3 products. Its error against the polar factor is the default's within −2 … +5 % with
-    ``sym_b`` (docs/OPTIM.md).
+    over X fewer, the same 3 products. Its error against the polar factor, with ``sym_b``: the default's within
+    −2 … +5 % on synthetic momenta, +3 … +6 % (direction +6 … +13 %) on a tiny GPT's real ones (docs/OPTIM.md).
     """
     qfn = quant or _q_stack
     S, m, _ = X.shape
@@ -728,7 +728,7 @@ class QRoot(Optimizer):
         in 16x16 blocks serving both, 4 quantizations and 5 products per step; neither option with an RHT spec; see
         :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
         ns_shared_x (False; True: NVFP4 NS quantizes X once per step, in 16x16 blocks, for both X Xᵀ and B·X: 3
-        quantizations per step instead of 4 and no transposing pass, at about the default's error; not with
+        quantizations per step instead of 4 and no transposing pass, at a few per cent more error; not with
         ``ns_residual`` or an RHT spec; :func:`_ns_nvfp4_stack`).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.

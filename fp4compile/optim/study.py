@@ -112,6 +112,18 @@ def tiny_gpt_states(steps=60, d=64, layers=2, seed=0, data=None, tile=128):
     return out
 
 
+def tiny_gpt_momenta(steps=400, d=128, layers=2, seed=0, data=None) -> dict:
+    """Real momentum-like matrices {name: exp_avg} of a tiny GPT's block weights (the matrices Q-Root
+    orthogonalizes) after ``steps`` AdamW steps on text: what ROOT's momentum buffer holds, with real gradients'
+    row and column structure (e.g. a few input features with large norms), unlike :func:`momentum_like`."""
+    torch.manual_seed(seed)
+    model = TinyGPT(d=d, layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    train(model, opt, steps, load_bytes() if data is None else data, seed=seed)
+    return {name: opt.state[p]["exp_avg"].detach().clone() for name, p in model.named_parameters()
+            if p.dim() == 2 and name.startswith("blocks.")}
+
+
 def rel_mse(a, b) -> float:
     """Relative MSE of ``a`` against the reference ``b``: sum((a - b)^2) / sum(b^2), in float64 (reference
     second, unlike ``formats.report.rel_mse``)."""
