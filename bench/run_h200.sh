@@ -788,10 +788,10 @@ s45_shared)
   # passes that make them, no amax passes; the same bits). GPU tests (ns_glue and Q-Root, incl. the shared X's
   # CUDA-vs-CPU and graphed-vs-eager test and FUSE_AMAX bit for bit), then the Q-Root step per arm on the 124M and 1B
   # sets in one process, the default first and last (drift), then the op profile.
-  step gpu_tests 200 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
+  step gpu_tests 240 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
       tests/test_optim_root.py
   A='fp4compile.optim.root.FUSE_AMAX=true' S='options.ns_sym_b=true,options.ns_shared_x=true'
-  step optim_root 300 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+  step optim_root 240 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
       --root-arm base --root-arm 'shared:options.ns_shared_x=true' --root-arm "symshared:$S" \
       --root-arm "amax:$A" --root-arm "symshared_amax:$S,$A" --root-arm 'symb:options.ns_sym_b=true' \
       --root-arm base2 --root-arm "symshared2:$S" --root-arm "symshared_amax2:$S,$A" --out "$OUT/optim_root.json"
