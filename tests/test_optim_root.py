@@ -1001,7 +1001,7 @@ def test_gpu_shared_x_ns_matches_the_cpu():
     assert float((gpu - cpu).norm()) < 0.5 * float((cpu - bf16).norm())
     for i in range(3):
         e_cpu, e_gpu = (ns_error_parts(G[i], o[i])["polar"] for o in (cpu, gpu))
-        assert abs(e_gpu - e_cpu) < 0.1 * e_cpu, (e_gpu, e_cpu)
+        assert abs(e_gpu - e_cpu) < 0.2 * e_cpu, (e_gpu, e_cpu)
     torch.manual_seed(0)
     ps0 = [torch.randn(768, 3072, device="cuda") * 0.02 for _ in range(2)] + [torch.randn(768, 768, device="cuda")
                                                                            * 0.02]
