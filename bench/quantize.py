@@ -155,6 +155,9 @@ BENCH_CASES = [
     ("MS-EDEN (no RHT)", dict(rounding="ms_eden")),
     ("MS-EDEN + RHT128", dict(rounding="ms_eden", hadamard=128)),
     ("MS-EDEN + RHT128, e_impl 1 (chunk/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 1})),
+    ("MS-EDEN + RHT128, e_impl 2 (half chunk/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 2})),
+    ("MS-EDEN + RHT128, e_impl 2, 128 registers", dict(rounding="ms_eden", hadamard=128,
+                                                        config={"e_impl": 2, "h_maxnreg": 128})),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
     ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
@@ -166,7 +169,8 @@ BENCH_CASES = [
 ]
 #: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
 REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN (no RHT)", "MS-EDEN + RHT128",
-           "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "RTN, transposed", "MS-EDEN + RHT128, transposed")
+           "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "MS-EDEN + RHT128, e_impl 2 (half chunk/thread)",
+           "MS-EDEN + RHT128, e_impl 2, 128 registers", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
 def run_case(x, case, config=None, kernels=K):
@@ -207,6 +211,10 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                [{}] + [dict(e_impl=1, c_rows=r, c_cols=c, c_warps=w) for r, c, w in
                        [(32, 512, 4), (16, 512, 2), (8, 512, 1), (32, 256, 2), (64, 512, 8)]]
                + [dict(f_block=b, f_warps=w) for b, w in [(1024, 4), (4096, 4), (4096, 8)]]),
+    "had128h": (dict(rounding="ms_eden", hadamard=128),  # pass 1 with half a 128-chunk per thread (e_impl 2)
+                [{}] + [dict(e_impl=2, h_rows=r, h_cols=c, h_warps=w, h_maxnreg=m) for r, c, w, m in
+                        [(16, 512, 4, 0), (16, 512, 4, 128), (16, 512, 4, 112), (8, 512, 2, 128), (16, 256, 2, 128),
+                         (32, 512, 8, 128), (32, 256, 4, 128)]]),
     "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
                 # (CONFIG caps pass 1 at 96 registers since session 30: the tiles below run capped; 0 = uncapped)
                 [{}, dict(e_maxnreg=0), dict(e_maxnreg=88), dict(e_maxnreg=80)]
@@ -305,9 +313,17 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
         x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
         INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=cb, BC=cc, MAGIC_PACK=K._MAGIC_PACK,
         num_warps=cfg["c_warps"], **K._launch_opts(x.device))
+    hb, hc = cfg["h_rows"], cfg["h_cols"]
+    p1h = lambda cap: (lambda: K._eden_pass1_half_kernel[(triton.cdiv(R, hb), triton.cdiv(Kd, hc))](  # noqa: E731
+        x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
+        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=hb, BC=hc, MAGIC_PACK=K._MAGIC_PACK,
+        num_warps=cfg["h_warps"], **K._launch_opts(x.device, cap)))
     ne = x.numel()
     for name, fn, nbytes in [(f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 0)", p1, ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 1)", p1c, ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 2)", p1h(0), ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 2, 128 regs)", p1h(128),
+                              ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 2 only", p2, ne // 4 + ne // 16)]:
         ms = bench_ms(fn)
         rows.append({"shape": list(x.shape), "case": name, "us": ms * 1e3,

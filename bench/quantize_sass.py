@@ -95,6 +95,18 @@ def eden_pass1_spec(hadamard=128, cfg=None, tstore=False) -> KernelSpec:
     return KernelSpec(K._eden_pass1_kernel, sig, const, cfg["e_warps"], br * bc, cap)
 
 
+def eden_pass1_half_spec(cfg=None) -> KernelSpec:
+    """MS-EDEN's pass 1 with half a 128-chunk per thread (``_eden_pass1_half_kernel``, ``e_impl`` 2, RHT-128 on
+    contiguous rows) with CONFIG's ``h_*`` tile and register cap (``h_maxnreg``; 0: uncapped)."""
+    cfg = cfg or K.CONFIG
+    sig = dict(x_ptr="*bf16", srow="i32", R="i32", K="i32", signs_ptr="*fp32", codes_ptr="*i32",
+               scratch_ptr="*fp32", smax_ptr="*fp32")
+    const = dict(VAL_MAX=EDEN_VAL_MAX, INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=1.0 / 128 ** 0.5, BR=cfg["h_rows"],
+                 BC=cfg["h_cols"], MAGIC_PACK=K._MAGIC_PACK)
+    cap = {"maxnreg": cfg["h_maxnreg"]} if cfg["h_maxnreg"] else {}
+    return KernelSpec(K._eden_pass1_half_kernel, sig, const, cfg["h_warps"], cfg["h_rows"] * cfg["h_cols"], cap)
+
+
 def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:
     """The dequantize kernel (``_dequantize_kernel``, bf16 out, no RHT) with CONFIG's tile, row-major or stored
     transposed (``dt_*``, the backward's requantization source), as launched on CUDA (native RNE cast)."""
@@ -131,6 +143,9 @@ def measure(cfg=None) -> list:
                      per_element(eden_pass1_spec(had, cfg))))
     rows.append(("MS-EDEN pass 1, RHT-128, + transposed store (quantize_both)",
                  per_element(eden_pass1_spec(128, cfg, tstore=True))))
+    for cap in (0, 128):   # half a 128-chunk per thread (e_impl 2), uncapped and capped
+        rows.append((f"MS-EDEN half-chunk pass 1 (e_impl 2), RHT-128, {cap or 'no'} register cap",
+                     per_element(eden_pass1_half_spec(dict(cfg or K.CONFIG, h_maxnreg=cap)))))
     rows.append(("dequantize, row-major", per_element(dequantize_spec(False, cfg))))
     rows.append(("dequantize, stored transposed", per_element(dequantize_spec(True, cfg))))
     return rows

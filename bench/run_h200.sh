@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -780,6 +780,20 @@ s41_root)
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
+s45_eden)
+  # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not yet run): MS-EDEN's pass 1 with half a
+  # 128-chunk per thread (CONFIG e_impl 2, kernels/quantize._eden_pass1_half_kernel: RHT-128's one cross-thread stage,
+  # static sm_90 35.0 instructions and 1.1 SHFL per element at 185 registers, or 37.8 capped at 128 with spills,
+  # against e_impl 0's 40.8 and 3.3 at 96). Its GPU test (bit for bit with the reference, tiles and caps), the pass-1
+  # tile/cap sweep and the MS-EDEN rows at 16384x8192 against copy bandwidth, then the 124M step with it (uncapped and
+  # capped) against the default and BF16 Inductor, interleaved in one process.
+  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pass1_variants
+  step sweeps 150 python bench/quantize.py --sweep --sweeps had128h --no-eager --out "$OUT/sweeps"
+  step reduced 90 python bench/quantize.py --bench --reduced --no-eager --out "$OUT/reduced"
+  Q=fp4compile.kernels.quantize.CONFIG
+  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm "half:$Q[e_impl]=2" --arm "half128:$Q[e_impl]=2,$Q[h_maxnreg]=128" --arm bf16:backend=inductor
+  grep -h "e_impl\|MS-EDEN" "$OUT/sweeps.log" "$OUT/reduced.log" | head -40 ;;
 s45_shared)
   # issue 5 on one nvidia-h200 (~5 min; prepared in session 45, not yet run): (1) QRoot's ns_shared_x (X quantized
   # once per NS step in 16x16 blocks for both X Xᵀ and B·X: 3 quantizations and dequantizations per step instead of

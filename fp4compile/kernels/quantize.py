@@ -922,6 +922,91 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
 
 
 @triton.jit
+def _h_half(x_ptr, base, j: tl.constexpr, mask, sgn_off, signs_ptr, C: tl.constexpr):
+    """:func:`_c_half` for half a 128-chunk per thread: half-block ``j`` (elements 8j..8j+7) of every 64-element
+    half-chunk, [C, 8] FP32, whose signs start at ``sgn_off`` [C] (0 or 64: the chunk's first or second half)."""
+    y = tl.load(x_ptr + base[:, None] + (j * 8 + tl.arange(0, 8))[None, :], mask=mask, other=0.0).to(tl.float32)
+    sg = tl.load(signs_ptr + sgn_off[:, None] + (j * 8 + tl.arange(0, 8))[None, :])
+    sa, sb = tl.split(tl.reshape(sg, (C, 4, 2)))
+    a, b = tl.split(tl.reshape(y, (C, 4, 2)))
+    p = a * sa
+    y = tl.reshape(tl.join(tl.fma(b, sb, p), tl.fma(b, -sb, p)), (C, 8))
+    y = tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 2), (C, 8))
+    return tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 4), (C, 8))
+
+
+@triton.jit
+def _h_pair(h, C: tl.constexpr):
+    """Butterfly stage h = 64 between the two halves of each 128-chunk, held by half-chunks 2i and 2i + 1 (the
+    partner's values by ``tl.flip``, a lane exchange): (a, b) -> (a + b, a - b), each one rounding (+-1 products
+    are exact)."""
+    v = tl.reshape(h, (C // 2, 2, 8))
+    sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
+    return tl.reshape(tl.fma(v, sgn[None, :, None], tl.flip(v, 1)), (C, 8))
+
+
+@triton.jit
+def _eden_pass1_half_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+                            VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
+                            BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """:func:`_eden_pass1_kernel` for RHT-128 on contiguous rows (``CONFIG["e_impl"] = 2``), 1x16 blocks: one thread
+    per 64-element half of a 128-chunk, held as 8 separate [C, 8] half-blocks. The butterfly stages h = 1 ... 32 are
+    register ops inside the thread; only h = 64 pairs two threads (one exchange per element, against three shuffle
+    stages when a thread holds one 16-block), with half the registers of a whole chunk per thread (``e_impl`` 1).
+    Same arithmetic in the same order as the reference, same bytes."""
+    HPR: tl.constexpr = BC // 64
+    C: tl.constexpr = BR * HPR
+    f = tl.arange(0, C)
+    rows = tl.program_id(0) * BR + f // HPR
+    col0 = tl.program_id(1) * BC + (f % HPR) * 64
+    live_c = (rows < R) & (col0 < K)
+    base = rows.to(tl.int64) * srow + col0
+    mask = live_c[:, None]
+    so = (f % 2) * 64
+    h0 = _h_half(x_ptr, base, 0, mask, so, signs_ptr, C)
+    h1 = _h_half(x_ptr, base, 1, mask, so, signs_ptr, C)
+    h2 = _h_half(x_ptr, base, 2, mask, so, signs_ptr, C)
+    h3 = _h_half(x_ptr, base, 3, mask, so, signs_ptr, C)
+    h4 = _h_half(x_ptr, base, 4, mask, so, signs_ptr, C)
+    h5 = _h_half(x_ptr, base, 5, mask, so, signs_ptr, C)
+    h6 = _h_half(x_ptr, base, 6, mask, so, signs_ptr, C)
+    h7 = _h_half(x_ptr, base, 7, mask, so, signs_ptr, C)
+    # stages h = 8, 16, 32: half j with half j ^ 1, j ^ 2, j ^ 4 (in the thread)
+    h0, h1 = _bf(h0, h1)
+    h2, h3 = _bf(h2, h3)
+    h4, h5 = _bf(h4, h5)
+    h6, h7 = _bf(h6, h7)
+    h0, h2 = _bf(h0, h2)
+    h1, h3 = _bf(h1, h3)
+    h4, h6 = _bf(h4, h6)
+    h5, h7 = _bf(h5, h7)
+    h0, h4 = _bf(h0, h4)
+    h1, h5 = _bf(h1, h5)
+    h2, h6 = _bf(h2, h6)
+    h3, h7 = _bf(h3, h7)
+    # stage h = 64: the same half-block of the chunk's other half-chunk (the partner thread)
+    h0 = _h_pair(h0, C)
+    h1 = _h_pair(h1, C)
+    h2 = _h_pair(h2, C)
+    h3 = _h_pair(h3, C)
+    h4 = _h_pair(h4, C)
+    h5 = _h_pair(h5, C)
+    h6 = _h_pair(h6, C)
+    h7 = _h_pair(h7, C)
+    w0, w1, s0 = _c_block(h0, h1, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w2, w3, s1 = _c_block(h2, h3, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w4, w5, s2 = _c_block(h4, h5, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w6, w7, s3 = _c_block(h6, h7, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w = _join8(w0, w1, w2, w3, w4, w5, w6, w7, C)    # word 2b + half of block b
+    sc = tl.reshape(tl.permute(tl.join(tl.join(s0, s1), tl.join(s2, s3)), (0, 2, 1)), (C, 4))
+    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 8)[None, :], w,
+             mask=mask)
+    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 4)[None, :], sc,
+             mask=mask)
+    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+
+
+@triton.jit
 def _eden_pass2_kernel(scratch_ptr, smax_ptr, seed_ptr, scales_ptr, gscale_ptr, N, NBK,
                        BLOCK2D: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
     """MS-EDEN pass 2 (``formats.schemes.eden_align_scales``) on BLOCK consecutive entries of the [R, K/16] scales,
@@ -1072,7 +1157,10 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
 #: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
 #: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
-#: 254 registers per thread (8 warps per SM) against 96.
+#: 254 registers per thread (8 warps per SM) against 96. ``e_impl`` 2 (session 45, not yet timed): half a 128-chunk
+#: per thread (:func:`_eden_pass1_half_kernel`, tiles ``h_*``, cap ``h_maxnreg``, 0 = none): the butterfly's stages
+#: up to h = 32 in registers, h = 64 one exchange with the partner thread; static sm_90 35.0 instructions and 1.1
+#: SHFL per element at 185 registers uncapped, 37.8 with spills at 128.
 #: ``g_*``: pass 2's tile when it also dequantizes the copy (``quantize(..., dq=True)``, :func:`_eden_pass2_dq_kernel`;
 #: rows x columns of the copy, the dequantize kernel's ``_dequant2_kernel`` tile, whose work it takes over).
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel
@@ -1100,7 +1188,8 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "p_rows": 128, "p_cols": 128, "p_warps": 8,
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "g_rows": 64, "g_cols": 128, "g_warps": 4,
-          "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4,
+          "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4, "h_rows": 16, "h_cols": 512, "h_warps": 4,
+          "h_maxnreg": 0,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 128}
 
 
@@ -1347,12 +1436,13 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
     if block2d:
         br = max(16, br // 16 * 16)
     opts = _launch_opts(dev)
-    if cfg["e_impl"] == 1 and hadamard == 128 and not block2d and not transpose and scol == 1 and xt is None:
-        br, bc = cfg["c_rows"], cfg["c_cols"]
-        launch(_eden_pass1_chunk_kernel, (cdiv(R, br), cdiv(K, bc)),
+    if cfg["e_impl"] in (1, 2) and hadamard == 128 and not block2d and not transpose and scol == 1 and xt is None:
+        kernel, pre = (_eden_pass1_chunk_kernel, "c") if cfg["e_impl"] == 1 else (_eden_pass1_half_kernel, "h")
+        br, bc = cfg[pre + "_rows"], cfg[pre + "_cols"]
+        launch(kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK,
-            num_warps=cfg["c_warps"], **opts)
+            num_warps=cfg[pre + "_warps"], **_launch_opts(dev, cfg["h_maxnreg"] if pre == "h" else 0))
     else:
         launch(_eden_pass1_kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax,
