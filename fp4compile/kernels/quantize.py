@@ -836,6 +836,17 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7, C: tl.constexpr):
 
 
 @triton.jit
+def _chunk_tile(srow, R, K, BR: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    """The [BR, BC] tile of program (0, 1) as BR * BC / W runs of W contiguous elements, one per thread: (run index
+    f, row, first column, x's offset, the [runs, 1] mask of runs inside x)."""
+    f = tl.arange(0, BR * (BC // W))
+    rows = tl.program_id(0) * BR + f // (BC // W)
+    col0 = tl.program_id(1) * BC + (f % (BC // W)) * W
+    base = rows.to(tl.int64) * srow + col0
+    return f, rows, col0, base, ((rows < R) & (col0 < K))[:, None]
+
+
+@triton.jit
 def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
                              VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
                              BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
@@ -843,14 +854,8 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
     thread per 128-element chunk held as 16 separate [C, 8] half-blocks, so the butterfly stages across halves
     and blocks (h = 8 ... 64) are plain register ops between tensors, no warp shuffles (a shuffle issues at a
     quarter of the FP32 rate). Same arithmetic in the same order as the reference, same bytes."""
-    CPR: tl.constexpr = BC // 128
-    C: tl.constexpr = BR * CPR
-    f = tl.arange(0, C)
-    rows = tl.program_id(0) * BR + f // CPR
-    col0 = tl.program_id(1) * BC + (f % CPR) * 128
-    live_c = (rows < R) & (col0 < K)
-    base = rows.to(tl.int64) * srow + col0
-    mask = live_c[:, None]
+    C: tl.constexpr = BR * (BC // 128)
+    f, rows, col0, base, mask = _chunk_tile(srow, R, K, BR, BC, 128)
     h0 = _c_half(x_ptr, base, 0, mask, signs_ptr, C)
     h1 = _c_half(x_ptr, base, 1, mask, signs_ptr, C)
     h2 = _c_half(x_ptr, base, 2, mask, signs_ptr, C)
@@ -954,14 +959,8 @@ def _eden_pass1_half_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr
     register ops inside the thread; only h = 64 pairs two threads (one exchange per element, against three shuffle
     stages when a thread holds one 16-block), with half the registers of a whole chunk per thread (``e_impl`` 1).
     Same arithmetic in the same order as the reference, same bytes."""
-    HPR: tl.constexpr = BC // 64
-    C: tl.constexpr = BR * HPR
-    f = tl.arange(0, C)
-    rows = tl.program_id(0) * BR + f // HPR
-    col0 = tl.program_id(1) * BC + (f % HPR) * 64
-    live_c = (rows < R) & (col0 < K)
-    base = rows.to(tl.int64) * srow + col0
-    mask = live_c[:, None]
+    C: tl.constexpr = BR * (BC // 64)
+    f, rows, col0, base, mask = _chunk_tile(srow, R, K, BR, BC, 64)
     so = (f % 2) * 64
     h0 = _h_half(x_ptr, base, 0, mask, so, signs_ptr, C)
     h1 = _h_half(x_ptr, base, 1, mask, so, signs_ptr, C)
