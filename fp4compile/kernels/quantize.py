@@ -790,16 +790,20 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
 
 
 @triton.jit
-def _c_half(x_ptr, base, j: tl.constexpr, mask, signs_ptr, C: tl.constexpr):
-    """Half-block ``j`` (elements 8j..8j+7) of every 128-chunk, [C, 8] FP32 (16 contiguous bytes per thread),
-    with the signs and the butterfly stages h = 1, 2, 4 applied in registers (as :func:`_rht_halves`)."""
+def _run_half(x_ptr, base, j: tl.constexpr, mask, sg, A: tl.constexpr, B: tl.constexpr):
+    """Half-block ``j`` (elements 8j..8j+7) of every run (a 128-chunk or half of one) of the pass-1 kernels that give
+    a thread a run, [A * B, 8] FP32 (16 contiguous bytes per thread), with the signs ``sg`` [B, 8] and the butterfly
+    stages h = 1, 2, 4 applied in registers (:func:`_stage1_signed`, :func:`_stage8`, as :func:`_rht_halves`): the
+    runs as [A, B] = [runs, 1] when every run has the same signs, [1, runs] when each has its own row of ``sg``."""
     y = tl.load(x_ptr + base[:, None] + (j * 8 + tl.arange(0, 8))[None, :], mask=mask, other=0.0).to(tl.float32)
-    sa, sb = tl.split(tl.reshape(tl.load(signs_ptr + j * 8 + tl.arange(0, 8)), (4, 2)))
-    a, b = tl.split(tl.reshape(y, (C, 4, 2)))
-    p = a * sa[None, :]
-    y = tl.reshape(tl.join(tl.fma(b, sb[None, :], p), tl.fma(b, -sb[None, :], p)), (C, 8))
-    y = tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 2), (C, 8))
-    return tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 4), (C, 8))
+    y = _stage1_signed(tl.reshape(y, (A, B, 8)), sg, A, B)
+    return tl.reshape(_stage8(_stage8(y, A, B, 2), A, B, 4), (A * B, 8))
+
+
+@triton.jit
+def _c_half(x_ptr, base, j: tl.constexpr, mask, signs_ptr, C: tl.constexpr):
+    """:func:`_run_half` of every 128-chunk (the same signs for all: those of elements 8j..8j+7)."""
+    return _run_half(x_ptr, base, j, mask, tl.reshape(tl.load(signs_ptr + j * 8 + tl.arange(0, 8)), (1, 8)), C, 1)
 
 
 @triton.jit
@@ -928,26 +932,18 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
 
 @triton.jit
 def _h_half(x_ptr, base, j: tl.constexpr, mask, sgn_off, signs_ptr, C: tl.constexpr):
-    """:func:`_c_half` for half a 128-chunk per thread: half-block ``j`` (elements 8j..8j+7) of every 64-element
-    half-chunk, [C, 8] FP32, whose signs start at ``sgn_off`` [C] (0 or 64: the chunk's first or second half)."""
-    y = tl.load(x_ptr + base[:, None] + (j * 8 + tl.arange(0, 8))[None, :], mask=mask, other=0.0).to(tl.float32)
+    """:func:`_run_half` of every 64-element half-chunk, whose signs start at ``sgn_off`` [C] (0 or 64: the chunk's
+    first or second half)."""
     sg = tl.load(signs_ptr + sgn_off[:, None] + (j * 8 + tl.arange(0, 8))[None, :])
-    sa, sb = tl.split(tl.reshape(sg, (C, 4, 2)))
-    a, b = tl.split(tl.reshape(y, (C, 4, 2)))
-    p = a * sa
-    y = tl.reshape(tl.join(tl.fma(b, sb, p), tl.fma(b, -sb, p)), (C, 8))
-    y = tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 2), (C, 8))
-    return tl.reshape(_stage8(tl.reshape(y, (C, 1, 8)), C, 1, 4), (C, 8))
+    return _run_half(x_ptr, base, j, mask, sg, 1, C)
 
 
 @triton.jit
 def _h_pair(h, C: tl.constexpr):
-    """Butterfly stage h = 64 between the two halves of each 128-chunk, held by half-chunks 2i and 2i + 1 (the
-    partner's values by ``tl.flip``, a lane exchange): (a, b) -> (a + b, a - b), each one rounding (+-1 products
-    are exact)."""
-    v = tl.reshape(h, (C // 2, 2, 8))
-    sgn = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)
-    return tl.reshape(tl.fma(v, sgn[None, :, None], tl.flip(v, 1)), (C, 8))
+    """Butterfly stage h = 64 between the two halves of each 128-chunk, held by half-chunks 2i and 2i + 1: the
+    cross-block stage of :func:`_stage_blocks` (the partner's values by ``tl.flip``, a lane exchange) over the
+    half-chunks seen as blocks."""
+    return tl.reshape(_stage_blocks(tl.reshape(h, (1, C, 8)), 1, C, 1, 1), (C, 8))
 
 
 @triton.jit
