@@ -95,12 +95,17 @@ def register_cuda(name: str, fn) -> None:
     _LIB.impl(name, fn, "CUDA")
 
 
-def check_amax(amax: Optional[Tensor], rounding: str, hadamard: int) -> None:
-    """The ``amax`` argument of ``fp4compile::quantize(_dq)``: a 0-dim fp32 tensor, for RTN / SR without a rotation
+def takes_amax(rounding: str, hadamard: int) -> bool:
+    """Whether ``fp4compile::quantize(_dq)`` takes a caller's ``amax`` for this scheme: RTN / SR without a rotation
     (MS-EDEN aligns its global scale after the block scales; under an RHT the amax is the rotated tensor's)."""
+    return rounding != "ms_eden" and not hadamard
+
+
+def check_amax(amax: Optional[Tensor], rounding: str, hadamard: int) -> None:
+    """The ``amax`` argument of ``fp4compile::quantize(_dq)``: a 0-dim fp32 tensor, where :func:`takes_amax`."""
     if amax is None:
         return
-    if rounding == "ms_eden" or hadamard:
+    if not takes_amax(rounding, hadamard):
         raise ValueError(f"fp4compile::quantize: amax is for rtn / sr without hadamard, got rounding={rounding!r}, "
                          f"hadamard={hadamard}")
     if amax.dim() != 0 or amax.dtype != torch.float32:

@@ -58,7 +58,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 import torch
 from torch.optim import Optimizer
 
-from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp4compile.*)
+from .. import ops as _ops  # (also registers torch.ops.fp4compile.*)
 from ..kernels import ns_glue
 from . import qadamw as _qa
 
@@ -220,7 +220,7 @@ def _ns_nvfp4_one(x: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, shift=
         if shift:
             def square(E):
                 qE = _q(E[0], spec, signs, seed=seed())
-                return _qgemm(qE, qE)[None]
+                return _qgemm(qE, qE)[None], None
             B, beta = _shifted_poly(A.unsqueeze(0), b, c, square)
             B, beta = B[0], beta[0]
         else:
@@ -247,8 +247,8 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square, slots=(None, None
     needs taken of the shifted matrix: ``(Bs, beta)``, Bs BF16 [S, m, m], beta FP32 [S, 1, 1]. E and Bs each in one
     pass from A's values (``kernels.ns_glue.sub_diag``, ``shift_poly``). ``slots``: ns_glue amax slots (or None) that
     the two passes fill with E's and Bs's max|·| (``square`` may read E's from its slot: it runs after).
-    ``square(E)`` returns E² in bf16, or as (FP32 product, global scale) for ``shift_poly`` to scale and round in its
-    own pass (the same bits).
+    ``square(E)`` returns (E², None) with E² in bf16, or (FP32 product, global scale) for ``shift_poly`` to scale and
+    round in its own pass (the same bits).
 
     With alpha = mean(diag A) per matrix and E = A - alpha I (exact algebra):
     A² = E² + 2 alpha E + alpha² I, so B = (b + 2 c alpha) E + c E² + (b alpha + c alpha²) I. ``square(E)``
@@ -263,8 +263,7 @@ def _shifted_poly(A: torch.Tensor, b: float, c: float, square, slots=(None, None
     alpha = torch.diagonal(A, dim1=-2, dim2=-1).float().mean(-1)                     # [S]
     e_slot, b_slot = slots
     E = ns_glue.sub_diag(A, alpha, torch.bfloat16, amax=e_slot)      # E = A - alpha I from A's values, one pass
-    E2 = square(E)
-    E2, e2_scale = E2 if isinstance(E2, tuple) else (E2, None)
+    E2, e2_scale = square(E)
     Bs = ns_glue.shift_poly(A, alpha, b + 2 * c * alpha, c, E2, torch.bfloat16, amax=b_slot, e2_scale=e2_scale)
     return Bs, (b * alpha + c * alpha * alpha)[:, None, None]
 
@@ -513,7 +512,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
     x2d = "x2d" in residual
     spec2d = dataclasses.replace(spec, block=(16, 16))
     # FUSE_AMAX: per step three int32 amax slots (E, Bs, next X), zeroed by one fill for the whole NS
-    fuse = (FUSE_AMAX and qfn in (_q_stack, _q_stack_dq) and spec.rounding in ("rtn", "sr") and not spec.hadamard)
+    fuse = FUSE_AMAX and qfn in (_q_stack, _q_stack_dq) and _ops.takes_amax(spec.rounding, spec.hadamard or 0)
     slots = torch.zeros(3 * len(coeffs), dtype=torch.int32, device=X.device) if fuse else None
 
     def slot(i):
@@ -560,7 +559,7 @@ def _ns_nvfp4_stack(X: torch.Tensor, coeffs, spec, signs, seeds, guard=1.0, prod
                 if product in (_bgemm_nvfp4, _bgemm_dq):     # its scale and rounding in shift_poly's pass
                     pE = _dq_form(qE)
                     return _bgemm_dq_parts(pE, pE)
-                return product(qE, qE)
+                return product(qE, qE), None
             B, beta = _shifted_poly(A, b, c, square, (e_slot, b_slot))   # B here is Bs = B - beta I
         else:
             qA = qfn(A, spec, signs, seed())                 # along m; A symmetric: A·A = A·Aᵀ
