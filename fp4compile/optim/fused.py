@@ -22,8 +22,9 @@ thread, each as four 16-byte "quarters" ([64, 4] tensors, ``_q_*`` helpers), so 
 scales, the 4/6 search, the error trees and the 16-point Hadamard never leave the thread's registers and no
 per-block work is replicated. E2M1 codes come from FP adds/mins (``_e2m1_mag_magic``), the 4/6 search works on
 magnitudes and RTN reuses the winning candidate's codes, codes are unpacked from and packed into int32 words
-(8 codes each) in registers. Static sm_90 SASS of the default configuration: 4432 instructions per thread of
-16 elements (~280 per element; 128 registers, no spills) vs 6712 per thread of 8 (~840) for the first
+(8 codes each) in registers, the Hadamard signs read as float tables (:func:`_sign_table`). Static sm_90 SASS of
+the default configuration: 3912 instructions per thread of 16 elements (~245 per element; 128 registers, no spills;
+~280 when this paragraph was first written) vs 6400 per thread of 8 (~800) for the first
 version (``_qadamw_kernel_v1``, [N] / [N/16, 16] tiles spread over 4 warps with shuffles and shared-memory
 exchanges, kept for comparison; ``bench/qadamw_sass.py`` counts them on a machine without a GPU). Parameters and
 gradients must be 16-byte aligned (else the torch step runs). H200, 124M set: 1.48 ms per step vs 6.17 ms for
@@ -66,8 +67,8 @@ NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
 #: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True; :data:`fp4compile.kernels.quantize.SR_RP`) or by the
-#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element, but 165
-#: registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
+#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element (236 vs 244.5
+#: since the sign tables, session 46), but 165 registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
 #: with it against 1.32 / 1.32 without, 1.31 with it under a 128-register cap (spills). ``FP4COMPILE_QADAMW_SR_RP=1``
 #: turns it on (never under ``TRITON_INTERPRET=1``).
 SR_RP = _SR_RP and os.environ.get("FP4COMPILE_QADAMW_SR_RP", "0") == "1"
@@ -167,8 +168,8 @@ def _tree_rows(t, R: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _rht(x, s_ptr, N: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, IMPL: tl.constexpr):
-    """``codec.rht``: (x * s) H_D / sqrt(D) along runs of D of a flat [N] vector."""
-    s = tl.load(s_ptr + tl.arange(0, D)).to(tl.float32)
+    """``codec.rht``: (x * s) H_D / sqrt(D) along runs of D of a flat [N] vector (s: the sign table's first row)."""
+    s = tl.load(s_ptr + tl.arange(0, D))
     xs = tl.reshape(x, (N // D, D)) * s[None, :]
     y = _fwht(xs, N // D, D, IMPL) * NORM
     return tl.reshape(y, (N,))
@@ -177,7 +178,7 @@ def _rht(x, s_ptr, N: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, IMPL: t
 @triton.jit
 def _irht(y, s_ptr, N: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, IMPL: tl.constexpr):
     """``codec.inverse_rht``: (y H_D / sqrt(D)) * s."""
-    s = tl.load(s_ptr + tl.arange(0, D)).to(tl.float32)
+    s = tl.load(s_ptr + tl.arange(0, D))
     z = _fwht(tl.reshape(y, (N // D, D)), N // D, D, IMPL) * NORM
     return tl.reshape(z * s[None, :], (N,))
 
@@ -321,8 +322,9 @@ def _state_ptrs(row, CODE_T: tl.constexpr):
     return (tl.load(row + 1).to(tl.pointer_type(CODE_T)), tl.load(row + 2).to(tl.pointer_type(tl.uint8)),
             tl.load(row + 3).to(tl.pointer_type(tl.float32)), tl.load(row + 4).to(tl.pointer_type(CODE_T)),
             tl.load(row + 5).to(tl.pointer_type(tl.uint8)), tl.load(row + 6).to(tl.pointer_type(tl.float32)),
-            tl.load(row + 7).to(tl.pointer_type(tl.bfloat16)), tl.load(row + 8).to(tl.pointer_type(tl.int8)),
-            tl.load(row + 9).to(tl.pointer_type(tl.int8)))
+            tl.load(row + 7).to(tl.pointer_type(tl.bfloat16)),
+            tl.multiple_of(tl.load(row + 8).to(tl.pointer_type(tl.float32)), 16),
+            tl.multiple_of(tl.load(row + 9).to(tl.pointer_type(tl.float32)), 16))
 
 
 @triton.jit
@@ -436,30 +438,32 @@ def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _q_signs(s_ptr, k: tl.constexpr, NB: tl.constexpr, D: tl.constexpr):
-    """The RHT signs of quarter k: [1, 4] (D = 16) or [NB, 4] (block b uses signs (b mod D/16) * 16 + ...)."""
+    """Quarter k's entries of one row of a sign table (:func:`_sign_table`): [1, 4] (D = 16) or [NB, 4] (block b
+    uses entries (b mod D/16) * 16 + ...). 16-byte vector loads, no conversion."""
     j = 4 * k + tl.arange(0, 4)
     if D == 16:
         s = tl.load(s_ptr + j)[None, :]
     else:
-        s = tl.load(s_ptr + ((tl.arange(0, NB) % (D // 16)) * 16)[:, None] + j[None, :])
-    return s.to(tl.float32)
+        s = tl.load(s_ptr + tl.multiple_of((tl.arange(0, NB) % (D // 16)) * 16, 16)[:, None] + j[None, :])
+    return s
 
 
 @triton.jit
 def _q_rht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """``codec.rht``: (x * s) H_D * (1 / sqrt(D))."""
+    """``codec.rht``: (x * s) H_D * (1 / sqrt(D)), s from the sign table's first row."""
     x0, x1, x2, x3 = _q_fwht(x0 * _q_signs(s_ptr, 0, NB, D), x1 * _q_signs(s_ptr, 1, NB, D),
                              x2 * _q_signs(s_ptr, 2, NB, D), x3 * _q_signs(s_ptr, 3, NB, D), NB, D)
     return x0 * NORM, x1 * NORM, x2 * NORM, x3 * NORM
 
 
 @triton.jit
-def _q_irht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-    """``codec.inverse_rht``: (y H_D * (1 / sqrt(D))) * s, as one product y H_D * (s / sqrt(D)) (s = +-1: the same
-    bits, signed zeros included)."""
+def _q_irht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr):
+    """``codec.inverse_rht``: (y H_D * (1 / sqrt(D))) * s, as one product y H_D * (s / sqrt(D)) by the sign table's
+    second row (s = +-1: the same bits, signed zeros included)."""
     x0, x1, x2, x3 = _q_fwht(x0, x1, x2, x3, NB, D)
-    return (x0 * (_q_signs(s_ptr, 0, NB, D) * NORM), x1 * (_q_signs(s_ptr, 1, NB, D) * NORM),
-            x2 * (_q_signs(s_ptr, 2, NB, D) * NORM), x3 * (_q_signs(s_ptr, 3, NB, D) * NORM))
+    sn = s_ptr + D
+    return (x0 * _q_signs(sn, 0, NB, D), x1 * _q_signs(sn, 1, NB, D), x2 * _q_signs(sn, 2, NB, D),
+            x3 * _q_signs(sn, 3, NB, D))
 
 
 @triton.jit
@@ -678,10 +682,10 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     # ---- decode m and sqrt(v)
     m0, m1, m2, m3, _s = _q_decode(m_codes, m_scales, tl.load(m_gbits + c), base, bmask, NB)
     if MH > 0:
-        m0, m1, m2, m3 = _q_irht(m0, m1, m2, m3, m_signs, NB, MH, MNORM)
+        m0, m1, m2, m3 = _q_irht(m0, m1, m2, m3, m_signs, NB, MH)
     y0, y1, y2, y3, vs = _q_decode(v_codes, v_scales, tl.load(v_gbits + c), base, bmask, NB)
     if VH > 0:
-        y0, y1, y2, y3 = _q_irht(y0, y1, y2, y3, v_signs, NB, VH, VNORM)
+        y0, y1, y2, y3 = _q_irht(y0, y1, y2, y3, v_signs, NB, VH)
     mu = tl.load(v_mean + boff // TILE, mask=bmask, other=0.0).to(tl.float32)[:, None]
     lo = vs * 0.25
     if VH > 16:  # the floor is the max over the blocks of one Hadamard group
@@ -815,12 +819,25 @@ def _eligible(p: torch.Tensor, st: dict, group: dict) -> bool:
                for k in ("exp_avg", "exp_avg_sq"))
 
 
+def _sign_table(signs: torch.Tensor) -> torch.Tensor:
+    """A state's RHT signs (int8 [D], +-1) as the kernels read them: float32 [2, D], row 0 the signs (the forward
+    transform's x * s), row 1 the signs times 1 / sqrt(D) rounded to FP32 (the inverse's (y H_D) * (s / sqrt(D)),
+    one product with the bits of ``codec.inverse_rht``'s two). Loaded as 16-byte vectors, no int8 -> float
+    conversion in the kernel (static sm_90 SASS of the default kernel 2: 244.5 instructions per element instead of
+    253.5, ``bench/qadamw_sass.py``)."""
+    s = signs.to(torch.float32)
+    norm = torch.tensor(1.0 / math.sqrt(s.numel()), dtype=torch.float32, device=s.device)
+    return torch.stack((s, s * norm)).contiguous()
+
+
 class _Bucket:
     """Parameters of one group that share a kernel specialization: their tables, cached on the device."""
 
     def __init__(self, kind, key, params, states, device):
         self.kind, self.key, self.params = kind, key, params
         cols = _Q_COLS if kind == "q" else _F_COLS
+        # the kernels read the Hadamard signs as float tables (:func:`_sign_table`), built here from the int8 states
+        states = [{**st, **{k: _sign_table(st[k]) for k in ("m_signs", "v_signs") if k in st}} for st in states]
         dummy = 0
         rows = [[p.numel() if k == "numel" else (st[k].data_ptr() if k in st else dummy) for k in cols]
                 for p, st in zip(params, states)]
