@@ -647,12 +647,17 @@ def _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE:
 @triton.jit
 def _q_quarter(m, r, p_ptr, g_ptr, comp_addr, o, bm, b1c, sb2, sb2c, bc2s, eps, decay, step_size, base_seed,
                step_f, MAXIMIZE: tl.constexpr, MASTER: tl.constexpr, PROF: tl.constexpr):
-    """Load g and p of one quarter, update, write the parameter; -> (m, sqrt(v)) zeroed outside the tensor."""
+    """Load g and p of one quarter, update, write the parameter; -> (m, sqrt(v)).
+
+    Outside the tensor (whole blocks, whole tiles and whole Hadamard groups: n is a multiple of the tile, the tile
+    of the group) both come out as zeros without a select: the masked loads give zero codes, scale codes, tile
+    means, g and p, so m decodes to +-0, sqrt(v) and its floor to 0, and the update keeps them zero (+0 or -0:
+    their codes are never stored and zeros do not change the run's amax or the tile sums of the blocks inside)."""
     g = tl.load(g_ptr + o, mask=bm, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + o, mask=bm, other=0.0).to(tl.float32)
     m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE, PROF)
     _write_param(p_ptr, comp_addr, p32, o, bm, base_seed, step_f, MASTER)
-    return tl.where(bm, m, 0.0), tl.where(bm, r, 0.0)
+    return m, r
 
 
 @triton.jit
@@ -734,10 +739,10 @@ def _qadamw_kernel(qtab, ptab, coef, coef_stride, chunks, b1c, sb2, sb2c, eps,
     if KT > 1:
         mub = tl.reshape(tl.broadcast_to(mub[:, None], (NB // KT, KT)), (NB,))
     mub = mub[:, None]
-    r0 = tl.where(bm, r0 - mub, 0.0)
-    r1 = tl.where(bm, r1 - mub, 0.0)
-    r2 = tl.where(bm, r2 - mub, 0.0)
-    r3 = tl.where(bm, r3 - mub, 0.0)
+    r0 = r0 - mub  # zero outside the tensor (see _q_quarter)
+    r1 = r1 - mub
+    r2 = r2 - mub
+    r3 = r3 - mub
     if VH > 0:
         r0, r1, r2, r3 = _q_rht(r0, r1, r2, r3, v_signs, NB, VH, VNORM)
     if V_SR and not M_SR and not (PROF & 2):
