@@ -104,7 +104,7 @@ def test_sm90_sass_reads_signs_without_conversions():
     """bench/qadamw_sass.py (kernel 2, default options, compiled for sm_90 here): the Hadamard signs come from the
     float sign tables (``fused._sign_table``) as 16-byte vector loads. The only int -> float conversions left are
     the two SR uniforms per element (the int8 signs cost 4 more per element and one load per element and
-    transform), and the whole kernel stays under 250 instructions per element (242.5; 253.5 with int8 signs)."""
+    transform), and the whole kernel stays under 250 instructions per element (241.5; 253.5 with int8 signs)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("qadamw_sass", os.path.join(ROOT, "bench", "qadamw_sass.py"))

@@ -400,6 +400,18 @@ def _q_h1(x, NB: tl.constexpr):
 
 
 @triton.jit
+def _q_h1_signed(x, s, NB: tl.constexpr):
+    """Signs ``s`` ([1, 4] or [NB, 4], +-1) times :func:`_q_h1`: (a sa + b sb, a sa - b sb) as p = a sa, fma(b, sb, p),
+    fma(b, -sb, p). The products by +-1 are exact, so each output is the single rounding of the reference's
+    (x * s)[j] +- (x * s)[j + 1], signed zeros included (3 operations per pair instead of 4)."""
+    a, b = tl.split(tl.reshape(x, (NB, 2, 2)))
+    sa, sb = tl.split(tl.reshape(tl.broadcast_to(s, (NB, 4)), (NB, 2, 2)))
+    p = a * sa
+    # sb * -1 (not -sb, Triton's 0 - sb): ptxas folds it into the FMA's operand negation
+    return tl.reshape(tl.join(tl.fma(b, sb, p), tl.fma(b, sb * -1.0, p)), (NB, 4))
+
+
+@triton.jit
 def _q_h2(x, NB: tl.constexpr):
     """Butterfly stage h = 2 inside a quarter: (x0, x2), (x1, x3)."""
     a, b = tl.split(tl.permute(tl.reshape(x, (NB, 2, 2)), (0, 2, 1)))
@@ -416,13 +428,19 @@ def _q_hblk(x, NB: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr):
+def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr, H1: tl.constexpr = True):
     """Unnormalized Walsh-Hadamard butterflies over runs of D (>= 16) elements held as quarters: stages
-    h = 1, 2 inside each quarter, h = 4, 8 between quarters, h >= 16 across blocks (the reference's order)."""
-    x0 = _q_h2(_q_h1(x0, NB), NB)
-    x1 = _q_h2(_q_h1(x1, NB), NB)
-    x2 = _q_h2(_q_h1(x2, NB), NB)
-    x3 = _q_h2(_q_h1(x3, NB), NB)
+    h = 1, 2 inside each quarter, h = 4, 8 between quarters, h >= 16 across blocks (the reference's order).
+    ``H1=False``: the caller has done stage h = 1 (:func:`_q_h1_signed`)."""
+    if H1:
+        x0 = _q_h1(x0, NB)
+        x1 = _q_h1(x1, NB)
+        x2 = _q_h1(x2, NB)
+        x3 = _q_h1(x3, NB)
+    x0 = _q_h2(x0, NB)
+    x1 = _q_h2(x1, NB)
+    x2 = _q_h2(x2, NB)
+    x3 = _q_h2(x3, NB)
     x0, x1 = x0 + x1, x0 - x1
     x2, x3 = x2 + x3, x2 - x3
     x0, x2 = x0 + x2, x0 - x2
@@ -451,8 +469,10 @@ def _q_signs(s_ptr, k: tl.constexpr, NB: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _q_rht(x0, x1, x2, x3, s_ptr, NB: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
     """``codec.rht``: (x * s) H_D * (1 / sqrt(D)), s from the sign table's first row."""
-    x0, x1, x2, x3 = _q_fwht(x0 * _q_signs(s_ptr, 0, NB, D), x1 * _q_signs(s_ptr, 1, NB, D),
-                             x2 * _q_signs(s_ptr, 2, NB, D), x3 * _q_signs(s_ptr, 3, NB, D), NB, D)
+    x0, x1, x2, x3 = _q_fwht(_q_h1_signed(x0, _q_signs(s_ptr, 0, NB, D), NB),
+                             _q_h1_signed(x1, _q_signs(s_ptr, 1, NB, D), NB),
+                             _q_h1_signed(x2, _q_signs(s_ptr, 2, NB, D), NB),
+                             _q_h1_signed(x3, _q_signs(s_ptr, 3, NB, D), NB), NB, D, False)
     return x0 * NORM, x1 * NORM, x2 * NORM, x3 * NORM
 
 
