@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -780,6 +780,20 @@ s41_root)
       --root-arm 'all:fp4compile.optim.root.QUANTILE_IMPL="topk",fp4compile.optim.root.SYMMETRIC_MIN_ROWS=512,fp4compile.optim.root.NS_DQ=true' \
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
+s46_qadamw)
+  # issue 5 on one nvidia-h200 (~5 min; prepared in session 46, not yet run; carry .ab, with .ab/old a checkout of
+  # 6c2bb0f: \`git worktree add .ab/old 6c2bb0f\`). Q-AdamW's kernel 2 reading the Hadamard signs as float tables
+  # (fused._sign_table: no per-element byte load and int -> float conversion), without the selects outside the tensor,
+  # the forward RHT's signs in its first butterfly stage: static sm_90 SASS 253.5 -> 241.5 instructions per element,
+  # the same bits. The fused kernels' GPU test (bit for bit against the torch reference on CUDA), then the Q-AdamW
+  # step against torch.optim.AdamW(fused=True) on the 124M and 1B sets, this tree and .ab/old alternating twice
+  step gpu_tests 200 python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_optim_fused.py
+  for t in new old new2 old2; do
+    case $t in old*) P=$PWD/.ab/old;; *) P=$PWD;; esac
+    ( cd "$P" && export PYTHONPATH=$P && step "qadamw_$t" 90 python bench/optim.py \
+        --skip check,profile,warps,peak,root --out "$OUT/qadamw_$t.json" )
+  done
+  tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log ;;
 s45_eden)
   # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not yet run): MS-EDEN's pass 1 with half a
   # 128-chunk per thread (CONFIG e_impl 2, kernels/quantize._eden_pass1_half_kernel: RHT-128's one cross-thread stage,
