@@ -67,8 +67,8 @@ NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
 #: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True; :data:`fp4compile.kernels.quantize.SR_RP`) or by the
-#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element (236 vs 244.5
-#: since the sign tables, session 46), but 165 registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
+#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element (234 vs 241.5
+#: since session 46's sign tables), but 165 registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
 #: with it against 1.32 / 1.32 without, 1.31 with it under a 128-register cap (spills). ``FP4COMPILE_QADAMW_SR_RP=1``
 #: turns it on (never under ``TRITON_INTERPRET=1``).
 SR_RP = _SR_RP and os.environ.get("FP4COMPILE_QADAMW_SR_RP", "0") == "1"
@@ -849,7 +849,7 @@ def _sign_table(signs: torch.Tensor) -> torch.Tensor:
     transform's x * s), row 1 the signs times 1 / sqrt(D) rounded to FP32 (the inverse's (y H_D) * (s / sqrt(D)),
     one product with the bits of ``codec.inverse_rht``'s two). Loaded as 16-byte vectors, no int8 -> float
     conversion in the kernel (static sm_90 SASS of the default kernel 2: 244.5 instructions per element instead of
-    253.5, ``bench/qadamw_sass.py``)."""
+    253.5 by this alone, ``bench/qadamw_sass.py``)."""
     s = signs.to(torch.float32)
     norm = torch.tensor(1.0 / math.sqrt(s.numel()), dtype=torch.float32, device=s.device)
     return torch.stack((s, s * norm)).contiguous()
