@@ -43,6 +43,7 @@ VARIANTS = [
     ("k2 4 warps", dict(NUM_WARPS=4), {}),
     ("k2 SR codes by the comparison form (SR_RP off)", dict(SR_RP=False), {}),
     ("k2 register cap 128", dict(MAXNREG=128), {}),
+    ("k2 no 4/6 for v (v_four_over_six=False)", dict(), dict(v_four_over_six=False)),
 ]
 
 

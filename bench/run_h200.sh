@@ -793,7 +793,10 @@ s46_qadamw)
     ( cd "$P" && export PYTHONPATH=$P && step "qadamw_$t" 90 python bench/optim.py \
         --skip check,profile,warps,peak,root --out "$OUT/qadamw_$t.json" )
   done
-  tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log ;;
+  # what v's 4/6 costs (static: 241.5 -> 213.0 per element; on real tiny-GPT states with SR its transform's error is
+  # ~16 % higher without it, still 62 % under direct NVFP4's, docs/OPTIM.md)
+  step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
+  tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
 s45_eden)
   # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not yet run): MS-EDEN's pass 1 with half a
   # 128-chunk per thread (CONFIG e_impl 2, kernels/quantize._eden_pass1_half_kernel: RHT-128's one cross-thread stage,
