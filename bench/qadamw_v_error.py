@@ -1,6 +1,6 @@
 """Q-AdamW's second-moment transform against direct NVFP4 storage of v, on real AdamW states, pooled relative MSE:
 every combination of the rounding (RTN, SR), 4/6 in the transform (Q-AdamW's ``v_four_over_six``) and 4/6 on the
-direct side, for two tiny-GPT state sets (``study.tiny_gpt_states``: the numerics test's 1-layer/25-step set and
+direct side (``study.v_error_pooled``: tile 32, RHT-16, one encode), for two tiny-GPT state sets (``study.tiny_gpt_states``: the numerics test's 1-layer/25-step set and
 docs/OPTIM.md's 2-layer/40-step set). What v's 4/6 buys (issue 5's >= 60 % target; its kernel cost is ~28 SASS
 instructions per element, ``bench/qadamw_sass.py '{"V_FOS": false}'``). CPU, ~5 s.
 
@@ -13,30 +13,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-from fp4compile.formats.hadamard import random_signs  # noqa: E402
-from fp4compile.optim import codec  # noqa: E402
-from fp4compile.optim.study import tiny_gpt_states  # noqa: E402
+from fp4compile.optim.study import tiny_gpt_states, v_error_pooled  # noqa: E402
 
 #: (steps, d, layers) of the state sets
 SETS = ((25, 64, 1), (40, 64, 2))
-
-
-def pooled(states: dict, rounding: str, fos_ours: bool, fos_direct: bool, seed: int = 0):
-    """(reduction, summed squared error of the transform, of direct storage) over the tensors of ``states``: tile 32,
-    RHT-16 (Q-AdamW's defaults), one encode each."""
-    s = random_signs(16, torch.Generator().manual_seed(seed))
-    sd = torch.tensor(seed)
-    e_direct = e_ours = 0.0
-    for v in states.values():
-        v = v.reshape(-1)
-        d = codec.direct_v_roundtrip(v, four_over_six=fos_direct, rounding=rounding, seed=sd)
-        o = codec.decode_v(*codec.encode_v(v, s, tile=32, four_over_six=fos_ours, rounding=rounding, seed=sd), s,
-                           tile=32)
-        e_direct += float(((d.double() - v.double()) ** 2).sum())
-        e_ours += float(((o.double() - v.double()) ** 2).sum())
-    return 1 - e_ours / e_direct, e_ours, e_direct
 
 
 def main() -> int:
@@ -47,8 +27,8 @@ def main() -> int:
         states = tiny_gpt_states(steps=steps, d=d, layers=layers, seed=0)
         for rounding in ("rtn", "sr"):
             for fos in (True, False):
-                r0, ours, _ = pooled(states, rounding, fos, False)
-                r1, _, _ = pooled(states, rounding, fos, True)
+                r0, ours, _ = v_error_pooled(states, rounding=rounding, four_over_six=fos)
+                r1, _, _ = v_error_pooled(states, rounding=rounding, four_over_six=fos, direct_four_over_six=True)
                 print(f"| {steps}, {d}, {layers} | {rounding} | {'on' if fos else 'off'} | {100 * r0:.1f} % "
                       f"| {100 * r1:.1f} % | {ours:.4g} |", flush=True)
     return 0

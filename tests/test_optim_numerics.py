@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
-from fp4compile.formats.hadamard import random_signs
-from fp4compile.optim import codec, newton_schulz
+from fp4compile.optim import newton_schulz
 from fp4compile.optim.root import JORDAN
-from fp4compile.optim.study import momentum_like, ns_error, tiny_gpt_states
+from fp4compile.optim.study import momentum_like, ns_error, tiny_gpt_states, v_error_pooled
 from fp4compile.policy import NVFP4
 
 
@@ -18,17 +17,7 @@ def real_v():
 
 
 def _pooled(states, fos_direct, rounding="rtn"):
-    s = random_signs(16, torch.Generator().manual_seed(0))
-    seed = torch.tensor(0)
-    e0 = e1 = 0.0
-    for v in states.values():
-        v = v.reshape(-1)
-        d = codec.direct_v_roundtrip(v, four_over_six=fos_direct, rounding=rounding, seed=seed)
-        o = codec.decode_v(*codec.encode_v(v, s, tile=32, four_over_six=True, rounding=rounding, seed=seed), s,
-                           tile=32)
-        e0 += float(((d.double() - v.double()) ** 2).sum())
-        e1 += float(((o.double() - v.double()) ** 2).sum())
-    return 1 - e1 / e0
+    return v_error_pooled(states, rounding=rounding, direct_four_over_six=fos_direct)[0]
 
 
 @pytest.mark.slow

@@ -433,14 +433,8 @@ def _q_fwht(x0, x1, x2, x3, NB: tl.constexpr, D: tl.constexpr, H1: tl.constexpr 
     h = 1, 2 inside each quarter, h = 4, 8 between quarters, h >= 16 across blocks (the reference's order).
     ``H1=False``: the caller has done stage h = 1 (:func:`_q_h1_signed`)."""
     if H1:
-        x0 = _q_h1(x0, NB)
-        x1 = _q_h1(x1, NB)
-        x2 = _q_h1(x2, NB)
-        x3 = _q_h1(x3, NB)
-    x0 = _q_h2(x0, NB)
-    x1 = _q_h2(x1, NB)
-    x2 = _q_h2(x2, NB)
-    x3 = _q_h2(x3, NB)
+        x0, x1, x2, x3 = _q_h1(x0, NB), _q_h1(x1, NB), _q_h1(x2, NB), _q_h1(x3, NB)
+    x0, x1, x2, x3 = _q_h2(x0, NB), _q_h2(x1, NB), _q_h2(x2, NB), _q_h2(x3, NB)
     x0, x1 = x0 + x1, x0 - x1
     x2, x3 = x2 + x3, x2 - x3
     x0, x2 = x0 + x2, x0 - x2

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..formats.hadamard import random_signs
 from . import codec
 
 CORPUS = "/work/shared/data/corpus/val.txt.xz"
@@ -144,6 +145,24 @@ def v_error_table(states: dict, rounding="rtn", tile=128, hadamard=16, seed=0):
         e0, e1 = rel_mse(direct, v.reshape(-1)), rel_mse(ours, v.reshape(-1))
         rows[name] = (e0, e1, 1 - e1 / e0)
     return rows
+
+
+def v_error_pooled(states: dict, *, rounding="rtn", four_over_six=True, direct_four_over_six=False, tile=32,
+                   hadamard=16, seed=0):
+    """Q-AdamW's v transform against direct NVFP4 storage of v over all tensors of ``states`` ({name: v}), one
+    encode each: (1 - its summed squared error / direct's, its summed squared error, direct's), in float64.
+    ``four_over_six``: 4/6 in the transform (``v_four_over_six``); ``direct_four_over_six``: on the direct side."""
+    signs = random_signs(hadamard, torch.Generator().manual_seed(seed))
+    s = torch.tensor(seed)
+    e_direct = e_ours = 0.0
+    for v in states.values():
+        v = v.reshape(-1)
+        d = codec.direct_v_roundtrip(v, four_over_six=direct_four_over_six, rounding=rounding, seed=s)
+        o = codec.decode_v(*codec.encode_v(v, signs, tile=tile, four_over_six=four_over_six, rounding=rounding,
+                                           seed=s), signs, tile=tile)
+        e_direct += float(((d.double() - v.double()) ** 2).sum())
+        e_ours += float(((o.double() - v.double()) ** 2).sum())
+    return 1 - e_ours / e_direct, e_ours, e_direct
 
 
 def polar_factor(G: torch.Tensor) -> torch.Tensor:
