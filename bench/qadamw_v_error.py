@@ -1,8 +1,9 @@
 """Q-AdamW's second-moment transform against direct NVFP4 storage of v, on real AdamW states, pooled relative MSE:
 every combination of the rounding (RTN, SR), 4/6 in the transform (Q-AdamW's ``v_four_over_six``) and 4/6 on the
-direct side (``study.v_error_pooled``: tile 32, RHT-16, one encode), for two tiny-GPT state sets (``study.tiny_gpt_states``: the numerics test's 1-layer/25-step set and
-docs/OPTIM.md's 2-layer/40-step set). What v's 4/6 buys (issue 5's >= 60 % target; its kernel cost is ~28 SASS
-instructions per element, ``bench/qadamw_sass.py '{"V_FOS": false}'``). CPU, ~5 s.
+direct side (``study.v_error_pooled``: tile 32, RHT-16, one encode), for two tiny-GPT state sets
+(``study.tiny_gpt_states``: the numerics test's 1-layer/25-step set and docs/OPTIM.md's 2-layer/40-step set).
+What v's 4/6 buys (issue 5's >= 60 % target; its kernel cost is ~28 SASS instructions per element,
+``bench/qadamw_sass.py '{"V_FOS": false}'``). CPU, ~5 s.
 
     python bench/qadamw_v_error.py
 """

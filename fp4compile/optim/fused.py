@@ -23,8 +23,8 @@ scales, the 4/6 search, the error trees and the 16-point Hadamard never leave th
 per-block work is replicated. E2M1 codes come from FP adds/mins (``_e2m1_mag_magic``), the 4/6 search works on
 magnitudes and RTN reuses the winning candidate's codes, codes are unpacked from and packed into int32 words
 (8 codes each) in registers, the Hadamard signs read as float tables (:func:`_sign_table`). Static sm_90 SASS of
-the default configuration: 3912 instructions per thread of 16 elements (~245 per element; 128 registers, no spills;
-~280 when this paragraph was first written) vs 6400 per thread of 8 (~800) for the first
+the default configuration: 3864 instructions per thread of 16 elements (241.5 per element; 128 registers, no
+spills; ~280 when this paragraph was first written) vs 6400 per thread of 8 (~800) for the first
 version (``_qadamw_kernel_v1``, [N] / [N/16, 16] tiles spread over 4 warps with shuffles and shared-memory
 exchanges, kept for comparison; ``bench/qadamw_sass.py`` counts them on a machine without a GPU). Parameters and
 gradients must be 16-byte aligned (else the torch step runs). H200, 124M set: 1.48 ms per step vs 6.17 ms for
@@ -67,10 +67,10 @@ NUM_WARPS = int(os.environ.get("FP4COMPILE_QADAMW_WARPS", "0"))
 #: 1.326 ms; 96 1.369, 1.376; 80 1.360, 1.358; 64 1.541, 1.555 (more resident warps do not pay for the spills)
 MAXNREG = int(os.environ.get("FP4COMPILE_QADAMW_MAXNREG", "0"))
 #: kernel 2, SR: the E2M1 codes by directed-rounding PTX (True; :data:`fp4compile.kernels.quantize.SR_RP`) or by the
-#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element (234 vs 241.5
-#: since session 46's sign tables), but 165 registers instead of 128 (6 programs per SM instead of 8). H200, 124M set (session 43): 1.36 / 1.42 ms per step
-#: with it against 1.32 / 1.32 without, 1.31 with it under a 128-register cap (spills). ``FP4COMPILE_QADAMW_SR_RP=1``
-#: turns it on (never under ``TRITON_INTERPRET=1``).
+#: comparison form (False, the default); the same codes. Static sm_90: 246 vs 254 instructions per element (234 vs
+#: 241.5 since session 46's sign tables), but 165 registers instead of 128 (6 programs per SM instead of 8). H200,
+#: 124M set (session 43): 1.36 / 1.42 ms per step with it against 1.32 / 1.32 without, 1.31 with it under a
+#: 128-register cap (spills). ``FP4COMPILE_QADAMW_SR_RP=1`` turns it on (never under ``TRITON_INTERPRET=1``).
 SR_RP = _SR_RP and os.environ.get("FP4COMPILE_QADAMW_SR_RP", "0") == "1"
 #: kernel 2, RTN + 4/6: reuse the winning candidate's codes from the 4/6 search (1) or re-round (0)
 REUSE = int(os.environ.get("FP4COMPILE_QADAMW_REUSE", "1"))
@@ -663,10 +663,11 @@ def _q_quarter(m, r, p_ptr, g_ptr, comp_addr, o, bm, b1c, sb2, sb2c, bc2s, eps, 
                step_f, MAXIMIZE: tl.constexpr, MASTER: tl.constexpr, PROF: tl.constexpr):
     """Load g and p of one quarter, update, write the parameter; -> (m, sqrt(v)).
 
-    Outside the tensor (whole blocks, whole tiles and whole Hadamard groups: n is a multiple of the tile, the tile
-    of the group) both come out as zeros without a select: the masked loads give zero codes, scale codes, tile
-    means, g and p, so m decodes to +-0, sqrt(v) and its floor to 0, and the update keeps them zero (+0 or -0:
-    their codes are never stored and zeros do not change the run's amax or the tile sums of the blocks inside)."""
+    Outside the tensor (whole blocks, whole tiles and whole Hadamard groups: n is a multiple of the tile, the tile a
+    multiple of the Hadamard size) both come out as zeros without a select: the masked loads give zero codes, scale
+    codes, tile means, g and p, so m decodes to +-0, sqrt(v) and its floor to 0, and the update keeps them zero (+0
+    or -0: their codes are never stored and zeros do not change the run's amax or the tile sums of the blocks
+    inside)."""
     g = tl.load(g_ptr + o, mask=bm, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + o, mask=bm, other=0.0).to(tl.float32)
     m, r, p32 = _q_update(m, r, g, p, b1c, sb2, sb2c, bc2s, eps, decay, step_size, MAXIMIZE, PROF)
