@@ -158,6 +158,10 @@ BENCH_CASES = [
     ("MS-EDEN + RHT128, e_impl 2 (half chunk/thread)", dict(rounding="ms_eden", hadamard=128, config={"e_impl": 2})),
     ("MS-EDEN + RHT128, e_impl 2, 128 registers", dict(rounding="ms_eden", hadamard=128,
                                                         config={"e_impl": 2, "h_maxnreg": 128})),
+    ("MS-EDEN + RHT128, e_impl 3 (quarter chunk/thread)", dict(rounding="ms_eden", hadamard=128,
+                                                               config={"e_impl": 3})),
+    ("MS-EDEN + RHT128, e_impl 3, one quarter/thread", dict(rounding="ms_eden", hadamard=128,
+                                                            config={"e_impl": 3, "u_rows": 8, "u_maxnreg": 0})),
     ("RTN 2D 16x16 (weights)", dict(rounding="rtn", block2d=True)),
     ("RTN, transposed", dict(rounding="rtn", transpose=True)),
     ("MS-EDEN + RHT128, transposed", dict(rounding="ms_eden", hadamard=128, transpose=True)),
@@ -170,7 +174,8 @@ BENCH_CASES = [
 #: the rows of ``--reduced`` (the MS-EDEN one-pass question: its rows and the RTN baselines)
 REDUCED = ("RTN", "RTN + RHT128", "RTN + RHT128, given amax (1 pass)", "MS-EDEN (no RHT)", "MS-EDEN + RHT128",
            "MS-EDEN + RHT128, e_impl 1 (chunk/thread)", "MS-EDEN + RHT128, e_impl 2 (half chunk/thread)",
-           "MS-EDEN + RHT128, e_impl 2, 128 registers", "RTN, transposed", "MS-EDEN + RHT128, transposed")
+           "MS-EDEN + RHT128, e_impl 2, 128 registers", "MS-EDEN + RHT128, e_impl 3 (quarter chunk/thread)",
+           "MS-EDEN + RHT128, e_impl 3, one quarter/thread", "RTN, transposed", "MS-EDEN + RHT128, transposed")
 
 
 def run_case(x, case, config=None, kernels=K):
@@ -215,6 +220,10 @@ SWEEPS = {  # name: (case, candidate configs), most important first; the first c
                 [{}] + [dict(e_impl=2, h_rows=r, h_cols=c, h_warps=w, h_maxnreg=m) for r, c, w, m in
                         [(16, 512, 4, 0), (16, 512, 4, 128), (16, 512, 4, 112), (8, 512, 2, 128), (16, 256, 2, 128),
                          (32, 512, 8, 128), (32, 256, 4, 128)]]),
+    "had128u": (dict(rounding="ms_eden", hadamard=128),  # pass 1 with a quarter of a 128-chunk per thread (e_impl 3)
+                [{}] + [dict(e_impl=3, u_rows=r, u_cols=c, u_warps=w, u_maxnreg=m) for r, c, w, m in
+                        [(16, 512, 4, 128), (16, 512, 4, 0), (8, 512, 4, 0), (8, 256, 2, 0), (16, 256, 2, 0),
+                         (16, 512, 4, 112), (32, 512, 8, 128), (16, 1024, 8, 0)]]),
     "had128e": (dict(rounding="ms_eden", hadamard=128),  # the block-per-thread pass 1 (e_impl 0) and pass 2 tiles
                 # (CONFIG caps pass 1 at 96 registers since session 30: the tiles below run capped; 0 = uncapped)
                 [{}, dict(e_maxnreg=0), dict(e_maxnreg=88), dict(e_maxnreg=80)]
@@ -318,11 +327,20 @@ def eden_passes(rows, x, copy_bw, hadamard=128):
         x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
         INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=hb, BC=hc, MAGIC_PACK=K._MAGIC_PACK,
         num_warps=cfg["h_warps"], **K._launch_opts(x.device, cap)))
+    ub, uc = cfg["u_rows"], cfg["u_cols"]
+    p1u = lambda cap: (lambda: K._eden_pass1_quarter_kernel[(triton.cdiv(R, ub), triton.cdiv(Kd, uc))](  # noqa: E731
+        x, x.stride(0), R, Kd, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=K.EDEN_VAL_MAX,
+        INV_VAL_MAX=K.EDEN_INV_VAL_MAX, NORM=K._norm(hadamard), BR=ub, BC=uc, MAGIC_PACK=K._MAGIC_PACK,
+        num_warps=cfg["u_warps"], **K._launch_opts(x.device, cap)))
     ne = x.numel()
     for name, fn, nbytes in [(f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 0)", p1, ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 1)", p1c, ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 2)", p1h(0), ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 2, 128 regs)", p1h(128),
+                              ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 3, {cfg['u_maxnreg']} regs)",
+                              p1u(cfg["u_maxnreg"]), ne * 2 + ne // 2 + ne // 4),
+                             (f"MS-EDEN+RHT{hadamard} pass 1 only (e_impl 3, uncapped)", p1u(0),
                               ne * 2 + ne // 2 + ne // 4),
                              (f"MS-EDEN+RHT{hadamard} pass 2 only", p2, ne // 4 + ne // 16)]:
         ms = bench_ms(fn)

@@ -107,6 +107,15 @@ def eden_pass1_half_spec(cfg=None) -> KernelSpec:
     return KernelSpec(K._eden_pass1_half_kernel, sig, const, cfg["h_warps"], cfg["h_rows"] * cfg["h_cols"], cap)
 
 
+def eden_pass1_quarter_spec(cfg=None) -> KernelSpec:
+    """MS-EDEN's pass 1 with a quarter of a 128-chunk per thread (``_eden_pass1_quarter_kernel``, ``e_impl`` 3, RHT-128
+    on contiguous rows) with CONFIG's ``u_*`` tile and register cap (``u_maxnreg``; 0: uncapped)."""
+    cfg = cfg or K.CONFIG
+    spec = eden_pass1_half_spec(dict(cfg, h_rows=cfg["u_rows"], h_cols=cfg["u_cols"], h_warps=cfg["u_warps"],
+                                     h_maxnreg=cfg["u_maxnreg"]))
+    return spec._replace(fn=K._eden_pass1_quarter_kernel)
+
+
 def dequantize_spec(transpose=False, cfg=None) -> KernelSpec:
     """The dequantize kernel (``_dequantize_kernel``, bf16 out, no RHT) with CONFIG's tile, row-major or stored
     transposed (``dt_*``, the backward's requantization source), as launched on CUDA (native RNE cast)."""
@@ -146,6 +155,11 @@ def measure(cfg=None) -> list:
     for cap in (0, 128):   # half a 128-chunk per thread (e_impl 2), uncapped and capped
         rows.append((f"MS-EDEN half-chunk pass 1 (e_impl 2), RHT-128, {cap or 'no'} register cap",
                      per_element(eden_pass1_half_spec(dict(cfg or K.CONFIG, h_maxnreg=cap)))))
+    # a quarter of a 128-chunk per thread (e_impl 3): CONFIG's u_* tile at its cap and uncapped; one quarter per thread
+    for name, over in (("", {}), (", no register cap", dict(u_maxnreg=0)),
+                       (", one per thread (8x512), no register cap", dict(u_rows=8, u_cols=512, u_maxnreg=0))):
+        rows.append((f"MS-EDEN quarter-chunk pass 1 (e_impl 3), RHT-128{name}",
+                     per_element(eden_pass1_quarter_spec(dict(cfg or K.CONFIG, **over)))))
     rows.append(("dequantize, row-major", per_element(dequantize_spec(False, cfg))))
     rows.append(("dequantize, stored transposed", per_element(dequantize_spec(True, cfg))))
     return rows

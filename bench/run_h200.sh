@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -797,6 +797,23 @@ s46_qadamw)
   # ~16 % higher without it, still 62 % under direct NVFP4's, docs/OPTIM.md)
   step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
   tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
+s46_eden)
+  # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 46, not yet run; s45_eden's companion): MS-EDEN's
+  # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:
+  # RHT-128's stages up to h = 16 in registers, h = 32 and 64 by two exchanges; static sm_90 35.8 instructions and 2.1
+  # SHFL per element at the default 16x512 tile's 128-register cap, 35.6 at 158 uncapped, 40.0 and 2.2 at 80 with one
+  # quarter per thread, against e_impl 0's 40.8 and 3.3 at 96). The pass-1 GPU test (every variant, bit for bit with
+  # the reference), the quarter-chunk tile/cap sweep, the MS-EDEN rows at 16384x8192 against copy bandwidth (every
+  # e_impl), then the 124M step with it (two and one quarter per thread) against the default and BF16 Inductor,
+  # interleaved in one process.
+  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pass1_variants
+  step sweeps 150 python bench/quantize.py --sweep --sweeps had128u --no-eager --out "$OUT/sweeps"
+  step reduced 100 python bench/quantize.py --bench --reduced --no-eager --out "$OUT/reduced"
+  Q=fp4compile.kernels.quantize.CONFIG
+  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm "quarter:$Q[e_impl]=3" --arm "quarter1:$Q[e_impl]=3,$Q[u_rows]=8,$Q[u_maxnreg]=0" \
+      --arm bf16:backend=inductor
+  grep -h "e_impl\|MS-EDEN" "$OUT/sweeps.log" "$OUT/reduced.log" | head -40 ;;
 s45_eden)
   # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not yet run): MS-EDEN's pass 1 with half a
   # 128-chunk per thread (CONFIG e_impl 2, kernels/quantize._eden_pass1_half_kernel: RHT-128's one cross-thread stage,

@@ -113,13 +113,15 @@ INTERP_CASES = [  # (data, shape, rounding, 4/6, 2D, hadamard, transpose)
     ("heavy", (40, 96), "ms_eden", False, False, 32, False, {"e_rows": 32, "e_cols": 64, "f_block": 64}),
     ("floor", (16, 64), "ms_eden", False, False, 0, False),
     ("tinylive", (16, 64), "ms_eden", False, False, 0, False),
-    # MS-EDEN + RHT-128 pass 1: a block per thread (e_impl 0), a 128-chunk per thread (1) and half a chunk per thread
-    # (2) with partial tiles
+    # MS-EDEN + RHT-128 pass 1: a block per thread (e_impl 0), a 128-chunk per thread (1), half a chunk per thread
+    # (2) and a quarter of a chunk per thread (3; one and two quarter-chunks per thread) with partial tiles
     ("heavy", (16, 256), "ms_eden", False, False, 128, False, {"e_impl": 0}),
     ("floor", (24, 384), "ms_eden", False, False, 128, False, {"e_impl": 1, "c_rows": 8, "c_cols": 256, "c_warps": 2}),
     ("floor", (24, 384), "ms_eden", False, False, 128, False, {"e_impl": 2, "h_rows": 8, "h_cols": 256, "h_warps": 2}),
     ("heavy", (20, 640), "ms_eden", False, False, 128, False, {"e_impl": 2, "h_rows": 16, "h_cols": 512,
                                                                "h_warps": 4}),
+    ("floor", (24, 384), "ms_eden", False, False, 128, False, {"e_impl": 3, "u_rows": 8, "u_cols": 256, "u_warps": 2}),
+    ("heavy", (20, 640), "ms_eden", False, False, 128, False, {"e_impl": 3}),
 ]
 
 
@@ -300,6 +302,14 @@ def test_offline_sass_counts_what_the_kernel_does(sass):
     # (35.0 instructions and 1.1 SHFL per element uncapped, against the block per thread's 40.8 and 3.3)
     half = r["MS-EDEN half-chunk pass 1 (e_impl 2), RHT-128, no register cap"]
     assert 1 <= half[1] < 1.5 and half[0] < r[names[3]][0] and half[3] == 0, r
+    # a quarter of a chunk per thread (e_impl 3): h = 32 and 64 cross threads, two exchanges per element; fewer
+    # instructions than the block per thread (40.8 and 3.3 SHFL per element at 96 registers): two quarters per thread
+    # 35.6 and 2.1 uncapped, no spill; one quarter per thread 40.0 and 2.2 at fewer registers (80), no spill
+    base = r[names[3]]
+    two = r["MS-EDEN quarter-chunk pass 1 (e_impl 3), RHT-128, no register cap"]
+    one = r["MS-EDEN quarter-chunk pass 1 (e_impl 3), RHT-128, one per thread (8x512), no register cap"]
+    assert 2 <= two[1] < 2.5 and two[0] < half[0] + 1 and two[3] == 0, r
+    assert 2 <= one[1] < 2.5 and one[0] < base[0] and one[2] <= base[2] and one[3] == 0, r
     # RTN 4/6 on magnitudes under its cap (s_maxnreg, 128): no spill, and under 2.5x the plain RTN pass per element
     # (49.0 vs 20.6; the signed form it replaced took 58.0)
     n46, _, regs46, spill46 = r["RTN 4/6 quantize pass"]
@@ -465,11 +475,12 @@ def test_gpu_ops_with_a_given_amax(case):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("cfg", [{"e_impl": 0}, {"e_impl": 1, "c_rows": 8, "c_cols": 1024, "c_warps": 2},
                                  {"e_impl": 0, "e_maxnreg": 80}, {"e_impl": 2}, {"e_impl": 2, "h_maxnreg": 128},
-                                 {"e_impl": 2, "h_rows": 8, "h_cols": 1024, "h_maxnreg": 96}], ids=str)
+                                 {"e_impl": 2, "h_rows": 8, "h_cols": 1024, "h_maxnreg": 96}, {"e_impl": 3},
+                                 {"e_impl": 3, "u_maxnreg": 0}, {"e_impl": 3, "u_rows": 8, "u_maxnreg": 80}], ids=str)
 def test_gpu_ms_eden_pass1_variants(cfg):
-    """The MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread / half a chunk per thread) on ragged
-    shapes; the first one also capped at 80 registers, the last at 128 and 96 (96 spills: a cap must not change a
-    bit)."""
+    """The MS-EDEN pass-1 kernels (block per thread / 128-chunk per thread / half / a quarter of a chunk per thread)
+    on ragged shapes; the first one also capped at 80 registers, the half-chunk one at 128 and 96 (96 spills: a cap
+    must not change a bit), the quarter-chunk one at its default 96, uncapped, and with one quarter per thread at 80."""
     from fp4compile.kernels import quantize as K
 
     for shape, dt in [((1000, 1920), torch.bfloat16), ((77, 3072), torch.bfloat16)]:

@@ -932,18 +932,19 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
 
 @triton.jit
 def _h_half(x_ptr, base, j: tl.constexpr, mask, sgn_off, signs_ptr, C: tl.constexpr):
-    """:func:`_run_half` of every 64-element half-chunk, whose signs start at ``sgn_off`` [C] (0 or 64: the chunk's
-    first or second half)."""
+    """:func:`_run_half` of every run of a 128-chunk (a half or a quarter of it), whose signs start at ``sgn_off`` [C]
+    (the run's offset in its chunk)."""
     sg = tl.load(signs_ptr + sgn_off[:, None] + (j * 8 + tl.arange(0, 8))[None, :])
     return _run_half(x_ptr, base, j, mask, sg, 1, C)
 
 
 @triton.jit
-def _h_pair(h, C: tl.constexpr):
-    """Butterfly stage h = 64 between the two halves of each 128-chunk, held by half-chunks 2i and 2i + 1: the
-    cross-block stage of :func:`_stage_blocks` (the partner's values by ``tl.flip``, a lane exchange) over the
-    half-chunks seen as blocks."""
-    return tl.reshape(_stage_blocks(tl.reshape(h, (1, C, 8)), 1, C, 1, 1), (C, 8))
+def _h_pair(h, C: tl.constexpr, H: tl.constexpr = 1):
+    """Butterfly stage between the runs of a 128-chunk held by threads f and f ^ H (each run a [C, 8] half-block per
+    thread): h = 64 between half-chunks (H = 1), h = 32 and 64 between quarter-chunks (H = 1, 2). The cross-block
+    stage of :func:`_stage_blocks` (the partner's values by ``tl.flip``, a lane exchange) over the runs seen as
+    blocks."""
+    return tl.reshape(_stage_blocks(tl.reshape(h, (1, C, 8)), 1, C, H, 1), (C, 8))
 
 
 @triton.jit
@@ -997,6 +998,39 @@ def _eden_pass1_half_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr
     tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 8)[None, :], w,
              mask=mask)
     tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 4)[None, :], sc,
+             mask=mask)
+    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+
+
+@triton.jit
+def _eden_pass1_quarter_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr, smax_ptr,
+                               VAL_MAX: tl.constexpr, INV_VAL_MAX: tl.constexpr, NORM: tl.constexpr,
+                               BR: tl.constexpr, BC: tl.constexpr, MAGIC_PACK: tl.constexpr):
+    """:func:`_eden_pass1_kernel` for RHT-128 on contiguous rows (``CONFIG["e_impl"] = 3``), 1x16 blocks: one thread
+    per 32-element quarter of a 128-chunk (two 16-blocks), held as 4 separate [C, 8] half-blocks. The butterfly
+    stages h = 1 ... 16 are register ops inside the thread; h = 32 and h = 64 pair threads (two exchanges per element,
+    against three shuffle stages when a thread holds one 16-block, and one with half a chunk per thread at twice the
+    registers). Same arithmetic in the same order as the reference, same bytes."""
+    C: tl.constexpr = BR * (BC // 32)
+    f, rows, col0, base, mask = _chunk_tile(srow, R, K, BR, BC, 32)
+    so = (f % 4) * 32
+    h0, h1 = _h_half(x_ptr, base, 0, mask, so, signs_ptr, C), _h_half(x_ptr, base, 1, mask, so, signs_ptr, C)
+    h2, h3 = _h_half(x_ptr, base, 2, mask, so, signs_ptr, C), _h_half(x_ptr, base, 3, mask, so, signs_ptr, C)
+    # stages h = 8, 16: half j with half j ^ 1, j ^ 2 (in the thread)
+    h0, h1 = _bf(h0, h1)
+    h2, h3 = _bf(h2, h3)
+    h0, h2 = _bf(h0, h2)
+    h1, h3 = _bf(h1, h3)
+    # stages h = 32, 64: the same half-block of quarter-chunk f ^ 1, then f ^ 2 (partner threads)
+    h0, h1, h2, h3 = _h_pair(h0, C, 1), _h_pair(h1, C, 1), _h_pair(h2, C, 1), _h_pair(h3, C, 1)
+    h0, h1, h2, h3 = _h_pair(h0, C, 2), _h_pair(h1, C, 2), _h_pair(h2, C, 2), _h_pair(h3, C, 2)
+    w0, w1, s0 = _c_block(h0, h1, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w2, w3, s1 = _c_block(h2, h3, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
+    w = tl.reshape(tl.permute(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (0, 2, 1)), (C, 4))  # word 2b + half
+    sc = tl.reshape(tl.join(s0, s1), (C, 2))
+    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 4)[None, :], w,
+             mask=mask)
+    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 2)[None, :], sc,
              mask=mask)
     tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
 
@@ -1155,7 +1189,12 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: 254 registers per thread (8 warps per SM) against 96. ``e_impl`` 2 (session 45, not yet timed): half a 128-chunk
 #: per thread (:func:`_eden_pass1_half_kernel`, tiles ``h_*``, cap ``h_maxnreg``, 0 = none): the butterfly's stages
 #: up to h = 32 in registers, h = 64 one exchange with the partner thread; static sm_90 35.0 instructions and 1.1
-#: SHFL per element at 185 registers uncapped, 37.8 with spills at 128.
+#: SHFL per element at 185 registers uncapped, 37.8 with spills at 128. ``e_impl`` 3 (session 46, not yet timed): a
+#: quarter of a 128-chunk per thread (:func:`_eden_pass1_quarter_kernel`, tiles ``u_*``, cap ``u_maxnreg``): stages up
+#: to h = 16 in registers, h = 32 and 64 exchanged with partner threads. Static sm_90 at the default tile (16x512, 4
+#: warps: two quarter-chunks per thread): 35.8 instructions and 2.1 SHFL per element at the 128-register cap (2
+#: spill accesses per thread; 35.6 at 158 registers uncapped, 37.5 with 108 spill accesses at 96); one quarter-chunk
+#: per thread (8x512): 40.0 and 2.2 at 80 registers, no spill. e_impl 0: 40.8 and 3.3 at 96.
 #: ``g_*``: pass 2's tile when it also dequantizes the copy (``quantize(..., dq=True)``, :func:`_eden_pass2_dq_kernel`;
 #: rows x columns of the copy, the dequantize kernel's ``_dequant2_kernel`` tile, whose work it takes over).
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel
@@ -1184,8 +1223,14 @@ CONFIG = {"q_rows": 16, "q_cols": 512, "q_warps": 4, "s_rows": 16, "s_cols": 256
           "e_rows": 16, "e_cols": 256, "e_warps": 4, "f_block": 2048, "f_warps": 4,
           "g_rows": 64, "g_cols": 128, "g_warps": 4,
           "e_impl": 0, "c_rows": 32, "c_cols": 512, "c_warps": 4, "h_rows": 16, "h_cols": 512, "h_warps": 4,
-          "h_maxnreg": 0,
+          "h_maxnreg": 0, "u_rows": 16, "u_cols": 512, "u_warps": 4, "u_maxnreg": 128,
           "rht_impl": 1, "t_impl": 2, "q_impl": 1, "a_impl": 1, "pdl": 1, "e_maxnreg": 96, "s_maxnreg": 128}
+
+
+#: MS-EDEN pass 1 for RHT-128 on contiguous rows by ``e_impl``: (kernel, its tile keys' prefix; ``<prefix>_maxnreg``,
+#: where present, its register cap)
+_CHUNK_KERNELS = {1: (_eden_pass1_chunk_kernel, "c"), 2: (_eden_pass1_half_kernel, "h"),
+                  3: (_eden_pass1_quarter_kernel, "u")}
 
 
 def _config(device, config: Optional[dict]) -> dict:
@@ -1431,13 +1476,14 @@ def _quantize_eden(x, R, K, srow, scol, block2d, hadamard, sg, seed, tload, tran
     if block2d:
         br = max(16, br // 16 * 16)
     opts = _launch_opts(dev)
-    if cfg["e_impl"] in (1, 2) and hadamard == 128 and not block2d and not transpose and scol == 1 and xt is None:
-        kernel, pre = (_eden_pass1_chunk_kernel, "c") if cfg["e_impl"] == 1 else (_eden_pass1_half_kernel, "h")
+    chunked = cfg["e_impl"] in _CHUNK_KERNELS and hadamard == 128 and not block2d and not transpose
+    if chunked and scol == 1 and xt is None:
+        kernel, pre = _CHUNK_KERNELS[cfg["e_impl"]]
         br, bc = cfg[pre + "_rows"], cfg[pre + "_cols"]
         launch(kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, R, K, sg, codes.view(torch.int32), scratch, smax, VAL_MAX=EDEN_VAL_MAX,
             INV_VAL_MAX=EDEN_INV_VAL_MAX, NORM=_norm(hadamard), BR=br, BC=bc, MAGIC_PACK=_MAGIC_PACK,
-            num_warps=cfg[pre + "_warps"], **_launch_opts(dev, cfg["h_maxnreg"] if pre == "h" else 0))
+            num_warps=cfg[pre + "_warps"], **_launch_opts(dev, cfg.get(pre + "_maxnreg", 0)))
     else:
         launch(_eden_pass1_kernel, (cdiv(R, br), cdiv(K, bc)),
             x, srow, scol, R, K, sg, codes.view(torch.int32), scratch, smax,
