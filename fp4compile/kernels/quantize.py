@@ -956,6 +956,7 @@ def _eden_pass1_half_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr
     register ops inside the thread; only h = 64 pairs two threads (one exchange per element, against three shuffle
     stages when a thread holds one 16-block), with half the registers of a whole chunk per thread (``e_impl`` 1).
     Same arithmetic in the same order as the reference, same bytes."""
+    tl.static_assert(BC % 128 == 0, "BC must hold whole 128-chunks (the partner of a half is its neighbour)")
     C: tl.constexpr = BR * (BC // 64)
     f, rows, col0, base, mask = _chunk_tile(srow, R, K, BR, BC, 64)
     so = (f % 2) * 64
@@ -1011,6 +1012,7 @@ def _eden_pass1_quarter_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_
     stages h = 1 ... 16 are register ops inside the thread; h = 32 and h = 64 pair threads (two exchanges per element,
     against three shuffle stages when a thread holds one 16-block, and one with half a chunk per thread at twice the
     registers). Same arithmetic in the same order as the reference, same bytes."""
+    tl.static_assert(BC % 128 == 0, "BC must hold whole 128-chunks (the partners of a quarter are its neighbours)")
     C: tl.constexpr = BR * (BC // 32)
     f, rows, col0, base, mask = _chunk_tile(srow, R, K, BR, BC, 32)
     so = (f % 4) * 32
