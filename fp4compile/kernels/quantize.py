@@ -1188,15 +1188,19 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
 #: chunks per program, ideally 32 * c_warps); 0: a 16-block per thread (the RHT's cross-block stages shuffle
 #: between lanes). Measured on the H200 (16384x8192, pass 1 alone): e_impl 0 216.5 us, e_impl 1 285.2 us, although
 #: e_impl 1 issues fewer instructions (SASS for sm_90: 35 per element and no SHFL vs 48 incl. 3.3 SHFL): it needs
-#: 254 registers per thread (8 warps per SM) against 96. ``e_impl`` 2 (session 45, not yet timed): half a 128-chunk
+#: 254 registers per thread (8 warps per SM) against 96. ``e_impl`` 2 (session 45): half a 128-chunk
 #: per thread (:func:`_eden_pass1_half_kernel`, tiles ``h_*``, cap ``h_maxnreg``, 0 = none): the butterfly's stages
 #: up to h = 32 in registers, h = 64 one exchange with the partner thread; static sm_90 35.0 instructions and 1.1
-#: SHFL per element at 185 registers uncapped, 37.8 with spills at 128. ``e_impl`` 3 (session 46, not yet timed): a
+#: SHFL per element at 185 registers uncapped, 37.8 with spills at 128; H200 (session 46): 318-321 us at 16384x8192
+#: against e_impl 0's 214 (its registers cost more than the shuffles it saves). ``e_impl`` 3 (session 46): a
 #: quarter of a 128-chunk per thread (:func:`_eden_pass1_quarter_kernel`, tiles ``u_*``, cap ``u_maxnreg``): stages up
 #: to h = 16 in registers, h = 32 and 64 exchanged with partner threads. Static sm_90 at the default tile (16x512, 4
 #: warps: two quarter-chunks per thread): 35.8 instructions and 2.1 SHFL per element at the 128-register cap (2
 #: spill accesses per thread; 35.6 at 158 registers uncapped, 37.5 with 108 spill accesses at 96); one quarter-chunk
-#: per thread (8x512): 40.0 and 2.2 at 80 registers, no spill. e_impl 0: 40.8 and 3.3 at 96.
+#: per thread (8x512): 40.0 and 2.2 at 80 registers, no spill. e_impl 0: 40.8 and 3.3 at 96. H200 (session 46,
+#: ``bench/quantize.py --sweep --sweeps had128u``): 207.6 us at 16384x8192, 0.466 of copy bandwidth, against e_impl
+#: 0's 214.3 (0.452; the best of 9 tiles/caps; uncapped 257, one per thread 227), but 33.5 against 32.5 us at 4096x4096
+#: and no change in the 124M step (49.29 against 49.23 ms), so e_impl stays 0.
 #: ``g_*``: pass 2's tile when it also dequantizes the copy (``quantize(..., dq=True)``, :func:`_eden_pass2_dq_kernel`;
 #: rows x columns of the copy, the dequantize kernel's ``_dequant2_kernel`` tile, whose work it takes over).
 #: ``q_impl`` and the ``a_*``/``ah_*`` amax tiles do not apply to MS-EDEN. ``pdl`` 1: RTN/SR's quantize kernel

@@ -24,7 +24,8 @@ per-block work is replicated. E2M1 codes come from FP adds/mins (``_e2m1_mag_mag
 magnitudes and RTN reuses the winning candidate's codes, codes are unpacked from and packed into int32 words
 (8 codes each) in registers, the Hadamard signs read as float tables (:func:`_sign_table`). Static sm_90 SASS of
 the default configuration: 3864 instructions per thread of 16 elements (241.5 per element; 128 registers, no
-spills; ~280 when this paragraph was first written) vs 6400 per thread of 8 (~800) for the first
+spills; ~280 when this paragraph was first written; 253.5 before session 46's sign tables, whose kernel took 1.06×
+the time of this one on the H200) vs 6400 per thread of 8 (~800) for the first
 version (``_qadamw_kernel_v1``, [N] / [N/16, 16] tiles spread over 4 warps with shuffles and shared-memory
 exchanges, kept for comparison; ``bench/qadamw_sass.py`` counts them on a machine without a GPU). Parameters and
 gradients must be 16-byte aligned (else the torch step runs). H200, 124M set: 1.48 ms per step vs 6.17 ms for
