@@ -18,6 +18,18 @@ step_ab() {
     ( cd .ab/old && export PYTHONPATH=$PWD && step step_full_stack_old "$2" python bench/train_step.py \
         --policy full_stack --modes reduce-overhead --steps 20 --warmup 3 --skip-bf16 --json "$OUT/train_step_old.jsonl" )
   fi; }
+# issues 2 + 3: the MS-EDEN pass-1 GPU test (every e_impl), the sweep SWEEP of bench/quantize.py, its MS-EDEN rows at
+# 16384x8192 and 4096x4096 (every e_impl), then the 124M step with each ARM (bench/step_ab.py settings) against the
+# default and BF16 Inductor, interleaved in one process: eden_pass1_ab SWEEP ARM...
+eden_pass1_ab() {
+  local sweep=$1 arms=() a; shift
+  for a in "$@"; do arms+=(--arm "$a"); done
+  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pass1_variants
+  step sweeps 150 python bench/quantize.py --sweep --sweeps "$sweep" --no-eager --out "$OUT/sweeps"
+  step reduced 100 python bench/quantize.py --bench --reduced --no-eager --out "$OUT/reduced"
+  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 "${arms[@]}" \
+      --arm bf16:backend=inductor
+  grep -h "e_impl\|MS-EDEN" "$OUT/sweeps.log" "$OUT/reduced.log" | head -40; }
 # the GPT-124M full-stack step (CUDA graphs, 30 steps, no profiler, no BF16) of this tree and of the tree under
 # .ab/cand (or .ab/DIR), alternating twice: step_cand_ab [DIR]
 step_cand_ab() {
@@ -781,7 +793,7 @@ s41_root)
       --root-arm 'loop:fp4compile.optim.root.ROOT_FOREACH=false' --root-arm base2 --out "$OUT/optim_root.json"
   cat "$OUT/root_profile.log" "$OUT/optim_root.log" ;;
 s46_qadamw)
-  # issue 5 on one nvidia-h200 (~5 min; prepared in session 46, not yet run; carry .ab, with .ab/old a checkout of
+  # issue 5 on one nvidia-h200 (~3 min; session 46, run there; carry .ab, with .ab/old a checkout of
   # 6c2bb0f: \`git worktree add .ab/old 6c2bb0f\`). Q-AdamW's kernel 2 reading the Hadamard signs as float tables
   # (fused._sign_table: no per-element byte load and int -> float conversion), without the selects outside the tensor,
   # the forward RHT's signs in its first butterfly stage: static sm_90 SASS 253.5 -> 241.5 instructions per element,
@@ -798,7 +810,7 @@ s46_qadamw)
   step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
   tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
 s46_eden)
-  # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 46, not yet run; s45_eden's companion): MS-EDEN's
+  # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's
   # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:
   # RHT-128's stages up to h = 16 in registers, h = 32 and 64 by two exchanges; static sm_90 35.8 instructions and 2.1
   # SHFL per element at the default 16x512 tile's 128-register cap, 35.6 at 158 uncapped, 40.0 and 2.2 at 80 with one
@@ -806,28 +818,18 @@ s46_eden)
   # the reference), the quarter-chunk tile/cap sweep, the MS-EDEN rows at 16384x8192 against copy bandwidth (every
   # e_impl), then the 124M step with it (two and one quarter per thread) against the default and BF16 Inductor,
   # interleaved in one process.
-  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pass1_variants
-  step sweeps 150 python bench/quantize.py --sweep --sweeps had128u --no-eager --out "$OUT/sweeps"
-  step reduced 100 python bench/quantize.py --bench --reduced --no-eager --out "$OUT/reduced"
   Q=fp4compile.kernels.quantize.CONFIG
-  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm "quarter:$Q[e_impl]=3" --arm "quarter1:$Q[e_impl]=3,$Q[u_rows]=8,$Q[u_maxnreg]=0" \
-      --arm bf16:backend=inductor
-  grep -h "e_impl\|MS-EDEN" "$OUT/sweeps.log" "$OUT/reduced.log" | head -40 ;;
+  eden_pass1_ab had128u "quarter:$Q[e_impl]=3" "quarter1:$Q[e_impl]=3,$Q[u_rows]=8,$Q[u_maxnreg]=0" ;;
 s45_eden)
-  # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not yet run): MS-EDEN's pass 1 with half a
+  # issues 2 + 3 on one nvidia-h200 (~7 min; prepared in session 45, not run: s46_eden measured e_impl 2 at 0.30 of
+  # copy bandwidth, so its sweep is moot): MS-EDEN's pass 1 with half a
   # 128-chunk per thread (CONFIG e_impl 2, kernels/quantize._eden_pass1_half_kernel: RHT-128's one cross-thread stage,
   # static sm_90 35.0 instructions and 1.1 SHFL per element at 185 registers, or 37.8 capped at 128 with spills,
   # against e_impl 0's 40.8 and 3.3 at 96). Its GPU test (bit for bit with the reference, tiles and caps), the pass-1
   # tile/cap sweep and the MS-EDEN rows at 16384x8192 against copy bandwidth, then the 124M step with it (uncapped and
   # capped) against the default and BF16 Inductor, interleaved in one process.
-  step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_quantize_kernels.py -k pass1_variants
-  step sweeps 150 python bench/quantize.py --sweep --sweeps had128h --no-eager --out "$OUT/sweeps"
-  step reduced 90 python bench/quantize.py --bench --reduced --no-eager --out "$OUT/reduced"
   Q=fp4compile.kernels.quantize.CONFIG
-  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm "half:$Q[e_impl]=2" --arm "half128:$Q[e_impl]=2,$Q[h_maxnreg]=128" --arm bf16:backend=inductor
-  grep -h "e_impl\|MS-EDEN" "$OUT/sweeps.log" "$OUT/reduced.log" | head -40 ;;
+  eden_pass1_ab had128h "half:$Q[e_impl]=2" "half128:$Q[e_impl]=2,$Q[h_maxnreg]=128" ;;
 s45_shared)
   # issue 5 on one nvidia-h200 (~5 min; prepared in session 45, not yet run): (1) QRoot's ns_shared_x (X quantized
   # once per NS step in 16x16 blocks for both X Xᵀ and B·X: 3 quantizations and dequantizations per step instead of

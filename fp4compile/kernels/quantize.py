@@ -840,6 +840,18 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7, C: tl.constexpr):
 
 
 @triton.jit
+def _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, NW: tl.constexpr):
+    """The pass-1 outputs of the kernels that give a thread a run (a 128-chunk or part of one, starting at column
+    ``col0`` of row ``rows``): its ``NW`` packed code words [C, NW] (8 codes each), its NW / 2 scales S' [C, NW / 2]
+    into ``scratch``, and max S' into ``smax`` (``atomic_max``)."""
+    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, NW)[None, :], w,
+             mask=mask)
+    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, NW // 2)[None, :],
+             sc, mask=mask)
+    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+
+
+@triton.jit
 def _chunk_tile(srow, R, K, BR: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
     """The [BR, BC] tile of program (0, 1) as BR * BC / W runs of W contiguous elements, one per thread: (run index
     f, row, first column, x's offset, the [runs, 1] mask of runs inside x)."""
@@ -923,11 +935,7 @@ def _eden_pass1_chunk_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_pt
     w = tl.join(_join8(w0, w1, w2, w3, w4, w5, w6, w7, C), _join8(w8, w9, w10, w11, w12, w13, w14, w15, C))
     w = tl.reshape(tl.permute(w, (0, 2, 1)), (C, 16))  # word 2b + half of block b
     sc = _join8(s0, s1, s2, s3, s4, s5, s6, s7, C)
-    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 16)[None, :], w,
-             mask=mask)
-    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 8)[None, :], sc,
-             mask=mask)
-    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+    _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, 16)
 
 
 @triton.jit
@@ -996,11 +1004,7 @@ def _eden_pass1_half_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_ptr
     w6, w7, s3 = _c_block(h6, h7, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
     w = _join8(w0, w1, w2, w3, w4, w5, w6, w7, C)    # word 2b + half of block b
     sc = tl.reshape(tl.permute(tl.join(tl.join(s0, s1), tl.join(s2, s3)), (0, 2, 1)), (C, 4))
-    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 8)[None, :], w,
-             mask=mask)
-    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 4)[None, :], sc,
-             mask=mask)
-    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+    _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, 8)
 
 
 @triton.jit
@@ -1030,11 +1034,7 @@ def _eden_pass1_quarter_kernel(x_ptr, srow, R, K, signs_ptr, codes_ptr, scratch_
     w2, w3, s1 = _c_block(h2, h3, VAL_MAX, INV_VAL_MAX, NORM, C, MAGIC_PACK)
     w = tl.reshape(tl.permute(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (0, 2, 1)), (C, 4))  # word 2b + half
     sc = tl.reshape(tl.join(s0, s1), (C, 2))
-    tl.store(codes_ptr + (rows.to(tl.int64) * (K // 8) + col0 // 8)[:, None] + tl.arange(0, 4)[None, :], w,
-             mask=mask)
-    tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, 2)[None, :], sc,
-             mask=mask)
-    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+    _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, 4)
 
 
 @triton.jit
