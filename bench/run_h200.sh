@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -378,9 +378,10 @@ fork)
   fi
   if [ ! -d "$dst/30m/bf16" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/bf16"; fi
   # shellcheck disable=SC2086  # EXTRA is a list of flags
-  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start); ERR=1 keeps ~15 s per arm
+  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start; FORK_END, default 585 s, sets
+  # the end); ERR=1 keeps ~15 s per arm
   # for bench/attn_qk_error.py on each finished arm afterwards (Q-Attn's errors on its own Q, K, V; session 36)
-  err=${ERR:-0}; t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
+  err=${ERR:-0}; t=$((${FORK_END:-585} - SECONDS)); [ "$t" -gt 470 ] && t=470
   [ "$err" = 1 ] && t=$((t - 15 * ($(echo "bf16,$arms" | tr -cd , | wc -c) + 1)))
   step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
       --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
@@ -809,6 +810,19 @@ s46_qadamw)
   # ~16 % higher without it, still 62 % under direct NVFP4's, docs/OPTIM.md)
   step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
   tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
+s47_fork)
+  # issue 5 (and 7) on one nvidia-h200, session 47 (~10 min, then the same command again on the warm machine to
+  # finish the arms): the GPU tests of ns_glue and Q-Root (session 46 cut them after 8 passed) in the background, and
+  # the 30M fork of seed 0 at step 800 (mode fork) with fullbest against fullbest_nsx (QRoot's ns_sym_b + ns_shared_x
+  # + FUSE_AMAX) and fullbest_v6 (Q-AdamW's v without 4/6): the faster options' quality cost, paired. The fork's
+  # own output (and its packed files) go to $OUT/fork
+  if [ ! -f .fork0_s47_tests ]; then
+    ( step gpu_tests_root 400 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
+        tests/test_optim_root.py; touch .fork0_s47_tests ) &
+  fi
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 bash "$0" fork 0 800 fullbest,fullbest_nsx,fullbest_v6 >"$OUT/fork_call.log" 2>&1
+  wait
+  ls .fork0/30m ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's
   # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:

@@ -333,6 +333,23 @@ def test_qadamw_v_state_reaches_every_qadamw_group():
         L.TrainConfig(optimizer="qadamw", qadamw_v_state="clamped").validate()
 
 
+def test_qadamw_v_four_over_six_reaches_every_qadamw_group():
+    """--no-qadamw-v-four-over-six turns Q-AdamW's 4/6 scaling of v off (QAdamW, and QRoot's Q-AdamW part); None keeps
+    it on; an optimizer without Q-AdamW, or a value that is not a bool, is refused."""
+    model = GPT(config_from_preset("tiny", vocab_size=64, max_seq_len=32))
+    for opt_name in ("qadamw", "qroot"):
+        for value, expect in ((None, True), (False, False)):
+            cfg = L.TrainConfig(model="tiny", optimizer=opt_name, policy="bf16", qadamw_v_four_over_six=value)
+            cfg.validate()
+            groups = L.build_optimizer(model, cfg, None).param_groups
+            assert {g["v_four_over_six"] for g in groups} == {expect}
+            assert {g["m_four_over_six"] for g in groups} == {True}      # m keeps its own setting
+    with pytest.raises(ValueError, match="qadamw_v_four_over_six"):
+        L.TrainConfig(optimizer="adamw", qadamw_v_four_over_six=False).validate()
+    with pytest.raises(ValueError, match="qadamw_v_four_over_six"):
+        L.TrainConfig(optimizer="qadamw", qadamw_v_four_over_six="no").validate()
+
+
 def test_qroot_ns_steps_reaches_the_root_group():
     """--ns-steps sets QRoot's ns_steps on the Root group (None keeps 5); QRoot validates it; other optimizers
     refuse it."""

@@ -118,6 +118,8 @@ class TrainConfig:
     ns_shared_x: Optional[bool] = None        # QRoot's NVFP4 NS: X quantized once per step (16x16 blocks) for both
                                               # products, 3 quantizations per step (None: default, off)
     qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
+    qadamw_v_four_over_six: Optional[bool] = None  # Q-AdamW's v_four_over_six (None: its default, on; off: ~9 %
+                                              # less Q-AdamW time on the H200, docs/OPTIM.md "What v's 4/6 buys")
     optim_cuda_graphs: Optional[bool] = None  # QRoot(cuda_graphs=...): its Newton–Schulz replayed as CUDA graphs;
                                               # None: on when the model's step runs as CUDA graphs (resolved())
     min_lr_ratio: float = 0.1
@@ -186,6 +188,12 @@ class TrainConfig:
             one_of("qadamw_v_state", V_STATES)
             if self.optimizer not in ("qadamw", "qroot"):
                 raise ValueError(f"qadamw_v_state is a Q-AdamW setting; optimizer={self.optimizer!r} has no Q-AdamW")
+        if self.qadamw_v_four_over_six is not None:
+            if not isinstance(self.qadamw_v_four_over_six, bool):
+                raise ValueError(f"qadamw_v_four_over_six must be a bool, got {self.qadamw_v_four_over_six!r}")
+            if self.optimizer not in ("qadamw", "qroot"):
+                raise ValueError(f"qadamw_v_four_over_six is a Q-AdamW setting; optimizer={self.optimizer!r} has no "
+                                 "Q-AdamW")
         if self.parallel != "fsdp2" and (not self.fsdp_reshard or self.fsdp_bf16_params):
             raise ValueError("fsdp_reshard / fsdp_bf16_params are FSDP2 settings; they need parallel='fsdp2'")
         if self.lora and self.parallel == "fsdp2":
@@ -447,7 +455,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
             extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
             return torch.optim.AdamW(groups, **adam_kw, **extra)
         return _call_supported(_feature("QAdamW", "the optimizer issue (branch optim)"), groups, **adam_kw,
-                               v_state=cfg.qadamw_v_state)
+                               v_state=cfg.qadamw_v_state, v_four_over_six=cfg.qadamw_v_four_over_six)
     QRoot = _feature("QRoot", "the optimizer issue (branch optim)")
     hidden = [p for n, p in params if p.dim() == 2 and n.startswith("blocks.")]
     ids = {id(p) for p in hidden}
@@ -459,7 +467,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, policy=None, devic
               {"params": vectors, "use_root": False, "weight_decay": 0.0}]
     return _call_supported(QRoot, groups, weight_decay=cfg.weight_decay, policy=policy,
                            adamw="adamw" if cfg.optimizer == "qroot+adamw" else "qadamw",
-                           cuda_graphs=bool(cfg.optim_cuda_graphs) or None, v_state=cfg.qadamw_v_state, **adam_kw)
+                           cuda_graphs=bool(cfg.optim_cuda_graphs) or None, v_state=cfg.qadamw_v_state,
+                           v_four_over_six=cfg.qadamw_v_four_over_six, **adam_kw)
 
 
 class LRSchedule:
