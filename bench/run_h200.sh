@@ -813,14 +813,15 @@ s46_qadamw)
 s47_fork)
   # issue 5 (and 7) on one nvidia-h200, session 47 (~10 min, then the same command again on the warm machine to
   # finish the arms): the GPU tests of ns_glue and Q-Root (session 46 cut them after 8 passed) in the background, and
-  # the 30M fork of seed 0 at step 800 (mode fork) with fullbest against fullbest_nsx (QRoot's ns_sym_b + ns_shared_x
-  # + FUSE_AMAX) and fullbest_v6 (Q-AdamW's v without 4/6): the faster options' quality cost, paired. The fork's
-  # own output (and its packed files) go to $OUT/fork
+  # the 30M fork of seed 0 at step 800 (mode fork) with fullbest against fullbest_fast (QRoot's ns_sym_b + ns_shared_x
+  # + FUSE_AMAX, Q-AdamW's v without 4/6): the faster options' quality cost, paired, both options in one arm to fit
+  # one call (fullbest_nsx and fullbest_v6 take them one at a time). The fork's own output (and its packed files) go
+  # to $OUT/fork
   if [ ! -f .fork0_s47_tests ]; then
     ( step gpu_tests_root 400 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
         tests/test_optim_root.py; touch .fork0_s47_tests ) &
   fi
-  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 bash "$0" fork 0 800 fullbest,fullbest_nsx,fullbest_v6 >"$OUT/fork_call.log" 2>&1
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 bash "$0" fork 0 800 fullbest,fullbest_fast >"$OUT/fork_call.log" 2>&1
   wait
   ls .fork0/30m ;;
 s46_eden)
