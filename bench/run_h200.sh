@@ -369,21 +369,22 @@ fork)
   # question, how much of the gap a BF16 weight branch can reach and how much rank reaches it:
   # fork S 800 quartet2,q2w,lora128 (~8.5 min; every fork source needs its own BF16 and NVFP4 runs), then at
   # once, while the machine is warm, fork S 800 lora64 adds rank 64 to the same fork (~2.5 min)
-  s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}
-  src=.fork_src$s/30m/bf16; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
+  # FORK_SRC: the source arm (default bf16; bf16root for QRoot arms, whose optimizer state a fork must match)
+  s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}; sa=${FORK_SRC:-bf16}
+  src=.fork_src$s/30m/$sa; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
   step data 60 python bench/study.py --data-only
   if [ ! -f "$src/checkpoint/state.pt" ]; then
-    step "fork${s}_src" 200 python bench/study.py --size 30m --arms bf16 --out ".fork_src$s" --tokens 100e6 \
+    step "fork${s}_src" 200 python bench/study.py --size 30m --arms "$sa" --out ".fork_src$s" --tokens 100e6 \
         --skip-data --time-budget 185 -- --seed "$s" --stop-after "$at"
   fi
-  if [ ! -d "$dst/30m/bf16" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/bf16"; fi
+  if [ ! -d "$dst/30m/$sa" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/$sa"; fi
   # shellcheck disable=SC2086  # EXTRA is a list of flags
   # the arms get what is left of a 10-minute call (SECONDS counts from the script's start; FORK_END, default 585 s, sets
   # the end); ERR=1 keeps ~15 s per arm
   # for bench/attn_qk_error.py on each finished arm afterwards (Q-Attn's errors on its own Q, K, V; session 36)
   err=${ERR:-0}; t=$((${FORK_END:-585} - SECONDS)); [ "$t" -gt 470 ] && t=470
   [ "$err" = 1 ] && t=$((t - 15 * ($(echo "bf16,$arms" | tr -cd , | wc -c) + 1)))
-  step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "bf16,$arms" --out "$dst" --tokens 100e6 \
+  step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "$sa,$arms" --out "$dst" --tokens 100e6 \
       --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
       --lora-realign-every 300 --lora-realign-after 600 $extra
   if [ "$err" = 1 ]; then
@@ -821,7 +822,7 @@ s47_fork)
     ( step gpu_tests_root 400 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
         tests/test_optim_root.py; touch .fork0_s47_tests ) &
   fi
-  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 bash "$0" fork 0 800 fullbest,fullbest_fast >"$OUT/fork_call.log" 2>&1
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 FORK_SRC=bf16root bash "$0" fork 0 800 fullbest,fullbest_fast >"$OUT/fork_call.log" 2>&1
   wait
   ls .fork0/30m ;;
 s46_eden)
