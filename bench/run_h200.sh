@@ -812,18 +812,14 @@ s46_qadamw)
   step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
   tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
 s47_fork)
-  # issue 5 (and 7) on one nvidia-h200, session 47 (~10 min, then the same command again on the warm machine to
-  # finish the arms): the GPU tests of ns_glue and Q-Root (session 46 cut them after 8 passed) in the background, and
-  # the 30M fork of seed 0 at step 800 (mode fork) with fullbest against fullbest_fast (QRoot's ns_sym_b + ns_shared_x
-  # + FUSE_AMAX, Q-AdamW's v without 4/6): the faster options' quality cost, paired, both options in one arm to fit
-  # one call (fullbest_nsx and fullbest_v6 take them one at a time). The fork's own output (and its packed files) go
-  # to $OUT/fork
-  if [ ! -f .fork0_s47_tests ]; then
-    ( step gpu_tests_root 400 python -m pytest -m gpu -q -n 4 -rf -p no:cacheprovider tests/test_ns_glue.py \
-        tests/test_optim_root.py; touch .fork0_s47_tests ) &
-  fi
-  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=555 FORK_SRC=bf16root bash "$0" fork 0 800 fullbest,fullbest_fast >"$OUT/fork_call.log" 2>&1
-  wait
+  # issue 5 (and 7) on one nvidia-h200 (session 47; ~10 min, then the same command again on the warm machine to
+  # finish the arms). Session 47's first two calls ran the GPU tests of ns_glue and Q-Root (10 passed) but no fork: a
+  # QRoot arm cannot fork from an AdamW (bf16) or Root + AdamW (bf16root) source. Now the 30M fork of seed 0 at step
+  # 800 from bf16qroot (BF16, Root with BF16 NS + Q-AdamW): fullbest (session 47's defaults: QRoot's ns_sym_b +
+  # ns_shared_x + FUSE_AMAX) against fullbest_nsold (the NS options of sessions <= 46) and fullbest_v6 (Q-AdamW's v
+  # without 4/6), paired. The fork's own output (and its packed files) go to $OUT/fork
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=585 FORK_SRC=bf16qroot bash "$0" fork 0 800 \
+      fullbest,fullbest_nsold,fullbest_v6 >"$OUT/fork_call.log" 2>&1
   ls .fork0/30m ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's

@@ -138,22 +138,23 @@ def late_arm(base: str, at: float, roles: str = "") -> dict:
 ARMS["fullbest_late"] = late_arm("fullbest", 0.85)
 ARMS["fullbest_late70"] = late_arm("fullbest", 0.70)
 ARMS["fullbest_late_all"] = late_arm("fullbest", 0.85, "linear.fprop,linear.dgrad,linear.wgrad")
-# fullbest with the faster optimizer options, for a fork A/B before they become defaults (session 47): QRoot's
-# NVFP4 Newton–Schulz with B in 16x16 blocks and X quantized once per step for both products, amax passes folded
-# into the glue (the 124M set's NS step 0.69x -> 0.79x BF16 NS, session 46); Q-AdamW's v without 4/6 (-9 % of its
-# time); both
-ARMS["fullbest_nsx"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--ns-sym-b", "--ns-shared-x"],
-                            env={"FP4COMPILE_NS_AMAX": "1"})
+# fullbest with the NVFP4 Newton–Schulz of sessions <= 46 (QRoot's ns_sym_b and ns_shared_x off, the amax passes
+# not folded: the defaults until session 47, which made the faster options the default), and fullbest with Q-AdamW's
+# v without 4/6 (-9 % of its time): fork A/Bs of those choices (run mode s47_fork)
+ARMS["fullbest_nsold"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--no-ns-sym-b", "--no-ns-shared-x"],
+                              env={"FP4COMPILE_NS_AMAX": "0"})
 ARMS["fullbest_v6"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--no-qadamw-v-four-over-six"])
-ARMS["fullbest_fast"] = dict(ARMS["fullbest_nsx"], flags=ARMS["fullbest_nsx"]["flags"] + ["--no-qadamw-v-four-over-six"])
+# a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16
+# Newton–Schulz and Q-AdamW for the rest
+ARMS["bf16qroot"] = dict(backend="inductor", policy="bf16", optimizer="qroot", lora=False)
 #: written into a late arm's run directory when --pair-late hands it its base arm's run
 PAIRED = "paired_from.json"
 LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ LoRA-SVD",
           "lora32": "+ LoRA-SVD rank 32", "lora64": "+ LoRA-SVD rank 64", "lora128": "+ LoRA-SVD rank 128",
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
-          "fullbest_nsx": "full stack, QRoot's shared X + symmetric B", "fullbest_v6": "full stack, v without 4/6",
-          "fullbest_fast": "full stack, both",
+          "fullbest_nsold": "full stack, NVFP4 NS of sessions <= 46", "fullbest_v6": "full stack, v without 4/6",
+          "bf16qroot": "BF16 + Root (BF16 NS) + Q-AdamW",
           "qattn": "+ Q-Attn", "qattn_none": "+ Q-Attn, Q, K as they are", "qattn_sk": "+ Q-Attn, K smoothed",
           "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
           "qattn_skh": "+ Q-Attn, K smoothed, Q, K rotated",

@@ -509,8 +509,10 @@ def test_ns_residual_quantizations_per_step(monkeypatch, residual, shared_x, exp
 
 
 def test_qroot_sym_b_and_residual_group_keys():
-    """ns_sym_b / ns_residual are validated group keys (defaults off), reach the NS (the update changes), survive
-    a safetensors round trip as a tuple, and old state dicts without them resume with both off."""
+    """ns_sym_b / ns_residual / ns_shared_x are validated group keys, reach the NS (the update changes), survive
+    a safetensors round trip (ns_residual as a tuple), and old state dicts without them resume with all off. The
+    default (None) resolves per group: sym_b and shared_x on for an NVFP4 NS spec without an RHT (shared_x off
+    with a residual), off for an RHT spec or a BF16 NS, stored as bools."""
     from fp4compile.optim import load_safetensors_state, save_safetensors_state
 
     torch.manual_seed(0)
@@ -524,10 +526,16 @@ def test_qroot_sym_b_and_residual_group_keys():
         opt.step()
         return p.detach(), opt
     base, opt = one_step()
-    assert opt.param_groups[0]["ns_sym_b"] is False and opt.param_groups[0]["ns_residual"] == ()
+    assert opt.param_groups[0]["ns_sym_b"] is True and opt.param_groups[0]["ns_shared_x"] is True
+    assert opt.param_groups[0]["ns_residual"] == ()
+    off, opt_off = one_step(ns_sym_b=False, ns_shared_x=False)
+    assert not torch.equal(base, off)
+    for kw in (dict(precision=NVFP4(hadamard=16)), dict(precision="bf16")):
+        g0 = QRoot([torch.nn.Parameter(w.clone())], **kw).param_groups[0]
+        assert g0["ns_sym_b"] is False and g0["ns_shared_x"] is False, kw
     both, opt = one_step(ns_sym_b=True, ns_residual=["xt", "x"])
-    assert opt.param_groups[0]["ns_residual"] == ("x", "xt")
-    assert not torch.equal(base, both)
+    assert opt.param_groups[0]["ns_residual"] == ("x", "xt") and opt.param_groups[0]["ns_shared_x"] is False
+    assert not torch.equal(base, both) and not torch.equal(off, both)
     for bad in (dict(ns_sym_b=1), dict(ns_residual="x"), dict(ns_residual=("b",)), dict(ns_residual=("x2d", "xt")),
                 dict(ns_shared_x=1), dict(ns_shared_x=True, ns_residual=("x2d",))):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -539,8 +547,8 @@ def test_qroot_sym_b_and_residual_group_keys():
         newton_schulz(w, (JORDAN,), spec=NVFP4(hadamard=16), residual=("xt",))
     with pytest.raises(ValueError, match="shared_x"):
         newton_schulz(w, (JORDAN,), spec=NVFP4(), residual=("x",), shared_x=True)
-    shared, opt_s = one_step(ns_shared_x=True)
-    assert opt_s.param_groups[0]["ns_shared_x"] is True and not torch.equal(base, shared)
+    shared, opt_s = one_step(ns_sym_b=False, ns_shared_x=True)
+    assert opt_s.param_groups[0]["ns_shared_x"] is True and not torch.equal(off, shared)
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         save_safetensors_state(opt.state_dict(), d + "/o.safetensors")

@@ -299,10 +299,13 @@ def test_qroot_ns_accuracy_options_reach_the_root_group():
     cfg = L.TrainConfig(model="tiny", optimizer="qroot", ns_sym_b=True, ns_residual="x, xt")
     cfg.validate()
     root = [g for g in L.build_optimizer(model, cfg, None).param_groups if g["use_root"]][0]
-    assert root["ns_sym_b"] is True and root["ns_residual"] == ("x", "xt")
+    assert root["ns_sym_b"] is True and root["ns_residual"] == ("x", "xt") and root["ns_shared_x"] is False
     root = [g for g in L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot"), None).param_groups
             if g["use_root"]][0]
-    assert root["ns_sym_b"] is False and root["ns_residual"] == ()
+    assert root["ns_sym_b"] is True and root["ns_shared_x"] is True and root["ns_residual"] == ()   # the defaults
+    cfg = L.TrainConfig(model="tiny", optimizer="qroot", ns_sym_b=False, ns_shared_x=False)
+    root = [g for g in L.build_optimizer(model, cfg, None).param_groups if g["use_root"]][0]
+    assert root["ns_sym_b"] is False and root["ns_shared_x"] is False
     with pytest.raises(ValueError, match="ns_residual"):
         L.build_optimizer(model, L.TrainConfig(model="tiny", optimizer="qroot", ns_residual="x,b"), None)
     with pytest.raises(ValueError, match="ns_residual"):
@@ -675,6 +678,22 @@ def test_lora_frozen_factors_train_like_the_dense_model(tmp_path, optimizer):
     fork = losses(tmp_path / "fork")
     assert [s for s, _ in fork] == [5, 6, 7, 8]
     assert all(abs(a - b) <= tol * b for (_, a), (_, b) in zip(fork, dense[4:])), (fork, dense)
+
+
+def test_fork_takes_the_runs_optimizer_options(tmp_path):
+    """A fork keeps the source's optimizer state but runs with its own encode and Newton–Schulz options: Q-AdamW's
+    v_four_over_six and QRoot's ns_sym_b / ns_shared_x come from the fork's config, not from the saved groups
+    (``reapply_group_settings``), so a fork A/B of those options compares what it names."""
+    kw = dict(optimizer="qroot", policy="full_stack", steps=6, val_data="")
+    L.train(tiny_cfg(tmp_path, "src", stop_after=3, **kw))
+    opts = dict(qadamw_v_four_over_six=False, ns_sym_b=False, ns_shared_x=False)
+    L.train(tiny_cfg(tmp_path, "fork", init_from=str(tmp_path / "src"), **opts, **kw))
+    src = L.read_checkpoint(tmp_path / "src" / "checkpoint")["optimizer"]["param_groups"]
+    fork = L.read_checkpoint(tmp_path / "fork" / "checkpoint")["optimizer"]["param_groups"]
+    assert {g["v_four_over_six"] for g in src} == {True} and {g["v_four_over_six"] for g in fork} == {False}
+    root = lambda groups: [g for g in groups if g["use_root"]]                         # noqa: E731
+    for key in ("ns_sym_b", "ns_shared_x"):       # the Root group's (QRoot's defaults: on for this NVFP4 NS spec)
+        assert [g[key] for g in root(src)] == [True] and [g[key] for g in root(fork)] == [False], key
 
 
 def test_fullstack_fp4_under_bf16_autocast(tmp_path):

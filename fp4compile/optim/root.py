@@ -390,9 +390,10 @@ NS_DQ = os.environ.get("FP4COMPILE_NS_DQ", "0") not in ("", "0")
 #: ``amax=`` slots: the new iterate X from the update, E from ``sub_diag``, Bs from ``shift_poly``), which then give
 #: the quantize op its ``amax`` instead of it reading each operand once more; RTN and SR specs without an RHT (the op
 #: takes no amax otherwise), the stack's own quantizers. The same bits (the op's CPU reference checks that a given
-#: amax is max|x|). Off until timed on a GPU (``bash bench/run_h200.sh s45_shared``); ``FP4COMPILE_NS_AMAX=1`` sets it
+#: amax is max|x|). On by default since session 47 (H200, with ns_sym_b and ns_shared_x: the 124M set's NS step 12.56
+#: -> 12.36 ms, the 1B set's 134.1 -> 131.7 ms; docs/BENCHMARKS.md session 46); ``FP4COMPILE_NS_AMAX=0`` turns it off
 #: at import.
-FUSE_AMAX = os.environ.get("FP4COMPILE_NS_AMAX", "0") not in ("", "0")
+FUSE_AMAX = os.environ.get("FP4COMPILE_NS_AMAX", "1") not in ("", "0")
 
 
 def _q_stack_dq(x: torch.Tensor, spec, signs, seed=None, transpose=False, amax=None):
@@ -703,8 +704,8 @@ def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # the optimizer
 ROOT_DEFAULTS = dict(use_root=None, momentum=0.95, nesterov=True, clip_quantile=0.99, ns_steps=5,
-                     ns_schedule="root", ns_guard=1.0, ns_shift=True, ns_sym_b=False, ns_residual=(),
-                     ns_shared_x=False, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
+                     ns_schedule="root", ns_guard=1.0, ns_shift=True, ns_sym_b=None, ns_residual=(),
+                     ns_shared_x=None, update_scale=0.2, betas=(0.9, 0.95), eps=1e-8, adamw="qadamw")
 
 
 class QRoot(Optimizer):
@@ -721,14 +722,16 @@ class QRoot(Optimizer):
         update_scale (0.2), ns_guard (1.0: sigma_max guard of the NVFP4 NS iterates; None disables),
         ns_shift (True: NVFP4 NS quantizes the identity-shifted A - alpha I and B - beta I, see
         :func:`_shifted_poly`; False: A and B themselves, the unshifted form of sessions 1-5),
-        ns_sym_b (False; True: NVFP4 NS quantizes B of B·X in 16x16 blocks, a symmetric copy of a symmetric B),
+        ns_sym_b (None: on where the NS spec allows it, an NVFP4 spec without an RHT; True: NVFP4 NS quantizes B of
+        B·X in 16x16 blocks, a symmetric copy of a symmetric B; False: in 1x16 blocks along K),
         ns_residual (() or a subset of ("x", "xt"): X's quantizations for X Xᵀ / for B·X taken in two NVFP4
         terms, one product and one quantization more per step each; or ("x2d",): one two-term quantization of X
         in 16x16 blocks serving both, 4 quantizations and 5 products per step; neither option with an RHT spec; see
         :func:`_ns_nvfp4_stack`; error against the polar factor in docs/OPTIM.md).
-        ns_shared_x (False; True: NVFP4 NS quantizes X once per step, in 16x16 blocks, for both X Xᵀ and B·X: 3
-        quantizations per step instead of 4 and no transposing pass, at a few per cent more error; not with
-        ``ns_residual`` or an RHT spec; :func:`_ns_nvfp4_stack`).
+        ns_shared_x (None: on where the NS spec allows it, an NVFP4 spec without an RHT and no ``ns_residual``;
+        True: NVFP4 NS quantizes X once per step, in 16x16 blocks, for both X Xᵀ and B·X: 3 quantizations per step
+        instead of 4 and no transposing pass, at a few per cent more error; not with ``ns_residual`` or an RHT spec;
+        :func:`_ns_nvfp4_stack`). The resolved value is stored in the group (and its state dict).
         betas, eps, adamw ("qadamw" | "adamw") and the Q-AdamW storage keys (``min_numel``, ``tile``, ...):
             the AdamW part.
         policy: a ``fp4compile.Policy`` or preset name (default ``Policy.full_stack()``); the NS precision is
@@ -826,12 +829,17 @@ class QRoot(Optimizer):
             raise ValueError(f"adamw must be 'qadamw' or 'adamw', got {g['adamw']!r}")
         if not isinstance(g.get("ns_shift", False), bool):
             raise ValueError(f"ns_shift must be a bool, got {g['ns_shift']!r}")
-        if not isinstance(g.get("ns_sym_b", False), bool):
-            raise ValueError(f"ns_sym_b must be a bool, got {g['ns_sym_b']!r}")
-        if not isinstance(g.get("ns_shared_x", False), bool):
-            raise ValueError(f"ns_shared_x must be a bool, got {g['ns_shared_x']!r}")
-        _check_ns_options(getattr(self, "ns_spec", None), g.get("ns_sym_b", False), g.get("ns_residual", ()),
-                          g.get("ns_shared_x", False))
+        for key in ("ns_sym_b", "ns_shared_x"):
+            if g.get(key) is not None and not isinstance(g[key], bool):
+                raise ValueError(f"{key} must be a bool or None (on where the NS spec allows it), got {g[key]!r}")
+        spec = getattr(self, "ns_spec", None)
+        if spec is not None:   # None (the default): on for an NVFP4 NS spec without an RHT (_check_ns_options)
+            plain = spec.name == "nvfp4" and not spec.hadamard
+            if g.get("ns_sym_b") is None:
+                g["ns_sym_b"] = plain
+            if g.get("ns_shared_x") is None:
+                g["ns_shared_x"] = plain and not g.get("ns_residual", ())
+        _check_ns_options(spec, bool(g.get("ns_sym_b")), g.get("ns_residual", ()), bool(g.get("ns_shared_x")))
         g["ns_residual"] = tuple(sorted(set(g.get("ns_residual", ()))))
         _qa.check_group({**g, "quantize": g["quantize"] and g["adamw"] == "qadamw"})
         if g["use_root"]:

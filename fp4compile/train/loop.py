@@ -112,11 +112,13 @@ class TrainConfig:
     ns_schedule: Optional[str] = None         # QRoot's NS coefficients: root | root_table | jordan | polar_express
     ns_shift: Optional[bool] = None           # QRoot's identity-shifted NVFP4 NS products (None: QRoot's default, on)
     ns_steps: Optional[int] = None            # QRoot's Newton–Schulz steps per update (None: QRoot's default, 5)
-    ns_sym_b: Optional[bool] = None           # QRoot's NVFP4 NS: B of B·X in 16x16 blocks (None: default, off)
+    ns_sym_b: Optional[bool] = None           # QRoot's NVFP4 NS: B of B·X in 16x16 blocks (None: QRoot's default,
+                                              # on where the NS spec has no RHT)
     ns_residual: Optional[str] = None         # QRoot's NVFP4 NS: X's quantizations in two terms, comma list of
                                               # x (X·Xᵀ), xt (B·X), or x2d alone; "" or None: none (docs/OPTIM.md)
     ns_shared_x: Optional[bool] = None        # QRoot's NVFP4 NS: X quantized once per step (16x16 blocks) for both
-                                              # products, 3 quantizations per step (None: default, off)
+                                              # products, 3 quantizations per step (None: QRoot's default, on
+                                              # where the NS spec has no RHT and there is no ns_residual)
     qadamw_v_state: Optional[str] = None      # Q-AdamW's v_state (floored | signed; None: its default, floored)
     qadamw_v_four_over_six: Optional[bool] = None  # Q-AdamW's v_four_over_six (None: its default, on; off: ~9 %
                                               # less Q-AdamW time on the H200, docs/OPTIM.md "What v's 4/6 buys")
@@ -593,7 +595,9 @@ SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matr
         "grad_clip", "late_bf16_at", "late_bf16_roles") + ROOT_GROUP_KEYS
 #: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps and
 #: QRoot's NS settings); a resumed run takes them from its config, not from the checkpoint's optimizer state
-GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS
+#: Q-AdamW's group keys that only choose how states are encoded (not their format): a fork or resume takes the run's
+QADAMW_GROUP_KEYS = ("v_four_over_six",)
+GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS + QADAMW_GROUP_KEYS
 
 
 def structural_diffs(saved: dict, cfg, keys=STRUCTURAL) -> list:
