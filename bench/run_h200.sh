@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -811,6 +811,14 @@ s46_qadamw)
   # ~16 % higher without it, still 62 % under direct NVFP4's, docs/OPTIM.md)
   step qadamw_variants 90 python bench/qadamw_variants.py --sets 124M,1B --only 13,0,13 --out "$OUT/qadamw_variants.json"
   tail -n 3 "$OUT/gpu_tests.log"; grep -h "QAdamW step" "$OUT"/qadamw_*.log; cat "$OUT/qadamw_variants.log" ;;
+s47_root)
+  # issue 5 on one nvidia-h200 (~3 min; session 47): the Q-Root step with session 47's defaults (ns_sym_b, ns_shared_x
+  # and FUSE_AMAX on, whose GPU tests passed in s47_fork's first calls) against the NS options of sessions <= 46,
+  # alternating, 124M and 1B sets, BF16 NS in the same runs
+  O='options.ns_sym_b=false,options.ns_shared_x=false,fp4compile.optim.root.FUSE_AMAX=false'
+  step optim_root 300 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+      --root-arm base --root-arm "old:$O" --root-arm base2 --root-arm "old2:$O" --out "$OUT/optim_root.json"
+  grep -h "section=QRoot" "$OUT/optim_root.log" ;;
 s47_fork)
   # issue 5 (and 7) on one nvidia-h200 (session 47; ~10 min, then the same command again on the warm machine to
   # finish the arms). Session 47's first two calls ran the GPU tests of ns_glue and Q-Root (10 passed) but no fork: a
