@@ -814,9 +814,9 @@ s46_qadamw)
 s47_root)
   # issue 5 on one nvidia-h200 (~3 min; session 47): the Q-Root step with session 47's defaults (ns_sym_b, ns_shared_x
   # and FUSE_AMAX on, whose GPU tests passed in s47_fork's first calls) against the NS options of sessions <= 46,
-  # alternating, 124M and 1B sets, BF16 NS in the same runs
+  # alternating, 124M and 1B sets (SETS), BF16 NS in the same runs
   O='options.ns_sym_b=false,options.ns_shared_x=false,fp4compile.optim.root.FUSE_AMAX=false'
-  step optim_root 300 python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets 124M,1B \
+  step optim_root "${T:-300}" python bench/optim.py --skip check,adamw,profile,warps,peak --root-sets "${SETS:-124M,1B}" \
       --root-arm base --root-arm "old:$O" --root-arm base2 --root-arm "old2:$O" --out "$OUT/optim_root.json"
   grep -h "section=QRoot" "$OUT/optim_root.log" ;;
 s47_fork)
