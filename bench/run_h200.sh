@@ -825,7 +825,8 @@ s47_fork)
   # QRoot arm cannot fork from an AdamW (bf16) or Root + AdamW (bf16root) source. Now the 30M fork of seed 0 at step
   # 800 from bf16qroot (BF16, Root with BF16 NS + Q-AdamW): fullbest (session 47's defaults: QRoot's ns_sym_b +
   # ns_shared_x + FUSE_AMAX) against fullbest_nsold (the NS options of sessions <= 46) and fullbest_v6 (Q-AdamW's v
-  # without 4/6), paired. The fork's own output (and its packed files) go to $OUT/fork
+  # without 4/6), paired. The fork's own output (and its packed files) go to $OUT/fork. Carry .data/corpus without
+  # train-09 and train-10 (moved aside): with the tracked tree's ~14 MB the whole corpus exceeds the 64 MiB that travel
   mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=585 FORK_SRC=bf16qroot bash "$0" fork 0 800 \
       fullbest,fullbest_nsold,fullbest_v6 >"$OUT/fork_call.log" 2>&1
   ls .fork0/30m ;;
