@@ -593,10 +593,11 @@ STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
         "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
         "grad_clip", "late_bf16_at", "late_bf16_roles") + ROOT_GROUP_KEYS
-#: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps and
-#: QRoot's NS settings); a resumed run takes them from its config, not from the checkpoint's optimizer state
-#: Q-AdamW's group keys that only choose how states are encoded (not their format): a fork or resume takes the run's
+#: Q-AdamW's group keys the TrainConfig sets that only choose how states are encoded, not their format
 QADAMW_GROUP_KEYS = ("v_four_over_six",)
+#: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps, QRoot's NS
+#: settings and Q-AdamW's encode choices); a resumed or forked run takes them from its config, not from the
+#: checkpoint's optimizer state
 GROUP_SETTINGS = ("lr", "weight_decay", "betas", "eps") + ROOT_GROUP_KEYS + QADAMW_GROUP_KEYS
 
 
