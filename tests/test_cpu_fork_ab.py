@@ -1,0 +1,33 @@
+"""bench/cpu_fork_ab.py, the CPU's paired fork A/B: its arm syntax, and one tiny run in which every arm continues the
+source's checkpoint with its own settings (the reference arm against itself differs by exactly 0)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import cpu_fork_ab  # noqa: E402
+from fp4compile.train import loop as L  # noqa: E402
+
+
+def test_arm_syntax():
+    assert cpu_fork_ab.parse_arm("base") == ("base", {})
+    assert cpu_fork_ab.parse_arm("v6:qadamw_v_four_over_six=false,lr=0.001,ns_residual=x2d") == (
+        "v6", {"qadamw_v_four_over_six": False, "lr": 0.001, "ns_residual": "x2d"})
+    with pytest.raises(SystemExit, match="not TrainConfig fields"):
+        cpu_fork_ab.parse_arm("bad:no_such_key=1")
+
+
+def test_tiny_fork_ab(tmp_path, capsys):
+    assert cpu_fork_ab.main(["--model", "tiny", "--steps", "4", "--at", "2", "--seeds", "0", "--batch-size", "2",
+                             "--seq-len", "32", "--eval-batches", "1", "--out", str(tmp_path), "--arm", "base",
+                             "--arm", "again", "--arm", "v6:qadamw_v_four_over_six=false"]) == 0
+    out = capsys.readouterr().out
+    assert "| again | defaults | " in out and "+0.0000 ± nan (+0.00 %)" in out   # the same fork twice: equal
+    assert "| v6 | {'qadamw_v_four_over_six': False} |" in out
+    for arm, flag in (("base", True), ("v6", False)):
+        metrics = L.read_metrics(tmp_path / "seed0" / arm)
+        assert [r["step"] for r in metrics if "loss" in r and "event" not in r][0] > 2     # started at the fork
+        groups = L.read_checkpoint(tmp_path / "seed0" / arm / "checkpoint")["optimizer"]["param_groups"]
+        assert {g["v_four_over_six"] for g in groups} == {flag}
