@@ -14,8 +14,8 @@ an option whose effect shows only late in a long run will look free here. The GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.seed_gaps import mean_se  # noqa: E402
 from fp4compile.train import loop as L  # noqa: E402
 
 
@@ -38,16 +39,10 @@ def parse_arm(spec: str):
             over[key] = json.loads(value)
         except json.JSONDecodeError:
             over[key] = value
-    bad = set(over) - {f.name for f in L.dataclasses.fields(L.TrainConfig)}
+    bad = set(over) - {f.name for f in dataclasses.fields(L.TrainConfig)}
     if bad:
         raise SystemExit(f"--arm {spec!r}: {sorted(bad)} are not TrainConfig fields")
     return name, over
-
-
-def mean_se(xs):
-    m = sum(xs) / len(xs)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else float("nan")
-    return m, se
 
 
 def main(argv=None) -> int:
@@ -85,14 +80,15 @@ def main(argv=None) -> int:
             print(f"[cpu_fork_ab] seed {seed} {name}: val {val[name][seed]:.4f} ({time.time() - t0:.0f} s)",
                   flush=True)
     ref = arms[0][0]
+    ref_mean = mean_se(list(val[ref].values()))[0]
     print(f"\n{args.model} GPT, {args.optimizer}, policy {args.policy}, backend {args.backend}; fork at step {args.at} "
           f"of {args.steps} ({args.batch_size}x{args.seq_len} byte tokens per step), seeds {seeds}; {out}\n")
     print("| arm | settings | " + " | ".join(f"val, seed {s}" for s in seeds) + f" | minus {ref}, mean ± s.e. |")
     print("|---|---|" + "---|" * len(seeds) + "---|")
     for name, over in arms:
         diffs = [val[name][s] - val[ref][s] for s in seeds]
-        m, se = mean_se(diffs)
-        cell = "—" if name == ref else f"{m:+.4f} ± {se:.4f} ({100 * m / mean_se(list(val[ref].values()))[0]:+.2f} %)"
+        m, se = mean_se(diffs)                                          # se: None for one seed
+        cell = "—" if name == ref else f"{m:+.4f}{'' if se is None else f' ± {se:.4f}'} ({100 * m / ref_mean:+.2f} %)"
         print(f"| {name} | {over or 'defaults'} | " + " | ".join(f"{val[name][s]:.4f}" for s in seeds) + f" | {cell} |")
     return 0
 

@@ -369,7 +369,8 @@ fork)
   # question, how much of the gap a BF16 weight branch can reach and how much rank reaches it:
   # fork S 800 quartet2,q2w,lora128 (~8.5 min; every fork source needs its own BF16 and NVFP4 runs), then at
   # once, while the machine is warm, fork S 800 lora64 adds rank 64 to the same fork (~2.5 min)
-  # FORK_SRC: the source arm (default bf16; bf16root for QRoot arms, whose optimizer state a fork must match)
+  # FORK_SRC: the source arm (default bf16; bf16qroot for QRoot arms: a fork keeps the source's optimizer state, so
+  # the source must have the arms' optimizer, Root + Q-AdamW)
   s=${2:-0}; at=${3:-800}; arms=${4:-quartet2,lora}; extra=${5:-}; sa=${FORK_SRC:-bf16}
   src=.fork_src$s/30m/$sa; dst=.fork$s$([ "$at" = 800 ] || echo "_$at")
   step data 60 python bench/study.py --data-only
@@ -379,10 +380,9 @@ fork)
   fi
   if [ ! -d "$dst/30m/$sa" ] && [ -f "$src/checkpoint/state.pt" ]; then mkdir -p "$dst/30m" && cp -r "$src" "$dst/30m/$sa"; fi
   # shellcheck disable=SC2086  # EXTRA is a list of flags
-  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start; FORK_END, default 585 s, sets
-  # the end); ERR=1 keeps ~15 s per arm
+  # the arms get what is left of a 10-minute call (SECONDS counts from the script's start); ERR=1 keeps ~15 s per arm
   # for bench/attn_qk_error.py on each finished arm afterwards (Q-Attn's errors on its own Q, K, V; session 36)
-  err=${ERR:-0}; t=$((${FORK_END:-585} - SECONDS)); [ "$t" -gt 470 ] && t=470
+  err=${ERR:-0}; t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
   [ "$err" = 1 ] && t=$((t - 15 * ($(echo "bf16,$arms" | tr -cd , | wc -c) + 1)))
   step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "$sa,$arms" --out "$dst" --tokens 100e6 \
       --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
@@ -827,7 +827,7 @@ s47_fork)
   # ns_shared_x + FUSE_AMAX) against fullbest_nsold (the NS options of sessions <= 46) and fullbest_v6 (Q-AdamW's v
   # without 4/6), paired. The fork's own output (and its packed files) go to $OUT/fork. Carry .data/corpus without
   # train-09 and train-10 (moved aside): with the tracked tree's ~14 MB the whole corpus exceeds the 64 MiB that travel
-  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_END=585 FORK_SRC=bf16qroot bash "$0" fork 0 800 \
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_SRC=bf16qroot bash "$0" fork 0 800 \
       fullbest,fullbest_nsold,fullbest_v6 >"$OUT/fork_call.log" 2>&1
   ls .fork0/30m ;;
 s46_eden)

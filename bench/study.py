@@ -141,8 +141,8 @@ ARMS["fullbest_late_all"] = late_arm("fullbest", 0.85, "linear.fprop,linear.dgra
 # fullbest with the NVFP4 Newton–Schulz of sessions <= 46 (QRoot's ns_sym_b and ns_shared_x off, the amax passes
 # not folded: the defaults until session 47, which made the faster options the default), and fullbest with Q-AdamW's
 # v without 4/6 (-9 % of its time): fork A/Bs of those choices (run mode s47_fork)
-ARMS["fullbest_nsold"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--no-ns-sym-b", "--no-ns-shared-x"],
-                              env={"FP4COMPILE_NS_AMAX": "0"})
+ARMS["fullbest_nsold"] = dict(env_arm("fullbest", FP4COMPILE_NS_AMAX="0"),
+                              flags=ARMS["fullbest"]["flags"] + ["--no-ns-sym-b", "--no-ns-shared-x"])
 ARMS["fullbest_v6"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--no-qadamw-v-four-over-six"])
 # a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16
 # Newton–Schulz and Q-AdamW for the rest

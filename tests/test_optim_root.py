@@ -528,7 +528,7 @@ def test_qroot_sym_b_and_residual_group_keys():
     base, opt = one_step()
     assert opt.param_groups[0]["ns_sym_b"] is True and opt.param_groups[0]["ns_shared_x"] is True
     assert opt.param_groups[0]["ns_residual"] == ()
-    off, opt_off = one_step(ns_sym_b=False, ns_shared_x=False)
+    off, _ = one_step(ns_sym_b=False, ns_shared_x=False)
     assert not torch.equal(base, off)
     for kw in (dict(precision=NVFP4(hadamard=16)), dict(precision="bf16")):
         g0 = QRoot([torch.nn.Parameter(w.clone())], **kw).param_groups[0]
