@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -174,11 +175,35 @@ def _tokenize_shard(path: str):
     return D.tokenize_files([Path(path)], D.get_tokenizer("gpt2"))
 
 
-def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
-    """Tokenize carried ``.xz`` shards into ``train.bin``/``val.bin``/``brown.bin`` (skipped if present).
+# the token files of the whole shared corpus (shared/data/corpus: train-00..10, val, brown) with the GPT-2 BPE:
+# every study is comparable with the others only on these exact tokens (n_tokens, sha256 of the uint16 array)
+FULL_CORPUS = {
+    "train.bin": (61_008_013, "3caa96a0fda213c02b069f3cff2210af39a62d2e202f0fc35e323b9ef701279b"),
+    "val.bin": (240_070, "969433f2f6d1b80bf6571c3af3e24e29246f60717c7af7155f09fe7ed4b97185"),
+    "brown.bin": (1_300_156, "6dcbf44672ac77e4e9914c2079ec89cd315e680c42243bfbeb20ab20d111cd51"),
+}
+
+
+def _bin_identity(path: Path):
+    """(n_tokens, sha256) from a token file's ``.json`` sidecar (``fp4compile.train.data.write_bin``), or None."""
+    meta = path.with_name(path.name + ".json")
+    if not meta.is_file():
+        return None
+    m = json.loads(meta.read_text())
+    return m.get("n_tokens"), m.get("sha256")
+
+
+def prepare_data(data_dir: Path, max_tokens: int | None, partial_ok: bool = False) -> None:
+    """Tokenize carried ``.xz`` shards into ``train.bin``/``val.bin``/``brown.bin``.
 
     The train shards are tokenized in parallel, one process per shard, and concatenated in shard order (the
-    same tokens as tokenizing them in one pass: every document ends with its own EOT)."""
+    same tokens as tokenizing them in one pass: every document ends with its own EOT). Without a cap, every file
+    must hold the whole corpus's tokens (``FULL_CORPUS``): a file that does is kept, one that does not is made
+    again from the carried shards, and if those are not the whole corpus either (a shard left behind to fit
+    the 64 MiB a device call carries) nothing is written and the call stops (``SystemExit``) -- a study on
+    fewer unique tokens repeats them more often and is not comparable with the others -- unless ``partial_ok``
+    (``--partial-corpus``), which writes the file and warns. With ``max_tokens`` an existing ``train.bin``
+    is kept as it is."""
     from concurrent.futures import ProcessPoolExecutor
 
     import numpy as np
@@ -193,11 +218,14 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
     tok = None
     for name, files, cap in jobs:
         out = data_dir / name
-        if out.is_file():
+        if out.is_file() and (cap is not None or _bin_identity(out) == FULL_CORPUS[name]):
             continue
+        for stale in (out, out.with_name(out.name + ".json")):     # never left for a --skip-data run to train on
+            stale.unlink(missing_ok=True)
         files = [f for f in files if f.is_file()]
         if not files:
-            raise SystemExit(f"{out} is missing and there are no shards in {corpus} to tokenize")
+            raise SystemExit(f"{out} is missing (or not the whole corpus) and there are no shards in {corpus} "
+                             "to tokenize")
         t0 = time.time()
         if tok is None:
             tok = D.get_tokenizer("gpt2")
@@ -207,6 +235,16 @@ def prepare_data(data_dir: Path, max_tokens: int | None) -> None:
             arr = arr[:cap] if cap is not None else arr
         else:
             arr = D.tokenize_files(files, tok, cap)
+        if cap is None:
+            got = (len(arr), hashlib.sha256(np.ascontiguousarray(arr, dtype=np.uint16).tobytes()).hexdigest())
+            if got != FULL_CORPUS[name]:
+                msg = (f"{name} from the {len(files)} carried shard(s) ({', '.join(f.name for f in files)}) is "
+                       f"{got[0]:,} tokens (sha256 {got[1][:12]}), not the whole corpus's {FULL_CORPUS[name][0]:,} "
+                       f"(sha256 {FULL_CORPUS[name][1][:12]})")
+                if not partial_ok:
+                    raise SystemExit(f"[study] {msg}: carry the whole corpus, or pass --partial-corpus")
+                print(f"[study] WARNING: {msg}; --partial-corpus: the runs are not comparable with full-corpus ones",
+                      flush=True)
         meta = D.write_bin(arr, out, tok, [str(f) for f in files])
         print(f"[study] tokenized {name}: {meta['n_tokens']:,} tokens in {time.time() - t0:.0f}s", flush=True)
 
@@ -358,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".study", help="run directories go to OUT/SIZE/ARM")
     ap.add_argument("--data-dir", default=".data")
     ap.add_argument("--max-train-tokens", type=int, default=None, help="cap when tokenizing the train shards")
+    ap.add_argument("--partial-corpus", action="store_true",
+                    help="tokenize whatever shards were carried even if they are not the whole corpus (warns)")
     ap.add_argument("--time-budget", type=float, default=540, help="seconds for this call (all arms)")
     ap.add_argument("--export", default=None, help="write table, plot and metrics tarball here (e.g. $OUT)")
     ap.add_argument("--report", action="store_true", help="only write the table/plot from what exists")
@@ -401,7 +441,7 @@ def main(argv=None) -> int:
     ddp = dict(nproc=args.nproc, batch_size=base.batch_size, master_port=args.master_port)
 
     if args.data_only:
-        prepare_data(Path(args.data_dir), args.max_train_tokens)
+        prepare_data(Path(args.data_dir), args.max_train_tokens, args.partial_corpus)
         return 0
     if args.print_commands:
         for arm in arms:
@@ -411,7 +451,7 @@ def main(argv=None) -> int:
     if not args.report:
         t_start = time.time()
         if not args.skip_data:
-            prepare_data(Path(args.data_dir), args.max_train_tokens)
+            prepare_data(Path(args.data_dir), args.max_train_tokens, args.partial_corpus)
         # an arm whose NVFP4 graph fails to compile stops instead of training in BF16 under its name
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1", FP4COMPILE_ON_ERROR="raise")

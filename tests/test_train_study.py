@@ -580,3 +580,49 @@ def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
         want = nvfp4.quantize(k, block=(16, 16) if block2d else 16, four_over_six=fos).dequantize(torch.float32)
         assert torch.equal(mod.fake_quant(k, block2d, fos), want.double()), name
         assert 0.0 < res["layers"]["0"]["fwd"][name] < 1.0
+
+
+def test_prepare_data_trains_only_on_the_whole_corpus(study, tmp_path, monkeypatch, capsys):
+    """A study's token files must be the whole corpus: kept when they are, made again when not, and never written
+    from a partial set of shards unless --partial-corpus (session 48 trained on 9 of 11 shards unnoticed)."""
+    import concurrent.futures
+    import lzma
+
+    from fp4compile.train import data as D
+
+    monkeypatch.setattr(D, "get_tokenizer", lambda spec: D.ByteTokenizer())          # no GPT-2 file in CI
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", concurrent.futures.ThreadPoolExecutor)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = {"train-00": "alpha\n<|endoftext|>\nbeta\n", "train-01": "gamma\n", "val": "vv\n", "brown": "bbb\n"}
+    for name, text in texts.items():
+        with lzma.open(corpus / f"{name}.txt.xz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    # the whole corpus, tokenized once under --partial-corpus, defines FULL_CORPUS for this test
+    study.prepare_data(tmp_path, None, partial_ok=True)
+    full = {n: study._bin_identity(tmp_path / n) for n in ("train.bin", "val.bin", "brown.bin")}
+    # three documents of UTF-8 bytes, each followed by one EOT: 6 + 1, 5 + 1, 6 + 1 tokens
+    assert full["train.bin"][0] == 20 and full["val.bin"][0] == 4 and full["brown.bin"][0] == 5
+    monkeypatch.setattr(study, "FULL_CORPUS", full)
+    capsys.readouterr()
+    study.prepare_data(tmp_path, None)                          # all whole: nothing is tokenized again
+    assert "tokenized" not in capsys.readouterr().out
+    (corpus / "train-01.txt.xz").rename(tmp_path / "aside.xz")
+    study.prepare_data(tmp_path, None)                          # a whole train.bin is kept, shards or not
+    (tmp_path / "train.bin").unlink()
+    with pytest.raises(SystemExit, match=r"train.bin from the 1 carried shard\(s\) \(train-00.txt.xz\) is 13 tokens"):
+        study.prepare_data(tmp_path, None)
+    assert not (tmp_path / "train.bin").exists()
+    study.prepare_data(tmp_path, None, partial_ok=True)         # written, with a warning
+    assert "WARNING: train.bin from the 1 carried shard(s)" in capsys.readouterr().out
+    assert study._bin_identity(tmp_path / "train.bin")[0] == 13
+    with pytest.raises(SystemExit):                             # a partial file left from before is not kept ...
+        study.prepare_data(tmp_path, None)
+    assert not (tmp_path / "train.bin").exists() and not (tmp_path / "train.bin.json").exists()
+    study.prepare_data(tmp_path, None, partial_ok=True)
+    (tmp_path / "aside.xz").rename(corpus / "train-01.txt.xz")
+    study.prepare_data(tmp_path, None)                          # ... but made again once the shards are whole
+    assert study._bin_identity(tmp_path / "train.bin") == full["train.bin"]
+    assert D.load_bin(tmp_path / "train.bin").tolist()[-7:] == list(b"gamma\n") + [D.ByteTokenizer().eot]
+    study.prepare_data(tmp_path, 9)                             # a cap keeps an existing train.bin as it is
+    assert study._bin_identity(tmp_path / "train.bin") == full["train.bin"]
