@@ -1177,5 +1177,7 @@ dist_cg)
       --mode reduce-overhead --json "$OUT/dist_ddp_cg.json" ;;
 esac
 for f in "$OUT"/*.log; do echo "=== $(basename "$f")"; tail -n 25 "$f"; done 2>/dev/null | tail -c 11000
-# the device returns at most 8 files: pack everything into one
-( cd "$OUT" && tar czf /tmp/out.tgz . && find . -mindepth 1 -delete && mv /tmp/out.tgz . )
+# the device returns at most 8 files: pack everything into one, $OUT/run_h200.tgz (session 48: a caller's own
+# `tar czf out.tgz .` after this used to overwrite the pack, then named out.tgz, with an empty archive; a pack of
+# its own name survives such a tar, inside it)
+( cd "$OUT" && tar czf /tmp/run_h200.tgz . && find . -mindepth 1 -delete && mv /tmp/run_h200.tgz . )
