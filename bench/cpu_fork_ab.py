@@ -24,25 +24,31 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import step_ab  # noqa: E402
 from bench.seed_gaps import mean_se  # noqa: E402
 from fp4compile.train import loop as L  # noqa: E402
 
 
 def parse_arm(spec: str):
-    """``NAME[:key=value,...]`` -> (name, TrainConfig overrides); values as JSON where they parse (true, 3, 0.5),
-    else strings."""
+    """``NAME[:key=value,...]`` -> (name, TrainConfig overrides, module switches); values as JSON where they parse
+    (true, 3, 0.5), else strings. A key with a dot is a module switch, ``module.path.ATTR`` or
+    ``module.path.ATTR[KEY]`` (``bench/step_ab.py``'s syntax), set while the arm trains and restored after."""
     name, _, rest = spec.partition(":")
-    over = {}
+    over, switches = {}, {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         try:
-            over[key] = json.loads(value)
+            value = json.loads(value)
         except json.JSONDecodeError:
+            pass
+        if "." in key:
+            switches[step_ab.parse_switch(spec, key)] = value
+        else:
             over[key] = value
     bad = set(over) - {f.name for f in dataclasses.fields(L.TrainConfig)}
     if bad:
         raise SystemExit(f"--arm {spec!r}: {sorted(bad)} are not TrainConfig fields")
-    return name, over
+    return name, over, switches
 
 
 def main(argv=None) -> int:
@@ -68,14 +74,15 @@ def main(argv=None) -> int:
                 backend_debug=args.backend != "none", batch_size=args.batch_size, seq_len=args.seq_len,
                 steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 20), eval_batches=args.eval_batches,
                 progress=False, log_interval=max(1, args.steps // 10), ckpt_interval=0)
-    val = {name: {} for name, _ in arms}
+    val = {name: {} for name, _, _ in arms}
     t0 = time.time()
     for seed in seeds:
         src = out / f"seed{seed}" / "source"
         L.train(L.TrainConfig(**base, seed=seed, out_dir=str(src), stop_after=args.at, val_data=""))
-        for name, over in arms:
-            res = L.train(L.TrainConfig(**{**base, **over}, seed=seed, out_dir=str(out / f"seed{seed}" / name),
-                                        init_from=str(src)))
+        for name, over, switches in arms:
+            with step_ab.applied(switches):
+                res = L.train(L.TrainConfig(**{**base, **over}, seed=seed, out_dir=str(out / f"seed{seed}" / name),
+                                            init_from=str(src)))
             val[name][seed] = res.summary["val_loss"]
             print(f"[cpu_fork_ab] seed {seed} {name}: val {val[name][seed]:.4f} ({time.time() - t0:.0f} s)",
                   flush=True)
@@ -85,11 +92,12 @@ def main(argv=None) -> int:
           f"of {args.steps} ({args.batch_size}x{args.seq_len} byte tokens per step), seeds {seeds}; {out}\n")
     print("| arm | settings | " + " | ".join(f"val, seed {s}" for s in seeds) + f" | minus {ref}, mean ± s.e. |")
     print("|---|---|" + "---|" * len(seeds) + "---|")
-    for name, over in arms:
+    for (name, _, _), spec in zip(arms, args.arm):
+        settings = spec.partition(":")[2]
         diffs = [val[name][s] - val[ref][s] for s in seeds]
         m, se = mean_se(diffs)                                          # se: None for one seed
         cell = "—" if name == ref else f"{m:+.4f}{'' if se is None else f' ± {se:.4f}'} ({100 * m / ref_mean:+.2f} %)"
-        print(f"| {name} | {over or 'defaults'} | " + " | ".join(f"{val[name][s]:.4f}" for s in seeds) + f" | {cell} |")
+        print(f"| {name} | {settings or 'defaults'} | " + " | ".join(f"{val[name][s]:.4f}" for s in seeds) + f" | {cell} |")
     return 0
 
 

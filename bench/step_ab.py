@@ -56,20 +56,26 @@ def parse_arm(spec: str):
             value = json.loads(val)
         except json.JSONDecodeError:
             value = val                                   # a bare string
-        item = None
-        if key.endswith("]") and "[" in key:              # an entry of a module's dict (e.g. quantize.CONFIG)
-            key, _, item = key[:-1].partition("[")
-        mod, _, attr = key.rpartition(".")
-        if mod == "options":
-            options[attr] = value
+        if key.startswith("options."):
+            options[key[len("options."):]] = value
             continue
-        module = importlib.import_module(mod)
-        if not hasattr(module, attr):
-            raise SystemExit(f"--arm {spec!r}: {mod} has no attribute {attr!r}")
-        if item is not None and item not in getattr(module, attr):
-            raise SystemExit(f"--arm {spec!r}: {mod}.{attr} has no entry {item!r}")
-        switches[(module, attr, item)] = value
+        switches[parse_switch(spec, key)] = value
     return name, switches, options
+
+
+def parse_switch(spec: str, key: str):
+    """``module.path.ATTR`` or ``module.path.ATTR[KEY]`` (an entry of a module's dict, e.g. quantize.CONFIG) ->
+    (module, attr, KEY or None), checked to exist; ``spec`` names the ``--arm`` in errors."""
+    item = None
+    if key.endswith("]") and "[" in key:
+        key, _, item = key[:-1].partition("[")
+    mod, _, attr = key.rpartition(".")
+    module = importlib.import_module(mod)
+    if not hasattr(module, attr):
+        raise SystemExit(f"--arm {spec!r}: {mod} has no attribute {attr!r}")
+    if item is not None and item not in getattr(module, attr):
+        raise SystemExit(f"--arm {spec!r}: {mod}.{attr} has no entry {item!r}")
+    return module, attr, item
 
 
 def _get(module, attr, item):

@@ -12,22 +12,39 @@ from fp4compile.train import loop as L  # noqa: E402
 
 
 def test_arm_syntax():
-    assert cpu_fork_ab.parse_arm("base") == ("base", {})
+    from fp4compile.optim import qadamw
+
+    assert cpu_fork_ab.parse_arm("base") == ("base", {}, {})
     assert cpu_fork_ab.parse_arm("v6:qadamw_v_four_over_six=false,lr=0.001,ns_residual=x2d") == (
-        "v6", {"qadamw_v_four_over_six": False, "lr": 0.001, "ns_residual": "x2d"})
+        "v6", {"qadamw_v_four_over_six": False, "lr": 0.001, "ns_residual": "x2d"}, {})
+    # a dotted key is a module switch (bench/step_ab.py's syntax), a module's dict entry in brackets
+    assert cpu_fork_ab.parse_arm("t:fp4compile.optim.qadamw.QADAMW_DEFAULTS[tile]=16,lr=0.001") == (
+        "t", {"lr": 0.001}, {(qadamw, "QADAMW_DEFAULTS", "tile"): 16})
     with pytest.raises(SystemExit, match="not TrainConfig fields"):
         cpu_fork_ab.parse_arm("bad:no_such_key=1")
+    with pytest.raises(SystemExit, match="has no attribute 'NOPE'"):
+        cpu_fork_ab.parse_arm("bad:fp4compile.optim.qadamw.NOPE=1")
+    with pytest.raises(SystemExit, match="has no entry 'nope'"):
+        cpu_fork_ab.parse_arm("bad:fp4compile.optim.qadamw.QADAMW_DEFAULTS[nope]=1")
 
 
-def test_tiny_fork_ab(tmp_path, capsys):
+def test_tiny_fork_ab(tmp_path, capsys, monkeypatch):
+    from fp4compile.optim import root
+
+    seen, train = [], L.train
+    monkeypatch.setattr(L, "train", lambda cfg: seen.append(root.FUSE_AMAX) or train(cfg))
+    default = root.FUSE_AMAX
     assert cpu_fork_ab.main(["--model", "tiny", "--steps", "4", "--at", "2", "--seeds", "0", "--batch-size", "2",
                              "--seq-len", "32", "--eval-batches", "1", "--out", str(tmp_path), "--arm", "base",
-                             "--arm", "again", "--arm", "v6:qadamw_v_four_over_six=false"]) == 0
+                             "--arm", "again", "--arm", "v6:qadamw_v_four_over_six=false",
+                             "--arm", f"amax:fp4compile.optim.root.FUSE_AMAX={str(not default).lower()}"]) == 0
     out = capsys.readouterr().out
     assert "| again | defaults | " in out and "| +0.0000 (+0.00 %) |" in out   # the same fork twice: equal
-    assert "| v6 | {'qadamw_v_four_over_six': False} |" in out
-    for arm, flag in (("base", True), ("v6", False)):
+    assert "| v6 | qadamw_v_four_over_six=false |" in out
+    for arm, flag in (("base", True), ("v6", False), ("amax", True)):
         metrics = L.read_metrics(tmp_path / "seed0" / arm)
         assert [r["step"] for r in metrics if "loss" in r and "event" not in r][0] > 2     # started at the fork
         groups = L.read_checkpoint(tmp_path / "seed0" / arm / "checkpoint")["optimizer"]["param_groups"]
         assert {g["v_four_over_six"] for g in groups} == {flag}
+    # the module switch holds while its arm trains (source, base, again, v6, amax) and is restored after
+    assert seen == [default] * 4 + [not default] and root.FUSE_AMAX == default
