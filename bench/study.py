@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -186,11 +185,21 @@ FULL_CORPUS = {
 
 def _bin_identity(path: Path):
     """(n_tokens, sha256) from a token file's ``.json`` sidecar (``fp4compile.train.data.write_bin``), or None."""
-    meta = path.with_name(path.name + ".json")
+    from fp4compile.train.data import _bin_meta_path
+
+    meta = _bin_meta_path(path)
     if not meta.is_file():
         return None
     m = json.loads(meta.read_text())
     return m.get("n_tokens"), m.get("sha256")
+
+
+def _remove_bin(path: Path) -> None:
+    """Delete a token file and its sidecar (either may be missing)."""
+    from fp4compile.train.data import _bin_meta_path
+
+    for f in (path, _bin_meta_path(path)):
+        f.unlink(missing_ok=True)
 
 
 def prepare_data(data_dir: Path, max_tokens: int | None, partial_ok: bool = False) -> None:
@@ -200,9 +209,9 @@ def prepare_data(data_dir: Path, max_tokens: int | None, partial_ok: bool = Fals
     same tokens as tokenizing them in one pass: every document ends with its own EOT). Without a cap, every file
     must hold the whole corpus's tokens (``FULL_CORPUS``): a file that does is kept, one that does not is made
     again from the carried shards, and if those are not the whole corpus either (a shard left behind to fit
-    the 64 MiB a device call carries) nothing is written and the call stops (``SystemExit``) -- a study on
+    the 64 MiB a device call carries) the file is deleted again and the call stops (``SystemExit``) -- a study on
     fewer unique tokens repeats them more often and is not comparable with the others -- unless ``partial_ok``
-    (``--partial-corpus``), which writes the file and warns. With ``max_tokens`` an existing ``train.bin``
+    (``--partial-corpus``), which keeps it and warns. With ``max_tokens`` an existing ``train.bin``
     is kept as it is."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -220,8 +229,7 @@ def prepare_data(data_dir: Path, max_tokens: int | None, partial_ok: bool = Fals
         out = data_dir / name
         if out.is_file() and (cap is not None or _bin_identity(out) == FULL_CORPUS[name]):
             continue
-        for stale in (out, out.with_name(out.name + ".json")):     # never left for a --skip-data run to train on
-            stale.unlink(missing_ok=True)
+        _remove_bin(out)                              # a stale file is never left for a --skip-data run to train on
         files = [f for f in files if f.is_file()]
         if not files:
             raise SystemExit(f"{out} is missing (or not the whole corpus) and there are no shards in {corpus} "
@@ -235,17 +243,17 @@ def prepare_data(data_dir: Path, max_tokens: int | None, partial_ok: bool = Fals
             arr = arr[:cap] if cap is not None else arr
         else:
             arr = D.tokenize_files(files, tok, cap)
-        if cap is None:
-            got = (len(arr), hashlib.sha256(np.ascontiguousarray(arr, dtype=np.uint16).tobytes()).hexdigest())
-            if got != FULL_CORPUS[name]:
-                msg = (f"{name} from the {len(files)} carried shard(s) ({', '.join(f.name for f in files)}) is "
-                       f"{got[0]:,} tokens (sha256 {got[1][:12]}), not the whole corpus's {FULL_CORPUS[name][0]:,} "
-                       f"(sha256 {FULL_CORPUS[name][1][:12]})")
-                if not partial_ok:
-                    raise SystemExit(f"[study] {msg}: carry the whole corpus, or pass --partial-corpus")
-                print(f"[study] WARNING: {msg}; --partial-corpus: the runs are not comparable with full-corpus ones",
-                      flush=True)
-        meta = D.write_bin(arr, out, tok, [str(f) for f in files])
+        meta = D.write_bin(arr, out, tok, [str(f) for f in files])    # its sidecar holds the identity checked here
+        got = (meta["n_tokens"], meta["sha256"])
+        if cap is None and got != FULL_CORPUS[name]:
+            msg = (f"{name} from the {len(files)} carried shard(s) ({', '.join(f.name for f in files)}) is "
+                   f"{got[0]:,} tokens (sha256 {got[1][:12]}), not the whole corpus's {FULL_CORPUS[name][0]:,} "
+                   f"(sha256 {FULL_CORPUS[name][1][:12]})")
+            if not partial_ok:
+                _remove_bin(out)
+                raise SystemExit(f"[study] {msg}: carry the whole corpus, or pass --partial-corpus")
+            print(f"[study] WARNING: {msg}; --partial-corpus: the runs are not comparable with full-corpus ones",
+                  flush=True)
         print(f"[study] tokenized {name}: {meta['n_tokens']:,} tokens in {time.time() - t0:.0f}s", flush=True)
 
 
