@@ -13,7 +13,9 @@ sequence (``T·‖mean_t k‖² / ‖k‖²``, per head and channel, summed): wh
 A second table splits the error without a transform: the paper split's QKᵀ alone in NVFP4 (O, dQ, dK) and its two
 dS products alone (dQ, dK), through the same op; and O of float64 attention of Q, K fake-quantized by the format's
 RTN (``formats.nvfp4.quantize_rtn_``) in Q-Attn's 16x16 tiles, with 4/6, and in 1x16 blocks along head_dim (which
-the backward could not reuse along the sequence): what the tile costs the forward.
+the backward could not reuse along the sequence): what the tile costs the forward. A line per transform (none, the
+default smooth_k+hadamard) gives the op's O, dQ, dK errors with Q and K in 1x16 blocks (``attention_ref.QK_1X16``,
+the attention pass's ``QK_BLOCKS = "1x16"``) against those of the tiles.
 """
 from __future__ import annotations
 
@@ -134,6 +136,8 @@ def main(argv=None) -> int:
         ref = reference(q, k, v)
         for how in QK_TRANSFORMS:
             r[how].append(errors(q, k, v, ref, how))
+        for how in ("none", "smooth_k+hadamard"):   # the op's 1x16 copies of Q and K (QK_BLOCKS "1x16")
+            r.setdefault(f"1x16 {how}", []).append(errors(q, k, v, ref, how, roles=R.PAPER_ROLES | R.QK_1X16))
         r["qk_only"].append(errors(q, k, v, ref, "none", roles=R.QK))
         r["ds_only"].append(errors(q, k, v, ref, "none", roles=R.DSK | R.DSQ))
         r["fwd"].append(forward_errors(q, k, v, ref[1]))
@@ -156,6 +160,14 @@ def main(argv=None) -> int:
     print("vs none (all layers): " + ", ".join(
         f"{h} " + "/".join(f"{a / b:.2f}x" for a, b in zip(avg[h], avg["none"])) for h in QK_TRANSFORMS[1:]))
     summary["mean"] = avg
+    for how in ("none", "smooth_k+hadamard"):
+        key = f"1x16 {how}"
+        for la in rows:
+            summary["layers"][la][key] = tuple(mean([e[i] for e in rows[la][key]]) for i in range(3))
+        m = tuple(mean([summary["layers"][la][key][i] for la in rows]) for i in range(3))
+        summary["mean"][key] = m
+        print(f"Q, K in 1x16 blocks (the op with QK_1X16), {how} (all layers): " + "{:.3f}/{:.3f}/{:.3f}".format(*m)
+              + " = " + "/".join(f"{a / b:.2f}x" for a, b in zip(m, avg[how])) + " of the 16x16 tiles'")
     print("\nwithout a transform, split: the op with QK^T alone in NVFP4 (O/dQ/dK), with dS*K and dS^T*Q alone "
           "(dQ/dK); float64 attention of Q, K fake-quantized, O: " + ", ".join(FAKE_QUANT))
     print("layer |          QK^T only |   dS only | " + " | ".join(f"{n:>9s}" for n in FAKE_QUANT))

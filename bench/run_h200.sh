@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -382,7 +382,8 @@ fork)
   # shellcheck disable=SC2086  # EXTRA is a list of flags
   # the arms get what is left of a 10-minute call (SECONDS counts from the script's start); ERR=1 keeps ~15 s per arm
   # for bench/attn_qk_error.py on each finished arm afterwards (Q-Attn's errors on its own Q, K, V; session 36)
-  err=${ERR:-0}; t=$((585 - SECONDS)); [ "$t" -gt 470 ] && t=470
+  # FORK_END: the second of the call by which the arms must be done (a caller that spent time first passes less)
+  err=${ERR:-0}; t=$((${FORK_END:-585} - SECONDS)); [ "$t" -gt 470 ] && t=470
   [ "$err" = 1 ] && t=$((t - 15 * ($(echo "bf16,$arms" | tr -cd , | wc -c) + 1)))
   step "fork${s}_arms" "$t" python bench/study.py --size 30m --arms "$sa,$arms" --out "$dst" --tokens 100e6 \
       --skip-data --time-budget $((t - 20)) --export "$OUT/fork${s}_$at" -- --seed "$s" --init-from "$src" \
@@ -390,7 +391,7 @@ fork)
   if [ "$err" = 1 ]; then
     for a in ${arms//,/ } bf16; do
       r="$dst/30m/$a"
-      grep -q '"status": "done"' "$r/summary.json" 2>/dev/null && step "err_fork${s}_$a" 30 python bench/attn_qk_error.py \
+      grep -q '"status": "done"' "$r/summary.json" 2>/dev/null && step "err_fork${s}_$a" 40 python bench/attn_qk_error.py \
           "$r" --json "$OUT/err_fork${s}_$a.json"
     done
     cat "$OUT"/err_fork*.log 2>/dev/null | grep -E "^\S|vs none|  all"
@@ -830,6 +831,21 @@ s47_fork)
   mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_SRC=bf16qroot bash "$0" fork 0 800 \
       fullbest,fullbest_nsold,fullbest_v6 >"$OUT/fork_call.log" 2>&1
   ls .fork0/30m ;;
+s49_qk)
+  # issues 4 and 7 on one nvidia-h200 (session 49; ~10 min, then the same command again on the warm machine to finish
+  # the arms): Q-Attn's Q and K in 1x16 blocks along head_dim (passes/attention.py QK_BLOCKS "1x16"; session 48's CPU
+  # forks: -0.41 % ± 0.23). The GPU test of the Q-Attn kernels (the 1x16 copies bit for bit with the reference, the
+  # CUDA op's own copies, a 1x16 case under FlashAttention's rule), then the 30M fork of seed S (default 0) at step
+  # 800 from bf16qroot: fullbest against fullbest_qk1x16, paired, each finished arm's Q-Attn errors on its own Q, K,
+  # V (ERR=1: bench/attn_qk_error.py, with the 1x16 line). Carry the whole corpus. Output of the fork: $OUT/fork.
+  # (the GPU test once per machine: .gpu_s49 is git-ignored, so it stays on the warm machine)
+  if [ ! -f .gpu_s49/ok ]; then
+    step gpu_tests 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py -k cuda_kernels_fa_rule
+    tail -n 3 "$OUT/gpu_tests.log"; grep -q " passed" "$OUT/gpu_tests.log" && mkdir -p .gpu_s49 && touch .gpu_s49/ok
+  fi
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_SRC=bf16qroot ERR=1 FORK_END=$((585 - SECONDS)) bash "$0" fork "${S:-0}" 800 \
+      fullbest,fullbest_qk1x16 >"$OUT/fork_call.log" 2>&1
+  grep -h "done at step\|stopping before\|1x16 blocks\|vs none" "$OUT/fork_call.log" "$OUT"/fork/*.log 2>/dev/null ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's
   # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:

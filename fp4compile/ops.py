@@ -353,7 +353,8 @@ _register_cuda_kernels()
 #       -> (out [B,H,Tq,D] (stored as [B,Tq,H,D], like SDPA's: attention_ref.bthd_empty), lse fp32 [B,H,Tq],
 #           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16-tile NVFP4 copy)
 #           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
-#       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5.
+#       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5; bit 6
+#       (attention_ref.QK_1X16): Q's and K's copies in 1x16 blocks along head_dim instead of 16x16 tiles.
 #       A tensor with no NVFP4 consumer gets codes/scales of shape [0] and global 0.
 #       attn_mask: bool (True = attend) or additive float, broadcastable to [B,H,Tq,Tk]; not differentiated.
 #   fp4compile::qattn_bwd(grad_out, q?, k?, v?, <the nine view tensors>?, out, lse, attn_mask?, is_causal,
@@ -385,7 +386,8 @@ def _qattn_check(q: Tensor, k: Tensor, v: Tensor, fp4_roles: int):
     torch._check(q.shape[-1] % 16 == 0, lambda: f"qattn: head dim must be a multiple of 16, got {q.shape[-1]}")
     torch._check(k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0,
                  lambda: f"qattn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-    torch._check(0 <= fp4_roles < 64, lambda: f"qattn: fp4_roles must be a 6-bit mask, got {fp4_roles}")
+    torch._check(0 <= fp4_roles < _aref.MASK_LIMIT,
+                 lambda: f"qattn: fp4_roles must be a 6-bit role mask, plus bit 6 (QK_1X16), got {fp4_roles}")
 
 
 @torch.library.custom_op("fp4compile::qattn", mutates_args=())
@@ -507,10 +509,12 @@ def _qattn_fwd_cuda(q, k, v, attn_mask, is_causal, scale, fp4_roles):
         raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
     # the FP4 copies (saved for backward) of every tensor with an NVFP4 consumer, and, where the forward
     # reads it, its bf16 code x scale (transient): two launches for all of them
-    todo = [(name, x, bool(fp4_roles & r)) for name, x, need, r in
-            zip("qkv", (q, k, v), _aref.needs_fp4(fp4_roles), (_aref.QK, _aref.QK, _aref.PV)) if need]
-    done = dict(zip((t[0] for t in todo), _attn.quantize_many([t[1] for t in todo], [t[2] for t in todo])
-                    if todo else ()))
+    tiles = _aref.qk_tiles(fp4_roles)
+    todo = [(name, x, bool(fp4_roles & r), t) for name, x, need, r, t in
+            zip("qkv", (q, k, v), _aref.needs_fp4(fp4_roles), (_aref.QK, _aref.QK, _aref.PV), (tiles, tiles, True))
+            if need]
+    done = dict(zip((t[0] for t in todo), _attn.quantize_many([t[1] for t in todo], [t[2] for t in todo],
+                                                              [t[3] for t in todo]) if todo else ()))
     vals, deq, zero = [], {}, 0
     for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
         if name in done:

@@ -437,6 +437,10 @@ xs = [x, (torch.randn(2, 33, 1, 64).bfloat16().transpose(1, 2) * 3).to(DEV),
 for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + one quantize launch for three
     assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t))), "quantize_many != reference"
     assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
+# Q and K in 1x16 blocks along head_dim (QK_1X16) beside a tiled V, in the same two launches
+for got, t, tl_ in zip(A.quantize_many(xs, [True, True, False], [False, False, True]), xs, (False, False, True)):
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t, tl_))), "quantize_many 1x16 != ref"
+    assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
 # the backward's prep launch dequantizes two saved copies of different lengths (ragged last row block), one of
 # them with E4M3-subnormal scales (rows over seven decades), to the reference's exact bf16 code x scale
 y = (torch.randn(3, 1, 70, 64) * torch.logspace(-7, 0, 70)[:, None]).bfloat16().to(DEV)
@@ -451,7 +455,8 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
          (R.PDO | R.DOV | R.QK, True, 2, 1, 64, None, None, None), (0, False, 1, 1, 50, "add", None, None),
          (R.PAPER_ROLES, True, 1, 1, 160, None, dict(BM=64, BN=32), {"dkdv": dict(BN=128), "dq": dict(BM=128)}),
          (0, True, 1, 1, 100, None, dict(BM=32, BN=16, num_warps=4),
-          {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)})]
+          {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)}),
+         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 48, None, None, None)]
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
 x = x.to(DEV)
@@ -502,6 +507,11 @@ if DEV == "cuda":  # the op: globals of tensors without an FP4 copy are 0 (writt
     for roles, zero in ((0, (4, 7, 10)), (R.PAPER_ROLES, (10,))):
         r = torch.ops.fp4compile.qattn(q, q, q, None, True, 0.125, roles)
         assert all(r[i].item() == 0.0 for i in zero), [r[i].item() for i in zero]
+    # the CUDA op's own copies with QK_1X16 (Q and K in rows, V in tiles where attn.pv is NVFP4)
+    k = torch.randn(1, 2, 64, 64, device=DEV).bfloat16() * 3
+    r = torch.ops.fp4compile.qattn(q, k, k, None, True, 0.125, R.PAPER_ROLES | R.PV | R.QK_1X16)
+    for got, x, tiles in ((r[2:5], q, False), (r[5:8], k, False), (r[8:11], k, True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, R.quantize_2d(x, tiles))), "qattn 1x16 copies != ref"
 print("INTERPRETER-OK")
 """
 
@@ -1174,3 +1184,108 @@ def test_qk_transform_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch
     be, _ = _compile_run(Block(style="sdpa"), pol, torch.randn(1, 32, 128))
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
     assert "qk_transform" not in node.kwargs and node.meta["fp4_attn"]["qk_transform"] == "none"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Q and K in 1x16 blocks along head_dim (attention_ref.QK_1X16, the pass's QK_BLOCKS)
+def test_quantize_1x16_copy_matches_ml_dtypes_oracle():
+    """``quantize_2d(x, tiles=False)``: one E4M3 scale per position and 16 channels under the per-tensor global
+    2688/amax, element for element the ml_dtypes fake-quantization along head_dim; the scales' layout is the
+    tiles' one ([..., T, D/16]); odd lengths need no padding."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 37, 64, generator=g) * torch.logspace(-2, 1, 37)[:, None]   # positions over three decades
+    codes, scales, glob = R.quantize_2d(x, tiles=False)
+    assert codes.shape == (2, 37, 32) and scales.shape == (2, 37, 4)
+    got = R.dequantize_2d(codes, scales, glob, torch.float32).numpy()
+    amax = np.float32(x.abs().max().item())
+    s_enc = np.float32(R.G_NUM) / amax
+    # equal up to the order of the fp32 products code·scale·global (a flipped code or scale would be >= 2^-4 off)
+    np.testing.assert_allclose(got, _np_fake_quant(x.numpy(), s_enc, np.float32(1) / s_enc), rtol=2.0 ** -22, atol=0)
+    # the scales differ between the rows of a 16x16 tile (the tiles' copy replicates them)
+    assert not torch.equal(scales[:, :16], scales[:, :1].expand(-1, 16, -1))
+    tiles = R.quantize_2d(x)
+    assert torch.equal(tiles[2], glob) and not torch.equal(tiles[1], scales)
+
+
+def test_qk_1x16_reference_uses_the_row_copies_everywhere():
+    """With QK_1X16 the reference's Q̂, K̂ (QKᵀ, dS·K, dSᵀ·Q) are the 1x16 copies, V's stays in tiles, and the
+    op's forward (CPU) is float64 softmax attention over exactly those values (an independent computation)."""
+    q, k, v, do = _qkv(H=2, Hkv=1, Tq=48, Tk=48)
+    mask = PAPER | R.QK_1X16
+    views = R.quantize_qkv(q, k, v, mask | R.PV)
+    for name, x, tiles in (("q", q, False), ("k", k, False), ("v", v, True)):
+        want = R.quantize_2d(x, tiles=tiles)
+        assert all(torch.equal(a, b) for a, b in zip(
+            (getattr(views, f"{name}_codes"), getattr(views, f"{name}_scales"), getattr(views, f"{name}_global")),
+            want)), name
+    qh = R.dequantize_2d(views.q_codes, views.q_scales, views.q_global)
+    kh = R.dequantize_2d(views.k_codes, views.k_scales, views.k_global).repeat_interleave(2, 1)
+    s = (qh @ kh.transpose(-2, -1)) / 8.0
+    s = s.masked_fill(~torch.ones(48, 48, dtype=torch.bool).tril(), -math.inf)
+    o64 = torch.softmax(s, -1) @ v.double().repeat_interleave(2, 1)
+    out = torch.ops.fp4compile.qattn(q, k, v, None, True, 0.125, mask)[0]
+    assert rel(out, o64) < 4e-3                       # BF16 P and output rounding only
+    plain = torch.ops.fp4compile.qattn(q, k, v, None, True, 0.125, PAPER)[0]
+    assert rel(plain, o64) > 3 * rel(out, o64)        # ... and the tiles' copy is measurably another operand
+    with pytest.raises(Exception, match="6-bit role mask"):
+        torch.ops.fp4compile.qattn(q, k, v, None, True, 0.125, R.MASK_LIMIT)
+
+
+def _qattn_errors_mask(q, k, v, do, fp4_roles):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=fp4_roles)
+    g = torch.autograd.grad(out, leaves, do)
+    s64 = [t.double().requires_grad_() for t in (q, k, v)]
+    o64 = R.sdpa_math_ref(*s64, is_causal=True)
+    g64 = torch.autograd.grad(o64, s64, do.double())
+    return rel(out, o64), rel(g[0], g64[0]), rel(g[1], g64[1])
+
+
+def test_qk_1x16_cuts_the_error_of_positions_with_different_magnitudes():
+    """Q and K whose positions differ in magnitude (one loud position in a 16x16 tile sets the scale of 15 quiet
+    ones): the 1x16 copies give every position its own scale, and O, dQ, dK all come closer to float64 attention."""
+    q, k, v, do = _qkv(H=2, Tq=128, Tk=128, dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    loud = torch.where(torch.rand(1, 1, 128, 1, generator=g) < 0.1, 8.0, 1.0)
+    q, k = (q * loud).bfloat16(), (k * loud.roll(3, 2)).bfloat16()
+    v, do = v.bfloat16(), do.bfloat16()
+    tiles = _qattn_errors_mask(q, k, v, do, PAPER)
+    rows = _qattn_errors_mask(q, k, v, do, PAPER | R.QK_1X16)
+    assert all(r < 0.8 * t for r, t in zip(rows, tiles)), (tiles, rows)
+
+
+@pytest.mark.parametrize("blocks", ["16x16", "1x16"])
+def test_swap_writes_qk_blocks_into_the_graph(monkeypatch, blocks):
+    """QK_BLOCKS reaches the swapped node's fp4_roles (bit QK_1X16, so cache keys see it), the site's meta and
+    explain()'s records; the compiled model equals the eager model calling qattn_sdpa with that mask."""
+    import fp4compile.passes.attention as A
+
+    monkeypatch.setattr(A, "QK_BLOCKS", blocks)
+    torch.manual_seed(0)
+    m = Block(style="sdpa", kv_heads=1)
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    be, out = _compile_run(m, Policy.full_stack(), x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    want = PAPER | (R.QK_1X16 if blocks == "1x16" else 0)
+    assert node.kwargs["fp4_roles"] == want and node.meta["fp4_attn"]["fp4_roles"] == want
+    assert node.meta["fp4_attn"]["qk_blocks"] == blocks
+    recs = {r["role"]: r for r in node.meta["fp4"]}
+    assert ("1x16 blocks" in recs["attn.qk"]["note"]) == (blocks == "1x16")
+    assert recs["attn.dsk"]["reused"] == ("fwd copy" if blocks == "1x16" else "2d fwd copy")
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=want, qk_transform=qk_transform_mode())
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, gx2)
+
+
+def test_qk_blocks_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):
+    import fp4compile.passes.attention as A
+
+    monkeypatch.setattr(A, "QK_BLOCKS", "1x32")
+    with pytest.raises(Exception, match="FP4COMPILE_QK_BLOCKS"):   # Dynamo wraps the backend's ValueError
+        _compile_run(Block(style="sdpa"), Policy.full_stack(), torch.randn(1, 32, 128))
+    monkeypatch.setattr(A, "QK_BLOCKS", "1x16")   # only P·V in NVFP4: no Q, K copies, no bit
+    pol = Policy.bf16().override("*", NVFP4(), role="attn.pv")
+    be, _ = _compile_run(Block(style="sdpa"), pol, torch.randn(1, 32, 128))
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    assert node.kwargs["fp4_roles"] == R.PV and node.meta["fp4_attn"]["qk_blocks"] == "16x16"

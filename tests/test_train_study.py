@@ -547,6 +547,8 @@ def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
 
     import torch
 
+    from fp4compile.kernels import attention_ref as R
+
     mod = _bench_module("attn_qk_error")
     run = tmp_path / "run"
     _tiny_run(run)
@@ -567,7 +569,13 @@ def test_attn_qk_error_on_a_runs_own_qkv(tmp_path, capsys):
         assert res["layers"]["0"][how] == pytest.approx(list(mod.errors(q, k, v, ref, how)), rel=1e-9)
         assert all(0.0 < e < 1.0 for e in res["layers"]["0"][how])
     assert 0.0 <= res["layers"]["0"]["k_mean_share"] <= 1.0
-    assert "vs none (all layers)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vs none (all layers)" in printed and "Q, K in 1x16 blocks" in printed
+    # the op with Q and K in 1x16 blocks (QK_1X16), without and with the default transform
+    for how in ("none", "smooth_k+hadamard"):
+        want = mod.errors(q, k, v, ref, how, roles=R.PAPER_ROLES | R.QK_1X16)
+        assert res["layers"]["0"][f"1x16 {how}"] == pytest.approx(list(want), rel=1e-9)
+        assert want != mod.errors(q, k, v, ref, how)
     # the split: the op with a precision mask of QK^T alone, of the dS products alone; the fake quantizations are the
     # format's eager quantize (1x16 blocks, 16x16 tiles, 4/6)
     from fp4compile.formats import nvfp4

@@ -257,11 +257,21 @@ if triton is not None:
             _amax_body(X2, PART + 2 * NP, pid, NP, T2, H2, N2, s2b, s2h, s2t, BT, D)
 
     @triton.jit
+    def _per_element(blk, BT: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        """A per-block value (``_quant_body``'s [BT, D/16] with ROWS, else [BT/16, D/16]) on each element [BT, D]."""
+        if ROWS:
+            return tl.reshape(tl.broadcast_to(blk[:, :, None], [BT, D // 16, 16]), [BT, D])
+        else:
+            return tl.reshape(tl.broadcast_to(tl.reshape(blk, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16]),
+                              [BT, D])
+
+    @triton.jit
     def _quant_body(x_ptr, codes_ptr, scales_ptr, deq_ptr, gdec_ptr, part_ptr, NP, pid_t, pid_bh, T, H, NBH,
-                    sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr, WRITE_DEQ: tl.constexpr):
-        """NVFP4 RTN, 16x16 tiles over (T, D), of one [BT, D] slab of x[b, h]; == attention_ref.quantize_2d.
-        The per-tensor amax is the max of the NP partials. With WRITE_DEQ also stores code x E4M3 scale
-        (exact in bf16; the global is applied by the consumer)."""
+                    sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr, WRITE_DEQ: tl.constexpr,
+                    ROWS: tl.constexpr = False):
+        """NVFP4 RTN, 16x16 tiles over (T, D) (with ROWS: 1x16 blocks along D), of one [BT, D] slab of x[b, h];
+        == attention_ref.quantize_2d(x, tiles=not ROWS). The per-tensor amax is the max of the NP partials. With
+        WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
         if (pid_t * BT < T) & (pid_bh < NBH):
             ip = tl.arange(0, NP2)
             amax_t = tl.max(tl.load(part_ptr + ip, mask=ip < NP, other=0.0), axis=0)
@@ -276,27 +286,30 @@ if triton is not None:
             od = tl.arange(0, D)
             x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
                         other=0.0).to(tl.float32)
-            x4 = tl.reshape(x, [BT // 16, 16, D // 16, 16])
-            amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)  # [BT/16, D/16]
+            if ROWS:  # one scale per row and 16 channels: [BT, D/16]
+                amax = tl.max(tl.abs(tl.reshape(x, [BT, D // 16, 16])), axis=2)
+            else:  # one scale per 16x16 tile: [BT/16, D/16]
+                amax = tl.max(tl.max(tl.abs(tl.reshape(x, [BT // 16, 16, D // 16, 16])), axis=3), axis=1)
             sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
             sf = sf8.to(tl.float32)
             enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
-            enc4 = tl.broadcast_to(tl.reshape(enc, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
-            a = x * tl.reshape(enc4, [BT, D])
+            a = x * _per_element(enc, BT, D, ROWS)
             mag = _e2m1_mag_code(tl.abs(a))
             code = tl.where(a < 0, mag | 8, mag)
             base = pid_bh * T
             if WRITE_DEQ:
-                sf4 = tl.broadcast_to(tl.reshape(sf, [BT // 16, 1, D // 16, 1]), [BT // 16, 16, D // 16, 16])
-                val = _e2m1_value(code) * tl.reshape(sf4, [BT, D])
+                val = _e2m1_value(code) * _per_element(sf, BT, D, ROWS)
                 tl.store(deq_ptr + (base + offs_t[:, None]) * D + od[None, :], _to_bf16(val), mask=mt[:, None])
             lo, hi = tl.split(tl.reshape(code, [BT, D // 2, 2]))
             packed = (lo | (hi << 4)).to(tl.uint8)
             ob = tl.arange(0, D // 2)
             tl.store(codes_ptr + (base + offs_t[:, None]) * (D // 2) + ob[None, :], packed, mask=mt[:, None])
             sbytes = sf8.to(tl.uint8, bitcast=True)
-            srows = tl.reshape(tl.broadcast_to(tl.reshape(sbytes, [BT // 16, 1, D // 16]), [BT // 16, 16, D // 16]),
-                               [BT, D // 16])
+            if ROWS:
+                srows = sbytes
+            else:
+                srows = tl.reshape(tl.broadcast_to(tl.reshape(sbytes, [BT // 16, 1, D // 16]),
+                                                   [BT // 16, 16, D // 16]), [BT, D // 16])
             os_ = tl.arange(0, D // 16)
             tl.store(scales_ptr + (base + offs_t[:, None]) * (D // 16) + os_[None, :], srows, mask=mt[:, None])
 
@@ -304,19 +317,21 @@ if triton is not None:
     def _quant2d_kernel(X0, C0, S0, Y0, G0, X1, C1, S1, Y1, G1, X2, C2, S2, Y2, G2, PART, NP,
                         T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t,
                         BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
-                        WD0: tl.constexpr, WD1: tl.constexpr, WD2: tl.constexpr):
-        """Grid (time blocks, batch*head, tensor): quantizes up to three tensors in one launch."""
+                        WD0: tl.constexpr, WD1: tl.constexpr, WD2: tl.constexpr,
+                        RW0: tl.constexpr = False, RW1: tl.constexpr = False, RW2: tl.constexpr = False):
+        """Grid (time blocks, batch*head, tensor): quantizes up to three tensors in one launch (RWi: tensor i in
+        1x16 blocks along D instead of 16x16 tiles)."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         t = tl.program_id(2)
         if t == 0:
-            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, BT, D, NP2, WD0)
+            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, BT, D, NP2, WD0, RW0)
         elif t == 1:
             _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t, pid_bh, T1, H1, N1, s1b, s1h, s1t, BT, D, NP2,
-                        WD1)
+                        WD1, RW1)
         else:
             _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t, pid_bh, T2, H2, N2, s2b, s2h, s2t, BT, D,
-                        NP2, WD2)
+                        NP2, WD2, RW2)
 
     @triton.jit
     def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
@@ -702,16 +717,17 @@ def _lastdim_contig(x: Tensor) -> Tensor:
 _AMAX_PROGRAMS = 256
 
 
-def quantize_many(xs, dequantized) -> list:
-    """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles, in two
-    launches in all: one partial-amax pass and one quantize pass (the per-tensor global scales stay on the
-    device). Returns, per tensor, (codes, scales, global) and, where ``dequantized[i]``, also the bf16 code x
-    E4M3 scale tensor (exact; the global excluded) that the attention kernels consume. Bit-identical to
-    ``attention_ref.quantize_2d``."""
+def quantize_many(xs, dequantized, tiles=None) -> list:
+    """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles (or, where
+    ``tiles[i]`` is False, 1x16 blocks along D), in two launches in all: one partial-amax pass and one quantize
+    pass (the per-tensor global scales stay on the device). Returns, per tensor, (codes, scales, global) and,
+    where ``dequantized[i]``, also the bf16 code x E4M3 scale tensor (exact; the global excluded) that the
+    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``."""
     _require_triton()
     n = len(xs)
-    if not 1 <= n <= 3 or len(dequantized) != n:
-        raise ValueError(f"quantize_many takes 1 to 3 tensors and as many dequantized flags, got {n}")
+    tiles = [True] * n if tiles is None else list(tiles)
+    if not 1 <= n <= 3 or len(dequantized) != n or len(tiles) != n:
+        raise ValueError(f"quantize_many takes 1 to 3 tensors and as many dequantized (and tiles) flags, got {n}")
     xs = [_lastdim_contig(x) for x in xs]
     D = xs[0].shape[-1]
     if any(x.dim() != 4 or x.shape[-1] != D for x in xs):
@@ -740,17 +756,19 @@ def quantize_many(xs, dequantized) -> list:
     tens = [t for s in slots for t in s[:5]]
     _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
         *tens, part, NP, *T_, *H_, *N_, *strides, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
-        WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], num_warps=4)
+        WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], RW0=not tiles[0], RW1=n > 1 and not tiles[1],
+        RW2=n > 2 and not tiles[2], num_warps=4)
     return outs
 
 
-def quantize_2d(x: Tensor, *, dequantized: bool = False):
-    """Triton twin of ``attention_ref.quantize_2d`` for ``[B, H, T, D]`` (D a power of two, 16..256).
+def quantize_2d(x: Tensor, tiles: bool = True, *, dequantized: bool = False):
+    """Triton twin of ``attention_ref.quantize_2d`` for ``[B, H, T, D]`` (D a power of two, 16..256; ``tiles=False``:
+    1x16 blocks along D).
 
     Returns (codes, scales, global); with ``dequantized=True`` also the bf16 tensor of code x E4M3 scale (the
     NVFP4 values without the global scale; exact in bf16) that the attention kernels consume. The per-tensor
     amax stays on the device (no host sync). ``quantize_many`` does several tensors in the same two launches."""
-    return quantize_many([x], [dequantized])[0]
+    return quantize_many([x], [dequantized], [tiles])[0]
 
 
 def dequantize_many(pairs) -> list:

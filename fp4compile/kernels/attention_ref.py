@@ -19,6 +19,14 @@ backward reuses them, bit for bit, for the S recomputation and for dS·K / dSᵀ
 re-quantized. The price is a coarser scale (one per 256 values instead of per 16) -- the same trade NVIDIA's
 recipe makes for weights.
 
+**The 1x16 option (``QK_1X16``, bit 6 of the mask; ``passes.attention.QK_BLOCKS = "1x16"``).** Q and K may
+instead be quantized with 1x16 blocks along head_dim -- one E4M3 scale per row and 16 channels, the blocks of
+QKᵀ's own contraction and the finer scale. The copy is still the one saved and reused: dS·K and dSᵀ·Q read its
+NVFP4 values along the sequence, which these kernels do exactly (they dequantize to BF16 for the MMA), but an
+FP4 tensor core could not take it as an operand along the sequence (its blocks do not run along that
+contraction): on such hardware those two products would need a second, 16x16 copy. V and dO keep the tiles. The
+scales' layout ([..., T, D/16]) is the same for both choices, so every consumer reads either copy unchanged.
+
 Tensors made inside the kernels are quantized on the fly, in registers, along the contraction axis of the
 product that consumes them, with 1x16 blocks:
   * P (pv, pdo): its values lie in [0, 1], so the per-tensor level is fixed: global decode scale 1/2688
@@ -53,6 +61,12 @@ Tensor = torch.Tensor
 
 ATTN_ROLES = ("attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.dsq")
 QK, PV, DOV, PDO, DSK, DSQ = (1 << i for i in range(6))
+#: not a role: Q and K quantized with 1x16 blocks along head_dim instead of 16x16 tiles (module docstring)
+QK_1X16 = 1 << 6
+#: the six role bits of the mask
+ROLE_BITS = (1 << 6) - 1
+#: every valid mask is below this (the role bits and ``QK_1X16``)
+MASK_LIMIT = 1 << 7
 #: the Full-Stack FP4 split: QKᵀ, dS·K, dSᵀ·Q in NVFP4; P·V, Pᵀ·dO, dO·Vᵀ in BF16
 PAPER_ROLES = QK | DSK | DSQ
 #: rows x cols of the dS tile whose amax is the per-tile global scale (the backward kernels' tile)
@@ -80,6 +94,11 @@ def mask_to_roles(mask: int) -> dict:
     return {r: bool(mask >> i & 1) for i, r in enumerate(ATTN_ROLES)}
 
 
+def qk_tiles(mask: int) -> bool:
+    """Whether Q and K are quantized with 16x16 tiles (True) or 1x16 blocks along head_dim (``QK_1X16``)."""
+    return not mask & QK_1X16
+
+
 def needs_fp4(mask: int) -> tuple[bool, bool, bool]:
     """Which of Q, K, V have an NVFP4 consumer (forward or backward)."""
     return bool(mask & (QK | DSQ)), bool(mask & (QK | DSK)), bool(mask & (PV | DOV))
@@ -97,19 +116,20 @@ def saved_for_backward(mask: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------
 # quantization (torch; the Triton kernels reproduce these formulas operation by operation)
-def quantize_2d(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """NVFP4 RTN with 16x16 blocks over the last two dims (sequence x head_dim) of ``[..., T, D]``.
+def quantize_2d(x: Tensor, tiles: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """NVFP4 RTN with 16x16 blocks over the last two dims (sequence x head_dim) of ``[..., T, D]``, or, with
+    ``tiles=False``, with 1x16 blocks along head_dim (the ``QK_1X16`` copy of Q and K).
 
     Returns (codes uint8 [..., T, D/2], scales uint8 E4M3 bytes [..., T, D/16] -- each tile's scale replicated
-    over its 16 rows, the contract's 2D layout -- and the per-tensor fp32 decode scale). T need not be a
-    multiple of 16: the last tile is padded with zeros for its amax.
+    over its 16 rows, the contract's 2D layout; with ``tiles=False`` one scale per row and 16 channels -- and the
+    per-tensor fp32 decode scale). T need not be a multiple of 16: the last tile is padded with zeros for its amax.
     """
     T = x.shape[-2]
-    pad = (-T) % 16
+    pad = (-T) % 16 if tiles else 0
     x32 = x.to(torch.float32)
     if pad:
         x32 = torch.nn.functional.pad(x32, (0, 0, 0, pad))
-    codes, scales, g = nvfp4.quantize_rtn_(x32, block2d=True, four_over_six=False)
+    codes, scales, g = nvfp4.quantize_rtn_(x32, block2d=tiles, four_over_six=False)
     return codes[..., :T, :].contiguous(), scales.view(torch.uint8)[..., :T, :].contiguous(), g
 
 
@@ -216,10 +236,11 @@ def _empty_view(x: Tensor):
 
 
 def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, mask: int, quantize=quantize_2d) -> QuantizedQKV:
-    """16x16-tile NVFP4 copies of those of Q, K, V that some role consumes in NVFP4."""
+    """NVFP4 copies of those of Q, K, V that some role consumes in NVFP4: 16x16 tiles, or for Q and K 1x16
+    blocks along head_dim where ``mask`` has ``QK_1X16``. ``quantize(x, tiles)`` makes one copy."""
     out = []
-    for x, need in zip((q, k, v), needs_fp4(mask)):
-        out.extend(quantize(x) if need else _empty_view(x))
+    for x, need, tiles in zip((q, k, v), needs_fp4(mask), (qk_tiles(mask), qk_tiles(mask), True)):
+        out.extend(quantize(x, tiles) if need else _empty_view(x))
     return QuantizedQKV(*out)
 
 

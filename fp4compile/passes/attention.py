@@ -32,11 +32,12 @@ warning naming the node. Every site found, swapped or not, is returned as an ``A
         "roles": {"attn.qk": NVFP4(...), "attn.pv": BF16, ...},   # the six resolved specs (policy order)
         "fp4_roles": 0b110001,                         # the op's bit mask (bit i = ATTN_ROLES[i] in NVFP4)
         "qk_transform": "none" | "smooth_k" | ...,     # what the site does to Q, K first (QK_TRANSFORM)
+        "qk_blocks": "16x16" | "1x16",                 # the blocks of Q's and K's copies (QK_BLOCKS)
     }
 
 NVFP4 specs other than plain RTN (SR, MS-EDEN, 4/6, Hadamard) are implemented as RTN for attention operands
-(a one-line warning says so); Q/K/V/dO always use 16x16 tiles and P/dS 1x16 blocks along the contraction
-(see ``kernels/attention_ref.py`` for why).
+(a one-line warning says so); Q/K/V/dO use 16x16 tiles (Q and K 1x16 blocks along head_dim with
+:data:`QK_BLOCKS` ``"1x16"``) and P/dS 1x16 blocks along the contraction (see ``kernels/attention_ref.py`` for why).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_TRANSFORMS, bthd_empty
+from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, QK_TRANSFORMS, bthd_empty
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -85,6 +86,17 @@ QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
 QK_TRANSFORM_IMPLS = ("torch", "op")
 
+#: the blocks of a swapped site's NVFP4 copies of Q and K (after :data:`QK_TRANSFORM`), where attn.qk, attn.dsk or
+#: attn.dsq is NVFP4: ``"16x16"`` (tiles of 16 positions x 16 channels: one copy that is a valid NVFP4 operand along
+#: head_dim and along the sequence, as FP4 tensor cores would need for dS·K and dSᵀ·Q) or ``"1x16"`` (one scale per
+#: position and 16 channels: QKᵀ's own blocks, a finer scale; the backward's dS products read the same values
+#: along the sequence, which the H100/H200 kernels, dequantizing to BF16, do exactly). V and dO keep the tiles.
+#: ``FP4COMPILE_QK_BLOCKS`` sets it at import; the swap writes it into the node's ``fp4_roles`` (bit
+#: ``attention_ref.QK_1X16``), so graphs and cache keys differ between settings. Session 48's CPU forks (Q-Attn alone
+#: in NVFP4, five seeds): "1x16" -0.41 % ± 0.23 of val loss against "16x16" (docs/BENCHMARKS.md).
+QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
+QK_BLOCK_CHOICES = ("16x16", "1x16")
+
 
 def _checked_impl(impl: str, what: str) -> str:
     if impl not in QK_TRANSFORM_IMPLS:
@@ -112,10 +124,18 @@ def qk_transform_mode() -> str:
     return QK_TRANSFORM
 
 
+def qk_blocks_mode() -> str:
+    """:data:`QK_BLOCKS`, checked."""
+    if QK_BLOCKS not in QK_BLOCK_CHOICES:
+        raise ValueError(f"QK_BLOCKS / FP4COMPILE_QK_BLOCKS must be one of {QK_BLOCK_CHOICES}, got {QK_BLOCKS!r}")
+    return QK_BLOCKS
+
+
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                *, fp4_roles: int = PAPER_ROLES, qk_transform: str = "none", qk_impl: str = "op"):
     """Drop-in for ``F.scaled_dot_product_attention`` on [B, H, T, D] tensors, computed by ``fp4compile::qattn``
-    with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4). No dropout. The output is
+    with the precision mask ``fp4_roles`` (bit i set: ``ATTN_ROLES[i]`` runs in NVFP4; bit 6,
+    ``attention_ref.QK_1X16``: Q and K in 1x16 blocks along head_dim, see :data:`QK_BLOCKS`). No dropout. The output is
     [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
     ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
     :data:`QK_TRANSFORM`), by ``fp4compile::smooth_rotate`` (``qk_impl="op"``) or as aten ops (``"torch"``; see
@@ -163,12 +183,13 @@ class AttnSite:
     roles: dict
     fp4_roles: int = 0
     qk_transform: str = "none"
+    qk_blocks: str = "16x16"
 
     def meta(self) -> dict:
         """This site as the ``node.meta["fp4_attn"]`` dict (see the module docstring)."""
         return {"module_path": self.module_path, "source": self.source, "swapped": self.swapped,
                 "reason": self.reason, "roles": dict(self.roles), "fp4_roles": self.fp4_roles,
-                "qk_transform": self.qk_transform}
+                "qk_transform": self.qk_transform, "qk_blocks": self.qk_blocks}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,8 +287,14 @@ def _gemm_records(node: fx.Node, site: AttnSite, args: Optional[dict]) -> list:
             rec["shape"] = tuple(int(x) for x in shape[role])
         if not site.swapped and spec.name == "nvfp4":
             rec["note"] = f"kept SDPA: {site.reason}"
-        elif fp4 and role in ("attn.qk", "attn.dsk", "attn.dsq") and site.qk_transform != "none":
-            rec["note"] = f"Q, K {site.qk_transform} first"
+        elif fp4 and role in ("attn.qk", "attn.dsk", "attn.dsq"):
+            notes = [f"Q, K {site.qk_transform} first"] if site.qk_transform != "none" else []
+            if site.qk_blocks != "16x16":
+                notes.append(f"Q, K in {site.qk_blocks} blocks along head_dim")
+                if role != "attn.qk":
+                    rec["reused"] = "fwd copy"
+            if notes:
+                rec["note"] = "; ".join(notes)
         recs.append(rec)
     return recs
 
@@ -297,9 +324,16 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Option
         return None
     if notes:
         warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
-                      "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO, 1x16 blocks for P/dS)", stacklevel=3)
+                      "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO unless QK_BLOCKS, 1x16 blocks for P/dS)",
+                      stacklevel=3)
     site.swapped = True
-    site.qk_transform = qk_transform_mode() if mask & (QK | DSK | DSQ) else "none"
+    if mask & (QK | DSK | DSQ):
+        site.qk_transform, site.qk_blocks = qk_transform_mode(), qk_blocks_mode()
+        if site.qk_blocks == "1x16":
+            mask |= QK_1X16
+    else:
+        site.qk_transform = "none"
+    site.fp4_roles = mask
     _record(node, site, sites, args)
     return mask
 
