@@ -1028,6 +1028,18 @@ def test_qk_transform_compiles_for_cuda(how, D):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02)
 
 
+def test_qk_transform_compiles_again_for_another_head_dim():
+    """Inductor's CPU code for the rotation after a recompile for another head dim (which makes it dynamic): the
+    sign matrix's integer arithmetic once went through a vectorized int64 shift that did not compile (the GPU
+    test above failed the same way at D=96 after D=64); equal to eager."""
+    torch._dynamo.reset()
+    f = torch.compile(R.qk_transform, backend="inductor", fullgraph=True)
+    for D in (64, 96):
+        q, k = (torch.randn(1, 2, 32, D, dtype=torch.bfloat16) for _ in range(2))
+        got, want = f(q, k, "hadamard"), R.qk_transform(q, k, "hadamard")
+        assert got[2] == want[2] and all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+
+
 @pytest.mark.parametrize("how", TRANSFORMS)
 @pytest.mark.parametrize("causal,gqa", [(True, False), (False, True)])
 def test_qk_transform_is_the_same_attention(how, causal, gqa):

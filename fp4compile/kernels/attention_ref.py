@@ -371,17 +371,17 @@ def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool
     p = d if block is None else block
     if p < 1 or p & (p - 1) or d % p:
         raise ValueError(f"signed_hadamard needs a power-of-two size or block dividing it, got d={d}, block={block}")
+    # H_p by Sylvester's doubling [[H, H], [H, -H]] (entry (i, j) = (-1)^popcount(i & j)), block-diagonal by a
+    # Kronecker product; no shifts or bitwise ands: Inductor's vectorized CPU code miscompiles an int64 shift once a
+    # recompile has made the head dim dynamic (tests/test_attention.py, test_qk_transform_compiles_for_cuda)
     i = torch.arange(d, device=device, dtype=torch.int64)
-    ii = i if p == d else i % p                        # the index within its block
-    a = ii[:, None] & ii[None, :]
-    parity = torch.zeros_like(a)
-    for b in range(max(1, p.bit_length() - 1)):
-        parity = parity ^ ((a >> b) & 1)
-    signs = 1 - 2 * (((i * 0x39B1) >> 13) & 1)       # = bit 13 of i * 0x9E3779B1
-    h = (1 - 2 * parity) * signs[:, None]
+    h = torch.ones((1, 1), device=device, dtype=torch.int64)
+    for _ in range(p.bit_length() - 1):
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     if p < d:
-        h = h * (i[:, None] // p == i[None, :] // p)
-    h = h.to(dtype)
+        h = torch.kron(torch.eye(d // p, device=device, dtype=torch.int64), h)
+    signs = 1 - 2 * ((i * 0x39B1) // 8192 % 2)       # = bit 13 of i * 0x9E3779B1
+    h = (h * signs[:, None]).to(dtype)
     return h / math.sqrt(p) if normalize else h
 
 
