@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import fp4compile.ops  # noqa: F401  (registers the ops)
 from fp4compile.kernels import attention_ref as R
-from fp4compile.passes.attention import qattn_sdpa, qk_transform_mode, swap_attention
+from fp4compile.passes.attention import qattn_sdpa, qk_blocks_mode, qk_transform_mode, swap_attention
 from fp4compile.policy import BF16, NVFP4, Policy
 
 ALL = 63
@@ -778,11 +778,13 @@ def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     assert [s.swapped for s in be.sites] == [True]
     assert F.scaled_dot_product_attention not in _targets(be.dynamo)
     meta = [n.meta["fp4_attn"] for n in be.dynamo.graph.nodes if "fp4_attn" in n.meta][0]
-    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER and meta["source"] == "sdpa"
+    # the defaults: Q, K smoothed and rotated, then quantized in 1x16 blocks along head_dim (bit QK_1X16)
+    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER | R.QK_1X16
+    assert meta["source"] == "sdpa" and meta["qk_blocks"] == qk_blocks_mode() == "1x16"
     assert meta["roles"]["attn.qk"].name == "nvfp4" and meta["roles"]["attn.pv"] is BF16
-    assert meta["qk_transform"] == qk_transform_mode() == "smooth_k+hadamard"     # the default
+    assert meta["qk_transform"] == qk_transform_mode() == "smooth_k+hadamard"
     # eager model with the same op and transform: identical result
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=qk_transform_mode())
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER | R.QK_1X16, qk_transform=qk_transform_mode())
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     # the backward consumes the forward's FP4 Q/K (uint8 codes + uint8 E4M3 scales), not bf16/fp32 Q/K
@@ -949,7 +951,8 @@ def test_real_backend_explain_lists_six_attention_roles():
     attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
     assert set(attn) == set(R.ATTN_ROLES)
     assert {r for r, s in attn.items() if s.precision == "nvfp4"} == {"attn.qk", "attn.dsk", "attn.dsq"}
-    assert attn["attn.dsk"].reused == "2d fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
+    # the default QK_BLOCKS "1x16": the dS products reuse the forward's 1x16 copy (not the transpose-valid tiles)
+    assert attn["attn.dsk"].reused == "fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1157,6 +1160,7 @@ def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
     import fp4compile.passes.attention as A
 
     monkeypatch.setattr(A, "QK_TRANSFORM", how)
+    monkeypatch.setattr(A, "QK_BLOCKS", "16x16")   # the notes and the mask of the transform alone
     torch.manual_seed(0)
     m = Block(style="sdpa", kv_heads=1)
     x = torch.randn(2, 32, 128, requires_grad=True)
