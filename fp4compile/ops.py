@@ -351,7 +351,7 @@ _register_cuda_kernels()
 #
 #   fp4compile::qattn(q [B,H,Tq,D], k [B,Hkv,Tk,D], v [B,Hkv,Tk,D], attn_mask?, is_causal, scale, fp4_roles)
 #       -> (out [B,H,Tq,D] (stored as [B,Tq,H,D], like SDPA's: attention_ref.bthd_empty), lse fp32 [B,H,Tq],
-#           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16-tile NVFP4 copy)
+#           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16 tiles, or 1x16: bit 6)
 #           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
 #       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5; bit 6
 #       (attention_ref.QK_1X16): Q's and K's copies in 1x16 blocks along head_dim instead of 16x16 tiles.

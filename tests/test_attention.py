@@ -1116,10 +1116,11 @@ def test_qk_transform_none_and_bad_value():
         R.qk_transform(q, k, "smooth_q")
 
 
-def _qattn_errors(q, k, v, do, how):
-    """Relative errors of the paper split's O, dQ, dK (CPU op) against float64 attention of the original Q, K."""
+def _qattn_errors(q, k, v, do, how, fp4_roles=PAPER):
+    """Relative errors of the paper split's (or ``fp4_roles``') O, dQ, dK (CPU op) against float64 attention of the
+    original Q, K."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=PAPER, qk_transform=how)
+    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=fp4_roles, qk_transform=how)
     g = torch.autograd.grad(out, leaves, do)
     s64 = [t.double().requires_grad_() for t in (q, k, v)]
     o64 = R.sdpa_math_ref(*s64, is_causal=True)
@@ -1224,8 +1225,9 @@ def test_quantize_1x16_copy_matches_ml_dtypes_oracle():
 
 
 def test_qk_1x16_reference_uses_the_row_copies_everywhere():
-    """With QK_1X16 the reference's Q̂, K̂ (QKᵀ, dS·K, dSᵀ·Q) are the 1x16 copies, V's stays in tiles, and the
-    op's forward (CPU) is float64 softmax attention over exactly those values (an independent computation)."""
+    """With QK_1X16 the saved copies of Q and K (the ones QKᵀ reads and the backward's dS products reuse) are the
+    1x16 copies, V's stays in tiles, and the op's forward (CPU) is float64 softmax attention over exactly those
+    values (an independent computation)."""
     q, k, v, do = _qkv(H=2, Hkv=1, Tq=48, Tk=48)
     mask = PAPER | R.QK_1X16
     views = R.quantize_qkv(q, k, v, mask | R.PV)
@@ -1247,16 +1249,6 @@ def test_qk_1x16_reference_uses_the_row_copies_everywhere():
         torch.ops.fp4compile.qattn(q, k, v, None, True, 0.125, R.MASK_LIMIT)
 
 
-def _qattn_errors_mask(q, k, v, do, fp4_roles):
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = qattn_sdpa(*leaves, is_causal=True, fp4_roles=fp4_roles)
-    g = torch.autograd.grad(out, leaves, do)
-    s64 = [t.double().requires_grad_() for t in (q, k, v)]
-    o64 = R.sdpa_math_ref(*s64, is_causal=True)
-    g64 = torch.autograd.grad(o64, s64, do.double())
-    return rel(out, o64), rel(g[0], g64[0]), rel(g[1], g64[1])
-
-
 def test_qk_1x16_cuts_the_error_of_positions_with_different_magnitudes():
     """Q and K whose positions differ in magnitude (one loud position in a 16x16 tile sets the scale of 15 quiet
     ones): the 1x16 copies give every position its own scale, and O, dQ, dK all come closer to float64 attention."""
@@ -1265,8 +1257,8 @@ def test_qk_1x16_cuts_the_error_of_positions_with_different_magnitudes():
     loud = torch.where(torch.rand(1, 1, 128, 1, generator=g) < 0.1, 8.0, 1.0)
     q, k = (q * loud).bfloat16(), (k * loud.roll(3, 2)).bfloat16()
     v, do = v.bfloat16(), do.bfloat16()
-    tiles = _qattn_errors_mask(q, k, v, do, PAPER)
-    rows = _qattn_errors_mask(q, k, v, do, PAPER | R.QK_1X16)
+    tiles = _qattn_errors(q, k, v, do, "none")
+    rows = _qattn_errors(q, k, v, do, "none", PAPER | R.QK_1X16)
     assert all(r < 0.8 * t for r, t in zip(rows, tiles)), (tiles, rows)
 
 

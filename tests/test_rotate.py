@@ -133,7 +133,9 @@ def test_swap_writes_the_impl_and_compiles(monkeypatch, impl):
     (gx,) = torch.autograd.grad(out.sum(), x)
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is A.qattn_sdpa]
     assert node.kwargs["qk_impl"] == impl and node.kwargs["qk_transform"] == A.qk_transform_mode()
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=A.qk_transform_mode(), qk_impl=impl)
+    assert node.kwargs["fp4_roles"] & PAPER == PAPER      # (plus QK_BLOCKS' bit, whatever its default)
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=node.kwargs["fp4_roles"], qk_transform=A.qk_transform_mode(),
+                            qk_impl=impl)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     rot = {g: [n for n in gm.graph.nodes if n.target is OP.default] for g, gm in (("fw", be.fw), ("bw", be.bw))}

@@ -143,7 +143,8 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
     ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
     :data:`QK_TRANSFORM`), by ``fp4compile::smooth_rotate`` (``qk_impl="op"``) or as aten ops (``"torch"``; see
-    :data:`QK_TRANSFORM_IMPL`)."""
+    :data:`QK_TRANSFORM_IMPL`). The defaults are the bare op's (tiles, no transform); what the backend writes into a
+    swapped site follows :data:`QK_TRANSFORM` and :data:`QK_BLOCKS`."""
     if dropout_p:
         raise ValueError(f"qattn_sdpa does not support dropout (dropout_p={dropout_p})")
     if attn_mask is not None and is_causal:
