@@ -95,9 +95,9 @@ QK_TRANSFORM_IMPLS = ("torch", "op")
 #: ``attention_ref.QK_1X16``), so graphs and cache keys differ between settings. Default ``"1x16"`` since session 49:
 #: the 30M full stack forked from one BF16-optimizer checkpoint at step 800 of 1,525 ended 0.0031 and 0.0041 lower in
 #: val loss with it (seeds 0, 1; gap to BF16 +1.00 -> +0.87 % and +1.09 -> +0.91 %), at the same 124M step time
-#: (0.9996x); Q-Attn's O, dQ, dK errors on those runs' own Q, K, V 0.83-0.89x the tiles'; session 48's CPU forks
-#: (Q-Attn alone in NVFP4, five seeds) -0.41 % ± 0.23 (docs/BENCHMARKS.md, sessions 48-49). ``"16x16"`` keeps the
-#: copy an FP4 tensor core could use for the dS products as it is.
+#: (0.9996x); Q-Attn's O, dQ, dK errors on those runs' own Q, K, V 0.83-0.89x the tiles'. The 0.9M CPU model's forks
+#: (Q-Attn alone in NVFP4; "1x16" minus "16x16") do not resolve it: -0.41 % ± 0.23 over five seeds in session 48,
+#: +0.12 % ± 0.11 over ten in session 49 (docs/BENCHMARKS.md, sessions 48-49). ``"16x16"`` keeps the copy an FP4 tensor core could use for the dS products.
 QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "1x16")
 QK_BLOCK_CHOICES = ("16x16", "1x16")
 
