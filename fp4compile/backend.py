@@ -40,7 +40,9 @@ fp4compile's Triton kernels ahead of their first launch; default: on unless ``FP
 False: the backward quantizes each weight again; default ``reuse.SAVE_WEIGHT_COPIES``, True unless
 ``FP4COMPILE_SAVE_WEIGHT_COPIES=0``; FSDP2 with resharding passes False, see ``train.distributed.wrap_model``),
 ``on_error`` (``"bf16"``: a graph whose NVFP4 rewrite fails to compile warns in one line and runs as plain Inductor
-compiles it; ``"raise"``; default :data:`ON_ERROR`).
+compiles it; ``"raise"``; default :data:`ON_ERROR`), ``qk_transform`` and ``qk_blocks`` (what Q-Attn does to Q and K
+before quantizing them and in which blocks it quantizes them, for this compile; defaults
+``passes.attention.QK_TRANSFORM`` and ``QK_BLOCKS``, set by ``FP4COMPILE_QK_TRANSFORM`` / ``FP4COMPILE_QK_BLOCKS``).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
@@ -73,7 +75,8 @@ from .passes.seeds import pool_seeds
 from .passes.sites import find_sites
 from .policy import NVFP4, Policy
 
-OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies", "on_error")
+OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies", "on_error",
+           "qk_transform", "qk_blocks")
 #: what a graph whose NVFP4 rewrite fails to compile does: ``"bf16"`` (a one-line warning naming the error and the
 #: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: the model's own dtype,
 #: BF16 under autocast) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
@@ -103,13 +106,16 @@ class Settings:
     precompile: Optional[bool] = None       # fp4compile/precompile.py (None: FP4COMPILE_PRECOMPILE, default on)
     save_weight_copies: Optional[bool] = None   # None: reuse.SAVE_WEIGHT_COPIES (read when the pass runs)
     on_error: Optional[str] = None          # ON_ERROR_MODES (None: ON_ERROR, read when the graph compiles)
+    qk_transform: Optional[str] = None      # attention_ref.QK_TRANSFORMS (None: passes.attention.QK_TRANSFORM)
+    qk_blocks: Optional[str] = None         # attention_ref.QK_BLOCK_CHOICES (None: passes.attention.QK_BLOCKS)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
         is not a path, a ``mode`` that is not a string, a ``precompile`` or ``save_weight_copies`` that is not a bool
-        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES``."""
+        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES``, a ``qk_transform``
+        not in ``attention_ref.QK_TRANSFORMS`` or a ``qk_blocks`` not in ``attention_ref.QK_BLOCK_CHOICES``."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -132,9 +138,16 @@ class Settings:
         on_error = options.get("on_error")
         if on_error is not None and on_error not in ON_ERROR_MODES:
             raise ValueError(f"fullstack_fp4: on_error must be one of {list(ON_ERROR_MODES)}, got {on_error!r}")
+        from .kernels.attention_ref import QK_BLOCK_CHOICES, QK_TRANSFORMS
+
+        qk_transform, qk_blocks = options.get("qk_transform"), options.get("qk_blocks")
+        if qk_transform is not None and qk_transform not in QK_TRANSFORMS:
+            raise ValueError(f"fullstack_fp4: qk_transform must be one of {list(QK_TRANSFORMS)}, got {qk_transform!r}")
+        if qk_blocks is not None and qk_blocks not in QK_BLOCK_CHOICES:
+            raise ValueError(f"fullstack_fp4: qk_blocks must be one of {list(QK_BLOCK_CHOICES)}, got {qk_blocks!r}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
                    bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile,
-                   save_weight_copies=save_w, on_error=on_error)
+                   save_weight_copies=save_w, on_error=on_error, qk_transform=qk_transform, qk_blocks=qk_blocks)
 
 
 class FP4JointPass(CustomGraphPass):
@@ -195,7 +208,7 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     sites = find_sites(gm, example_inputs)                                        # 1
     specs = assign(gm, sites, policy)                                             # 2
     table = {s.name: SiteInfo(s.path, tuple(specs[s.name].items()), _weight_pos(gm, s)) for s in sites}
-    attn = _swap_attention(gm, policy)                                            # 3
+    attn = _swap_attention(gm, policy, settings.qk_transform, settings.qk_blocks)  # 3
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
@@ -299,8 +312,9 @@ def _weight_pos(gm, site) -> int:
     return 0 if _is_param(operands[0], params) else 1
 
 
-def _swap_attention(gm, policy) -> list:
-    """Step 3: the attention sites sent to ``fp4compile::qattn`` (none without ``passes/attention.py``)."""
+def _swap_attention(gm, policy, qk_transform: Optional[str] = None, qk_blocks: Optional[str] = None) -> list:
+    """Step 3: the attention sites sent to ``fp4compile::qattn`` (none without ``passes/attention.py``), with the
+    ``qk_transform`` / ``qk_blocks`` options (None: the pass's module defaults)."""
     try:
         from .passes.attention import swap_attention
     except ImportError:                        # no attention pass in this build: say so if it mattered
@@ -316,7 +330,7 @@ def _swap_attention(gm, policy) -> list:
                 warnings.warn(f"fp4compile: {n.name} ({module_path(n) or '<root>'}, attention) stays BF16: "
                               f"fp4compile.passes.attention is not available", stacklevel=2)
         return []
-    return swap_attention(gm, policy)
+    return swap_attention(gm, policy, qk_transform=qk_transform, qk_blocks=qk_blocks)
 
 
 def _site_paths(gm) -> List[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -170,15 +170,20 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module, *example_inputs, policy=None) -> Report:
+def explain(model: torch.nn.Module, *example_inputs, policy=None, options: Optional[Mapping[str, Any]] = None) -> Report:
     """Compile ``model`` with the fp4 backend (CPU debug variant), run forward + backward on
-    ``example_inputs`` and report every GEMM site: module path, role, shape, precision, operand reuse."""
+    ``example_inputs`` and report every GEMM site: module path, role, shape, precision, operand reuse.
+    ``options``: other backend options (e.g. ``{"qk_blocks": "16x16"}``), validated as the backend does."""
     from .backend import Settings, compile_graph
-    from .policy import Policy
 
     model = getattr(model, "_orig_mod", model)
     recorder = Recorder()
-    settings = Settings(Policy.from_options(policy), debug=True, recorder=recorder)
+    opts = dict(options or {})
+    if policy is not None:
+        if opts.get("policy") is not None:
+            raise ValueError("explain: pass the policy once, as policy= or in options, not both")
+        opts["policy"] = policy
+    settings = dataclasses.replace(Settings.from_options(opts), debug=True, recorder=recorder)
     compiled = torch.compile(model, backend=functools.partial(compile_graph, settings=settings))
     params = [p for p in model.parameters()]
     saved = [p.grad for p in params]

@@ -955,6 +955,32 @@ def test_real_backend_explain_lists_six_attention_roles():
     assert attn["attn.dsk"].reused == "fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
 
 
+def test_backend_options_set_qk_transform_and_blocks_per_compile():
+    """The ``qk_transform`` / ``qk_blocks`` backend options override the module defaults for one compile (two
+    compiles in one process, each with its own), leave the defaults as they were, and are validated up front."""
+    import fp4compile
+    import fp4compile.passes.attention as A
+    from fp4compile.backend import Settings
+
+    defaults = (A.QK_TRANSFORM, A.QK_BLOCKS)
+    x = torch.randn(2, 32, 128, requires_grad=True)
+    for opts, blocks, note in (({"qk_blocks": "16x16"}, "16x16", "Q, K smooth_k+hadamard first"),
+                               ({"qk_blocks": "1x16", "qk_transform": "none"}, "1x16",
+                                "Q, K in 1x16 blocks along head_dim")):
+        torch.manual_seed(0)
+        rep = fp4compile.explain(Block(style="sdpa", kv_heads=1), x, policy="full_stack", options=opts)
+        attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
+        assert attn["attn.dsk"].reused == ("2d fwd copy" if blocks == "16x16" else "fwd copy")
+        assert attn["attn.qk"].note == note, attn["attn.qk"].note
+    assert (A.QK_TRANSFORM, A.QK_BLOCKS) == defaults
+    with pytest.raises(ValueError, match="qk_blocks must be one of"):
+        Settings.from_options({"qk_blocks": "2d"})
+    with pytest.raises(ValueError, match="qk_transform must be one of"):
+        Settings.from_options({"qk_transform": "hadamard16"})
+    with pytest.raises(ValueError, match="policy once"):
+        fp4compile.explain(Block(style="sdpa"), x, policy="bf16", options={"policy": "full_stack"})
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Q and K transformed before quantization (attention_ref.qk_transform, the pass's QK_TRANSFORM)
 TRANSFORMS = ("smooth_k", "hadamard", "smooth_k+hadamard")

@@ -68,7 +68,8 @@ def test_networkx_and_dot(report):
 def test_attention_pass_records_appear_in_report(monkeypatch):
     """An attention pass (hooked in by the backend when fp4compile.passes.attention exists) adds six
     records on the node it handles; explain lists them."""
-    def swap_attention(gm, policy):
+    def swap_attention(gm, policy, *, qk_transform=None, qk_blocks=None):   # the pass's interface
+        assert qk_transform is None and qk_blocks is None          # no such option given
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target is torch._C._nn.scaled_dot_product_attention:
                 path = "h.0.attn"

@@ -932,3 +932,29 @@ def test_each_compilation_is_wrapped_for_cuda_graph_steps_once(tmp_path, monkeyp
     assert len(wraps) == 1
     L.train(tiny_cfg(tmp_path, "late", late_bf16_at=2, **kw))
     assert len(wraps) == 3
+
+
+def test_qk_options_reach_the_backend_and_are_validated(monkeypatch):
+    """TrainConfig.qk_transform / qk_blocks (``--qk-transform``, ``--qk-blocks``) become the fullstack_fp4 options of
+    the same names in compile_model (absent when unset, so the module defaults apply) and in the parallel wrap;
+    a bad value, or one with another backend, fails validation."""
+    from fp4compile.train import distributed as DP
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw) or model)
+    monkeypatch.setattr(DP, "resolve_backend", lambda name: name)
+    m = torch.nn.Linear(4, 4)
+    L.compile_model(m, L.TrainConfig(backend="fullstack_fp4", qk_blocks="16x16", qk_transform="none",
+                                     compile_mode="default"), "P")
+    L.compile_model(m, L.TrainConfig(backend="fullstack_fp4", compile_mode="default"), "P")
+    assert seen[0]["options"] == {"policy": "P", "qk_transform": "none", "qk_blocks": "16x16"}
+    assert seen[1]["options"] == {"policy": "P"}
+    wrapped = []
+    monkeypatch.setattr(DP, "wrap_model", lambda model, parallel, **kw: wrapped.append(kw) or model)
+    DP.wrap_for_training(m, "ddp", "fullstack_fp4", "P", None, options={"qk_blocks": "1x16"})
+    assert wrapped[0]["options"] == {"qk_blocks": "1x16", "policy": "P"}
+    for bad in (dict(backend="fullstack_fp4", qk_blocks="2d"), dict(backend="fullstack_fp4", qk_transform="rot"),
+                dict(backend="inductor", qk_blocks="1x16")):
+        with pytest.raises(ValueError, match="qk_"):
+            L.TrainConfig(**bad).validate()
+    L.TrainConfig(backend="fullstack_fp4", qk_blocks="1x16", qk_transform="smooth_k").validate()

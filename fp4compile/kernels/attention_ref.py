@@ -356,6 +356,8 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
 
 #: what ``qk_transform`` may do to Q and K before they are quantized (the attention pass's ``QK_TRANSFORM``)
 QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
+#: the blocks of Q's and K's copies: 16x16 tiles or 1x16 blocks along head_dim (``QK_1X16``; the pass's ``QK_BLOCKS``)
+QK_BLOCK_CHOICES = ("16x16", "1x16")
 
 
 def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool = True,

@@ -54,7 +54,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, QK_TRANSFORMS, bthd_empty
+from ..kernels.attention_ref import (ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, QK_BLOCK_CHOICES, QK_TRANSFORMS,
+                                     bthd_empty)
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -99,7 +100,6 @@ QK_TRANSFORM_IMPLS = ("torch", "op")
 #: (Q-Attn alone in NVFP4; "1x16" minus "16x16") do not resolve it: -0.41 % ± 0.23 over five seeds in session 48,
 #: +0.12 % ± 0.11 over ten in session 49 (docs/BENCHMARKS.md, sessions 48-49). ``"16x16"`` keeps the copy an FP4 tensor core could use for the dS products.
 QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "1x16")
-QK_BLOCK_CHOICES = ("16x16", "1x16")
 
 
 def _checked_impl(impl: str, what: str) -> str:
@@ -313,8 +313,9 @@ def _record(node: fx.Node, site: AttnSite, sites: list, args: Optional[dict] = N
                       stacklevel=3)
 
 
-def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Optional[int]:
-    """Resolve the policy and check support; returns the fp4_roles mask if the site is to be swapped."""
+def _plan(node: fx.Node, policy, source: str, args: dict, sites: list, qk: tuple = (None, None)) -> Optional[int]:
+    """Resolve the policy and check support; returns the fp4_roles mask if the site is to be swapped. ``qk``: the
+    (qk_transform, qk_blocks) options of this compile (None: :data:`QK_TRANSFORM`, :data:`QK_BLOCKS`)."""
     path = module_path(node)
     roles, mask, notes = _resolve(policy, path)
     site = AttnSite(node.name, path, source, False, None, roles, mask)
@@ -333,7 +334,8 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list) -> Option
                       stacklevel=3)
     site.swapped = True
     if mask & (QK | DSK | DSQ):
-        site.qk_transform, site.qk_blocks = qk_transform_mode(), qk_blocks_mode()
+        site.qk_transform = qk[0] if qk[0] is not None else qk_transform_mode()
+        site.qk_blocks = qk[1] if qk[1] is not None else qk_blocks_mode()
         if site.qk_blocks == "1x16":
             mask |= QK_1X16
     else:
@@ -505,18 +507,26 @@ def _transform_kwargs(site: AttnSite) -> dict:
     return {"qk_transform": site.qk_transform, "qk_impl": qk_transform_impl()}
 
 
-def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
+def swap_attention(gm: fx.GraphModule, policy, *, qk_transform: Optional[str] = None,
+                   qk_blocks: Optional[str] = None) -> list[AttnSite]:
     """Rewrite SDPA and hand-written attention in a Dynamo graph into ``fp4compile::qattn`` (see module doc).
 
-    Mutates ``gm`` in place (and recompiles it); returns one ``AttnSite`` per attention site found.
+    ``qk_transform`` / ``qk_blocks`` (the backend options of the same names) override :data:`QK_TRANSFORM` /
+    :data:`QK_BLOCKS` for this graph. Mutates ``gm`` in place (and recompiles it); returns one ``AttnSite`` per
+    attention site found.
     """
+    if qk_transform is not None and qk_transform not in QK_TRANSFORMS:
+        raise ValueError(f"swap_attention: qk_transform must be one of {QK_TRANSFORMS}, got {qk_transform!r}")
+    if qk_blocks is not None and qk_blocks not in QK_BLOCK_CHOICES:
+        raise ValueError(f"swap_attention: qk_blocks must be one of {QK_BLOCK_CHOICES}, got {qk_blocks!r}")
+    qk = (qk_transform, qk_blocks)
     sites: list[AttnSite] = []
     graph = gm.graph
     changed = False
     for node in list(graph.nodes):
         if _is_sdpa(node):
             args = _sdpa_args(node)
-            mask = _plan(node, policy, "sdpa", args, sites)
+            mask = _plan(node, policy, "sdpa", args, sites, qk)
             if mask is None:
                 continue
             kwargs = {k: args[k] for k in _SDPA_PARAMS[3:]}
@@ -541,7 +551,7 @@ def swap_attention(gm: fx.GraphModule, policy) -> list[AttnSite]:
             args = dict(_SDPA_DEFAULTS, query=m["q"], key=m["k"], value=m["v"], scale=m["scale"])
             if m["mask"] is not None:
                 args["attn_mask"] = m["mask"]
-            mask = _plan(out, policy, "handwritten", args, sites)
+            mask = _plan(out, policy, "handwritten", args, sites, qk)
             if mask is None:
                 continue
             with graph.inserting_before(out):

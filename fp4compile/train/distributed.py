@@ -896,15 +896,15 @@ def bf16_params_policy():
 
 
 def wrap_for_training(model: nn.Module, parallel: str, backend: str, policy=None,
-                      mode: Optional[str] = None, **wrap_kw) -> nn.Module:
+                      mode: Optional[str] = None, options: Optional[dict] = None, **wrap_kw) -> nn.Module:
     """The training loop's backend names mapped onto :func:`wrap_model`: "none" = no compilation,
-    "fullstack_fp4" gets ``options={"policy": policy}`` (plus ``"mode"``), anything else is a plain Dynamo
-    backend name (with ``mode=``). ``mode``: None or a torch.compile mode such as "reduce-overhead";
-    ``wrap_kw``: further :func:`wrap_model` arguments (``mp_policy``, ``bucket_cap_mb``, ...)."""
+    "fullstack_fp4" gets ``options={"policy": policy}`` (plus ``"mode"`` and ``options``, its other backend
+    options), anything else is a plain Dynamo backend name (with ``mode=``). ``mode``: None or a torch.compile mode
+    such as "reduce-overhead"; ``wrap_kw``: further :func:`wrap_model` arguments (``mp_policy``, ...)."""
     if backend == "none":
         return wrap_model(model, parallel, compile=False, **wrap_kw)
     if backend == "fullstack_fp4":
-        options = {"policy": policy} if policy is not None else {}
+        options = {**(options or {}), **({"policy": policy} if policy is not None else {})}
         if mode is not None:
             options["mode"] = mode
         return wrap_model(model, parallel, backend=resolve_backend(backend), options=options or None, **wrap_kw)

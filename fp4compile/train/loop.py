@@ -90,6 +90,10 @@ class TrainConfig:
     # precision
     backend: str = "inductor"                 # fullstack_fp4 | inductor | aot_eager | eager | none
     policy: str = "full_stack"                # preset name, policy .toml file or module:attr (fullstack_fp4 only)
+    qk_transform: Optional[str] = None        # fullstack_fp4's qk_transform option: Q-Attn's Q, K transform (None:
+                                              # passes.attention.QK_TRANSFORM, FP4COMPILE_QK_TRANSFORM)
+    qk_blocks: Optional[str] = None           # fullstack_fp4's qk_blocks option: 16x16 | 1x16 (None:
+                                              # passes.attention.QK_BLOCKS, FP4COMPILE_QK_BLOCKS)
     backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
     compile_mode: str = "auto"                # auto | default | reduce-overhead (CUDA graphs), see resolve_compile_mode
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
@@ -170,6 +174,13 @@ class TrainConfig:
 
         one_of("backend", BACKENDS)
         one_of("optimizer", OPTIMIZERS)
+        from ..kernels.attention_ref import QK_BLOCK_CHOICES, QK_TRANSFORMS
+
+        one_of("qk_transform", (None,) + QK_TRANSFORMS)
+        one_of("qk_blocks", (None,) + QK_BLOCK_CHOICES)
+        if (self.qk_transform is not None or self.qk_blocks is not None) and self.backend != "fullstack_fp4":
+            raise ValueError(f"qk_transform / qk_blocks are options of the fullstack_fp4 backend; backend="
+                             f"{self.backend!r} runs no Q-Attn")
         one_of("schedule", SCHEDULES)
         one_of("dtype", DTYPES)
         one_of("parallel", ("none", "ddp", "fsdp2"))
@@ -539,6 +550,11 @@ def late_policy(policy, roles: str):
     return dataclasses.replace(policy, name=f"{policy.name}+late_bf16({','.join(parsed)})")
 
 
+def attention_options(cfg: TrainConfig) -> dict:
+    """The fullstack_fp4 options a config sets besides the policy: ``qk_transform`` / ``qk_blocks`` where given."""
+    return {k: getattr(cfg, k) for k in ("qk_transform", "qk_blocks") if getattr(cfg, k) is not None}
+
+
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
     """``torch.compile`` with the chosen backend; the FP4 backend gets the policy through ``options``.
 
@@ -559,7 +575,7 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
             raise FeatureUnavailable("the fullstack_fp4 backend is not available in this checkout "
                                f"({e}); it is built by the backend issue. Use --backend inductor for BF16.") from e
         options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {}),
-                   **({"mode": mode} if mode else {})}
+                   **({"mode": mode} if mode else {}), **attention_options(cfg)}
         return torch.compile(model, backend=backend, options=options, dynamic=False)
     return torch.compile(model, backend=cfg.backend, mode=mode, dynamic=False)
 
@@ -592,7 +608,7 @@ STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
         "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
-        "grad_clip", "late_bf16_at", "late_bf16_roles") + ROOT_GROUP_KEYS
+        "grad_clip", "late_bf16_at", "late_bf16_roles", "qk_transform", "qk_blocks") + ROOT_GROUP_KEYS
 #: Q-AdamW's group keys the TrainConfig sets that only choose how states are encoded, not their format
 QADAMW_GROUP_KEYS = ("v_four_over_six",)
 #: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps, QRoot's NS
@@ -1025,7 +1041,8 @@ def train(cfg: TrainConfig) -> RunResult:
             if cfg.fsdp_bf16_params:
                 fsdp_kw["mp_policy"] = DP.bf16_params_policy()
         model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy,
-                                        None if cfg.compile_mode == "default" else cfg.compile_mode, **fsdp_kw)
+                                        None if cfg.compile_mode == "default" else cfg.compile_mode,
+                                        options=attention_options(cfg), **fsdp_kw)
     optimizer = build_optimizer(model, cfg, policy, device)
     if denv is not None and cfg.parallel == "fsdp2":
         DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
