@@ -51,11 +51,11 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata
     if kernel == "dq":
         fn = A._attn_bwd_dq_kernel
         const = dict(QK_FP4=fp4, DOV_FP4=False, DSK_FP4=fp4, CAUSAL=True, HAS_BIAS=False, MASK_M=False,
-                     BM=64, BN=64, D=D, GROUPS=1)
+                     BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
     elif kernel == "dkdv":
         fn = A._attn_bwd_dkdv_kernel
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
-                     MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1)
+                     MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
     else:
         fn, const, stages, cap = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True), 1, {}
     sig = _signature(fn, const)

@@ -834,12 +834,13 @@ s47_fork)
 s49_qk)
   # issues 4 and 7 on one nvidia-h200 (session 49; ~10 min, then the same command again on the warm machine to finish
   # the arms): Q-Attn's Q and K in 1x16 blocks along head_dim (passes/attention.py QK_BLOCKS "1x16"; session 49's forks,
-  # seeds 0, 1: val -0.0031 / -0.0041). The GPU tests of the Q-Attn kernels (the 1x16 copies bit for bit with the reference, the
-  # CUDA op's own copies, a 1x16 case under FlashAttention's rule), then the 30M fork of seed S (default 0) at step
+  # seeds 0, 1: val -0.0031 / -0.0041). The GPU tests of the Q-Attn kernels (the 1x16 copies bit for bit with the
+  # reference, the CUDA op's own copies, a 1x16 case under FlashAttention's rule), then the 30M fork of seed S (default 0) at step
   # 800 from bf16qroot: the tiles against 1x16, paired, each finished arm's Q-Attn errors on its own Q, K, V (ERR=1:
   # bench/attn_qk_error.py, with the 1x16 line). Carry the whole corpus. Output of the fork: $OUT/fork. Session 49 ran
-  # it (seeds 0, 1) as fullbest,fullbest_qk1x16 while the tiles were the default; 1x16 is the default now, so the
-  # arms are fullbest_qk16x16,fullbest_qk1x16 (run directories of other names than session 49's).
+  # it (seeds 0, 1) as fullbest,fullbest_qk1x16 with the dS products on the 1x16 copy itself (not runnable on FP4
+  # tensor cores); "1x16" now re-quantizes it in tiles for them, so the next run measures that form: arms
+  # fullbest_qk16x16 (the tiles, = fullbest) and fullbest_qk1x16.
   # (the GPU test once per machine: .gpu_s49 is git-ignored, so it stays on the warm machine)
   if [ ! -f .gpu_s49/ok ]; then   # every GPU test of the file (the transform's compile tests since session 49's fix)
     step gpu_tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py

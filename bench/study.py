@@ -27,8 +27,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
                factors re-split every 100 steps from step 100 (its flags are part of the arm)
     fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on;
                fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
-    fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim (the default since
-               session 49) / in the 16x16 tiles of sessions <= 48 (FP4COMPILE_QK_BLOCKS; not in the default list);
+    fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim / in 16x16 tiles
+               (the default) (FP4COMPILE_QK_BLOCKS; not in the default list);
                fullbest_nsold, fullbest_v6: the NS of sessions <= 46, Q-AdamW's v without 4/6
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
@@ -147,9 +147,9 @@ ARMS["fullbest_late_all"] = late_arm("fullbest", 0.85, "linear.fprop,linear.dgra
 ARMS["fullbest_nsold"] = dict(env_arm("fullbest", FP4COMPILE_NS_AMAX="0"),
                               flags=ARMS["fullbest"]["flags"] + ["--no-ns-sym-b", "--no-ns-shared-x"])
 ARMS["fullbest_v6"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + ["--no-qadamw-v-four-over-six"])
-# fullbest with Q-Attn's Q and K in 1x16 blocks along head_dim (passes/attention.py QK_BLOCKS; the default since
-# session 49, so now the same run as fullbest) and with the 16x16 tiles of sessions <= 48: the fork A/B of run mode
-# s49_qk (session 49 ran fullbest, then the tiles, against fullbest_qk1x16)
+# fullbest with Q-Attn's Q and K in 1x16 blocks along head_dim (passes/attention.py QK_BLOCKS "1x16": the dS products
+# on the copy re-quantized in tiles) and with the 16x16 tiles (the default, so the same run as fullbest): the fork A/B
+# of run mode s49_qk (session 49's calls ran fullbest against fullbest_qk1x16 before the re-quantization existed)
 ARMS["fullbest_qk1x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="1x16")
 ARMS["fullbest_qk16x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="16x16")
 # a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16

@@ -456,7 +456,7 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
          (R.PAPER_ROLES, True, 1, 1, 160, None, dict(BM=64, BN=32), {"dkdv": dict(BN=128), "dq": dict(BM=128)}),
          (0, True, 1, 1, 100, None, dict(BM=32, BN=16, num_warps=4),
           {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)}),
-         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 48, None, None, None)]
+         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 64, None, None, {"dkdv": dict(BN=64), "dq": dict(BM=64)})]
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
 x = x.to(DEV)
@@ -778,13 +778,13 @@ def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     assert [s.swapped for s in be.sites] == [True]
     assert F.scaled_dot_product_attention not in _targets(be.dynamo)
     meta = [n.meta["fp4_attn"] for n in be.dynamo.graph.nodes if "fp4_attn" in n.meta][0]
-    # the defaults: Q, K smoothed and rotated, then quantized in 1x16 blocks along head_dim (bit QK_1X16)
-    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER | R.QK_1X16
-    assert meta["source"] == "sdpa" and meta["qk_blocks"] == qk_blocks_mode() == "1x16"
+    # the defaults: Q, K smoothed and rotated, then quantized in 16x16 tiles (no QK_1X16 bit)
+    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER
+    assert meta["source"] == "sdpa" and meta["qk_blocks"] == qk_blocks_mode() == "16x16"
     assert meta["roles"]["attn.qk"].name == "nvfp4" and meta["roles"]["attn.pv"] is BF16
     assert meta["qk_transform"] == qk_transform_mode() == "smooth_k+hadamard"
     # eager model with the same op and transform: identical result
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER | R.QK_1X16, qk_transform=qk_transform_mode())
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=qk_transform_mode())
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     # the backward consumes the forward's FP4 Q/K (uint8 codes + uint8 E4M3 scales), not bf16/fp32 Q/K
@@ -951,8 +951,8 @@ def test_real_backend_explain_lists_six_attention_roles():
     attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
     assert set(attn) == set(R.ATTN_ROLES)
     assert {r for r, s in attn.items() if s.precision == "nvfp4"} == {"attn.qk", "attn.dsk", "attn.dsq"}
-    # the default QK_BLOCKS "1x16": the dS products reuse the forward's 1x16 copy (not the transpose-valid tiles)
-    assert attn["attn.dsk"].reused == "fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
+    # the default QK_BLOCKS "16x16": the dS products reuse the forward's tiles (valid along T)
+    assert attn["attn.dsk"].reused == "2d fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
 
 
 def test_backend_options_set_qk_transform_and_blocks_per_compile():
@@ -970,7 +970,7 @@ def test_backend_options_set_qk_transform_and_blocks_per_compile():
         torch.manual_seed(0)
         rep = fp4compile.explain(Block(style="sdpa", kv_heads=1), x, policy="full_stack", options=opts)
         attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
-        assert attn["attn.dsk"].reused == ("2d fwd copy" if blocks == "16x16" else "fwd copy")
+        assert attn["attn.dsk"].reused == ("2d fwd copy" if blocks == "16x16" else "requant of fwd copy")
         assert attn["attn.qk"].note == note, attn["attn.qk"].note
     assert (A.QK_TRANSFORM, A.QK_BLOCKS) == defaults
     with pytest.raises(ValueError, match="qk_blocks must be one of"):
@@ -1142,6 +1142,27 @@ def test_qk_transform_none_and_bad_value():
         R.qk_transform(q, k, "smooth_q")
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.floats(min_value=-30.0, max_value=30.0), st.floats(min_value=0.0, max_value=6.0), st.integers(0, 2**32 - 1))
+def test_requantize_tiles_keeps_the_global_and_lands_on_the_tile_grid(log2_scale, decades, seed):
+    """The dS products' operand under QK_1X16: the 1x16 copy's values quantized again in 16x16 tiles. Its own global
+    is exactly 1 (so the kernels may apply the saved copy's global to it), it lies on a 16x16-tile NVFP4 grid along
+    both axes (quantizing it again, or its transpose, changes nothing), and it is a second rounding, not the copy."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 48, 64, generator=g) * 2.0 ** log2_scale
+         * torch.logspace(0, decades, 48, base=10.0)[:, None]).bfloat16()
+    codes, scales, glob = R.quantize_2d(x, tiles=False)
+    one = torch.ones(())
+    vals = R.dequantize_2d(codes, scales, one, torch.float32)
+    assert vals.abs().max().item() == 2688.0 and R.quantize_2d(vals, tiles=True)[2].item() == 1.0
+    rq = R.requantize_tiles(codes, scales, glob, torch.float64)
+    again = R.dequantize_2d(*R.quantize_2d((rq / glob.double()).float(), tiles=True)) * glob.double()
+    assert torch.equal(again, rq)
+    t = (rq / glob.double()).float().transpose(-2, -1).contiguous()
+    assert torch.equal(R.dequantize_2d(*R.quantize_2d(t, tiles=True)).transpose(-2, -1) * glob.double(), rq)
+    assert not torch.equal(rq, R.dequantize_2d(codes, scales, glob))
+
+
 def _qattn_errors(q, k, v, do, how, fp4_roles=PAPER):
     """Relative errors of the paper split's (or ``fp4_roles``') O, dQ, dK (CPU op) against float64 attention of the
     original Q, K."""
@@ -1306,7 +1327,7 @@ def test_swap_writes_qk_blocks_into_the_graph(monkeypatch, blocks):
     assert node.meta["fp4_attn"]["qk_blocks"] == blocks
     recs = {r["role"]: r for r in node.meta["fp4"]}
     assert ("1x16 blocks" in recs["attn.qk"]["note"]) == (blocks == "1x16")
-    assert recs["attn.dsk"]["reused"] == ("fwd copy" if blocks == "1x16" else "2d fwd copy")
+    assert recs["attn.dsk"]["reused"] == ("requant of fwd copy" if blocks == "1x16" else "2d fwd copy")
     ref, gx2 = _eager_qattn(m, x, fp4_roles=want, qk_transform=qk_transform_mode())
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)

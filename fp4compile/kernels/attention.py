@@ -43,7 +43,7 @@ from . import dequant as _dequant
 from .dequant import _dequant_rows
 from .launch import cdiv, placeholder, stable_cache_keys
 from .attention_ref import (DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, bthd_empty,
-                            needs_fp4)
+                            needs_fp4, qk_tiles)
 
 try:
     import triton
@@ -490,7 +490,7 @@ if triton is not None:
                     sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
                     MASKED: tl.constexpr, MASK_N: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                     DSQ_FP4: tl.constexpr, QK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DS_OWN: tl.constexpr = False):
         """Accumulate dK, dV of one key block over query blocks [lo, hi). Unmasked blocks are complete and
         fully visible; with MASK_N the key rows past Tk are zeroed (they must not enter a dS tile's amax)."""
         for start_m in range(lo, hi, BM):
@@ -532,7 +532,7 @@ if triton is not None:
             else:
                 delta = tl.load(DELTA + bh * Tq + offs_m)
             dsT = pT * (dpT - delta[None, :])
-            if DSQ_FP4 == QK_FP4:
+            if (DSQ_FP4 == QK_FP4) and (not DS_OWN):
                 q2 = q
             else:
                 q2 = _ld(q2_ptr, offs_m, mm, sq2t, D, MASKED)
@@ -547,7 +547,7 @@ if triton is not None:
                               QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, PDO_FP4: tl.constexpr,
                               DSQ_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                               MASK_M: tl.constexpr, MASK_N: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DS_OWN: tl.constexpr = False):
         """dK, dV for one BN-key block of one KV head (grid: (batch*KV heads, key blocks); causal: the first key
         blocks, which see the most queries, are scheduled first), looping over the GQA group's query heads and
         over BM-query blocks: the causal diagonal band masked, the blocks fully below it unmasked, the ragged
@@ -588,15 +588,15 @@ if triton is not None:
             do2_ptr = DO2 + b * sd2b + h * sd2h
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n,
                                  mn, lo, mid, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
-                                 True, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D)
+                                 True, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D, DS_OWN)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh, offs_n,
                                  mn, mid, q_full, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tq,
-                                 False, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D)
+                                 False, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL, HAS_BIAS, BM, BN, D, DS_OWN)
             if MASK_M:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, q2_ptr, do_ptr, do2_ptr, Bias, LSE, DELTA, b, h, bh,
                                      offs_n, mn, tail, Tq, sqt, sq2t, sdt, sd2t, sbb, sbh, sbm, sbn, qk_scale,
                                      dp_scale, Tq, True, MASK_N, DOV_FP4, PDO_FP4, DSQ_FP4, QK_FP4, CAUSAL,
-                                     HAS_BIAS, BM, BN, D)
+                                     HAS_BIAS, BM, BN, D, DS_OWN)
         dk_scale = sm_scale
         if DSQ_FP4:
             dk_scale = dk_scale * tl.load(Gq)
@@ -615,7 +615,7 @@ if triton is not None:
     def _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, sk2t, svt,
                   sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, MASKED: tl.constexpr, QK_FP4: tl.constexpr,
                   DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DS_OWN: tl.constexpr = False):
         """Accumulate dQ of one query block over key tiles [lo, hi). Unmasked tiles must be complete key
         tiles strictly below the causal diagonal (query rows past Tq have LSE = +inf: P = dS = 0)."""
         for start_n in range(lo, hi, BN):
@@ -639,7 +639,7 @@ if triton is not None:
             if DOV_FP4:
                 dp = dp * dp_scale
             ds = p * (dp - delta[:, None])
-            if DSK_FP4 == QK_FP4:
+            if (DSK_FP4 == QK_FP4) and (not DS_OWN):
                 k2 = k
             else:
                 k2 = _ld(k2_ptr, offs_n, mn, sk2t, D, MASKED)
@@ -652,7 +652,7 @@ if triton is not None:
                             sob, soh, sot, sbb, sbh, sbm, sbn, sm_scale, H, GROUPS, Tq, Tk,
                             QK_FP4: tl.constexpr, DOV_FP4: tl.constexpr, DSK_FP4: tl.constexpr,
                             CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_M: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+                            BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DS_OWN: tl.constexpr = False):
         """dQ for one BM-query block (grid: (batch*heads, query blocks), longest first when causal). K: the
         attn.qk operand, K2: the attn.dsk operand (read only when the two precisions differ); DO: the attn.dov
         operand."""
@@ -687,10 +687,10 @@ if triton is not None:
             full = (Tk // BN) * BN
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, 0, full, skt, sk2t,
                        svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, False, QK_FP4, DOV_FP4, DSK_FP4, CAUSAL,
-                       HAS_BIAS, BM, BN, D)
+                       HAS_BIAS, BM, BN, D, DS_OWN)
         dq = _dq_inner(dq, q, do, lse, delta, k_ptr, k2_ptr, v_ptr, Bias, b, h, offs_m, mm, full, hi, skt, sk2t,
                        svt, sbb, sbh, sbm, sbn, qk_scale, dp_scale, Tk, True, QK_FP4, DOV_FP4, DSK_FP4, CAUSAL,
-                       HAS_BIAS, BM, BN, D)
+                       HAS_BIAS, BM, BN, D, DS_OWN)
         dq_scale = sm_scale
         if DSK_FP4:
             dq_scale = dq_scale * tl.load(Gk)
@@ -941,6 +941,12 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     kh = deqs.pop(0) if fk else None
     q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)
     k_qk, k_ds = (kh if mask & QK else k), (kh if mask & DSK else k)
+    ds_own = not qk_tiles(mask) and bool(mask & (DSK | DSQ))
+    if ds_own:  # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles)
+        src = [t for t, r in ((qh, DSQ), (kh, DSK)) if mask & r]
+        got = [o[3] for o in quantize_many(src, [True] * len(src))]   # their global is exactly 1: the copy's applies
+        q_ds = got.pop(0) if mask & DSQ else q_ds
+        k_ds = got.pop(0) if mask & DSK else k_ds
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
     if q_qk is None or k_qk is None or v_dov is None or q_ds is None or k_ds is None:
         raise RuntimeError("qattn backward: an operand was not saved (precision mask mismatch)")
@@ -960,7 +966,8 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     c1, c2 = dict(cfg["dkdv"]), dict(cfg["dq"])
     BM1, BN1, BM2, BN2 = c1.pop("BM"), c1.pop("BN"), c2.pop("BM"), c2.pop("BN")
     G = (views.q_global, views.k_global, views.v_global, g_do)
-    flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias, D=D)
+    flags = dict(QK_FP4=bool(mask & QK), DOV_FP4=bool(mask & DOV), CAUSAL=bool(is_causal), HAS_BIAS=has_bias, D=D,
+                 DS_OWN=ds_own)
     tail = (*sb, float(scale), H, H // Hkv, Tq, Tk)
     _attn_bwd_dkdv_kernel[(B * Hkv, cdiv(Tk, BN1))](
         q_qk, q_ds, k_qk, v_dov, do_pdo, do_dov, *G, bias, lse, delta, dk, dv,

@@ -21,11 +21,13 @@ recipe makes for weights.
 
 **The 1x16 option (``QK_1X16``, bit 6 of the mask; ``passes.attention.QK_BLOCKS = "1x16"``).** Q and K may
 instead be quantized with 1x16 blocks along head_dim -- one E4M3 scale per row and 16 channels, the blocks of
-QKᵀ's own contraction and the finer scale. The copy is still the one saved and reused: dS·K and dSᵀ·Q read its
-NVFP4 values along the sequence, which these kernels do exactly (they dequantize to BF16 for the MMA), but an
-FP4 tensor core could not take it as an operand along the sequence (its blocks do not run along that
-contraction): on such hardware those two products would need a second, 16x16 copy. V and dO keep the tiles. The
-scales' layout ([..., T, D/16]) is the same for both choices, so every consumer reads either copy unchanged.
+QKᵀ's own contraction and the finer scale. That copy is what the forward's QKᵀ reads and what autograd saves; the
+backward reuses it for the S recomputation. It is not an NVFP4 operand along the sequence (its blocks do not run
+along the keys / queries that dS·K and dSᵀ·Q contract over), so for those two products the backward re-quantizes
+it (``requantize_tiles``): the saved copy's values in 16x16 tiles, a second rounding of the same tensor, which is
+what an FP4 tensor core would need; no BF16 Q or K is saved for it. Its per-tensor global is the saved copy's (the
+re-quantization's own comes out exactly 1, see ``requantize_tiles``). V and dO keep the tiles. The scales' layout
+([..., T, D/16]) is the same for both blockings, so every consumer reads either copy unchanged.
 
 Tensors made inside the kernels are quantized on the fly, in registers, along the contraction axis of the
 product that consumes them, with 1x16 blocks:
@@ -244,9 +246,22 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, mask: int, quantize=quantize_2
     return QuantizedQKV(*out)
 
 
-def _operand(x: Optional[Tensor], codes: Tensor, scales: Tensor, g: Tensor, fp4: bool, dtype) -> Tensor:
+def requantize_tiles(codes: Tensor, scales: Tensor, global_scale: Tensor, dtype=torch.float64) -> Tensor:
+    """Values of a 1x16 copy (``quantize_2d(x, tiles=False)``) quantized again in 16x16 tiles: the operand of dS·K
+    and dSᵀ·Q under ``QK_1X16``, valid along the sequence. The code x scale values (global excluded) have amax
+    exactly 6 x 448 = 2688 -- the largest block's scale is RN_E4M3(amax / 6 x 2688 / amax) = 448 and its largest
+    element rounds to code 6 -- so their own two-level quantization has global decode scale 2688 / 2688 = 1 and the
+    tiles carry the saved copy's global unchanged (the kernels apply that one global; the product here keeps the
+    re-quantization's global in, as the reference must)."""
+    one = torch.ones((), dtype=torch.float32, device=codes.device)
+    c2, s2, g2 = quantize_2d(dequantize_2d(codes, scales, one, torch.float32), tiles=True)
+    return dequantize_2d(c2, s2, g2 * global_scale, dtype)
+
+
+def _operand(x: Optional[Tensor], codes: Tensor, scales: Tensor, g: Tensor, fp4: bool, dtype,
+             requant: bool = False) -> Tensor:
     if fp4:
-        return dequantize_2d(codes, scales, g, dtype)
+        return requantize_tiles(codes, scales, g, dtype) if requant else dequantize_2d(codes, scales, g, dtype)
     if x is None:
         raise RuntimeError("qattn: a BF16 operand was not saved for backward (precision mask mismatch)")
     return x.to(dtype)
@@ -341,8 +356,10 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
     dp = ddov @ va.repeat_interleave(groups, 1).transpose(-2, -1)
     ds = p * (dp - delta)
     # dQ = dS·K (contraction over keys); dK = dSᵀ·Q (contraction over queries)
-    kd = _operand(k, views.k_codes, views.k_scales, views.k_global, bool(mask & DSK), dtype)
-    qd = _operand(q, views.q_codes, views.q_scales, views.q_global, bool(mask & DSQ), dtype)
+    # under QK_1X16 the dS products take the saved 1x16 copies re-quantized in 16x16 tiles (valid along T)
+    rq = not qk_tiles(mask)
+    kd = _operand(k, views.k_codes, views.k_scales, views.k_global, bool(mask & DSK), dtype, rq)
+    qd = _operand(q, views.q_codes, views.q_scales, views.q_global, bool(mask & DSQ), dtype, rq)
     ds_k = quantize_ds(ds, -1) if mask & DSK else _bf16(ds, emulate_bf16)
     ds_q = quantize_ds(ds, -2) if mask & DSQ else _bf16(ds, emulate_bf16)
     dq = (ds_k @ kd.repeat_interleave(groups, 1)) * scale

@@ -89,17 +89,18 @@ QK_TRANSFORM_IMPLS = ("torch", "op")
 
 #: the blocks of a swapped site's NVFP4 copies of Q and K (after :data:`QK_TRANSFORM`), where attn.qk, attn.dsk or
 #: attn.dsq is NVFP4: ``"16x16"`` (tiles of 16 positions x 16 channels: one copy that is a valid NVFP4 operand along
-#: head_dim and along the sequence, as FP4 tensor cores would need for dS·K and dSᵀ·Q) or ``"1x16"`` (one scale per
-#: position and 16 channels: QKᵀ's own blocks, a finer scale; the backward's dS products read the same values
-#: along the sequence, which the H100/H200 kernels, dequantizing to BF16, do exactly). V and dO keep the tiles.
-#: ``FP4COMPILE_QK_BLOCKS`` sets it at import; the swap writes it into the node's ``fp4_roles`` (bit
-#: ``attention_ref.QK_1X16``), so graphs and cache keys differ between settings. Default ``"1x16"`` since session 49:
-#: the 30M full stack forked from one BF16-optimizer checkpoint at step 800 of 1,525 ended 0.0031 and 0.0041 lower in
-#: val loss with it (seeds 0, 1; gap to BF16 +1.00 -> +0.87 % and +1.09 -> +0.91 %), at the same 124M step time
-#: (0.9996x); Q-Attn's O, dQ, dK errors on those runs' own Q, K, V 0.83-0.89x the tiles'. The 0.9M CPU model's forks
-#: (Q-Attn alone in NVFP4; "1x16" minus "16x16") do not resolve it: -0.41 % ± 0.23 over five seeds in session 48,
-#: +0.12 % ± 0.11 over ten in session 49 (docs/BENCHMARKS.md, sessions 48-49). ``"16x16"`` keeps the copy an FP4 tensor core could use for the dS products.
-QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "1x16")
+#: head_dim and along the sequence, saved and reused by QKᵀ, dS·K and dSᵀ·Q) or ``"1x16"`` (one scale per position
+#: and 16 channels: QKᵀ's own blocks, a finer scale; that copy is saved, and the backward's dS products, which
+#: contract over the sequence, take it re-quantized in 16x16 tiles: ``attention_ref.requantize_tiles``). V and dO keep
+#: the tiles. ``FP4COMPILE_QK_BLOCKS`` sets it at import, the backend option ``qk_blocks`` per compile; the swap
+#: writes it into the node's ``fp4_roles`` (bit ``attention_ref.QK_1X16``), so graphs and cache keys differ.
+#: Default ``"16x16"``. Session 49 measured a variant of ``"1x16"`` whose dS products read the 1x16 copy as it is
+#: (no NVFP4 operand along the sequence, so no FP4 tensor core could run it; replaced by the re-quantization): 30M
+#: forks from one checkpoint at step 800 of 1,525 ended 0.0031 and 0.0041 lower in val loss than the tiles (seeds 0,
+#: 1), at the same 124M step time. The re-quantized form keeps its forward (O's error 0.85x the tiles' on Gaussian
+#: Q, K) but not its backward (dQ, dK 1.03x the tiles' there, the measured variant's 0.88-0.90x): to be measured
+#: before it becomes the default (docs/BENCHMARKS.md, session 49).
+QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
 
 
 def _checked_impl(impl: str, what: str) -> str:
@@ -296,8 +297,8 @@ def _gemm_records(node: fx.Node, site: AttnSite, args: Optional[dict]) -> list:
             notes = [f"Q, K {site.qk_transform} first"] if site.qk_transform != "none" else []
             if site.qk_blocks != "16x16":
                 notes.append(f"Q, K in {site.qk_blocks} blocks along head_dim")
-                if role != "attn.qk":
-                    rec["reused"] = "fwd copy"
+                if role != "attn.qk":   # the 1x16 copy is no operand along T: re-quantized in tiles
+                    rec["reused"] = "requant of fwd copy"
             if notes:
                 rec["note"] = "; ".join(notes)
         recs.append(rec)
