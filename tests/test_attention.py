@@ -1271,10 +1271,10 @@ def test_quantize_1x16_copy_matches_ml_dtypes_oracle():
     assert torch.equal(tiles[2], glob) and not torch.equal(tiles[1], scales)
 
 
-def test_qk_1x16_reference_uses_the_row_copies_everywhere():
-    """With QK_1X16 the saved copies of Q and K (the ones QKᵀ reads and the backward's dS products reuse) are the
-    1x16 copies, V's stays in tiles, and the op's forward (CPU) is float64 softmax attention over exactly those
-    values (an independent computation)."""
+def test_qk_1x16_reference_saves_the_row_copies():
+    """With QK_1X16 the saved copies of Q and K (the ones QKᵀ reads; the backward's dS products take them
+    re-quantized in tiles) are the 1x16 copies, V's stays in tiles, and the op's forward (CPU) is float64 softmax
+    attention over exactly those values (an independent computation)."""
     q, k, v, do = _qkv(H=2, Hkv=1, Tq=48, Tk=48)
     mask = PAPER | R.QK_1X16
     views = R.quantize_qkv(q, k, v, mask | R.PV)
