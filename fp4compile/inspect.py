@@ -170,7 +170,8 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module, *example_inputs, policy=None, options: Optional[Mapping[str, Any]] = None) -> Report:
+def explain(model: torch.nn.Module, *example_inputs, policy=None,
+            options: Optional[Mapping[str, Any]] = None) -> Report:
     """Compile ``model`` with the fp4 backend (CPU debug variant), run forward + backward on
     ``example_inputs`` and report every GEMM site: module path, role, shape, precision, operand reuse.
     ``options``: other backend options (e.g. ``{"qk_blocks": "16x16"}``), validated as the backend does."""
