@@ -114,8 +114,8 @@ class Settings:
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
         is not a path, a ``mode`` that is not a string, a ``precompile`` or ``save_weight_copies`` that is not a bool
-        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES``, a ``qk_transform``
-        not in ``attention_ref.QK_TRANSFORMS`` or a ``qk_blocks`` not in ``attention_ref.QK_BLOCK_CHOICES``."""
+        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES`` or a
+        ``qk_transform`` / ``qk_blocks`` not in ``attention_ref.QK_OPTIONS``."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -138,13 +138,12 @@ class Settings:
         on_error = options.get("on_error")
         if on_error is not None and on_error not in ON_ERROR_MODES:
             raise ValueError(f"fullstack_fp4: on_error must be one of {list(ON_ERROR_MODES)}, got {on_error!r}")
-        from .kernels.attention_ref import QK_BLOCK_CHOICES, QK_TRANSFORMS
+        from .kernels.attention_ref import QK_OPTIONS, check_qk_option
 
         qk_transform, qk_blocks = options.get("qk_transform"), options.get("qk_blocks")
-        if qk_transform is not None and qk_transform not in QK_TRANSFORMS:
-            raise ValueError(f"fullstack_fp4: qk_transform must be one of {list(QK_TRANSFORMS)}, got {qk_transform!r}")
-        if qk_blocks is not None and qk_blocks not in QK_BLOCK_CHOICES:
-            raise ValueError(f"fullstack_fp4: qk_blocks must be one of {list(QK_BLOCK_CHOICES)}, got {qk_blocks!r}")
+        for k in QK_OPTIONS:
+            if options.get(k) is not None:
+                check_qk_option(k, options[k], f"fullstack_fp4: {k}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
                    bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile,
                    save_weight_copies=save_w, on_error=on_error, qk_transform=qk_transform, qk_blocks=qk_blocks)

@@ -441,6 +441,11 @@ for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + o
 for got, t, tl_ in zip(A.quantize_many(xs, [True, True, False], [False, False, True]), xs, (False, False, True)):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t, tl_))), "quantize_many 1x16 != ref"
     assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
+# the backward's re-quantization of 1x16 copies' code x scale values, whose amax is G_NUM: with that amax given (no
+# amax pass) the same codes, scales and values as with the pass (the zero tensor's global aside)
+hq = [A.dequantize_2d(*R.quantize_2d(t, False)[:2]) for t in xs]
+for a, b in zip(A.quantize_many(hq, [True] * 3, amax=R.G_NUM), A.quantize_many(hq, [True] * 3)):
+    assert all(torch.equal(a[i], b[i]) for i in (0, 1, 3)), "quantize_many(amax=G_NUM) != its amax pass"
 # the backward's prep launch dequantizes two saved copies of different lengths (ragged last row block), one of
 # them with E4M3-subnormal scales (rows over seven decades), to the reference's exact bf16 code x scale
 y = (torch.randn(3, 1, 70, 64) * torch.logspace(-7, 0, 70)[:, None]).bfloat16().to(DEV)
@@ -1201,20 +1206,28 @@ def test_hadamard_cuts_the_error_of_outlier_channels():
     assert had[0] < 0.75 * base[0] and had[1] < base[1] and had[2] < base[2], (base, had)
 
 
-@pytest.mark.parametrize("how", ["none", "smooth_k", "smooth_k+hadamard"])
-def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
-    """QK_TRANSFORM reaches the swapped node's kwargs (so every cache key sees it), the site's meta and explain()'s
-    notes; the compiled model equals the eager model calling qattn_sdpa with the same transform, gradients too."""
+def _swapped_block(monkeypatch, **switches):
+    """A GQA ``Block`` compiled with the full stack while ``passes.attention``'s module ``switches`` are set: (model,
+    input, output, gradient of the output's sum, the swapped ``qattn_sdpa`` node)."""
     import fp4compile.passes.attention as A
 
-    monkeypatch.setattr(A, "QK_TRANSFORM", how)
-    monkeypatch.setattr(A, "QK_BLOCKS", "16x16")   # the notes and the mask of the transform alone
+    for name, value in switches.items():
+        monkeypatch.setattr(A, name, value)
     torch.manual_seed(0)
     m = Block(style="sdpa", kv_heads=1)
     x = torch.randn(2, 32, 128, requires_grad=True)
     be, out = _compile_run(m, Policy.full_stack(), x)
     (gx,) = torch.autograd.grad(out.sum(), x)
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    return m, x, out, gx, node
+
+
+@pytest.mark.parametrize("how", ["none", "smooth_k", "smooth_k+hadamard"])
+def test_swap_writes_the_transform_into_the_graph(monkeypatch, how):
+    """QK_TRANSFORM reaches the swapped node's kwargs (so every cache key sees it), the site's meta and explain()'s
+    notes; the compiled model equals the eager model calling qattn_sdpa with the same transform, gradients too."""
+    # QK_BLOCKS pinned: the notes and the mask of the transform alone
+    m, x, out, gx, node = _swapped_block(monkeypatch, QK_TRANSFORM=how, QK_BLOCKS="16x16")
     assert node.kwargs.get("qk_transform", "none") == how
     assert ("qk_transform" in node.kwargs) == (how != "none")
     assert node.meta["fp4_attn"]["qk_transform"] == how
@@ -1313,15 +1326,7 @@ def test_qk_1x16_cuts_the_error_of_positions_with_different_magnitudes():
 def test_swap_writes_qk_blocks_into_the_graph(monkeypatch, blocks):
     """QK_BLOCKS reaches the swapped node's fp4_roles (bit QK_1X16, so cache keys see it), the site's meta and
     explain()'s records; the compiled model equals the eager model calling qattn_sdpa with that mask."""
-    import fp4compile.passes.attention as A
-
-    monkeypatch.setattr(A, "QK_BLOCKS", blocks)
-    torch.manual_seed(0)
-    m = Block(style="sdpa", kv_heads=1)
-    x = torch.randn(2, 32, 128, requires_grad=True)
-    be, out = _compile_run(m, Policy.full_stack(), x)
-    (gx,) = torch.autograd.grad(out.sum(), x)
-    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    m, x, out, gx, node = _swapped_block(monkeypatch, QK_BLOCKS=blocks)
     want = PAPER | (R.QK_1X16 if blocks == "1x16" else 0)
     assert node.kwargs["fp4_roles"] == want and node.meta["fp4_attn"]["fp4_roles"] == want
     assert node.meta["fp4_attn"]["qk_blocks"] == blocks

@@ -717,12 +717,14 @@ def _lastdim_contig(x: Tensor) -> Tensor:
 _AMAX_PROGRAMS = 256
 
 
-def quantize_many(xs, dequantized, tiles=None) -> list:
+def quantize_many(xs, dequantized, tiles=None, amax: Optional[float] = None) -> list:
     """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles (or, where
     ``tiles[i]`` is False, 1x16 blocks along D), in two launches in all: one partial-amax pass and one quantize
     pass (the per-tensor global scales stay on the device). Returns, per tensor, (codes, scales, global) and,
     where ``dequantized[i]``, also the bf16 code x E4M3 scale tensor (exact; the global excluded) that the
-    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``."""
+    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``. ``amax``: every
+    tensor's amax, known to the caller (the backward's re-quantization of code x scale values, whose amax is
+    ``G_NUM``): no amax pass, one launch."""
     _require_triton()
     n = len(xs)
     tiles = [True] * n if tiles is None else list(tiles)
@@ -735,7 +737,10 @@ def quantize_many(xs, dequantized, tiles=None) -> list:
     dev = xs[0].device
     BT_A = 64 if D <= 64 else 32
     NP = _AMAX_PROGRAMS
-    part = torch.empty((n, NP), dtype=torch.float32, device=dev)
+    if amax is None:
+        part = torch.empty((n, NP), dtype=torch.float32, device=dev)
+    else:  # the quantize pass reduces the NP partials: every one the known amax
+        part = torch.full((n, NP), float(amax), dtype=torch.float32, device=dev)
     outs, slots = [], []
     for x, wd in zip(xs, dequantized):
         B, H, T, _ = x.shape
@@ -751,7 +756,8 @@ def quantize_many(xs, dequantized, tiles=None) -> list:
     X = [s[0] for s in slots]
     T_, H_, N_ = [s[5] for s in slots], [s[6] for s in slots], [s[7] for s in slots]
     strides = [v for s in slots for v in s[8:11]]
-    _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
+    if amax is None:
+        _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
     BT = 32
     tens = [t for s in slots for t in s[:5]]
     _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
@@ -944,7 +950,8 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     ds_own = not qk_tiles(mask) and bool(mask & (DSK | DSQ))
     if ds_own:  # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles)
         src = [t for t, r in ((qh, DSQ), (kh, DSK)) if mask & r]
-        got = [o[3] for o in quantize_many(src, [True] * len(src))]   # their global is exactly 1: the copy's applies
+        # their amax is exactly G_NUM (attention_ref.requantize_tiles), so no amax pass and global 1: the copy's applies
+        got = [o[3] for o in quantize_many(src, [True] * len(src), amax=G_NUM)]
         q_ds = got.pop(0) if mask & DSQ else q_ds
         k_ds = got.pop(0) if mask & DSK else k_ds
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v

@@ -375,6 +375,15 @@ def attention_bwd_ref(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor]
 QK_TRANSFORMS = ("none", "smooth_k", "hadamard", "smooth_k+hadamard")
 #: the blocks of Q's and K's copies: 16x16 tiles or 1x16 blocks along head_dim (``QK_1X16``; the pass's ``QK_BLOCKS``)
 QK_BLOCK_CHOICES = ("16x16", "1x16")
+#: Q-Attn's two Q, K settings and their values (the pass's module defaults, the backend options, TrainConfig)
+QK_OPTIONS = {"qk_transform": QK_TRANSFORMS, "qk_blocks": QK_BLOCK_CHOICES}
+
+
+def check_qk_option(name: str, value, what: Optional[str] = None):
+    """``value`` if it is one of ``QK_OPTIONS[name]``, else ``ValueError`` naming the setting as ``what``."""
+    if value not in QK_OPTIONS[name]:
+        raise ValueError(f"{what or name} must be one of {QK_OPTIONS[name]}, got {value!r}")
+    return value
 
 
 def signed_hadamard(d: int, device=None, dtype=torch.float32, *, normalize: bool = True,

@@ -54,8 +54,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import (ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, QK_BLOCK_CHOICES, QK_TRANSFORMS,
-                                     bthd_empty)
+from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, bthd_empty, check_qk_option
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -123,17 +122,12 @@ def _smooth_rotate_op(x, smooth: bool, block: int):
 
 def qk_transform_mode() -> str:
     """:data:`QK_TRANSFORM`, checked."""
-    if QK_TRANSFORM not in QK_TRANSFORMS:
-        raise ValueError(f"QK_TRANSFORM / FP4COMPILE_QK_TRANSFORM must be one of {QK_TRANSFORMS}, "
-                         f"got {QK_TRANSFORM!r}")
-    return QK_TRANSFORM
+    return check_qk_option("qk_transform", QK_TRANSFORM, "QK_TRANSFORM / FP4COMPILE_QK_TRANSFORM")
 
 
 def qk_blocks_mode() -> str:
     """:data:`QK_BLOCKS`, checked."""
-    if QK_BLOCKS not in QK_BLOCK_CHOICES:
-        raise ValueError(f"QK_BLOCKS / FP4COMPILE_QK_BLOCKS must be one of {QK_BLOCK_CHOICES}, got {QK_BLOCKS!r}")
-    return QK_BLOCKS
+    return check_qk_option("qk_blocks", QK_BLOCKS, "QK_BLOCKS / FP4COMPILE_QK_BLOCKS")
 
 
 def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
@@ -516,11 +510,10 @@ def swap_attention(gm: fx.GraphModule, policy, *, qk_transform: Optional[str] = 
     :data:`QK_BLOCKS` for this graph. Mutates ``gm`` in place (and recompiles it); returns one ``AttnSite`` per
     attention site found.
     """
-    if qk_transform is not None and qk_transform not in QK_TRANSFORMS:
-        raise ValueError(f"swap_attention: qk_transform must be one of {QK_TRANSFORMS}, got {qk_transform!r}")
-    if qk_blocks is not None and qk_blocks not in QK_BLOCK_CHOICES:
-        raise ValueError(f"swap_attention: qk_blocks must be one of {QK_BLOCK_CHOICES}, got {qk_blocks!r}")
     qk = (qk_transform, qk_blocks)
+    for name, value in zip(("qk_transform", "qk_blocks"), qk):
+        if value is not None:
+            check_qk_option(name, value, f"swap_attention: {name}")
     sites: list[AttnSite] = []
     graph = gm.graph
     changed = False

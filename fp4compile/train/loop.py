@@ -174,10 +174,10 @@ class TrainConfig:
 
         one_of("backend", BACKENDS)
         one_of("optimizer", OPTIMIZERS)
-        from ..kernels.attention_ref import QK_BLOCK_CHOICES, QK_TRANSFORMS
+        from ..kernels.attention_ref import QK_OPTIONS
 
-        one_of("qk_transform", (None,) + QK_TRANSFORMS)
-        one_of("qk_blocks", (None,) + QK_BLOCK_CHOICES)
+        for name, allowed in QK_OPTIONS.items():
+            one_of(name, (None,) + allowed)
         if (self.qk_transform is not None or self.qk_blocks is not None) and self.backend != "fullstack_fp4":
             raise ValueError(f"qk_transform / qk_blocks are options of the fullstack_fp4 backend; backend="
                              f"{self.backend!r} runs no Q-Attn")
