@@ -3,7 +3,8 @@
 Compiles the dK/dV and dQ kernels as a training step launches them (bf16 gradients, no GQA, T a multiple of 16)
 with the default backward tiles (BM = BN = 64, 4 warps, the stages and register caps of ``attention.BWD_CONFIGS``),
 causal, no bias, for head dims 64 and 128, with every role in BF16 and with the paper's split (QKᵀ, dS·K, dSᵀ·Q in
-NVFP4), plus the backward's preparatory launch, and prints per kernel the SASS instruction count (each loop body
+NVFP4), plus the backward's preparatory launch (also as QK_1X16 launches it: "prep_1x16", with the re-quantization
+of the saved 1x16 copies in tiles), and prints per kernel the SASS instruction count (each loop body
 is counted once per copy: masked and unmasked), registers per thread and the local-memory loads/stores of register
 spills (LDL/STL). Issue 4's backward question: what the FP4 dS costs over the BF16 kernels, instruction by
 instruction (session 21 used it to choose the power-of-two dS global).
@@ -21,7 +22,7 @@ from fp4compile.kernels import attention as A  # noqa: E402
 from fp4compile.kernels.offline import compile_offline, sass_stats  # noqa: E402
 
 # the gradients are stored in the inputs' dtype (bf16 in training), not FP32
-_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "O", "Y0", "Y1", "DQ", "DK", "DV")
+_BF16_PTRS = ("Q", "Q2", "K", "K2", "V", "DO", "DO2", "O", "Y0", "Y1", "Z0", "Z1", "DQ", "DK", "DV")
 _FP32_PTRS = ("Gq", "Gk", "Gv", "Gdo", "Bias", "LSE", "DELTA")
 _U8_PTRS = ("C0", "S0", "C1", "S1")
 
@@ -43,8 +44,8 @@ def _signature(fn, constexprs: dict) -> dict:
 
 
 def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata=None):
-    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq" or "prep") for sm_90; ``metadata``: a dict
-    that receives the compiler's (``"shared"``: bytes of shared memory per program)."""
+    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq", "prep" or "prep_1x16") for sm_90;
+    ``metadata``: a dict that receives the compiler's (``"shared"``: bytes of shared memory per program)."""
     cfg = A.BWD_CONFIGS[(D, fp4)]["dq" if kernel == "dq" else "dkdv"]
     stages, cap = cfg["num_stages"], {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     # GROUPS = 1 (no GQA): a launch specializes an int argument equal to 1 into a constant
@@ -57,7 +58,8 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
                      MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
     else:
-        fn, const, stages, cap = A._bwd_prep_kernel, dict(BT=64, D=D, DEQUANT_ASM=True), 1, {}
+        const = dict(BT=64, D=D, DEQUANT_ASM=True, REQ=kernel == "prep_1x16")
+        fn, stages, cap = A._bwd_prep_kernel, 1, {}
     sig = _signature(fn, const)
     # pointers 16-byte aligned, row strides and sequence lengths multiples of 16 (what a launch on [B, H, T, D]
     # tensors with T a multiple of 16 gets)
@@ -76,10 +78,10 @@ def kernel_stats(kernel: str, D: int, fp4: bool) -> dict:
 def main() -> int:
     print("| kernel | d | roles | SASS instructions | registers | LDL / STL (spills) |\n|---|---|---|---|---|---|")
     for D in (64, 128):
-        for kernel in ("dkdv", "dq", "prep"):
-            for fp4 in ((False, True) if kernel != "prep" else (True,)):
+        for kernel in ("dkdv", "dq", "prep", "prep_1x16"):
+            for fp4 in ((False, True) if kernel in ("dkdv", "dq") else (True,)):
                 s = kernel_stats(kernel, D, fp4)
-                roles = "paper split" if fp4 else "all BF16"
+                roles = ("paper split" if fp4 else "all BF16") + (", Q/K 1x16" if kernel == "prep_1x16" else "")
                 print(f"| {kernel} | {D} | {roles} | {s['instructions']} | {s['registers']} | "
                       f"{s['ldl']} / {s['stl']} |", flush=True)
     return 0

@@ -441,11 +441,6 @@ for got, t in zip(A.quantize_many(xs, [True, False, True]), xs):  # one amax + o
 for got, t, tl_ in zip(A.quantize_many(xs, [True, True, False], [False, False, True]), xs, (False, False, True)):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], R.quantize_2d(t, tl_))), "quantize_many 1x16 != ref"
     assert len(got) == 3 or torch.equal(got[3], A.dequantize_2d(got[0], got[1]))
-# the backward's re-quantization of 1x16 copies' code x scale values, whose amax is G_NUM: with that amax given (no
-# amax pass) the same codes, scales and values as with the pass (the zero tensor's global aside)
-hq = [A.dequantize_2d(*R.quantize_2d(t, False)[:2]) for t in xs]
-for a, b in zip(A.quantize_many(hq, [True] * 3, amax=R.G_NUM), A.quantize_many(hq, [True] * 3)):
-    assert all(torch.equal(a[i], b[i]) for i in (0, 1, 3)), "quantize_many(amax=G_NUM) != its amax pass"
 # the backward's prep launch dequantizes two saved copies of different lengths (ragged last row block), one of
 # them with E4M3-subnormal scales (rows over seven decades), to the reference's exact bf16 code x scale
 y = (torch.randn(3, 1, 70, 64) * torch.logspace(-7, 0, 70)[:, None]).bfloat16().to(DEV)
@@ -454,6 +449,19 @@ assert ((cq[1][1] & 0x78) == 0).any() and (cq[1][1] > 0).any(), "no subnormal sc
 one = torch.ones((), device=DEV)
 for (c, sc, _), d in zip(cq, A.dequantize_many([(c, sc) for c, sc, _ in cq])):
     assert torch.equal(d, R.dequantize_2d(c, sc, one, torch.bfloat16)), "dequantize_many != reference"
+# the backward's prep launch re-quantizes saved 1x16 copies in 16x16 tiles from their codes and scales (QK_1X16's
+# dS operands): the reference's requantize_tiles (global excluded), and the same values as the quantize launches on
+# the copies' code x scale (their own amax pass). Copies of several heads and lengths (T = 40, 33, 70: the last tile
+# padded with zeros, per head), an all-zero one, one with E4M3-subnormal scales; one beside an unre-quantized copy
+c1 = [R.quantize_2d(t.contiguous(), False)[:2] for t in xs + [y]]
+for pair in ((c1[0], c1[1]), (c1[2], c1[3])):
+    _, deqs, reqs = A._bwd_prep(None, None, list(pair), [True, True])
+    for (c, sc), d, z in zip(pair, deqs, reqs):
+        assert torch.equal(d, R.dequantize_2d(c, sc, one, torch.bfloat16)), "prep's code x scale != reference"
+        assert torch.equal(z, R.requantize_tiles(c, sc, one, torch.bfloat16)), "prep's re-quantization != reference"
+        assert torch.equal(z, A.quantize_many([d], [True])[0][3]), "prep's re-quantization != the quantize pass"
+_, _, reqs = A._bwd_prep(None, None, [c1[1], c1[0]], [False, True])
+assert reqs[0] is None and torch.equal(reqs[1], R.requantize_tiles(*c1[0], one, torch.bfloat16))
 # the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
 # non-default tiles (the fp4-dS backward: 128-row dS tiles holding two 64x64 scale tiles)
 CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),
@@ -545,12 +553,14 @@ def _bench_module(name: str):
     return mod
 
 
+@pytest.mark.parametrize("kernel", ["prep", "prep_1x16"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_bwd_prep_loads_codes_and_scales_as_vectors(D):
+def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
     """The backward's prep launch compiled for sm_90 (CPU, bench/attention_sass.py): the saved NVFP4 Q/K copies are
-    read with vector loads, not one byte load per element (what it did until session 22: 128 per thread at d=128)."""
+    read with vector loads, not one byte load per element (what it did until session 22: 128 per thread at d=128),
+    also where it re-quantizes them in tiles (QK_1X16, "prep_1x16")."""
     pytest.importorskip("triton")
-    ptx = _bench_module("attention_sass").compile_kernel("prep", D, True, upto="ptx")
+    ptx = _bench_module("attention_sass").compile_kernel(kernel, D, True, upto="ptx")
     assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 

@@ -40,7 +40,7 @@ import torch
 
 from ..formats import nvfp4 as _nvfp4
 from . import dequant as _dequant
-from .dequant import _dequant_rows
+from .dequant import _dequant_rows, _dequant_tile
 from .launch import cdiv, placeholder, stable_cache_keys
 from .attention_ref import (DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, bthd_empty,
                             needs_fp4, qk_tiles)
@@ -266,6 +266,22 @@ if triton is not None:
                               [BT, D])
 
     @triton.jit
+    def _round_blocks(x, s_enc, g_dec, BT: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        """NVFP4 RTN of a [BT, D] fp32 slab in 16x16 tiles (with ROWS: 1x16 blocks along D) under the tensor's
+        encode / decode globals: (signed E2M1 codes [BT, D], E4M3 scales and their fp32 values, [BT/16, D/16] or
+        with ROWS [BT, D/16])."""
+        if ROWS:  # one scale per row and 16 channels: [BT, D/16]
+            amax = tl.max(tl.abs(tl.reshape(x, [BT, D // 16, 16])), axis=2)
+        else:  # one scale per 16x16 tile: [BT/16, D/16]
+            amax = tl.max(tl.max(tl.abs(tl.reshape(x, [BT // 16, 16, D // 16, 16])), axis=3), axis=1)
+        sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
+        sf = sf8.to(tl.float32)
+        enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
+        a = x * _per_element(enc, BT, D, ROWS)
+        mag = _e2m1_mag_code(tl.abs(a))
+        return tl.where(a < 0, mag | 8, mag), sf8, sf
+
+    @triton.jit
     def _quant_body(x_ptr, codes_ptr, scales_ptr, deq_ptr, gdec_ptr, part_ptr, NP, pid_t, pid_bh, T, H, NBH,
                     sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr, WRITE_DEQ: tl.constexpr,
                     ROWS: tl.constexpr = False):
@@ -286,16 +302,7 @@ if triton is not None:
             od = tl.arange(0, D)
             x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
                         other=0.0).to(tl.float32)
-            if ROWS:  # one scale per row and 16 channels: [BT, D/16]
-                amax = tl.max(tl.abs(tl.reshape(x, [BT, D // 16, 16])), axis=2)
-            else:  # one scale per 16x16 tile: [BT/16, D/16]
-                amax = tl.max(tl.max(tl.abs(tl.reshape(x, [BT // 16, 16, D // 16, 16])), axis=3), axis=1)
-            sf8 = _to_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0) * s_enc, 448.0))
-            sf = sf8.to(tl.float32)
-            enc = tl.where(sf == 0.0, 0.0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * g_dec))
-            a = x * _per_element(enc, BT, D, ROWS)
-            mag = _e2m1_mag_code(tl.abs(a))
-            code = tl.where(a < 0, mag | 8, mag)
+            code, sf8, sf = _round_blocks(x, s_enc, g_dec, BT, D, ROWS)
             base = pid_bh * T
             if WRITE_DEQ:
                 val = _e2m1_value(code) * _per_element(sf, BT, D, ROWS)
@@ -334,13 +341,35 @@ if triton is not None:
                         NP2, WD2, RW2)
 
     @triton.jit
-    def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, T, H, NBH, sdb, sdh, sdt, sob, soh, sot,
-                         BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+    def _requant_body(c_ptr, s_ptr, y_ptr, pid, T, NBH, BT: tl.constexpr, D: tl.constexpr,
+                      DEQUANT_ASM: tl.constexpr):
+        """Rows [t0, t0 + BT) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes [NBH*T, D/2], scales
+        [NBH*T, D/16]) quantized again in 16x16 tiles, from the codes and scales: bf16 code x scale (global
+        excluded) into y [NBH*T, D], == attention_ref.requantize_tiles without the global. The values' amax is
+        G_NUM by construction, so both globals of the second rounding are 1 (the copy's global applies)."""
+        nT = tl.cdiv(T, BT)
+        if pid < nT * NBH:
+            offs_t = (pid % nT) * BT + tl.arange(0, BT)
+            mt = offs_t[:, None] < T
+            rows = ((pid // nT) * T + offs_t).to(tl.int64)[:, None]
+            codes = tl.load(c_ptr + rows * (D // 2) + tl.arange(0, D // 2)[None, :], mask=mt, other=0)
+            scales = tl.load(s_ptr + rows * (D // 16) + tl.arange(0, D // 16)[None, :], mask=mt, other=0)
+            x = _dequant_tile(codes, scales, BT, D, DEQUANT_ASM).to(tl.float32) * 256.0  # exact; padding rows 0
+            code, _, sf = _round_blocks(x, 1.0, 1.0, BT, D, False)
+            val = _e2m1_value(code) * _per_element(sf, BT, D, False)
+            tl.store(y_ptr + rows * D + tl.arange(0, D)[None, :], _to_bf16(val), mask=mt)
+
+    @triton.jit
+    def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, Z0, RT0, RN0, Z1, RT1, RN1, T, H, NBH,
+                         sdb, sdh, sdt, sob, soh, sot, BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr,
+                         REQ: tl.constexpr = False):
         """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
         [BT] row block; tasks 1, 2: code x scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a
         saved contiguous [R, D] NVFP4 copy (Q and/or K), by the GEMM's dequantization
         (:func:`fp4compile.kernels.dequant._dequant_rows`: whole code bytes and scale rows as vector loads;
-        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only)."""
+        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only). With REQ, tasks 3, 4: copy 0's / 1's values
+        re-quantized in 16x16 tiles into Z0 / Z1 (``_requant_body``; copy i as [RNi heads, RTi rows], RNi = 0:
+        none), the operands of the dS products under QK_1X16."""
         pid = tl.program_id(0)
         task = tl.program_id(1)
         if task == 0:
@@ -360,9 +389,14 @@ if triton is not None:
         elif task == 1:
             if pid * BT < R0:
                 _dequant_rows(C0, S0, Y0, R0, D // 2, pid, 0, BT, D, DEQUANT_ASM)
-        else:
+        elif task == 2:
             if pid * BT < R1:
                 _dequant_rows(C1, S1, Y1, R1, D // 2, pid, 0, BT, D, DEQUANT_ASM)
+        elif REQ:
+            if task == 3:
+                _requant_body(C0, S0, Z0, pid, RT0, RN0, BT, D, DEQUANT_ASM)
+            else:
+                _requant_body(C1, S1, Z1, pid, RT1, RN1, BT, D, DEQUANT_ASM)
 
     # -----------------------------------------------------------------------------------------------------
     @triton.jit
@@ -717,14 +751,12 @@ def _lastdim_contig(x: Tensor) -> Tensor:
 _AMAX_PROGRAMS = 256
 
 
-def quantize_many(xs, dequantized, tiles=None, amax: Optional[float] = None) -> list:
+def quantize_many(xs, dequantized, tiles=None) -> list:
     """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles (or, where
     ``tiles[i]`` is False, 1x16 blocks along D), in two launches in all: one partial-amax pass and one quantize
     pass (the per-tensor global scales stay on the device). Returns, per tensor, (codes, scales, global) and,
     where ``dequantized[i]``, also the bf16 code x E4M3 scale tensor (exact; the global excluded) that the
-    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``. ``amax``: every
-    tensor's amax, known to the caller (the backward's re-quantization of code x scale values, whose amax is
-    ``G_NUM``): no amax pass, one launch."""
+    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``."""
     _require_triton()
     n = len(xs)
     tiles = [True] * n if tiles is None else list(tiles)
@@ -737,10 +769,7 @@ def quantize_many(xs, dequantized, tiles=None, amax: Optional[float] = None) -> 
     dev = xs[0].device
     BT_A = 64 if D <= 64 else 32
     NP = _AMAX_PROGRAMS
-    if amax is None:
-        part = torch.empty((n, NP), dtype=torch.float32, device=dev)
-    else:  # the quantize pass reduces the NP partials: every one the known amax
-        part = torch.full((n, NP), float(amax), dtype=torch.float32, device=dev)
+    part = torch.empty((n, NP), dtype=torch.float32, device=dev)
     outs, slots = [], []
     for x, wd in zip(xs, dequantized):
         B, H, T, _ = x.shape
@@ -756,8 +785,7 @@ def quantize_many(xs, dequantized, tiles=None, amax: Optional[float] = None) -> 
     X = [s[0] for s in slots]
     T_, H_, N_ = [s[5] for s in slots], [s[6] for s in slots], [s[7] for s in slots]
     strides = [v for s in slots for v in s[8:11]]
-    if amax is None:
-        _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
+    _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
     BT = 32
     tens = [t for s in slots for t in s[:5]]
     _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
@@ -783,24 +811,33 @@ def dequantize_many(pairs) -> list:
     return _bwd_prep(None, None, pairs)[1]
 
 
-def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
-    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given) and the code x scale tensors of
-    up to two NVFP4 copies ``pairs`` = [(codes, scales), ...]."""
+def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
+    """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given), the code x scale tensors of up to
+    two contiguous NVFP4 copies ``pairs`` = [(codes [B, H, T, D/2], scales), ...], and, where ``requant[i]``, pair
+    i's values re-quantized in 16x16 tiles (``_requant_body``: the dS products' operands under QK_1X16). Returns
+    (delta, [code x scale per pair], [re-quantized or None per pair])."""
     _require_triton()
-    if len(pairs) > 2:
-        raise ValueError("_bwd_prep dequantizes at most two copies")
+    requant = list(requant) + [False] * (len(pairs) - len(requant))
+    if len(pairs) > 2 or len(requant) != len(pairs):
+        raise ValueError("_bwd_prep dequantizes at most two copies (one requant flag each)")
     ref = do if do is not None else pairs[0][0]
     dev = ref.device
     D = do.shape[-1] if do is not None else pairs[0][0].shape[-1] * 2
     BT = 64
-    deqs, slots = [], []
-    for c, s in pairs:
+    deqs, reqs, slots, rslots = [], [], [], []
+    dummy, c0 = placeholder(dev, torch.bfloat16), placeholder(dev, torch.uint8)
+    for (c, s), rq in zip(pairs, requant):
         y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
         deqs.append(y)
         slots.append((c, s, y, c.numel() // (D // 2)))
-    dummy, c0 = placeholder(dev, torch.bfloat16), placeholder(dev, torch.uint8)
+        if rq and (c.dim() != 4 or not c.is_contiguous()):
+            raise ValueError("_bwd_prep: a re-quantized copy must be a contiguous [B, H, T, D/2]")
+        z = torch.empty_like(y) if rq else None
+        reqs.append(z)
+        rslots.append((z, c.shape[2], c.shape[0] * c.shape[1]) if rq else (dummy, 0, 0))
     while len(slots) < 2:  # unused slot (R = 0): never read, but typed like a real one (the kernel bitcasts)
         slots.append((c0, c0, dummy, 0))
+        rslots.append((dummy, 0, 0))
     if do is not None:
         B, H, T, _ = do.shape
         delta = torch.empty((B, H, T), dtype=torch.float32, device=dev)
@@ -810,11 +847,12 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs):
     else:
         delta, B, H, T, n0 = None, 1, 1, 0, 0
         dargs, st = (dummy, dummy, dummy), (0,) * 6
-    nx = max([n0] + [cdiv(sl[3], BT) for sl in slots])
+    nx = max([n0] + [cdiv(sl[3], BT) for sl in slots] + [cdiv(t, BT) * n for _, t, n in rslots])
     asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
-    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], T, H, B * H, *st, BT=BT, D=D, DEQUANT_ASM=asm,
-                              num_warps=4)
-    return delta, deqs
+    req = any(requant)
+    _bwd_prep_kernel[(nx, 5 if req else 3)](*dargs, *slots[0], *slots[1], *rslots[0], *rslots[1], T, H, B * H, *st,
+                                           BT=BT, D=D, DEQUANT_ASM=asm, REQ=req, num_warps=4)
+    return delta, deqs, reqs
 
 
 def dequantize_2d(codes: Tensor, scales: Tensor) -> Tensor:
@@ -942,18 +980,16 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     fq, fk, _ = needs_fp4(mask)
     pairs = [(views.q_codes, views.q_scales)] if fq else []
     pairs += [(views.k_codes, views.k_scales)] if fk else []
-    delta, deqs = _bwd_prep(do, out, pairs)  # dO may be [B, T, H, D]-strided (the output's layout): read in place
-    qh = deqs.pop(0) if fq else None
-    kh = deqs.pop(0) if fk else None
-    q_qk, q_ds = (qh if mask & QK else q), (qh if mask & DSQ else q)
-    k_qk, k_ds = (kh if mask & QK else k), (kh if mask & DSK else k)
+    # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles), made in
+    # the same launch from the codes and scales
     ds_own = not qk_tiles(mask) and bool(mask & (DSK | DSQ))
-    if ds_own:  # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles)
-        src = [t for t, r in ((qh, DSQ), (kh, DSK)) if mask & r]
-        # their amax is exactly G_NUM (attention_ref.requantize_tiles), so no amax pass and global 1: the copy's applies
-        got = [o[3] for o in quantize_many(src, [True] * len(src), amax=G_NUM)]
-        q_ds = got.pop(0) if mask & DSQ else q_ds
-        k_ds = got.pop(0) if mask & DSK else k_ds
+    requant = ([bool(mask & DSQ)] if fq else []) + ([bool(mask & DSK)] if fk else [])
+    # dO may be [B, T, H, D]-strided (the output's layout): read in place
+    delta, deqs, reqs = _bwd_prep(do, out, pairs, requant if ds_own else ())
+    qh, q_rq = (deqs.pop(0), reqs.pop(0)) if fq else (None, None)
+    kh, k_rq = (deqs.pop(0), reqs.pop(0)) if fk else (None, None)
+    q_qk, q_ds = (qh if mask & QK else q), ((q_rq if ds_own else qh) if mask & DSQ else q)
+    k_qk, k_ds = (kh if mask & QK else k), ((k_rq if ds_own else kh) if mask & DSK else k)
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
     if q_qk is None or k_qk is None or v_dov is None or q_ds is None or k_ds is None:
         raise RuntimeError("qattn backward: an operand was not saved (precision mask mismatch)")
