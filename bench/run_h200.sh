@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -851,6 +851,20 @@ s49_qk)
   mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_SRC=bf16qroot ERR=1 FORK_END=$((585 - SECONDS)) bash "$0" fork "${S:-0}" 800 \
       fullbest_qk16x16,fullbest_qk1x16 >"$OUT/fork_call.log" 2>&1
   grep -h "done at step\|stopping before\|1x16 blocks\|vs none" "$OUT/fork_call.log" "$OUT"/fork/*.log 2>/dev/null ;;
+s50_qk)
+  # issues 4 + 3 on one nvidia-h200 (~4 min; session 50): QK_1X16's backward re-quantization moved into the prep launch
+  # (attention._requant_body: the saved 1x16 copies re-quantized in tiles from their codes and scales; session 50's
+  # step A/B of the earlier separate quantize launch: 1.0227x the tiles' step, +1.19 ms). Every GPU test of the Q-Attn
+  # file (the CUDA op's backward with QK_1X16 against the reference), then the 124M step with "1x16" against the
+  # tiles, interleaved (8 rounds of 10 steps, as session 49 and 50 ran it), and "1x16" with its dQ kernel at one
+  # stage (attention.DS_OWN_CONFIG: the second K tile takes dQ from 4 to 3 programs per SM at 2 stages; at one
+  # stage 24.6 KB, but 21 spilled registers, bench/attention_sass.py-style static count)
+  step gpu_tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py
+  tail -n 3 "$OUT/gpu_tests.log"
+  step step_ab 330 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
+      --arm 'qk1x16dq1:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.kernels.attention.DS_OWN_CONFIG[dq]={"num_stages":1}'
+  tail -n 4 "$OUT/step_ab.log" ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's
   # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:
