@@ -917,7 +917,7 @@ def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
 
 #: Overrides of ``BWD_CONFIGS`` where the dS products read their own operands (``DS_OWN``: Q and K in 1x16 blocks,
 #: their tiles re-quantized), {"dkdv": {...}, "dq": {...}}: each kernel then loads a second Q / K tile per step (at
-#: D = 64 and 2 stages, 66.5 KB of shared memory instead of 50: 3 dQ programs per SM instead of 4). Empty: the
+#: D = 64 and 2 stages, 66.6 KB of shared memory instead of 50.2: 3 dQ programs per SM instead of 4). Empty: the
 #: same tiles as the tile form (an A/B knob, ``bench/step_ab.py``; session 50).
 DS_OWN_CONFIG = {"dkdv": {}, "dq": {}}
 
