@@ -1362,8 +1362,9 @@ def test_qk_blocks_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):
 
 
 def test_ds_own_config_overrides_only_the_1x16_backward(monkeypatch):
-    """attention.DS_OWN_CONFIG changes the backward's tiles only where the dS products read their own operands (QK_1X16),
-    an explicit ``config`` still wins, and the dS tile stays DS_TILE (numerics) whatever the override says."""
+    """attention.DS_OWN_CONFIG changes the backward's tiles only where the dS products read their own operands
+    (QK_1X16), an explicit ``config`` still wins, and the dS tile stays DS_TILE (numerics) whatever the override
+    says."""
     pytest.importorskip("triton")
     from fp4compile.kernels import attention as A
 
