@@ -26,7 +26,8 @@ backward reuses it for the S recomputation. It is not an NVFP4 operand along the
 along the keys / queries that dS·K and dSᵀ·Q contract over), so for those two products the backward re-quantizes
 it (``requantize_tiles``): the saved copy's values in 16x16 tiles, a second rounding of the same tensor, which is
 what an FP4 tensor core would need; no BF16 Q or K is saved for it. Its per-tensor global is the saved copy's (the
-re-quantization's own comes out exactly 1, see ``requantize_tiles``). V and dO keep the tiles. The scales' layout
+re-quantization's own comes out exactly 1, see ``requantize_tiles``; the Triton backward makes it in its first
+launch from the copy's codes and scales, ``attention._requant_body``). V and dO keep the tiles. The scales' layout
 ([..., T, D/16]) is the same for both blockings, so every consumer reads either copy unchanged.
 
 Tensors made inside the kernels are quantized on the fly, in registers, along the contraction axis of the
