@@ -856,14 +856,11 @@ s50_qk)
   # (attention._requant_body: the saved 1x16 copies re-quantized in tiles from their codes and scales; session 50's
   # step A/B of the earlier separate quantize launch: 1.0227x the tiles' step, +1.19 ms). Every GPU test of the Q-Attn
   # file (the CUDA op's backward with QK_1X16 against the reference), then the 124M step with "1x16" against the
-  # tiles, interleaved (8 rounds of 10 steps, as session 49 and 50 ran it), and "1x16" with its dQ kernel at one
-  # stage (attention.DS_OWN_CONFIG: the second K tile takes dQ from 4 to 3 programs per SM at 2 stages; at one
-  # stage 24.6 KB, but 21 spilled registers, bench/attention_sass.py-style static count)
+  # tiles, interleaved (8 rounds of 10 steps, as session 49 and 50 ran it)
   step gpu_tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py
   tail -n 3 "$OUT/gpu_tests.log"
-  step step_ab 330 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
-      --arm 'qk1x16dq1:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.kernels.attention.DS_OWN_CONFIG[dq]={"num_stages":1}'
+  step step_ab 300 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
+      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"'
   tail -n 4 "$OUT/step_ab.log" ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's

@@ -1360,17 +1360,3 @@ def test_qk_blocks_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
     assert node.kwargs["fp4_roles"] == R.PV and node.meta["fp4_attn"]["qk_blocks"] == "16x16"
 
-
-def test_ds_own_config_overrides_only_the_1x16_backward(monkeypatch):
-    """attention.DS_OWN_CONFIG changes the backward's tiles only where the dS products read their own operands
-    (QK_1X16), an explicit ``config`` still wins, and the dS tile stays DS_TILE (numerics) whatever the override
-    says."""
-    pytest.importorskip("triton")
-    from fp4compile.kernels import attention as A
-
-    base = A._bwd_config(64, True)
-    monkeypatch.setitem(A.DS_OWN_CONFIG, "dq", {"num_stages": 1, "BN": 32})
-    assert A._bwd_config(64, True) == base
-    own = A._bwd_config(64, True, ds_own=True)
-    assert own["dq"]["num_stages"] == 1 and own["dq"]["BN"] == A.DS_TILE and own["dkdv"] == base["dkdv"]
-    assert A._bwd_config(64, True, {"dq": {"num_stages": 3}}, ds_own=True)["dq"]["num_stages"] == 3

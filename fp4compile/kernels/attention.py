@@ -915,17 +915,9 @@ def _fwd_config(D: int, pv_fp4: bool, config: Optional[dict] = None) -> dict:
     return cfg
 
 
-#: Overrides of ``BWD_CONFIGS`` where the dS products read their own operands (``DS_OWN``: Q and K in 1x16 blocks,
-#: their tiles re-quantized), {"dkdv": {...}, "dq": {...}}: each kernel then loads a second Q / K tile per step (at
-#: D = 64 and 2 stages, 66.6 KB of shared memory instead of 50.2: 3 dQ programs per SM instead of 4). Empty: the
-#: same tiles as the tile form (an A/B knob, ``bench/step_ab.py``; session 50).
-DS_OWN_CONFIG = {"dkdv": {}, "dq": {}}
-
-
-def _bwd_config(D: int, fp4_ds: bool, config: Optional[dict] = None, ds_own: bool = False) -> dict:
+def _bwd_config(D: int, fp4_ds: bool, config: Optional[dict] = None) -> dict:
     base = BWD_CONFIGS.get((D, fp4_ds), _bwd_pair(4))
-    over = [DS_OWN_CONFIG if ds_own else {}, config or {}]
-    cfg = {k: dict(v, **{kk: vv for o in over for kk, vv in (o.get(k) or {}).items()}) for k, v in base.items()}
+    cfg = {k: dict(v, **((config or {}).get(k) or {})) for k, v in base.items()}
     if fp4_ds:  # the contraction tile is DS_TILE (dS's per-tile global); the other side may hold several tiles
         cfg["dkdv"]["BM"] = DS_TILE
         cfg["dq"]["BN"] = DS_TILE
@@ -1013,7 +1005,7 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     dq = bthd_empty(B, H, Tq, D, dtype, dev)
     dk = bthd_empty(B, Hkv, Tk, D, dtype, dev)
     dv = bthd_empty(B, Hkv, Tk, D, dtype, dev)
-    cfg = _bwd_config(D, bool(mask & (DSK | DSQ)), config, ds_own)
+    cfg = _bwd_config(D, bool(mask & (DSK | DSQ)), config)
     c1, c2 = dict(cfg["dkdv"]), dict(cfg["dq"])
     BM1, BN1, BM2, BN2 = c1.pop("BM"), c1.pop("BN"), c2.pop("BM"), c2.pop("BN")
     G = (views.q_global, views.k_global, views.v_global, g_do)
