@@ -1359,4 +1359,9 @@ def test_qk_blocks_setting_is_checked_and_left_out_without_fp4_qk(monkeypatch):
     be, _ = _compile_run(Block(style="sdpa"), pol, torch.randn(1, 32, 128))
     (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
     assert node.kwargs["fp4_roles"] == R.PV and node.meta["fp4_attn"]["qk_blocks"] == "16x16"
+    # dS·K and dSᵀ·Q in NVFP4 but QKᵀ in BF16: the copies serve only the dS products, whose operand the tiles are
+    pol = Policy.bf16().override("*", NVFP4(), role="attn.dsk").override("*", NVFP4(), role="attn.dsq")
+    be, _ = _compile_run(Block(style="sdpa"), pol, torch.randn(1, 32, 128))
+    (node,) = [n for n in be.dynamo.graph.nodes if n.target is qattn_sdpa]
+    assert node.kwargs["fp4_roles"] == R.DSK | R.DSQ and node.meta["fp4_attn"]["qk_blocks"] == "16x16"
 

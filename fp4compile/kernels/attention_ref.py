@@ -66,8 +66,6 @@ ATTN_ROLES = ("attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.ds
 QK, PV, DOV, PDO, DSK, DSQ = (1 << i for i in range(6))
 #: not a role: Q and K quantized with 1x16 blocks along head_dim instead of 16x16 tiles (module docstring)
 QK_1X16 = 1 << 6
-#: the six role bits of the mask
-ROLE_BITS = (1 << 6) - 1
 #: every valid mask is below this (the role bits and ``QK_1X16``)
 MASK_LIMIT = 1 << 7
 #: the Full-Stack FP4 split: QKᵀ, dS·K, dSᵀ·Q in NVFP4; P·V, Pᵀ·dO, dO·Vᵀ in BF16

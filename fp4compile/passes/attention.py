@@ -86,19 +86,18 @@ QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
 QK_TRANSFORM_IMPLS = ("torch", "op")
 
-#: the blocks of a swapped site's NVFP4 copies of Q and K (after :data:`QK_TRANSFORM`), where attn.qk, attn.dsk or
-#: attn.dsq is NVFP4: ``"16x16"`` (tiles of 16 positions x 16 channels: one copy that is a valid NVFP4 operand along
-#: head_dim and along the sequence, saved and reused by QKᵀ, dS·K and dSᵀ·Q) or ``"1x16"`` (one scale per position
-#: and 16 channels: QKᵀ's own blocks, a finer scale; that copy is saved, and the backward's dS products, which
-#: contract over the sequence, take it re-quantized in 16x16 tiles: ``attention_ref.requantize_tiles``). V and dO keep
-#: the tiles. ``FP4COMPILE_QK_BLOCKS`` sets it at import, the backend option ``qk_blocks`` per compile; the swap
-#: writes it into the node's ``fp4_roles`` (bit ``attention_ref.QK_1X16``), so graphs and cache keys differ.
-#: Default ``"16x16"``. Session 49 measured a variant of ``"1x16"`` whose dS products read the 1x16 copy as it is
-#: (no NVFP4 operand along the sequence, so no FP4 tensor core could run it; replaced by the re-quantization): 30M
-#: forks from one checkpoint at step 800 of 1,525 ended 0.0031 and 0.0041 lower in val loss than the tiles (seeds 0,
-#: 1), at the same 124M step time. The re-quantized form keeps its forward (O's error 0.85x the tiles' on Gaussian
-#: Q, K) but not its backward (dQ, dK 1.03x the tiles' there, the measured variant's 0.88-0.90x): to be measured
-#: before it becomes the default (docs/BENCHMARKS.md, session 49).
+#: the blocks of a swapped site's NVFP4 copies of Q and K (after :data:`QK_TRANSFORM`): ``"16x16"`` (tiles of 16
+#: positions x 16 channels: one copy that is a valid NVFP4 operand along head_dim and along the sequence, saved and
+#: reused by QKᵀ, dS·K and dSᵀ·Q) or ``"1x16"`` (one scale per position and 16 channels: QKᵀ's own blocks, a finer
+#: scale; that copy is saved, and the backward's dS products, which contract over the sequence, take it re-quantized
+#: in 16x16 tiles: ``attention_ref.requantize_tiles``). ``"1x16"`` applies only where attn.qk is NVFP4: for the dS
+#: products alone the tiles are already their operand. V and dO keep the tiles. ``FP4COMPILE_QK_BLOCKS`` sets it at
+#: import, the backend option ``qk_blocks`` per compile; the swap writes it into the node's ``fp4_roles`` (bit
+#: ``attention_ref.QK_1X16``), so graphs and cache keys differ. Default ``"16x16"``: in 30M forks from one checkpoint
+#: at step 800 of 1,525, ``"1x16"`` ended 0.0020 and 0.0041 lower in val loss than the tiles (seeds 0, 1; O's error
+#: on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer tokens/s, and cost the 124M step 1.0227x
+#: with its re-quantization in a launch of its own; the re-quantization has since moved into the backward's prep
+#: launch, not yet timed (docs/BENCHMARKS.md, sessions 49-50).
 QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
 
 
@@ -330,8 +329,9 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list, qk: tuple
     site.swapped = True
     if mask & (QK | DSK | DSQ):
         site.qk_transform = qk[0] if qk[0] is not None else qk_transform_mode()
-        site.qk_blocks = qk[1] if qk[1] is not None else qk_blocks_mode()
-        if site.qk_blocks == "1x16":
+        blocks = qk[1] if qk[1] is not None else qk_blocks_mode()
+        if blocks == "1x16" and mask & QK:   # QKᵀ's blocks; the dS products alone read the tiles
+            site.qk_blocks = blocks
             mask |= QK_1X16
     else:
         site.qk_transform = "none"

@@ -552,7 +552,9 @@ def late_policy(policy, roles: str):
 
 def attention_options(cfg: TrainConfig) -> dict:
     """The fullstack_fp4 options a config sets besides the policy: ``qk_transform`` / ``qk_blocks`` where given."""
-    return {k: getattr(cfg, k) for k in ("qk_transform", "qk_blocks") if getattr(cfg, k) is not None}
+    from ..kernels.attention_ref import QK_OPTIONS
+
+    return {k: getattr(cfg, k) for k in QK_OPTIONS if getattr(cfg, k) is not None}
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
