@@ -330,6 +330,20 @@ def test_corrupt_state_raises_and_leaves_optimizer_untouched(corrupt):
     assert opt.param_groups[0]["lr"] == groups_before
 
 
+
+def test_add_param_group_validates_and_leaves_the_groups_on_failure():
+    """A bad group added later raises ``ValueError`` like a bad constructor argument, and the optimizer keeps only
+    its earlier groups (the failed group is not left half-added); a good one is added with the defaults."""
+    opt = QAdamW([torch.nn.Parameter(torch.randn(32, 16))], lr=1e-3)
+    extra = torch.nn.Parameter(torch.randn(16, 16))
+    for bad in ({"betas": (0.9, 1.0)}, {"lr": -1.0}, {"eps": -1e-8}):
+        with pytest.raises(ValueError):
+            opt.add_param_group({"params": [extra], **bad})
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [extra], "lr": 2e-3})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["betas"] == opt.param_groups[0]["betas"]
+
+
 def test_bad_arguments():
     p = [torch.nn.Parameter(torch.randn(4, 4))]
     with pytest.raises(ValueError):

@@ -28,6 +28,21 @@ def test_public_name_and_policy_resolution():
     assert QRoot(p, policy=Policy.full_stack().override("optim", BF16, role="optim.ns")).ns_spec is BF16
 
 
+
+def test_add_param_group_validates_and_leaves_the_groups_on_failure():
+    """A bad group added after construction raises ``ValueError`` and is not left in ``param_groups``."""
+    opt = QRoot([torch.nn.Parameter(torch.randn(32, 16))], lr=1e-3)
+    extra = torch.nn.Parameter(torch.randn(16, 16))
+    vector = torch.nn.Parameter(torch.randn(16))
+    for bad in ({"momentum": 1.0}, {"clip_quantile": 0.0}, {"ns_schedule": "magic"},
+                {"use_root": True, "params": [vector]}):
+        with pytest.raises(ValueError):
+            opt.add_param_group({"params": [extra], **bad})
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 2
+
+
 def test_coefficient_schedules():
     assert ns_coefficients((2048, 8192), 5, "root") == (ROOT_TABLE[(2048, 8192)],) * 5
     assert ns_coefficients((8192, 2048), 5, "root_table") == (ROOT_TABLE[(2048, 8192)],) * 5

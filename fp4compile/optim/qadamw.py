@@ -524,8 +524,15 @@ class QAdamW(Optimizer):
         self._plan_version = 0   # bumped whenever states are created or replaced: invalidates the plans
 
     def add_param_group(self, param_group):
+        """Add a parameter group (as ``torch.optim.Optimizer.add_param_group``: missing hyperparameters take the
+        constructor's defaults), then validate it; a bad value raises ``ValueError`` and leaves the optimizer's
+        groups as they were."""
         super().add_param_group(param_group)
-        check_group(self.param_groups[-1])
+        try:
+            check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     def _param_index(self, p) -> int:
         return param_index(self, p)

@@ -848,9 +848,16 @@ class QRoot(Optimizer):
                 raise ValueError(f"use_root=True needs 2-D parameters, got shapes {bad}")
 
     def add_param_group(self, param_group):
+        """Add a parameter group (as ``torch.optim.Optimizer.add_param_group``: missing hyperparameters take the
+        constructor's defaults), then validate it (``use_root=True`` needs 2-D parameters); a bad value raises
+        ``ValueError`` and leaves the optimizer's groups as they were."""
         super().add_param_group(param_group)
         if hasattr(self, "ns_spec"):
-            self._check_group(self.param_groups[-1])
+            try:
+                self._check_group(self.param_groups[-1])
+            except Exception:
+                self.param_groups.pop()
+                raise
 
     @staticmethod
     def _is_root(p, group) -> bool:
@@ -866,6 +873,9 @@ class QRoot(Optimizer):
     # -- step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """Perform one optimization step (``closure`` re-evaluates the loss, as in torch.optim): Root's update
+        (Nesterov momentum, outlier clipping, Newton–Schulz under ``ns_spec``, shape-aware scaling) for the 2-D
+        parameters of groups with Root, (Q-)AdamW for the rest."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
