@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -864,17 +864,26 @@ s50_qk)
   tail -n 4 "$OUT/step_ab.log" ;;
 s51_qk)
   # issues 4 + 3 + 7 on one nvidia-h200 (~10 min; session 51; carry .data/corpus, .data/gpt2.tiktoken; SEED=S): the
-  # 124M step with QK_BLOCKS="1x16" (its re-quantization inside the backward's prep launch since session 50) against
-  # the tiles, alone on the GPU (8 rounds of 10 steps); then every GPU test of the Q-Attn file beside the start of seed
-  # S's 30M 300M-token fullbest_qk1x16 run (B seconds; the study124 command with the same SIZE, SEED and arm resumes it
-  # on the warm machine)
+  # 124M step with QK_BLOCKS="1x16" (its re-quantization inside the backward's prep launch since session 50) and with
+  # 1x16 without the Q, K transform, against the tiles, alone on the GPU (8 rounds of 10 steps); then every GPU test of
+  # the Q-Attn file beside the start of seed S's 30M 300M-token fullbest_qk1x16 run (B seconds; the study124 command
+  # with the same SIZE, SEED and arm resumes it on the warm machine)
   step step_ab 300 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"'
-  tail -n 4 "$OUT/step_ab.log"
+      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
+      --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
+  tail -n 5 "$OUT/step_ab.log"
   ( step gpu_tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py
     tail -n 3 "$OUT/gpu_tests.log" ) &
-  SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-400}"
+  SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-360}"
   wait ;;
+s51_fork)
+  # issue 7 on one nvidia-h200 (session 51; ~10 min, then the same command again on the warm machine to finish the
+  # arms; carry the whole corpus): does 1x16 need the Q, K transform? The 30M fork of seed S (default 0) at step 800
+  # from bf16qroot, as s49_qk: fullbest_qk1x16 against fullbest_qk1x16_none (QK_TRANSFORM "none"), paired, with each
+  # finished arm's Q-Attn errors on its own Q, K, V (ERR=1). Output of the fork: $OUT/fork
+  mkdir -p "$OUT/fork"; OUT=$OUT/fork FORK_SRC=bf16qroot ERR=1 FORK_END=$((585 - SECONDS)) bash "$0" fork "${S:-0}" 800 \
+      fullbest_qk1x16,fullbest_qk1x16_none >"$OUT/fork_call.log" 2>&1
+  grep -h "done at step\|stopping before\|1x16 blocks\|vs none" "$OUT/fork_call.log" "$OUT"/fork/*.log 2>/dev/null ;;
 s46_eden)
   # issues 2 + 3 on one nvidia-h200 (~4.5 min; session 46, run there; s45_eden's companion): MS-EDEN's
   # pass 1 with a quarter of a 128-chunk per thread (CONFIG e_impl 3, kernels/quantize._eden_pass1_quarter_kernel:

@@ -28,7 +28,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
     fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on;
                fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
     fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim / in 16x16 tiles
-               (the default) (FP4COMPILE_QK_BLOCKS; not in the default list);
+               (the default) (FP4COMPILE_QK_BLOCKS; not in the default list); fullbest_qk1x16_none: 1x16 without
+               the Q, K transform (FP4COMPILE_QK_TRANSFORM=none);
                fullbest_nsold, fullbest_v6: the NS of sessions <= 46, Q-AdamW's v without 4/6
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
@@ -152,6 +153,9 @@ ARMS["fullbest_v6"] = dict(ARMS["fullbest"], flags=ARMS["fullbest"]["flags"] + [
 # of run mode s49_qk (session 49's calls ran fullbest against fullbest_qk1x16 before the re-quantization existed)
 ARMS["fullbest_qk1x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="1x16")
 ARMS["fullbest_qk16x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="16x16")
+# 1x16 without the Q, K transform (passes/attention.py QK_TRANSFORM "none"): does the finer scale take over what the
+# transform buys (sessions 37-40: -0.31 point of val gap on the tiles, 2.0-2.4 % of tokens/s)? Run mode s51_fork
+ARMS["fullbest_qk1x16_none"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="1x16", FP4COMPILE_QK_TRANSFORM="none")
 # a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16
 # Newton–Schulz and Q-AdamW for the rest
 ARMS["bf16qroot"] = dict(backend="inductor", policy="bf16", optimizer="qroot", lora=False)
@@ -162,7 +166,8 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "lora64f": "+ LoRA-SVD rank 64, frozen factors",
           "q2w": "NVFP4 fprop weights only",
           "fullbest_nsold": "full stack, NVFP4 NS of sessions <= 46", "fullbest_v6": "full stack, v without 4/6",
-          "fullbest_qk1x16": "full stack, Q, K in 1x16 blocks", "fullbest_qk16x16": "full stack, Q, K in 16x16 tiles",
+          "fullbest_qk1x16": "full stack, Q, K in 1x16 blocks",
+          "fullbest_qk1x16_none": "full stack, Q, K in 1x16 blocks, no transform", "fullbest_qk16x16": "full stack, Q, K in 16x16 tiles",
           "bf16qroot": "BF16 + Root (BF16 NS) + Q-AdamW",
           "qattn": "+ Q-Attn", "qattn_none": "+ Q-Attn, Q, K as they are", "qattn_sk": "+ Q-Attn, K smoothed",
           "qattn_had": "+ Q-Attn, Q, K rotated (H64)",
