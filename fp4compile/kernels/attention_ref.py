@@ -90,11 +90,6 @@ def roles_to_mask(fp4: dict) -> int:
     return m
 
 
-def mask_to_roles(mask: int) -> dict:
-    """The ``fp4_roles`` bit mask -> {role: bool} over ``ATTN_ROLES`` (inverse of :func:`roles_to_mask`)."""
-    return {r: bool(mask >> i & 1) for i, r in enumerate(ATTN_ROLES)}
-
-
 def qk_tiles(mask: int) -> bool:
     """Whether Q and K are quantized with 16x16 tiles (True) or 1x16 blocks along head_dim (``QK_1X16``)."""
     return not mask & QK_1X16

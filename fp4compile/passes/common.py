@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Iterable, Set
+from typing import Set
 
 import torch
 from torch.fx import Graph, Node
@@ -95,12 +95,3 @@ def warn_fallback(node: Node, what: str, reason: str) -> None:
     warnings.warn(f"fp4compile: {node.name} ({what}) stays BF16: {reason}", stacklevel=3)
 
 
-def ancestors(nodes: Iterable[Node]) -> Set[Node]:
-    """``nodes`` and every node they are computed from (transitive inputs)."""
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return seen
