@@ -330,7 +330,6 @@ def test_corrupt_state_raises_and_leaves_optimizer_untouched(corrupt):
     assert opt.param_groups[0]["lr"] == groups_before
 
 
-
 def test_add_param_group_validates_and_leaves_the_groups_on_failure():
     """A bad group added later raises ``ValueError`` like a bad constructor argument, and the optimizer keeps only
     its earlier groups (the failed group is not left half-added); a good one is added with the defaults."""

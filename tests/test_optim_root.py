@@ -28,7 +28,6 @@ def test_public_name_and_policy_resolution():
     assert QRoot(p, policy=Policy.full_stack().override("optim", BF16, role="optim.ns")).ns_spec is BF16
 
 
-
 def test_add_param_group_validates_and_leaves_the_groups_on_failure():
     """A bad group added after construction raises ``ValueError`` and is not left in ``param_groups``."""
     opt = QRoot([torch.nn.Parameter(torch.randn(32, 16))], lr=1e-3)

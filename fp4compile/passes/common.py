@@ -93,5 +93,3 @@ def tangent_closure(graph: Graph) -> Set[Node]:
 def warn_fallback(node: Node, what: str, reason: str) -> None:
     """The one-line warning of a GEMM that stays BF16."""
     warnings.warn(f"fp4compile: {node.name} ({what}) stays BF16: {reason}", stacklevel=3)
-
-
