@@ -982,14 +982,15 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     pairs += [(views.k_codes, views.k_scales)] if fk else []
     # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles), made in
     # the same launch from the codes and scales
-    ds_own = not qk_tiles(mask) and bool(mask & (DSK | DSQ))
-    requant = ([bool(mask & DSQ)] if fq else []) + ([bool(mask & DSK)] if fk else [])
+    rq = not qk_tiles(mask)
+    requant = ([rq and bool(mask & DSQ)] if fq else []) + ([rq and bool(mask & DSK)] if fk else [])
+    ds_own = any(requant)
     # dO may be [B, T, H, D]-strided (the output's layout): read in place
-    delta, deqs, reqs = _bwd_prep(do, out, pairs, requant if ds_own else ())
+    delta, deqs, reqs = _bwd_prep(do, out, pairs, requant)
     qh, q_rq = (deqs.pop(0), reqs.pop(0)) if fq else (None, None)
     kh, k_rq = (deqs.pop(0), reqs.pop(0)) if fk else (None, None)
-    q_qk, q_ds = (qh if mask & QK else q), ((q_rq if ds_own else qh) if mask & DSQ else q)
-    k_qk, k_ds = (kh if mask & QK else k), ((k_rq if ds_own else kh) if mask & DSK else k)
+    q_qk, q_ds = (qh if mask & QK else q), ((qh if q_rq is None else q_rq) if mask & DSQ else q)
+    k_qk, k_ds = (kh if mask & QK else k), ((kh if k_rq is None else k_rq) if mask & DSK else k)
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
     if q_qk is None or k_qk is None or v_dov is None or q_ds is None or k_ds is None:
         raise RuntimeError("qattn backward: an operand was not saved (precision mask mismatch)")
