@@ -58,7 +58,8 @@ def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
                      MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
     else:
-        const = dict(BT=64, D=D, DEQUANT_ASM=True, REQ=kernel == "prep_1x16")
+        const = dict(BT=64, D=D, DEQUANT_ASM=True, RQ0=kernel == "prep_1x16", RQ1=kernel == "prep_1x16",
+                     SUB=A._requant_rows(D))
         fn, stages, cap = A._bwd_prep_kernel, 1, {}
     sig = _signature(fn, const)
     # pointers 16-byte aligned, row strides and sequence lengths multiples of 16 (what a launch on [B, H, T, D]

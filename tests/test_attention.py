@@ -462,6 +462,11 @@ for pair in ((c1[0], c1[1]), (c1[2], c1[3])):
         assert torch.equal(z, A.quantize_many([d], [True])[0][3]), "prep's re-quantization != the quantize pass"
 _, _, reqs = A._bwd_prep(None, None, [c1[1], c1[0]], [False, True])
 assert reqs[0] is None and torch.equal(reqs[1], R.requantize_tiles(*c1[0], one, torch.bfloat16))
+# head dim 128 (two 32-bit words of scale bytes per row, 16-row steps), T = 40: a ragged last step per head
+c128 = R.quantize_2d((torch.randn(1, 2, 40, 128) * torch.logspace(-3, 1, 128)).bfloat16().to(DEV), False)[:2]
+_, deqs, reqs = A._bwd_prep(None, None, [c128], [True])
+assert torch.equal(deqs[0], R.dequantize_2d(*c128, one, torch.bfloat16)), "prep's code x scale (d=128) != reference"
+assert torch.equal(reqs[0], R.requantize_tiles(*c128, one, torch.bfloat16)), "prep's re-quantization (d=128) != ref"
 # the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
 # non-default tiles (the fp4-dS backward: 128-row dS tiles holding two 64x64 scale tiles)
 CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),
@@ -564,6 +569,37 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
     ptx = _bench_module("attention_sass").compile_kernel(kernel, D, True, upto="ptx")
     assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_bwd_prep_requantization_costs_few_registers(D):
+    """QK_1X16's prep launch (sm_90, CPU) re-quantizes each saved copy from the same read that dequantizes it, in
+    steps of 2048 elements: at most 16 registers over the plain prep launch (56 against 44 at d = 64, 79 and 79 at
+    d = 128). Session 50's form, two reads in separate tasks, took 80 / 112; the whole 64-row block at once 80 / 155
+    (fewer programs per SM for a memory-bound launch)."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels.offline import sass_stats
+
+    sass = _bench_module("attention_sass")
+    regs = {k: sass_stats(sass.compile_kernel(k, D, True))[2] for k in ("prep", "prep_1x16")}
+    assert 0 < regs["prep"] and regs["prep_1x16"] <= regs["prep"] + 16, regs
+
+
+def test_bwd_prep_rejects_what_the_requantization_cannot_read():
+    """The prep launch's re-quantization reads codes per head and scale rows as 32-bit words: a non-contiguous copy,
+    more than two copies, or scales not 4-byte aligned are refused before any launch."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels.attention import _bwd_prep
+
+    c = torch.zeros(1, 1, 16, 32, dtype=torch.uint8)
+    s = torch.zeros(1, 1, 16, 4, dtype=torch.uint8)
+    odd = torch.zeros(s.numel() + 1, dtype=torch.uint8)[1:].view(s.shape)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        _bwd_prep(None, None, [(c, odd)], [True])
+    with pytest.raises(ValueError, match="contiguous"):
+        _bwd_prep(None, None, [(c.transpose(2, 3).contiguous().transpose(2, 3), s)], [True])
+    with pytest.raises(ValueError, match="at most two"):
+        _bwd_prep(None, None, [(c, s)] * 3)
 
 
 @pytest.mark.parametrize("kernel,programs", [("dkdv", 3), ("dq", 4)])

@@ -341,35 +341,43 @@ if triton is not None:
                         NP2, WD2, RW2)
 
     @triton.jit
-    def _requant_body(c_ptr, s_ptr, y_ptr, pid, T, NBH, BT: tl.constexpr, D: tl.constexpr,
-                      DEQUANT_ASM: tl.constexpr):
-        """Rows [t0, t0 + BT) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes [NBH*T, D/2], scales
-        [NBH*T, D/16]) quantized again in 16x16 tiles, from the codes and scales: bf16 code x scale (global
-        excluded) into y [NBH*T, D], == attention_ref.requantize_tiles without the global. The values' amax is
-        G_NUM by construction, so both globals of the second rounding are 1 (the copy's global applies)."""
+    def _requant_body(c_ptr, s_ptr, y_ptr, z_ptr, pid, T, NBH, BT: tl.constexpr, D: tl.constexpr,
+                      DEQUANT_ASM: tl.constexpr, SUB: tl.constexpr):
+        """Rows [t0, t0 + BT) (SUB at a time) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes [NBH*T, D/2], scales
+        [NBH*T, D/16]), read once: its bf16 code x scale (global excluded) into y [NBH*T, D], as ``_dequant_rows``
+        stores it, and its values quantized again in 16x16 tiles, bf16 code x scale into z [NBH*T, D], ==
+        attention_ref.requantize_tiles without the global. The values' amax is G_NUM by construction, so both
+        globals of the second rounding are 1 (the copy's global applies)."""
         nT = tl.cdiv(T, BT)
         if pid < nT * NBH:
-            offs_t = (pid % nT) * BT + tl.arange(0, BT)
-            mt = offs_t[:, None] < T
-            rows = ((pid // nT) * T + offs_t).to(tl.int64)[:, None]
-            codes = tl.load(c_ptr + rows * (D // 2) + tl.arange(0, D // 2)[None, :], mask=mt, other=0)
-            scales = tl.load(s_ptr + rows * (D // 16) + tl.arange(0, D // 16)[None, :], mask=mt, other=0)
-            x = _dequant_tile(codes, scales, BT, D, DEQUANT_ASM).to(tl.float32) * 256.0  # exact; padding rows 0
-            code, _, sf = _round_blocks(x, 1.0, 1.0, BT, D, False)
-            val = _e2m1_value(code) * _per_element(sf, BT, D, False)
-            tl.store(y_ptr + rows * D + tl.arange(0, D)[None, :], _to_bf16(val), mask=mt)
+            for i in tl.static_range(BT // SUB):  # SUB rows (a multiple of 16) at a time: fewer live registers
+                offs_t = (pid % nT) * BT + i * SUB + tl.arange(0, SUB)
+                mt = offs_t[:, None] < T
+                rows = ((pid // nT) * T + offs_t).to(tl.int64)[:, None]
+                codes = tl.load(c_ptr + rows * (D // 2) + tl.arange(0, D // 2)[None, :], mask=mt, other=0)
+                # a row's D/16 scale bytes as D/64 32-bit words (not one byte per thread), split little-endian
+                words = tl.load(s_ptr.to(tl.pointer_type(tl.uint32)) + rows * (D // 64)
+                                + tl.arange(0, D // 64)[None, :], mask=mt, other=0)
+                sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+                scales = tl.reshape((words[:, :, None] >> sh[None, None, :]) & 0xFF, [SUB, D // 16]).to(tl.uint8)
+                x = _dequant_tile(codes, scales, SUB, D, DEQUANT_ASM).to(tl.float32) * 256.0  # exact; padding 0
+                od = tl.arange(0, D)[None, :]
+                tl.store(y_ptr + rows * D + od, x.to(tl.bfloat16), mask=mt)
+                code, _, sf = _round_blocks(x, 1.0, 1.0, SUB, D, False)
+                val = _e2m1_value(code) * _per_element(sf, SUB, D, False)
+                tl.store(z_ptr + rows * D + od, _to_bf16(val), mask=mt)
 
     @triton.jit
     def _bwd_prep_kernel(DO, O, DELTA, C0, S0, Y0, R0, C1, S1, Y1, R1, Z0, RT0, RN0, Z1, RT1, RN1, T, H, NBH,
                          sdb, sdh, sdt, sob, soh, sot, BT: tl.constexpr, D: tl.constexpr, DEQUANT_ASM: tl.constexpr,
-                         REQ: tl.constexpr = False):
+                         RQ0: tl.constexpr = False, RQ1: tl.constexpr = False, SUB: tl.constexpr = 16):
         """The backward's one preparatory launch. Task 0 (program_id(1)): delta = rowsum(dO * O) in fp32 for a
         [BT] row block; tasks 1, 2: code x scale (bf16, global excluded) of rows [pid*BT, pid*BT + BT) of a
         saved contiguous [R, D] NVFP4 copy (Q and/or K), by the GEMM's dequantization
         (:func:`fp4compile.kernels.dequant._dequant_rows`: whole code bytes and scale rows as vector loads;
-        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only). With REQ, tasks 3, 4: copy 0's / 1's values
-        re-quantized in 16x16 tiles into Z0 / Z1 (``_requant_body``; copy i as [RNi heads, RTi rows], RNi = 0:
-        none), the operands of the dS products under QK_1X16."""
+        ``DEQUANT_ASM`` its inline-PTX unpacking, CUDA only). With RQi, task 1 + i instead reads copy i per head
+        (``_requant_body``; [RNi heads, RTi rows]) and stores, from that one read, both its code x scale into Yi
+        and its values re-quantized in 16x16 tiles into Zi: the operands of the dS products under QK_1X16."""
         pid = tl.program_id(0)
         task = tl.program_id(1)
         if task == 0:
@@ -387,18 +395,16 @@ if triton is not None:
                             other=0.0).to(tl.float32)
                 tl.store(DELTA + bh * T + offs_t, tl.sum(do * o, axis=1), mask=mt)
         elif task == 1:
-            if pid * BT < R0:
+            if RQ0:
+                _requant_body(C0, S0, Y0, Z0, pid, RT0, RN0, BT, D, DEQUANT_ASM, SUB)
+            elif pid * BT < R0:
                 _dequant_rows(C0, S0, Y0, R0, D // 2, pid, 0, BT, D, DEQUANT_ASM)
-        elif task == 2:
-            if pid * BT < R1:
+        else:
+            if RQ1:
+                _requant_body(C1, S1, Y1, Z1, pid, RT1, RN1, BT, D, DEQUANT_ASM, SUB)
+            elif pid * BT < R1:
                 _dequant_rows(C1, S1, Y1, R1, D // 2, pid, 0, BT, D, DEQUANT_ASM)
-        elif REQ:
-            if task == 3:
-                _requant_body(C0, S0, Z0, pid, RT0, RN0, BT, D, DEQUANT_ASM)
-            else:
-                _requant_body(C1, S1, Z1, pid, RT1, RN1, BT, D, DEQUANT_ASM)
 
-    # -----------------------------------------------------------------------------------------------------
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, k_ptr, v_ptr, Bias, b, h, offs_m, mm, lo, hi, skt, svt, sbb, sbh, sbm, sbn,
                    qk_scale, Tk, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -811,6 +817,14 @@ def dequantize_many(pairs) -> list:
     return _bwd_prep(None, None, pairs)[1]
 
 
+def _requant_rows(D: int) -> int:
+    """Rows per step of the prep launch's re-quantization (``_requant_body``'s SUB): 2048 elements, 16 per thread,
+    so that it needs few more registers than the plain dequantization beside it (sm_90 static counts of the launch
+    at D = 64 / 128: 56 / 79 registers, the launch without re-quantization 44 / 79, the whole 64-row block at once
+    80 / 155)."""
+    return 2048 // D
+
+
 def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
     """One launch: delta = rowsum(dO * O) (fp32 [B, H, T], when ``do`` is given), the code x scale tensors of up to
     two contiguous NVFP4 copies ``pairs`` = [(codes [B, H, T, D/2], scales), ...], and, where ``requant[i]``, pair
@@ -830,8 +844,9 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
         y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
         deqs.append(y)
         slots.append((c, s, y, c.numel() // (D // 2)))
-        if rq and (c.dim() != 4 or not c.is_contiguous()):
-            raise ValueError("_bwd_prep: a re-quantized copy must be a contiguous [B, H, T, D/2]")
+        if rq and (c.dim() != 4 or not c.is_contiguous() or not s.is_contiguous() or s.data_ptr() % 4):
+            raise ValueError("_bwd_prep: a re-quantized copy must be a contiguous [B, H, T, D/2] (scales contiguous, "
+                             "4-byte aligned)")
         z = torch.empty_like(y) if rq else None
         reqs.append(z)
         rslots.append((z, c.shape[2], c.shape[0] * c.shape[1]) if rq else (dummy, 0, 0))
@@ -849,9 +864,9 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots] + [cdiv(t, BT) * n for _, t, n in rslots])
     asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
-    req = any(requant)
-    _bwd_prep_kernel[(nx, 5 if req else 3)](*dargs, *slots[0], *slots[1], *rslots[0], *rslots[1], T, H, B * H, *st,
-                                           BT=BT, D=D, DEQUANT_ASM=asm, REQ=req, num_warps=4)
+    rq = [bool(r) for r in requant] + [False] * (2 - len(requant))
+    _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], *rslots[0], *rslots[1], T, H, B * H, *st, BT=BT, D=D,
+                              DEQUANT_ASM=asm, RQ0=rq[0], RQ1=rq[1], SUB=_requant_rows(D), num_warps=4)
     return delta, deqs, reqs
 
 
@@ -981,7 +996,7 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     pairs = [(views.q_codes, views.q_scales)] if fq else []
     pairs += [(views.k_codes, views.k_scales)] if fk else []
     # QK_1X16: the dS products take the 1x16 copies re-quantized in tiles (attention_ref.requantize_tiles), made in
-    # the same launch from the codes and scales
+    # the same launch from the same read of the codes and scales as their code x scale
     rq = not qk_tiles(mask)
     requant = ([rq and bool(mask & DSQ)] if fq else []) + ([rq and bool(mask & DSK)] if fk else [])
     ds_own = any(requant)
