@@ -467,6 +467,9 @@ c128 = R.quantize_2d((torch.randn(1, 2, 40, 128) * torch.logspace(-3, 1, 128)).b
 _, deqs, reqs = A._bwd_prep(None, None, [c128], [True])
 assert torch.equal(deqs[0], R.dequantize_2d(*c128, one, torch.bfloat16)), "prep's code x scale (d=128) != reference"
 assert torch.equal(reqs[0], R.requantize_tiles(*c128, one, torch.bfloat16)), "prep's re-quantization (d=128) != ref"
+# bench/attention_prep.py's own check of both prep forms (delta, code x scale, tiles), on a small case
+import bench.attention_prep as P
+P.check(*P.inputs(1, 2, 40, 64, DEV))
 # the last two: causal, long enough that every loop (diagonal band, unmasked blocks, ragged tail) runs, with
 # non-default tiles (the fp4-dS backward: 128-row dS tiles holding two 64x64 scale tiles)
 CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70, "bool", None, None),
