@@ -343,10 +343,10 @@ if triton is not None:
     @triton.jit
     def _requant_body(c_ptr, s_ptr, y_ptr, z_ptr, pid, T, NBH, BT: tl.constexpr, D: tl.constexpr,
                       DEQUANT_ASM: tl.constexpr, SUB: tl.constexpr):
-        """Rows [t0, t0 + BT) (SUB at a time) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes [NBH*T, D/2], scales
-        [NBH*T, D/16]), read once: its bf16 code x scale (global excluded) into y [NBH*T, D], as ``_dequant_rows``
-        stores it, and its values quantized again in 16x16 tiles, bf16 code x scale into z [NBH*T, D], ==
-        attention_ref.requantize_tiles without the global. The values' amax is G_NUM by construction, so both
+        """Rows [t0, t0 + BT) (SUB at a time) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes
+        [NBH*T, D/2], scales [NBH*T, D/16]), read once: its bf16 code x scale (global excluded) into y [NBH*T, D],
+        as ``_dequant_rows`` stores it, and its values quantized again in 16x16 tiles, bf16 code x scale into z
+        [NBH*T, D], == attention_ref.requantize_tiles without the global. The values' amax is G_NUM by construction, so both
         globals of the second rounding are 1 (the copy's global applies)."""
         nT = tl.cdiv(T, BT)
         if pid < nT * NBH:

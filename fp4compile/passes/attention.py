@@ -97,7 +97,7 @@ QK_TRANSFORM_IMPLS = ("torch", "op")
 #: at step 800 of 1,525, ``"1x16"`` ended 0.0020 and 0.0041 lower in val loss than the tiles (seeds 0, 1; O's error
 #: on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer tokens/s, and cost the 124M step 1.0227x
 #: with its re-quantization in a launch of its own; the re-quantization has since moved into the backward's prep
-#: launch, not yet timed (docs/BENCHMARKS.md, sessions 49-50).
+#: launch (one read of each saved copy for both its operands), not yet timed (docs/BENCHMARKS.md, sessions 49-52).
 QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
 
 
