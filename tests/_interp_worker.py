@@ -15,8 +15,8 @@ import triton.language as tl  # noqa: E402
 
 from fp4compile import ops  # noqa: E402
 from fp4compile.kernels import quantize as K  # noqa: E402
-from test_quantize_kernels import (BOTH_CASES, DQ_CASES, DQ_CONFIG, INTERP_CASES, SEED, SIGNS,  # noqa: E402
-                                   both_id, case_id, data)
+from test_quantize_kernels import (BOTH_CASES, DQ_CASES, DQ_CONFIG, INTERP_CASES, NONFINITE_CASES, SEED,  # noqa: E402
+                                   SIGNS, both_id, case_id, data)
 
 
 def compare(got, ref):
@@ -112,6 +112,33 @@ def dq_oracle_mismatches(codes, scales, dq):
     return int((dq.view(torch.int16).numpy().view(np.uint16) != ref).sum())
 
 
+def nonfinite_globals():
+    """A NaN, +Inf or -Inf element in the input: {case: [kernel's global finite, reference's global finite]} for each
+    scheme and pass-1 variant (formats/schemes.py, "Non-finite inputs": both must be non-finite)."""
+    out = {}
+    for bad in ("nan", "inf", "-inf"):
+        x = data("heavy", (48, 256))
+        x[37, 200] = float(bad)
+        for name, args, cfg in NONFINITE_CASES:
+            try:
+                got = K.quantize(x, *args, SEED, False, config=cfg)
+                ref = ops._quantize_reference(x, *args, SEED, False)
+                out[f"{name}-{bad}"] = [bool(torch.isfinite(got[2])), bool(torch.isfinite(ref[2]))]
+            except Exception as e:  # noqa: BLE001
+                out[f"{name}-{bad}"] = f"{type(e).__name__}: {e}"
+        try:
+            got = K.quantize_both(x, 128, SIGNS, SEED, 16, SIGNS[:16], SEED + 1)
+            out[f"both-{bad}"] = [bool(torch.isfinite(got[2])), bool(torch.isfinite(got[5]))]
+            got = K.quantize(x, "rtn", amax=K.amax(x))
+            out[f"given-amax-{bad}"] = [bool(torch.isfinite(got[2])), False]
+            got = K.quantize(x, "rtn", transpose=True)   # the transposing copy's amax
+            ref = ops._quantize_reference(x, "rtn", False, False, 0, None, SEED, True)
+            out[f"rtn-T-{bad}"] = [bool(torch.isfinite(got[2])), bool(torch.isfinite(ref[2]))]
+        except Exception as e:  # noqa: BLE001
+            out[f"both-{bad}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def main():
     warnings.simplefilter("ignore")  # 1/0 in a discarded where() branch
     report = {}
@@ -184,6 +211,7 @@ def main():
     x = data("heavy", (32, 256))
     got = K.quantize(x, "sr", hadamard=32, signs=SIGNS[:32], seed=SEED, amax=K.amax(x, 32, SIGNS[:32]))
     report["given-amax"] = compare(got, ops._quantize_reference(x, "sr", False, False, 32, SIGNS[:32], SEED, False))
+    report["nonfinite"] = nonfinite_globals()
     print("REPORT" + json.dumps(report))
 
 

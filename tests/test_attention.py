@@ -467,6 +467,13 @@ c128 = R.quantize_2d((torch.randn(1, 2, 40, 128) * torch.logspace(-3, 1, 128)).b
 _, deqs, reqs = A._bwd_prep(None, None, [c128], [True])
 assert torch.equal(deqs[0], R.dequantize_2d(*c128, one, torch.bfloat16)), "prep's code x scale (d=128) != reference"
 assert torch.equal(reqs[0], R.requantize_tiles(*c128, one, torch.bfloat16)), "prep's re-quantization (d=128) != ref"
+# a NaN or an Inf element: Q-Attn's copy has a non-finite global (the reference's NaN / Inf), tiles and 1x16 alike
+for bad in (float("nan"), float("inf"), -float("inf")):
+    xb = xs[0].clone()
+    xb[0, 0, 17, 5] = bad
+    for tl_ in (True, False):
+        got, ref = A.quantize_many([xb], [True], [tl_])[0], R.quantize_2d(xb, tl_)
+        assert not torch.isfinite(got[2]) and not torch.isfinite(ref[2]), ("non-finite input, finite global", bad)
 # bench/attention_prep.py's own check of both prep forms (delta, code x scale, tiles), on a small case
 import bench.attention_prep as P
 P.check(*P.inputs(1, 2, 40, 64, DEV))
@@ -572,6 +579,31 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
     ptx = _bench_module("attention_sass").compile_kernel(kernel, D, True, upto="ptx")
     assert not re.search(r"ld\.global(\.\w+)*\.(b8|u8|s8)\b", ptx)
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
+
+
+@pytest.mark.parametrize("kernel", ["amax", "quant2d"])
+def test_qattn_amax_keeps_nan_on_sm90(kernel):
+    """Q-Attn's per-tensor amax compiled for sm_90 (CPU) reduces with NaN-propagating max (``max.NaN.f32``): the
+    partial maxima kernel only with it, the quantize kernel for the max of the partials (its block maxima may drop
+    a NaN). ``tl.max`` alone compiles to ``max.f32``, which drops a NaN on the GPU (the interpreter's np.maximum
+    keeps it, so the interpreter case above cannot show the difference)."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels import attention as KA
+    from fp4compile.kernels.offline import compile_offline
+
+    fn = KA._amax_kernel if kernel == "amax" else KA._quant2d_kernel
+    const = dict(BT=32, D=64)
+    if kernel == "quant2d":
+        const.update(NP2=256, WD0=True, WD1=True, WD2=False, RW0=False, RW1=False, RW2=False)
+    ptr = {"X": "*bf16", "C": "*u8", "S": "*u8", "Y": "*bf16", "G": "*fp32"}   # X0, C0, ...; PART; the rest ints
+
+    def typ(n):
+        return "*fp32" if n == "PART" else ptr[n[0]] if len(n) == 2 and n[0] in ptr and n[1].isdigit() else "i32"
+
+    ptx = compile_offline(fn, {n: typ(n) for n in fn.arg_names if n not in const}, const, 4)
+    nan_max, plain = len(re.findall(r"\bmax\.NaN\.f32\b", ptx)), len(re.findall(r"\bmax\.f32\b", ptx))
+    assert nan_max > 0
+    assert kernel != "amax" or plain == 0, plain
 
 
 @pytest.mark.parametrize("D", [64, 128])

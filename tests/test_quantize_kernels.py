@@ -180,6 +180,93 @@ def test_interpreter_e2m1_and_amax(interp_report):
     assert interp_report["given-amax"] == {"codes": 0, "scales": 0, "global": 0}
 
 
+#: (name, quantize arguments rounding..signs, CONFIG override) of the non-finite input checks: every scheme and
+#: pass-1 variant whose global comes from a different reduction
+_EDEN128 = ("ms_eden", False, False, 128, SIGNS)
+NONFINITE_CASES = ([("rtn", ("rtn", False, False, 0, None), None), ("rtn46", ("rtn", True, False, 0, None), None),
+                    ("rtn2d", ("rtn", False, True, 0, None), None),
+                    ("sr-rht16", ("sr", False, False, 16, SIGNS[:16]), None),
+                    ("rtn-halves", ("rtn", False, False, 0, None), {"a_impl": 2}),
+                    ("eden", ("ms_eden", False, False, 0, None), None),
+                    ("eden2d", ("ms_eden", False, True, 0, None), None)]
+                   + [(f"eden-rht128-e{i}", _EDEN128, {"e_impl": i}) for i in range(4)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_gpu_nonfinite_input_gives_a_nonfinite_global(bad):
+    """The compiled kernels (whose max drops a NaN unless told otherwise): a NaN or Inf element gives a non-finite
+    global for every case of the interpreter's check, quantize_both, quantize_dq, a transposed copy, and Q-Attn's
+    quantize_many (tiles and 1x16)."""
+    from fp4compile.kernels import attention as KA
+    from fp4compile.kernels import quantize as K
+
+    x = data("heavy", (256, 1024)).to(DEV)
+    x[200, 700] = float(bad)
+    gl = {}
+    for name, args, cfg in NONFINITE_CASES:
+        args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args)
+        gl[name] = K.quantize(x, *args, SEED.to(DEV), False, config=cfg)[2]
+        gl[name + "-dq"] = K.quantize(x, *args, SEED.to(DEV), False, config=dict(cfg or {}, **DQ_CONFIG), dq=True)[2]
+    b = K.quantize_both(x, 128, SIGNS.to(DEV), SEED.to(DEV), 16, SIGNS[:16].to(DEV), SEED.to(DEV) + 1)
+    gl["both"], gl["both-t"], gl["rtn-T"] = b[2], b[5], K.quantize(x, "rtn", transpose=True)[2]
+    xa = x.to(torch.bfloat16).reshape(2, 4, 32, 1024)[..., :64].contiguous()
+    xa[1, 2, 30, 5] = float(bad)
+    for tiles in (True, False):
+        gl[f"qattn-tiles{tiles}"] = KA.quantize_many([xa], [True], [tiles])[0][2]
+    finite = {k: bool(torch.isfinite(v)) for k, v in gl.items()}
+    assert not any(finite.values()), finite
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
+def test_interpreter_nonfinite_input_gives_a_nonfinite_global(interp_report):
+    """A NaN, +Inf or -Inf element: the kernels' global decode scale is non-finite, as the reference's, for RTN (4/6,
+    2D, the halves amax, transposed), SR with RHT-16, MS-EDEN (1D, 2D, RHT-128 with every pass-1 variant),
+    quantize_both's two copies and a given amax, so the copy decodes to non-finite values (until session 52 MS-EDEN's was 0: a NaN or
+    Inf gradient became an all-zero one). The GPU's max drops a NaN where the interpreter keeps it:
+    test_tensor_maxima_keep_nan_on_sm90 checks the compiled reductions."""
+    report = interp_report["nonfinite"]
+    assert len(report) == 3 * 14
+    assert all(v == [False, False] for v in report.values()), {k: v for k, v in report.items() if v != [False, False]}
+
+
+def _max_ops(ptx: str):
+    """(NaN-propagating fp32 max instructions, plain ones) in PTX."""
+    return len(re.findall(r"\bmax\.NaN\.f32\b", ptx)), len(re.findall(r"\bmax\.f32\b", ptx))
+
+
+@pytest.mark.parametrize("kernel", ["amax", "amax-halves", "amax-rht128", "transpose-amax", "eden-pass1",
+                                    "eden-pass1-rht128", "eden-pass1-half", "eden-pass1-quarter"])
+def test_tensor_maxima_keep_nan_on_sm90(kernel):
+    """The tensor-wide maxima that make a global scale, compiled for sm_90 (CPU): ``tl.max`` lowers to ``max.f32``,
+    which returns the other operand of a NaN (the interpreter's np.maximum keeps it, so only the PTX shows this), so
+    they reduce with ``max.NaN.f32`` (``quantize._max_nan``): the amax kernels only with it, MS-EDEN's pass 1 with it
+    for its S' maximum (its per-block maxima may drop a NaN: the block's S' is NaN anyway)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_quantize_sass", os.path.join(root, "bench", "quantize_sass.py"))
+    qs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qs)
+    from fp4compile.kernels import quantize as K
+    from fp4compile.kernels.offline import compile_offline
+
+    if kernel == "transpose-amax":
+        sig = dict(x_ptr="*bf16", xt_ptr="*bf16", M="i32", N="i32", sxm="i32", sxn="i32", amax_ptr="*fp32")
+        ptx = compile_offline(K._transpose_kernel, sig, dict(AMAX=True, BM=64, BN=64), 4)
+    else:
+        spec = {"amax": qs.amax_spec(), "amax-halves": qs.amax_spec(HALVES=True),
+                "amax-rht128": qs.amax_spec(HAD=128, NORM=128 ** -0.5), "eden-pass1": qs.eden_pass1_spec(0),
+                "eden-pass1-rht128": qs.eden_pass1_spec(128), "eden-pass1-half": qs.eden_pass1_half_spec(),
+                "eden-pass1-quarter": qs.eden_pass1_quarter_spec()}[kernel]
+        ptx = spec.compile("ptx")
+    nan_max, plain = _max_ops(ptx)
+    assert nan_max > 0, kernel
+    if kernel.startswith(("amax", "transpose")):
+        assert plain == 0, (kernel, plain)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="interpreter tests run on CPU-only machines")
 @pytest.mark.parametrize("key", ["dequantize-0-torch.bfloat16", "dequantize-16-torch.float32",
                                  "dequantize-128-torch.bfloat16", "dequantize-T-0-torch.bfloat16",

@@ -52,7 +52,14 @@ Notation: ``amax`` = max|x| over the tensor (after the rotation, if any), ``amax
              (rotated) amax is below AMAX_FLUSH has no live block and encodes as all zeros (global 0). Nothing
              divides by a subnormal: a_z >= 2^-100, the denominator of c >= 36, global >= 2^-112 when M > 0.
              Inputs whose unnormalized rotation overflows FP32 (|x| > ~FLT_MAX/d) are out of range (as in rht).
+             A NaN or Inf element makes its block's S' NaN, and with it M and the global: every decoded value is
+             NaN (see "Non-finite inputs" below).
              4/6 is not defined for MS-EDEN (raises).
+
+Non-finite inputs (the ops and kernels; ``nvfp4.quantize`` itself refuses them): a tensor with a NaN or an Inf
+quantizes to a copy whose global decode scale is non-finite (RTN / SR: NaN for a NaN, Inf for an Inf, from the
+amax; MS-EDEN: NaN), so that every value it decodes to, and every GEMM output through it, is NaN or Inf, as a
+diverging BF16 run would show it, never finite values or zeros. Its codes and E4M3 scales are unspecified.
 
 Known limits: RTN/SR blocks whose scale underflows E4M3 (amax_b < ~2^-10 * amax / 448 of the global range) encode
 as zeros, so SR is unbiased only above that floor (MS-EDEN: see above).
@@ -219,9 +226,11 @@ def eden_align_scales(s_corr: torch.Tensor, block2d: bool, seed: torch.Tensor):
     rounded between E4M3 neighbours (module docstring). Returns (scales float8_e4m3fn [R, K/16], global FP32)."""
     R, nb = s_corr.shape
     dev = s_corr.device
+    # a non-finite input leaves a NaN S' (a NaN block's 0 * NaN, an Inf element's 0 * Inf), so M and the global are
+    # NaN and the copy decodes to NaN (never to the other blocks' finite values, or to zeros)
     m = s_corr.max()
     live = m > 0
-    gscale = torch.where(live, m * _f32(2.0 ** -8, dev), torch.zeros_like(m))
+    gscale = torch.where(m == 0, torch.zeros_like(m), m * _f32(2.0 ** -8, dev))
     r = s_corr / torch.where(live, gscale, torch.ones_like(gscale))   # all S' are 0 when M is 0
     lo, hi = e4m3_neighbours(r)
     p = torch.where(hi > lo, (r - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(lo))

@@ -57,7 +57,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 if triton is not None:
     # the kernels' one E2M1 encoder (magnitude code by FP-pipe rounding) and decoder, used by _quant2d_kernel
-    from .quantize import _e2m1_mag_code, _e2m1_value  # noqa: F401
+    from .quantize import _amax_all, _e2m1_mag_code, _e2m1_value, _max_nan  # noqa: F401
 
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
@@ -240,8 +240,8 @@ if triton is not None:
             offs_t = (i % nT) * BT + tl.arange(0, BT)
             x = tl.load(x_ptr + (bh // H) * sxb + (bh % H) * sxh + offs_t[:, None] * sxt + od[None, :],
                         mask=offs_t[:, None] < T, other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-        tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
+            acc = _max_nan(acc, tl.abs(x.to(tl.float32)))   # a NaN element makes the global NaN
+        tl.store(part_ptr + pid, _amax_all(acc))
 
     @triton.jit
     def _amax_kernel(X0, X1, X2, PART, NP, T0, T1, T2, H0, H1, H2, N0, N1, N2,
@@ -290,7 +290,7 @@ if triton is not None:
         WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
         if (pid_t * BT < T) & (pid_bh < NBH):
             ip = tl.arange(0, NP2)
-            amax_t = tl.max(tl.load(part_ptr + ip, mask=ip < NP, other=0.0), axis=0)
+            amax_t = _amax_all(tl.load(part_ptr + ip, mask=ip < NP, other=0.0))
             s_enc = tl.where(amax_t < AMAX_FLUSH, 1.0, tl.math.div_rn(G_NUM_C + 0.0 * amax_t, amax_t))
             g_dec = tl.where(amax_t < AMAX_FLUSH, 0.0, tl.math.div_rn(1.0 + 0.0 * s_enc, s_enc))
             if (pid_t == 0) & (pid_bh == 0):

@@ -58,6 +58,48 @@ _ROUNDING_ID = {"rtn": 0, "sr": 1, "ms_eden": 2}
 
 # ---------------------------------------------------------------------------------------------- helpers
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps a NaN (PTX ``max.NaN.f32``; ``tl.max`` alone drops one on the GPU): a tensor's amax must see
+    its NaN elements, so that the copy's global scale is NaN (formats/schemes.py, "Non-finite inputs")."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+#: TRITON_INTERPRET=1 (the CPU tests): the interpreter calls a ``tl.reduce`` combine function in Python per element
+#: (minutes for the test suite's amax tiles), so there :func:`_amax_all` takes ``tl.max`` (np.nanmax: it drops a
+#: NaN, as the GPU's ``max.f32`` does) and a NaN flag; the sm_90 PTX tests check the GPU form's ``max.NaN.f32``
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _amax_all(a):
+    """The NaN-propagating max of every element of a 1D, 2D or 3D ``a`` (a 0-dim tensor), one axis at a time (a
+    reshape to 1D first costs the 2D tiles a layout conversion and registers)."""
+    if _INTERPRET:
+        m = a
+        n = (a != a).to(tl.int32)
+        if len(a.shape) == 3:
+            m = tl.max(m, axis=2)
+            n = tl.max(n, axis=2)
+        if len(a.shape) >= 2:
+            m = tl.max(m, axis=1)
+            n = tl.max(n, axis=1)
+        return tl.where(tl.max(n, axis=0) > 0, float("nan"), tl.max(m, axis=0))
+    else:
+        if len(a.shape) == 3:
+            a = tl.reduce(a, 2, _max_nan)
+        if len(a.shape) == 2:
+            a = tl.reduce(a, 1, _max_nan)
+        return tl.reduce(a, 0, _max_nan)
+
+
+@triton.jit
+def _smax_all(s):
+    """Max of MS-EDEN's S' (>= 0) over a 2D tile for the tensor's ``smax``; a NaN S' (a non-finite input) makes it
+    a positive NaN (``tl.abs``: the float ``atomic_max`` takes a NaN with its sign bit set for a negative value)."""
+    return _amax_all(tl.abs(s))
+
+
+@triton.jit
 def _lowbias32(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -393,13 +435,12 @@ def _amax_kernel(x_ptr, srow, scol, R, K, signs_ptr, amax_ptr,
     if HALVES:  # the quantize kernel's block-per-thread load and RHT (_load_halves)
         lo, hi, rows = _load_halves(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), signs_ptr, HAD,
                                     NORM, RHT_IMPL, TLOAD, BR, BC, True)
-        m = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=2), axis=1), tl.max(tl.max(tl.abs(hi), axis=2), axis=1))
-        tl.atomic_max(amax_ptr, tl.max(m, axis=0))
+        tl.atomic_max(amax_ptr, _max_nan(_amax_all(tl.abs(lo)), _amax_all(tl.abs(hi))))
     else:
         x, rows, cols = _load_tile(x_ptr, srow, scol, R, K, tl.program_id(0), tl.program_id(1), BR, BC, TLOAD)
         if HAD > 0:
             x = _rht(x, signs_ptr, BR, BC, HAD, NORM, RHT_IMPL)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        tl.atomic_max(amax_ptr, _amax_all(tl.abs(x)))
 
 
 @triton.jit
@@ -786,7 +827,7 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
     tl.store(scratch_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blk[None, :], s_corr,
              mask=rmask & (blk < K // 16)[None, :])
     # rows past R hold zeros (masked loads), so their S' is 0 and cannot raise the max
-    tl.atomic_max(smax_ptr, tl.max(tl.max(s_corr, axis=1), axis=0))
+    tl.atomic_max(smax_ptr, _smax_all(s_corr))
 
 
 @triton.jit
@@ -848,7 +889,7 @@ def _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, NW
              mask=mask)
     tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, NW // 2)[None, :],
              sc, mask=mask)
-    tl.atomic_max(smax_ptr, tl.max(tl.max(sc, axis=1), axis=0))
+    tl.atomic_max(smax_ptr, _smax_all(sc))
 
 
 @triton.jit
@@ -1067,7 +1108,7 @@ def _eden_align(s, smax_ptr, seed_ptr, idx):
     global decode scale), the uniforms keyed by the flat block indices ``idx`` (taken mod 2^32)."""
     m = tl.load(smax_ptr)
     live = m > 0
-    gs = tl.where(live, m * 0.00390625, 0.0)
+    gs = tl.where(m == 0.0, 0.0, m * 0.00390625)   # NaN m (a non-finite input): a NaN global
     r = tl.math.div_rn(s, tl.where(live, gs, 1.0))
     # lower E4M3 neighbour (r truncated), its code and 1 / (hi - lo), from r's bit pattern: r >= 2^-6 keeps the
     # exponent and 3 mantissa bits (step 2^(e - 3), its reciprocal's bits 0x7F000000 - step's bits); below, the
@@ -1162,7 +1203,7 @@ def _transpose_kernel(x_ptr, xt_ptr, M, N, sxm, sxn, amax_ptr, AMAX: tl.constexp
     mask = (m < M)[:, None] & (n < N)[None, :]
     t = tl.load(x_ptr + m.to(tl.int64)[:, None] * sxm + n.to(tl.int64)[None, :] * sxn, mask=mask, other=0.0)
     if AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(t.to(tl.float32)), axis=1), axis=0))
+        tl.atomic_max(amax_ptr, _amax_all(tl.abs(t.to(tl.float32))))
     tl.store(xt_ptr + n.to(tl.int64)[None, :] * M + m.to(tl.int64)[:, None], t, mask=mask)
 
 
