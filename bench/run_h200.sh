@@ -867,14 +867,16 @@ s51_qk)
   # 124M step with QK_BLOCKS="1x16" (its re-quantization inside the backward's prep launch since session 50, from the
   # same read as the copy's code x scale since session 52) and with 1x16 without the Q, K transform, against the
   # tiles, alone on the GPU (8 rounds of 10 steps); the prep launch alone (bench/attention_prep.py); then every GPU
-  # test of the Q-Attn file beside the start of seed S's 30M 300M-token fullbest_qk1x16 run (B seconds; the study124
-  # command with the same SIZE, SEED and arm resumes it on the warm machine)
+  # test of the Q-Attn file and the non-finite input tests (session 52) beside the start of seed S's 30M 300M-token
+  # fullbest_qk1x16 run (B seconds; the study124 command with the same SIZE, SEED and arm resumes it on the warm
+  # machine)
   step step_ab 300 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
       --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
       --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
   tail -n 5 "$OUT/step_ab.log"
   step prep 60 python bench/attention_prep.py; cat "$OUT/prep.log"
-  ( step gpu_tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py
+  ( step gpu_tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py tests/test_finite.py \
+      tests/test_quantize_kernels.py -k "not test_quantize_kernels or nonfinite"
     tail -n 3 "$OUT/gpu_tests.log" ) &
   SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-330}"
   wait ;;

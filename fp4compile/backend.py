@@ -23,6 +23,8 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     an activation's amax from the kernel that makes it (FUSE_AMAX)  passes/amax.py
                     the backward's seeds from one draw (POOL_SEEDS, opt-in)           passes/seeds.py
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
+                    (option check_finite: each copy's global scale checked, NaN/Inf   passes/finite.py
+                    raise naming the GEMMs it feeds)
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
     -> Inductor partitions and compiles the rest around the opaque fp4compile ops
@@ -42,7 +44,10 @@ False: the backward quantizes each weight again; default ``reuse.SAVE_WEIGHT_COP
 ``on_error`` (``"bf16"``: a graph whose NVFP4 rewrite fails to compile warns in one line and runs as plain Inductor
 compiles it; ``"raise"``; default :data:`ON_ERROR`), ``qk_transform`` and ``qk_blocks`` (what Q-Attn does to Q and K
 before quantizing them and in which blocks it quantizes them, for this compile; defaults
-``passes.attention.QK_TRANSFORM`` and ``QK_BLOCKS``, set by ``FP4COMPILE_QK_TRANSFORM`` / ``FP4COMPILE_QK_BLOCKS``).
+``passes.attention.QK_TRANSFORM`` and ``QK_BLOCKS``, set by ``FP4COMPILE_QK_TRANSFORM`` / ``FP4COMPILE_QK_BLOCKS``),
+``check_finite`` (True: every linear NVFP4 copy's global scale is checked as it is made, and a NaN or Inf in a
+quantized tensor raises ``FloatingPointError`` naming the GEMMs it feeds: a debugging aid, one host read per copy,
+not with CUDA graphs; default False: a NaN or Inf makes the GEMM outputs through that copy NaN or Inf).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is
@@ -67,6 +72,7 @@ from . import precompile
 from .passes.assign import assign
 from .passes.check import check
 from .passes.common import tangent_closure
+from .passes.finite import guard_finite
 from .passes import amax, linear, reuse, seeds
 from .passes.amax import fuse_amax
 from .passes.linear import LOWERINGS, SiteInfo, rewrite_linears, use_dequantized_copies
@@ -76,7 +82,9 @@ from .passes.sites import find_sites
 from .policy import NVFP4, Policy
 
 OPTIONS = ("policy", "dump_dir", "debug", "gemm_lowering", "mode", "precompile", "save_weight_copies", "on_error",
-           "qk_transform", "qk_blocks")
+           "qk_transform", "qk_blocks", "check_finite")
+#: torch.compile modes that run the graphs as CUDA graphs (``check_finite``'s host reads cannot be captured)
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 #: what a graph whose NVFP4 rewrite fails to compile does: ``"bf16"`` (a one-line warning naming the error and the
 #: graph's NVFP4 sites, then the graph as Dynamo traced it, compiled by plain Inductor: the model's own dtype,
 #: BF16 under autocast) or ``"raise"``. ``FP4COMPILE_ON_ERROR`` sets it at import; the ``on_error`` option overrides it.
@@ -88,7 +96,7 @@ ON_ERROR_MODES = ("bf16", "raise")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PASS_FILES = tuple(os.path.join(_HERE, f) for f in (
     "backend.py", "policy.py", "passes/sites.py", "passes/assign.py", "passes/linear.py", "passes/reuse.py",
-    "passes/amax.py", "passes/seeds.py", "passes/check.py", "passes/common.py",
+    "passes/amax.py", "passes/seeds.py", "passes/check.py", "passes/finite.py", "passes/common.py",
     # the kernels whose shape rules the rewrite reads (kernels/gemm.py's choose_impl, for quantize_dq operands)
     "kernels/gemm.py"))
 
@@ -108,13 +116,15 @@ class Settings:
     on_error: Optional[str] = None          # ON_ERROR_MODES (None: ON_ERROR, read when the graph compiles)
     qk_transform: Optional[str] = None      # attention_ref.QK_TRANSFORMS (None: passes.attention.QK_TRANSFORM)
     qk_blocks: Optional[str] = None         # attention_ref.QK_BLOCK_CHOICES (None: passes.attention.QK_BLOCKS)
+    check_finite: bool = False              # passes/finite.py
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> "Settings":
         """Validated settings from backend ``options`` (keys from ``OPTIONS``; None = no options). Raises
         ``ValueError`` for an unknown key, ``gemm_lowering`` or policy preset, ``TypeError`` for a ``dump_dir`` that
-        is not a path, a ``mode`` that is not a string, a ``precompile`` or ``save_weight_copies`` that is not a bool
-        or a policy of the wrong type; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES`` or a
+        is not a path, a ``mode`` that is not a string, a ``precompile``, ``save_weight_copies`` or ``check_finite``
+        that is not a bool or a policy of the wrong type; ``ValueError`` for ``check_finite`` with a CUDA-graph
+        ``mode``; ``ValueError`` for an ``on_error`` not in ``ON_ERROR_MODES`` or a
         ``qk_transform`` / ``qk_blocks`` not in ``attention_ref.QK_OPTIONS``."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
@@ -135,6 +145,10 @@ class Settings:
         save_w = options.get("save_weight_copies")
         if save_w is not None and not isinstance(save_w, bool):
             raise TypeError(f"fullstack_fp4: save_weight_copies must be True or False, got {save_w!r}")
+        check_finite = options.get("check_finite", False)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"fullstack_fp4: check_finite must be True or False, got {check_finite!r}")
+        check_cudagraph_mode(check_finite, mode)
         on_error = options.get("on_error")
         if on_error is not None and on_error not in ON_ERROR_MODES:
             raise ValueError(f"fullstack_fp4: on_error must be one of {list(ON_ERROR_MODES)}, got {on_error!r}")
@@ -146,7 +160,16 @@ class Settings:
                 check_qk_option(k, options[k], f"fullstack_fp4: {k}")
         return cls(Policy.from_options(options), None if dump_dir is None else os.fspath(dump_dir),
                    bool(options.get("debug", False)), gemm_lowering=lowering, mode=mode, precompile=precompile,
-                   save_weight_copies=save_w, on_error=on_error, qk_transform=qk_transform, qk_blocks=qk_blocks)
+                   save_weight_copies=save_w, on_error=on_error, qk_transform=qk_transform, qk_blocks=qk_blocks,
+                   check_finite=check_finite)
+
+
+def check_cudagraph_mode(check_finite: bool, mode: Optional[str]) -> None:
+    """``check_finite`` reads each global scale on the host, which a CUDA graph capture cannot: a clear error for
+    a CUDA-graph ``mode`` instead of a failed capture."""
+    if check_finite and mode in CUDAGRAPH_MODES:
+        raise ValueError(f"fullstack_fp4: check_finite reads values on the host after each quantization and cannot "
+                         f"run inside CUDA graphs (mode={mode!r}); use mode=None or 'default' while debugging")
 
 
 class FP4JointPass(CustomGraphPass):
@@ -156,11 +179,13 @@ class FP4JointPass(CustomGraphPass):
     hit for the same policy and miss when anything that changes the rewrite changes."""
 
     def __init__(self, policy: Policy, table: Dict[str, SiteInfo], recorder=None, gemm_lowering: str = "op",
-                 precompile: Optional[bool] = None, save_weight_copies: Optional[bool] = None):
+                 precompile: Optional[bool] = None, save_weight_copies: Optional[bool] = None,
+                 check_finite: bool = False):
         self.policy, self.table, self.recorder = policy, table, recorder
         self.gemm_lowering = gemm_lowering
         self.precompile = precompile  # not part of uuid(): it changes no graph
         self.save_weight_copies = save_weight_copies
+        self.check_finite = check_finite
 
     def _save_weights(self) -> bool:
         return reuse.SAVE_WEIGHT_COPIES if self.save_weight_copies is None else self.save_weight_copies
@@ -177,6 +202,8 @@ class FP4JointPass(CustomGraphPass):
         stable_topological_sort(graph)
         cache.finalize()
         check(graph, self.table, records)
+        if self.check_finite:
+            guard_finite(graph)                         # option: NaN / Inf raise where they enter NVFP4
         graph.eliminate_dead_code()
         graph.lint()
         if self.recorder is not None:
@@ -190,7 +217,7 @@ class FP4JointPass(CustomGraphPass):
         switches = (linear.DQ_OPERANDS, linear.FUSE_BIAS, reuse.PAIR_LAYOUTS, self._save_weights(),
                     amax.fuse_amax_mode(), amax.POINTWISE_ROW, linear.gemm_default_impl(), seeds.POOL_SEEDS)
         return get_hash_for_files(PASS_FILES, extra=repr((self.policy, sorted(self.table.items()),
-                                                          self.gemm_lowering, switches)))
+                                                          self.gemm_lowering, switches, self.check_finite)))
 
 
 def fullstack_fp4(gm: torch.fx.GraphModule, example_inputs: Sequence, *, mode: Optional[str] = None,
@@ -211,8 +238,9 @@ def compile_graph(gm, example_inputs, settings: Settings, mode: Optional[str] = 
     policy.warn_unmatched(_site_paths(gm))
     if settings.recorder is not None:
         settings.recorder.dynamo(gm)
+    check_cudagraph_mode(settings.check_finite, mode)
     joint = FP4JointPass(policy, table, settings.recorder, settings.gemm_lowering,  # 4-7
-                         settings.precompile, settings.save_weight_copies)
+                         settings.precompile, settings.save_weight_copies, settings.check_finite)
     if settings.debug:
         return _debug_compile(gm, example_inputs, joint, settings)
     from torch._inductor.compile_fx import compile_fx

@@ -334,6 +334,26 @@ mm_f32 = _define("mm_f32", _mm_f32_op, _mm_f32_fake)
 register_cuda("mm_f32", _mm_f32_cuda)
 
 
+def _check_finite_op(global_scale: Tensor, where: str) -> Tensor:
+    """A copy of an NVFP4 copy's global decode scale, after checking that it is finite (the backend option
+    ``check_finite``, ``passes/finite.py``). A NaN or Inf element in a quantized tensor makes its global non-finite
+    in every scheme (``formats/schemes.py``, "Non-finite inputs"), so this raises ``FloatingPointError`` naming
+    ``where`` (the GEMMs the copy feeds) at the first quantization a NaN or Inf reaches. Reads the value on the
+    host: not for CUDA graphs."""
+    if not bool(torch.isfinite(global_scale).all()):
+        raise FloatingPointError(
+            f"fp4compile: NaN or Inf reached an NVFP4 quantization (global scale {float(global_scale)}): the operand "
+            f"of {where} (backend option check_finite)")
+    return global_scale.clone()
+
+
+def _check_finite_fake(global_scale, where):
+    return torch.empty_like(global_scale)
+
+
+check_finite = _define("check_finite", _check_finite_op, _check_finite_fake)
+
+
 def _register_cuda_kernels():
     """Attach the Triton implementations on CUDA (no-op without Triton)."""
     from torch.utils._triton import has_triton
