@@ -875,7 +875,7 @@ s51_qk)
       --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
   tail -n 5 "$OUT/step_ab.log"
   step prep 60 python bench/attention_prep.py; cat "$OUT/prep.log"
-  ( step gpu_tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py tests/test_finite.py \
+  ( step gpu_tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py tests/test_finite.py \
       tests/test_quantize_kernels.py -k "not test_quantize_kernels or nonfinite"
     tail -n 3 "$OUT/gpu_tests.log" ) &
   SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-330}"
