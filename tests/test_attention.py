@@ -585,8 +585,8 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
 def test_qattn_amax_keeps_nan_on_sm90(kernel):
     """Q-Attn's per-tensor amax compiled for sm_90 (CPU) reduces with NaN-propagating max (``max.NaN.f32``): the
     partial maxima kernel only with it, the quantize kernel for the max of the partials (its block maxima may drop
-    a NaN). ``tl.max`` alone compiles to ``max.f32``, which drops a NaN on the GPU (the interpreter's np.maximum
-    keeps it, so the interpreter case above cannot show the difference)."""
+    a NaN). ``tl.max`` alone compiles to ``max.f32``, which drops a NaN on the GPU; the interpreter case above runs
+    ``quantize._amax_all``'s interpreter branch instead, so only the PTX shows the GPU's reduction."""
     pytest.importorskip("triton")
     from fp4compile.kernels import attention as KA
     from fp4compile.kernels.offline import compile_offline

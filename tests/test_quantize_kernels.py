@@ -223,9 +223,10 @@ def test_gpu_nonfinite_input_gives_a_nonfinite_global(bad):
 def test_interpreter_nonfinite_input_gives_a_nonfinite_global(interp_report):
     """A NaN, +Inf or -Inf element: the kernels' global decode scale is non-finite, as the reference's, for RTN (4/6,
     2D, the halves amax, transposed), SR with RHT-16, MS-EDEN (1D, 2D, RHT-128 with every pass-1 variant),
-    quantize_both's two copies and a given amax, so the copy decodes to non-finite values (until session 52 MS-EDEN's was 0: a NaN or
-    Inf gradient became an all-zero one). The GPU's max drops a NaN where the interpreter keeps it:
-    test_tensor_maxima_keep_nan_on_sm90 checks the compiled reductions."""
+    quantize_both's two copies and a given amax, so the copy decodes to non-finite values (until session 52
+    MS-EDEN's was 0: a NaN or Inf gradient became an all-zero one). The interpreter runs ``quantize._amax_all``'s
+    own branch (its ``tl.max`` drops a NaN, np.nanmax, as the GPU's does; a NaN flag restores it), not the GPU's
+    reduction: test_tensor_maxima_keep_nan_on_sm90 checks that one in the compiled PTX."""
     report = interp_report["nonfinite"]
     assert len(report) == 3 * 14
     assert all(v == [False, False] for v in report.values()), {k: v for k, v in report.items() if v != [False, False]}
@@ -240,8 +241,8 @@ def _max_ops(ptx: str):
                                     "eden-pass1-rht128", "eden-pass1-half", "eden-pass1-quarter"])
 def test_tensor_maxima_keep_nan_on_sm90(kernel):
     """The tensor-wide maxima that make a global scale, compiled for sm_90 (CPU): ``tl.max`` lowers to ``max.f32``,
-    which returns the other operand of a NaN (the interpreter's np.maximum keeps it, so only the PTX shows this), so
-    they reduce with ``max.NaN.f32`` (``quantize._max_nan``): the amax kernels only with it, MS-EDEN's pass 1 with it
+    which returns the other operand of a NaN (the interpreter tests run another branch of ``_amax_all``, so only the
+    PTX shows this), so they reduce with ``max.NaN.f32`` (``quantize._max_nan``): the amax kernels only with it, MS-EDEN's pass 1 with it
     for its S' maximum (its per-block maxima may drop a NaN: the block's S' is NaN anyway)."""
     import importlib.util
 
