@@ -94,9 +94,11 @@ def _amax_all(a):
 
 @triton.jit
 def _smax_all(s):
-    """Max of MS-EDEN's S' (>= 0) over a 2D tile for the tensor's ``smax``; a NaN S' (a non-finite input) makes it
-    a positive NaN (``tl.abs``: the float ``atomic_max`` takes a NaN with its sign bit set for a negative value)."""
-    return _amax_all(tl.abs(s))
+    """Max of MS-EDEN's S' (>= 0) over a 2D tile (of at least two entries) for the tensor's ``smax``; a NaN S' (a
+    non-finite input) makes it NaN. That NaN is positive, as the float ``atomic_max`` needs (it takes a value with
+    the sign bit set as negative): ``max.NaN.f32`` returns the canonical NaN 0x7FFFFFFF, and the interpreter branch
+    of :func:`_amax_all` a positive one. (No ``tl.abs``: it cost pass 1 0.25 instructions per element.)"""
+    return _amax_all(s)
 
 
 @triton.jit
