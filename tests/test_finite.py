@@ -133,3 +133,25 @@ def test_check_finite_on_cuda():
     w[3, 4] = float("inf")
     with pytest.raises(FloatingPointError, match=r"4 linear\.(dgrad|wgrad) \(bwd\)"):
         (y * w).sum().backward()
+
+
+def test_train_passes_check_finite_to_the_backend(tmp_path, monkeypatch):
+    """``fp4compile train --check-finite``: the TrainConfig field reaches the backend's options of every compile, and
+    a finite run trains with it (the raising itself is tested above)."""
+    from fp4compile.train import loop as L
+
+    cfg = L.TrainConfig(out_dir=str(tmp_path / "run"), model="tiny", backend="fullstack_fp4", backend_debug=True,
+                        check_finite=True, steps=2, batch_size=4, seq_len=32, val_data="", progress=False,
+                        log_interval=1, warmup_steps=1)
+    assert L.backend_options(cfg) == {"check_finite": True}
+    assert L.backend_options(L.TrainConfig(qk_blocks="1x16", backend="fullstack_fp4")) == {"qk_blocks": "1x16"}
+    seen = []
+    real = B.Settings.from_options
+
+    def spy(options):
+        seen.append(dict(options or {}))
+        return real(options)
+
+    monkeypatch.setattr(B.Settings, "from_options", staticmethod(spy))
+    L.train(cfg)
+    assert seen and all(o.get("check_finite") is True for o in seen), seen

@@ -116,8 +116,13 @@ def test_config_validation_and_sections():
     assert auto.compile_mode == "auto" and auto.resolve_compile_mode(cuda) == "reduce-overhead"
     assert auto.resolve_compile_mode(cpu) == "default"
     assert dataclasses.replace(auto, parallel="ddp").resolve_compile_mode(cuda) == "reduce-overhead"
-    for other in (dict(parallel="fsdp2"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True)):
+    for other in (dict(parallel="fsdp2"), dict(grad_accum=2), dict(backend="aot_eager"), dict(backend_debug=True),
+                  dict(check_finite=True)):
         assert dataclasses.replace(auto, **other).resolve_compile_mode(cuda) == "default", other
+    with pytest.raises(ValueError, match="check_finite"):       # its host reads cannot be captured
+        L.TrainConfig(compile_mode="reduce-overhead", backend="fullstack_fp4", check_finite=True).validate()
+    with pytest.raises(ValueError, match="check_finite is an option of the fullstack_fp4"):
+        L.TrainConfig(check_finite=True).validate()
     assert L.TrainConfig(compile_mode="default").resolve_compile_mode(cuda) == "default"
     # QRoot's NS follows the step into CUDA graphs unless set explicitly
     assert auto.resolved(cuda).optim_cuda_graphs is True and auto.resolved(cpu).optim_cuda_graphs is False

@@ -95,6 +95,8 @@ class TrainConfig:
     qk_blocks: Optional[str] = None           # fullstack_fp4's qk_blocks option: 16x16 | 1x16 (None:
                                               # passes.attention.QK_BLOCKS, FP4COMPILE_QK_BLOCKS)
     backend_debug: bool = False               # fullstack_fp4's debug variant: same passes, graphs run eagerly
+    check_finite: bool = False                # fullstack_fp4's check_finite option: raise naming the NVFP4 GEMM a
+                                              # NaN / Inf first reaches (a host read per copy; no CUDA graphs)
     compile_mode: str = "auto"                # auto | default | reduce-overhead (CUDA graphs), see resolve_compile_mode
     dtype: str = "auto"                       # auto (CUDA: bf16-autocast, CPU: fp32) | fp32 | bf16-autocast | bf16
     lora: bool = False                        # fp4compile.prepare (LoRA-SVD) before compiling
@@ -181,6 +183,9 @@ class TrainConfig:
         if (self.qk_transform is not None or self.qk_blocks is not None) and self.backend != "fullstack_fp4":
             raise ValueError(f"qk_transform / qk_blocks are options of the fullstack_fp4 backend; backend="
                              f"{self.backend!r} runs no Q-Attn")
+        if self.check_finite and self.backend != "fullstack_fp4":
+            raise ValueError(f"check_finite is an option of the fullstack_fp4 backend; backend={self.backend!r} "
+                             "quantizes nothing")
         one_of("schedule", SCHEDULES)
         one_of("dtype", DTYPES)
         one_of("parallel", ("none", "ddp", "fsdp2"))
@@ -260,6 +265,8 @@ class TrainConfig:
                     "so it needs grad_accum=1 (raise batch_size instead)")
         if self.backend in ("eager", "aot_eager", "none"):
             return f"it needs a compiling backend (inductor or fullstack_fp4), not {self.backend!r}"
+        if self.check_finite:
+            return "check_finite reads every NVFP4 copy's global scale on the host, which a graph capture cannot"
         return None
 
     def _root_group_settings(self) -> Dict[str, Any]:
@@ -550,11 +557,13 @@ def late_policy(policy, roles: str):
     return dataclasses.replace(policy, name=f"{policy.name}+late_bf16({','.join(parsed)})")
 
 
-def attention_options(cfg: TrainConfig) -> dict:
-    """The fullstack_fp4 options a config sets besides the policy: ``qk_transform`` / ``qk_blocks`` where given."""
+def backend_options(cfg: TrainConfig) -> dict:
+    """The fullstack_fp4 options a config sets besides the policy: ``qk_transform`` / ``qk_blocks`` where given,
+    ``check_finite`` where on."""
     from ..kernels.attention_ref import QK_OPTIONS
 
-    return {k: getattr(cfg, k) for k in QK_OPTIONS if getattr(cfg, k) is not None}
+    out = {k: getattr(cfg, k) for k in QK_OPTIONS if getattr(cfg, k) is not None}
+    return {**out, "check_finite": True} if cfg.check_finite else out
 
 
 def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
@@ -577,7 +586,7 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig, policy=None):
             raise FeatureUnavailable("the fullstack_fp4 backend is not available in this checkout "
                                f"({e}); it is built by the backend issue. Use --backend inductor for BF16.") from e
         options = {"policy": policy, **({"debug": True} if cfg.backend_debug else {}),
-                   **({"mode": mode} if mode else {}), **attention_options(cfg)}
+                   **({"mode": mode} if mode else {}), **backend_options(cfg)}
         return torch.compile(model, backend=backend, options=options, dynamic=False)
     return torch.compile(model, backend=cfg.backend, mode=mode, dynamic=False)
 
@@ -1044,7 +1053,7 @@ def train(cfg: TrainConfig) -> RunResult:
                 fsdp_kw["mp_policy"] = DP.bf16_params_policy()
         model_fn = DP.wrap_for_training(model, cfg.parallel, cfg.backend, policy,
                                         None if cfg.compile_mode == "default" else cfg.compile_mode,
-                                        options=attention_options(cfg), **fsdp_kw)
+                                        options=backend_options(cfg), **fsdp_kw)
     optimizer = build_optimizer(model, cfg, policy, device)
     if denv is not None and cfg.parallel == "fsdp2":
         DP.adapt_optimizer(optimizer)             # QAdamW on local shards, QRoot's NS on whole matrices
