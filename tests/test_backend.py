@@ -638,6 +638,14 @@ def test_fallbacks_warn_once_per_gemm_and_stay_correct():
     had = [m for m in msgs if "not a multiple of the Hadamard size 128" in m]
     assert len(k24) == 1 and "(a, linear.fprop)" in k24[0], msgs
     assert len(had) == 2 and all("\n" not in m for m in msgs), msgs           # wgrad of a and b: M = 48
+    assert all(" stays FP32: " in m for m in k24 + had), msgs                  # an fp32 model: the GEMMs stay fp32
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as w:                            # a bf16 model's stay BF16
+        warnings.simplefilter("always")
+        torch.compile(copy.deepcopy(model).bfloat16(), backend="fullstack_fp4",
+                      options={"policy": policy, "debug": True})(x.detach().bfloat16())
+    k24 = [str(m.message) for m in w if "contraction dim 24" in str(m.message)]
+    assert len(k24) == 1 and " stays BF16: " in k24[0], k24
     recs = {(s.path, s.role): s for s in rec.report().sites}
     assert recs[("a", "linear.fprop")].precision == "bf16" and recs[("b", "linear.fprop")].precision == "nvfp4"
     assert recs[("a", "linear.wgrad")].precision == "bf16" and recs[("b", "linear.dgrad")].precision == "nvfp4"

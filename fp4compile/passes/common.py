@@ -90,6 +90,14 @@ def tangent_closure(graph: Graph) -> Set[Node]:
     return out
 
 
+#: how a fallback warning names the precision a GEMM keeps (its output dtype: BF16 under autocast or in a bf16 model,
+#: the model's own dtype otherwise)
+_PRECISION_NAMES = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32", torch.float64: "FP64"}
+
+
 def warn_fallback(node: Node, what: str, reason: str) -> None:
-    """The one-line warning of a GEMM that stays BF16."""
-    warnings.warn(f"fp4compile: {node.name} ({what}) stays BF16: {reason}", stacklevel=3)
+    """The one-line warning of a GEMM that is not NVFP4: it stays in the precision it was traced in (BF16 in a bf16
+    or autocast model; a float32 / float64 model's GEMM says so)."""
+    v = node.meta.get("val")
+    prec = _PRECISION_NAMES.get(getattr(v, "dtype", torch.bfloat16), str(getattr(v, "dtype", "")))
+    warnings.warn(f"fp4compile: {node.name} ({what}) stays {prec}: {reason}", stacklevel=3)
