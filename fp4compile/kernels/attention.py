@@ -346,8 +346,8 @@ if triton is not None:
         """Rows [t0, t0 + BT) (SUB at a time) of head pid // cdiv(T, BT) of a saved contiguous 1x16 copy (codes
         [NBH*T, D/2], scales [NBH*T, D/16]), read once: its bf16 code x scale (global excluded) into y [NBH*T, D],
         as ``_dequant_rows`` stores it, and its values quantized again in 16x16 tiles, bf16 code x scale into z
-        [NBH*T, D], == attention_ref.requantize_tiles without the global. The values' amax is G_NUM by construction, so both
-        globals of the second rounding are 1 (the copy's global applies)."""
+        [NBH*T, D], == attention_ref.requantize_tiles without the global. The values' amax is G_NUM by construction,
+        so both globals of the second rounding are 1 (the copy's global applies)."""
         nT = tl.cdiv(T, BT)
         if pid < nT * NBH:
             for i in tl.static_range(BT // SUB):  # SUB rows (a multiple of 16) at a time: fewer live registers
@@ -831,25 +831,25 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
     i's values re-quantized in 16x16 tiles (``_requant_body``: the dS products' operands under QK_1X16). Returns
     (delta, [code x scale per pair], [re-quantized or None per pair])."""
     _require_triton()
-    requant = list(requant) + [False] * (len(pairs) - len(requant))
-    if len(pairs) > 2 or len(requant) != len(pairs):
+    if len(pairs) > 2 or len(requant) > len(pairs):
         raise ValueError("_bwd_prep dequantizes at most two copies (one requant flag each)")
+    rq = [bool(r) for r in requant] + [False] * (2 - len(requant))   # per slot, unused ones False
     ref = do if do is not None else pairs[0][0]
     dev = ref.device
     D = do.shape[-1] if do is not None else pairs[0][0].shape[-1] * 2
     BT = 64
     deqs, reqs, slots, rslots = [], [], [], []
     dummy, c0 = placeholder(dev, torch.bfloat16), placeholder(dev, torch.uint8)
-    for (c, s), rq in zip(pairs, requant):
+    for (c, s), rq_i in zip(pairs, rq):
         y = torch.empty((*c.shape[:-1], D), dtype=torch.bfloat16, device=dev)
         deqs.append(y)
         slots.append((c, s, y, c.numel() // (D // 2)))
-        if rq and (c.dim() != 4 or not c.is_contiguous() or not s.is_contiguous() or s.data_ptr() % 4):
+        if rq_i and (c.dim() != 4 or not c.is_contiguous() or not s.is_contiguous() or s.data_ptr() % 4):
             raise ValueError("_bwd_prep: a re-quantized copy must be a contiguous [B, H, T, D/2] (scales contiguous, "
                              "4-byte aligned)")
-        z = torch.empty_like(y) if rq else None
+        z = torch.empty_like(y) if rq_i else None
         reqs.append(z)
-        rslots.append((z, c.shape[2], c.shape[0] * c.shape[1]) if rq else (dummy, 0, 0))
+        rslots.append((z, c.shape[2], c.shape[0] * c.shape[1]) if rq_i else (dummy, 0, 0))
     while len(slots) < 2:  # unused slot (R = 0): never read, but typed like a real one (the kernel bitcasts)
         slots.append((c0, c0, dummy, 0))
         rslots.append((dummy, 0, 0))
@@ -864,7 +864,6 @@ def _bwd_prep(do: Optional[Tensor], out: Optional[Tensor], pairs, requant=()):
         dargs, st = (dummy, dummy, dummy), (0,) * 6
     nx = max([n0] + [cdiv(sl[3], BT) for sl in slots] + [cdiv(t, BT) * n for _, t, n in rslots])
     asm = dev.type == "cuda" and _dequant.DEFAULT_DEQUANT == "asm"
-    rq = [bool(r) for r in requant] + [False] * (2 - len(requant))
     _bwd_prep_kernel[(nx, 3)](*dargs, *slots[0], *slots[1], *rslots[0], *rslots[1], T, H, B * H, *st, BT=BT, D=D,
                               DEQUANT_ASM=asm, RQ0=rq[0], RQ1=rq[1], SUB=_requant_rows(D), num_warps=4)
     return delta, deqs, reqs
@@ -1004,8 +1003,8 @@ def attention_bwd(grad_out: Tensor, q: Optional[Tensor], k: Optional[Tensor], v:
     delta, deqs, reqs = _bwd_prep(do, out, pairs, requant)
     qh, q_rq = (deqs.pop(0), reqs.pop(0)) if fq else (None, None)
     kh, k_rq = (deqs.pop(0), reqs.pop(0)) if fk else (None, None)
-    q_qk, q_ds = (qh if mask & QK else q), ((qh if q_rq is None else q_rq) if mask & DSQ else q)
-    k_qk, k_ds = (kh if mask & QK else k), ((kh if k_rq is None else k_rq) if mask & DSK else k)
+    q_qk, q_ds = (qh if mask & QK else q), (q_rq if q_rq is not None else qh if mask & DSQ else q)
+    k_qk, k_ds = (kh if mask & QK else k), (k_rq if k_rq is not None else kh if mask & DSK else k)
     v_dov = dequantize_2d(views.v_codes, views.v_scales) if mask & DOV else v
     if q_qk is None or k_qk is None or v_dov is None or q_ds is None or k_ds is None:
         raise RuntimeError("qattn backward: an operand was not saved (precision mask mismatch)")

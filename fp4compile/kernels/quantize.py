@@ -73,7 +73,10 @@ _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 @triton.jit
 def _amax_all(a):
     """The NaN-propagating max of every element of a 1D, 2D or 3D ``a`` (a 0-dim tensor), one axis at a time (a
-    reshape to 1D first costs the 2D tiles a layout conversion and registers)."""
+    reshape to 1D first costs the 2D tiles a layout conversion and registers). A NaN result is positive, as the float
+    ``atomic_max`` that takes it needs (it treats a value with the sign bit set as negative): ``max.NaN.f32`` returns
+    the canonical NaN 0x7FFFFFFF, the interpreter branch a positive one; so MS-EDEN's S' (>= 0 or NaN) needs no
+    ``tl.abs`` before it (which cost pass 1 0.25 instructions per element)."""
     if _INTERPRET:
         m = a
         n = (a != a).to(tl.int32)
@@ -90,15 +93,6 @@ def _amax_all(a):
         if len(a.shape) == 2:
             a = tl.reduce(a, 1, _max_nan)
         return tl.reduce(a, 0, _max_nan)
-
-
-@triton.jit
-def _smax_all(s):
-    """Max of MS-EDEN's S' (>= 0) over a 2D tile (of at least two entries) for the tensor's ``smax``; a NaN S' (a
-    non-finite input) makes it NaN. That NaN is positive, as the float ``atomic_max`` needs (it takes a value with
-    the sign bit set as negative): ``max.NaN.f32`` returns the canonical NaN 0x7FFFFFFF, and the interpreter branch
-    of :func:`_amax_all` a positive one. (No ``tl.abs``: it cost pass 1 0.25 instructions per element.)"""
-    return _amax_all(s)
 
 
 @triton.jit
@@ -829,7 +823,7 @@ def _eden_pass1_kernel(x_ptr, srow, scol, R, K, signs_ptr, codes_ptr, scratch_pt
     tl.store(scratch_ptr + rows.to(tl.int64)[:, None] * (K // 16) + blk[None, :], s_corr,
              mask=rmask & (blk < K // 16)[None, :])
     # rows past R hold zeros (masked loads), so their S' is 0 and cannot raise the max
-    tl.atomic_max(smax_ptr, _smax_all(s_corr))
+    tl.atomic_max(smax_ptr, _amax_all(s_corr))
 
 
 @triton.jit
@@ -891,7 +885,7 @@ def _store_runs(codes_ptr, scratch_ptr, smax_ptr, rows, col0, K, mask, w, sc, NW
              mask=mask)
     tl.store(scratch_ptr + (rows.to(tl.int64) * (K // 16) + col0 // 16)[:, None] + tl.arange(0, NW // 2)[None, :],
              sc, mask=mask)
-    tl.atomic_max(smax_ptr, _smax_all(sc))
+    tl.atomic_max(smax_ptr, _amax_all(sc))
 
 
 @triton.jit
