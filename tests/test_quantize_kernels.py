@@ -239,17 +239,13 @@ def _max_ops(ptx: str):
 
 @pytest.mark.parametrize("kernel", ["amax", "amax-halves", "amax-rht128", "transpose-amax", "eden-pass1",
                                     "eden-pass1-rht128", "eden-pass1-half", "eden-pass1-quarter"])
-def test_tensor_maxima_keep_nan_on_sm90(kernel):
+def test_tensor_maxima_keep_nan_on_sm90(kernel, sass):
     """The tensor-wide maxima that make a global scale, compiled for sm_90 (CPU): ``tl.max`` lowers to ``max.f32``,
     which returns the other operand of a NaN (the interpreter tests run another branch of ``_amax_all``, so only the
-    PTX shows this), so they reduce with ``max.NaN.f32`` (``quantize._max_nan``): the amax kernels only with it, MS-EDEN's pass 1 with it
-    for its S' maximum (its per-block maxima may drop a NaN: the block's S' is NaN anyway)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_quantize_sass", os.path.join(root, "bench", "quantize_sass.py"))
-    qs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(qs)
+    PTX shows this), so they reduce with ``max.NaN.f32`` (``quantize._max_nan``): the amax kernels only with it,
+    MS-EDEN's pass 1 with it for its S' maximum (its per-block maxima may drop a NaN: the block's S' is NaN
+    anyway)."""
+    qs = sass
     from fp4compile.kernels import quantize as K
     from fp4compile.kernels.offline import compile_offline
 
