@@ -581,6 +581,46 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
 
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_ds_quantizer_keeps_nan_on_sm90(kernel):
+    """The paper split's backward kernels compiled for sm_90 (CPU): the in-register E2M1 rounding of dS clamps to
+    +-6 with ``max.NaN`` / ``min.NaN`` (``_e2m1_round``), so a NaN in dS stays NaN into dS·K and dSᵀ·Q. With plain
+    ``max.f32`` / ``min.f32`` (what ``tl.maximum`` / ``tl.minimum`` give, and these kernels had until session 53) a NaN
+    saturates to +-6 on the GPU; the interpreter's np.maximum keeps it, so only the PTX shows this."""
+    pytest.importorskip("triton")
+    ptx = _bench_module("attention_sass").compile_kernel(kernel, 64, True, upto="ptx")
+    lo = re.findall(r"\bmax(\.\w+)*\.f32\s+%\w+, %\w+, 0fC0C00000;", ptx)   # max(x, -6.0)
+    hi = re.findall(r"\bmin(\.\w+)*\.f32\s+%\w+, %\w+, 0f40C00000;", ptx)   # min(., 6.0)
+    assert lo and hi
+    assert set(lo) == {".NaN"} and set(hi) == {".NaN"}, (set(lo), set(hi))
+
+
+def _nan_rows_of_grads(device, roles):
+    """Which rows of dQ, dK, dV are NaN after a causal Q-Attn backward with one NaN in dO (head 1, query 70)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 64, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(1, 2, 128, 64, device=device, generator=g, dtype=torch.bfloat16)
+    do[0, 1, 70, 5] = float("nan")
+    qattn_sdpa(q, k, v, is_causal=True, fp4_roles=roles).backward(do)
+    return [t.grad.isnan().any(-1)[0] for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("roles", [PAPER, PAPER | R.QK_1X16], ids=["tiles", "1x16"])
+def test_nan_in_ds_reaches_dq_and_dk(roles, device):
+    """A NaN in one row of dO makes that row of dP, and so of dS, NaN: through dS·K and dSᵀ·Q (NVFP4 in the paper
+    split) the gradients have NaN in exactly the rows the all-BF16 kernels give NaN (query 70's dQ row; every dK and
+    dV row of head 1, as masked P = 0 times NaN is NaN), not the finite values a NaN-dropping clamp made of dS on
+    the GPU until session 53 (``_e2m1_round``). On CPU the reference op."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    got, want = _nan_rows_of_grads(device, roles), _nan_rows_of_grads(device, 0)
+    assert want[0][1].nonzero().flatten().tolist() == [70] and not any(w[0].any() for w in want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a.nonzero().tolist(), b.nonzero().tolist())
+
+
 @pytest.mark.parametrize("kernel", ["amax", "quant2d"])
 def test_qattn_amax_keeps_nan_on_sm90(kernel):
     """Q-Attn's per-tensor amax compiled for sm_90 (CPU) reduces with NaN-propagating max (``max.NaN.f32``): the

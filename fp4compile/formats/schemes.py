@@ -60,6 +60,8 @@ Non-finite inputs (the ops and kernels; ``nvfp4.quantize`` itself refuses them):
 quantizes to a copy whose global decode scale is non-finite (RTN / SR: NaN for a NaN, Inf for an Inf, from the
 amax; MS-EDEN: NaN), so that every value it decodes to, and every GEMM output through it, is NaN or Inf, as a
 diverging BF16 run would show it, never finite values or zeros. Its codes and E4M3 scales are unspecified.
+Q-Attn's in-register dS (and P) quantizations keep a NaN element NaN (their tile scales may drop it), so its
+gradients have NaN where the all-BF16 kernels have it.
 
 Known limits: RTN/SR blocks whose scale underflows E4M3 (amax_b < ~2^-10 * amax / 448 of the global range) encode
 as zeros, so SR is unbiased only above that floor (MS-EDEN: see above).

@@ -117,8 +117,12 @@ if triton is not None:
         threshold form). The E2M1 grid's step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e >= 0, and 1/2 below 1, so
         adding and subtracting M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x
         to the grid with fp32's own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2,
-        5 -> 4). M is made from x's exponent bits; 7 instructions, no selects."""
-        c = tl.minimum(tl.maximum(x, -6.0), 6.0)
+        5 -> 4). M is made from x's exponent bits; 7 instructions, no selects. A NaN stays NaN (the clamp is
+        ``min.NaN`` / ``max.NaN``, one instruction each as ``min`` / ``max`` are; those drop a NaN on the GPU and
+        would saturate it to +-6), so a NaN in dS or P reaches the products it feeds (formats/schemes.py,
+        "Non-finite inputs")."""
+        c = tl.minimum(tl.maximum(x, -6.0, propagate_nan=tl.PropagateNan.ALL), 6.0,
+                       propagate_nan=tl.PropagateNan.ALL)
         bits = c.to(tl.uint32, bitcast=True)
         e = tl.maximum(bits & 0x7F800000, 0x3F800000)
         m = ((e + 0x0B400000) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
