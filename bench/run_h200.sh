@@ -883,13 +883,13 @@ s51_qk)
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then every GPU test of
-  # the Q-Attn file and the non-finite input tests, one after the other
+  # the Q-Attn file and the non-finite input tests, one after the other, until END seconds (default 570)
   step step_ab 240 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
       --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
       --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
   tail -n 5 "$OUT/step_ab.log"
   step prep 60 python bench/attention_prep.py; cat "$OUT/prep.log"
-  step gpu_tests $((570 - SECONDS)) python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py \
+  step gpu_tests $((${END:-570} - SECONDS)) python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py \
       tests/test_finite.py tests/test_quantize_kernels.py -k "not test_quantize_kernels or nonfinite"
   tail -n 15 "$OUT/gpu_tests.log" ;;
 s51_fork)
