@@ -63,6 +63,20 @@ attn_configs() {
     PYTHONPATH=$PWD step "${prefix}_${a%%=*}" 60 python bench/attention_kernels_at.py --label "${a%%=*}" \
         --shape "$shape" ${c:+--bwd-config "$c"}
   done; }
+# the 124M step with Q, K in 1x16 blocks (QK_BLOCKS="1x16") against the tiles, alone on the GPU (ROUNDS rounds of
+# 10 steps), and with "none" also 1x16 without the Q, K transform: qk1x16_ab SECONDS ROUNDS [none]
+qk1x16_ab() {
+  local arms=(--arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"')
+  [ "${3:-}" = none ] && arms+=(--arm \
+      'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"')
+  step step_ab "$1" python bench/step_ab.py --rounds "$2" --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 "${arms[@]}"
+  tail -n 5 "$OUT/step_ab.log"; }
+# every GPU test of the Q-Attn file and the non-finite input tests (session 52), FILES in the order given, for at
+# most SECONDS: qattn_finite_tests SECONDS FILE...
+qattn_finite_tests() {
+  local t=$1; shift
+  step gpu_tests "$t" python -m pytest -m gpu -q -p no:cacheprovider "$@" -k "not test_quantize_kernels or nonfinite"
+  tail -n 15 "$OUT/gpu_tests.log"; }
 # issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
 study124_run() {
   local tokens=$1 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
@@ -870,37 +884,23 @@ s51_qk)
   # test of the Q-Attn file and the non-finite input tests (session 52) beside the start of seed S's 30M 300M-token
   # fullbest_qk1x16 run (B seconds; the study124 command with the same SIZE, SEED and arm resumes it on the warm
   # machine)
-  step step_ab 300 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
-      --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
-  tail -n 5 "$OUT/step_ab.log"
+  qk1x16_ab 300 8 none
   step prep 60 python bench/attention_prep.py; cat "$OUT/prep.log"
-  ( step gpu_tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py tests/test_finite.py \
-      tests/test_quantize_kernels.py -k "not test_quantize_kernels or nonfinite"
-    tail -n 3 "$OUT/gpu_tests.log" ) &
+  qattn_finite_tests 300 tests/test_attention.py tests/test_finite.py tests/test_quantize_kernels.py &
   SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-330}"
   wait ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
-  # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then every GPU test of
-  # the Q-Attn file and the non-finite input tests, one after the other, until END seconds (default 570)
-  step step_ab 240 python bench/step_ab.py --rounds 8 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"' \
-      --arm 'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"'
-  tail -n 5 "$OUT/step_ab.log"
+  # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,
+  # until END seconds (default 570)
+  qk1x16_ab 240 8 none
   step prep 60 python bench/attention_prep.py; cat "$OUT/prep.log"
-  step gpu_tests $((${END:-570} - SECONDS)) python -m pytest -m gpu -q -p no:cacheprovider tests/test_attention.py \
-      tests/test_finite.py tests/test_quantize_kernels.py -k "not test_quantize_kernels or nonfinite"
-  tail -n 15 "$OUT/gpu_tests.log" ;;
+  qattn_finite_tests $((${END:-570} - SECONDS)) tests/test_attention.py tests/test_finite.py tests/test_quantize_kernels.py ;;
 s53_b)
-  # s53_qk reordered for a short call (session 53): the GPU tests first, for at most T1 seconds (default 150), then
-  # the 1x16 step A/B in 6 rounds
-  step gpu_tests "${T1:-150}" python -m pytest -m gpu -q -p no:cacheprovider tests/test_finite.py \
-      tests/test_quantize_kernels.py tests/test_attention.py -k "not test_quantize_kernels or nonfinite"
-  tail -n 15 "$OUT/gpu_tests.log"
-  step step_ab 240 python bench/step_ab.py --rounds 6 --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 \
-      --arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"'
-  tail -n 5 "$OUT/step_ab.log" ;;
+  # s53_qk reordered for a short call (session 53): the GPU tests first (the non-finite ones first), for at most T1
+  # seconds (default 150), then the 1x16 step A/B in 6 rounds
+  qattn_finite_tests "${T1:-150}" tests/test_finite.py tests/test_quantize_kernels.py tests/test_attention.py
+  qk1x16_ab 240 6 ;;
 s51_fork)
   # issue 7 on one nvidia-h200 (session 51; ~10 min, then the same command again on the warm machine to finish the
   # arms; carry the whole corpus): does 1x16 need the Q, K transform? The 30M fork of seed S (default 0) at step 800
