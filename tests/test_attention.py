@@ -610,9 +610,9 @@ def _nan_rows_of_grads(device, roles):
 @pytest.mark.parametrize("roles", [PAPER, PAPER | R.QK_1X16], ids=["tiles", "1x16"])
 def test_nan_in_ds_reaches_dq_and_dk(roles, device):
     """A NaN in one row of dO makes that row of dP, and so of dS, NaN: through dS·K and dSᵀ·Q (NVFP4 in the paper
-    split) the gradients have NaN in exactly the rows the all-BF16 kernels give NaN (query 70's dQ row; every dK and
-    dV row of head 1, as masked P = 0 times NaN is NaN), not the finite values a NaN-dropping clamp made of dS on
-    the GPU until session 53 (``_e2m1_round``). On CPU the reference op."""
+    split) the gradients have NaN in exactly the rows the all-BF16 kernels give NaN (query 70's dQ row, and on CPU
+    every dK and dV row of head 1, as a masked P = 0 times NaN is NaN), not the finite values a NaN-dropping clamp
+    made of dS on the GPU until session 53 (``_e2m1_round``). On CPU the reference op."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     got, want = _nan_rows_of_grads(device, roles), _nan_rows_of_grads(device, 0)
