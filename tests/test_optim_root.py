@@ -789,6 +789,45 @@ def test_abs_quantile_topk_equals_sort_and_numpy(rows, n, q, seed, ties, special
     np.testing.assert_allclose(a.double().numpy()[finite], ref[finite], rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("impl", ["sort", "topk"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_clip_makes_a_nonfinite_matrix_nan(bad, impl, monkeypatch):
+    """ROOT's clip of a stack with a NaN or an Inf in one matrix: that matrix comes back all NaN (a clamp alone turns
+    an Inf into the finite bound: a diverging momentum would go on as a finite update every step); every other
+    matrix is what the clamp to +-(its p99 of |U| + 1e-9) gives, bit for bit (the NaN-making term adds exactly 0)."""
+    import fp4compile.optim.root as R
+
+    monkeypatch.setattr(R, "QUANTILE_IMPL", impl)
+    U = torch.stack([momentum_like(32, 64, seed=s) for s in range(3)])
+    U[1, 4, 7] = bad
+    out = clip_by_quantile(U, 0.99)
+    assert out[1].isnan().all()
+    for i in (0, 2):
+        eps = float(abs_quantile(U[i].reshape(1, -1), 0.99, impl)) + 1e-9
+        assert torch.equal(out[i], U[i].clamp(-eps, eps))
+    assert torch.equal(clip_by_quantile(U[0], 0.99), out[0])       # a single matrix too
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_qroot_nonfinite_gradient_makes_its_parameter_nan(bad, precision):
+    """One NaN or Inf in a matrix's gradient: after the step that whole parameter is NaN, as BF16 Muon without the
+    clip would make it (before session 53 an Inf was clipped into a finite update, silently), and stays so; a
+    parameter of another shape is untouched. Under NVFP4 NS the matrices of the same shape share the stack's global
+    scale, so they turn NaN too (documented in ``QRoot``)."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(*shape)) for shape in ((128, 128), (128, 128), (64, 128)))
+    opt = QRoot([a, b, c], lr=1e-3, precision=precision)
+    for step in range(2):
+        for p in (a, b, c):
+            p.grad = torch.randn_like(p)
+        if step == 0:
+            a.grad[3, 5] = bad
+        opt.step()
+        assert a.isnan().all() and torch.isfinite(c).all()
+        assert torch.isfinite(b).all() == (precision == "bf16")
+
+
 @settings(max_examples=40, deadline=None)
 @given(S=st.integers(1, 3), r16=st.integers(1, 2), k16=st.integers(1, 8), log2=st.integers(-12, 12),
        outliers=st.booleans(), fos=st.booleans(), seed=st.integers(0, 2 ** 16))
@@ -1084,8 +1123,8 @@ def test_root_foreach_step_equals_the_per_matrix_loop(monkeypatch, dtype, nester
 
 def test_clip_by_quantile_is_roots_soft_threshold():
     """clip_by_quantile against ROOT's B = U - T_eps(U) = U - sign(U) max(|U| - eps, 0), written out independently
-    (float64, eps from numpy's quantile), per matrix of a stack of different scales; a NaN and signed zeros pass
-    through."""
+    (float64, eps from numpy's quantile), per matrix of a stack of different scales; signed zeros pass through (a
+    NaN or an Inf makes its whole matrix NaN since session 53: test_clip_makes_a_nonfinite_matrix_nan)."""
     import numpy as np
 
     scales = torch.tensor([1.0, 10.0, 0.01])[:, None, None]
@@ -1097,9 +1136,9 @@ def test_clip_by_quantile_is_roots_soft_threshold():
         ref = u - np.sign(u) * np.maximum(np.abs(u) - eps, 0)
         np.testing.assert_allclose(out[i].double().numpy(), ref, rtol=1e-6, atol=1e-7 * eps)
     Z = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(5))
-    Z[0, 0, :2] = torch.tensor([-0.0, float("nan")])
+    Z[0, 0, :2] = torch.tensor([-0.0, 0.0])
     out = clip_by_quantile(Z, 0.5)
-    assert torch.signbit(out[0, 0, 0]) and out[0, 0, 0] == 0 and torch.isnan(out[0, 0, 1])
+    assert torch.signbit(out[0, 0, 0]) and out[0, 0, 0] == 0 and not torch.signbit(out[0, 0, 1])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -674,6 +674,11 @@ def abs_quantile(x: torch.Tensor, q: float, impl: Optional[str] = None) -> torch
     :data:`QUANTILE_IMPL`): ``"sort"`` sorts the row; ``"topk"`` takes the N - lo largest values sorted
     descending, whose last two are s[lo] and s[lo + 1]. Both return elements of |x| (NaN sorts above every
     number in both), so the results are equal bit for bit."""
+    return _abs_quantile_and_max(x, q, impl)[0]
+
+
+def _abs_quantile_and_max(x: torch.Tensor, q: float, impl: Optional[str] = None):
+    """(:func:`abs_quantile`, the row's max |x|: NaN if the row has a NaN), the max from the same sort or top-k."""
     impl = impl or QUANTILE_IMPL
     if impl not in QUANTILE_IMPLS:
         raise ValueError(f"FP4COMPILE_ROOT_QUANTILE / root.QUANTILE_IMPL must be one of {QUANTILE_IMPLS}, "
@@ -686,17 +691,22 @@ def abs_quantile(x: torch.Tensor, q: float, impl: Optional[str] = None) -> torch
     a = x.abs().float()
     if impl == "sort":
         s = a.sort(dim=-1).values
-        return s[:, lo] * (1 - w) + s[:, hi] * w
+        return s[:, lo] * (1 - w) + s[:, hi] * w, s[:, -1]
     k = n - lo                                     # s[lo] is the k-th largest, s[hi] the (k - 1)-th (hi > lo)
     t = a.topk(k, dim=-1, largest=True, sorted=True).values
-    return t[:, k - 1] * (1 - w) + t[:, k - 1 - (hi - lo)] * w
+    return t[:, k - 1] * (1 - w) + t[:, k - 1 - (hi - lo)] * w, t[:, 0]
 
 
 def clip_by_quantile(U: torch.Tensor, q: float) -> torch.Tensor:
     """ROOT's soft-threshold clip: each matrix of ``U`` ([m, n] or a stack [B, m, n]) clamped to
-    +-(its ``q``-quantile of |U| + 1e-9)."""
+    +-(its ``q``-quantile of |U| + 1e-9).
+
+    A matrix with a NaN or an Inf comes back all NaN (its bound is NaN: + 0 x its max |U|, which adds exactly 0
+    otherwise), so the update of a diverging parameter is NaN, as an unclipped NS would make it; the clamp alone
+    would turn an Inf into the finite bound and keep it there every step (the momentum buffer stays Inf)."""
     X = U if U.dim() == 3 else U.unsqueeze(0)
-    eps = (abs_quantile(X.reshape(X.shape[0], -1), q) + 1e-9).view(-1, 1, 1)
+    qv, mx = _abs_quantile_and_max(X.reshape(X.shape[0], -1), q)
+    eps = (qv + 1e-9 + 0.0 * mx).view(-1, 1, 1)
     X = torch.clamp(X, -eps, eps)                   # one pass (eps > 0: the same as max(min(X, eps), -eps))
     return X if U.dim() == 3 else X[0]
 
@@ -745,6 +755,11 @@ class QRoot(Optimizer):
             (:meth:`orthogonalize_graphed`): the NVFP4 Newton–Schulz issues ~470 ops per stack and step, and
             launched eagerly it is bound by the host (H200, 124M: 28.1 ms graphed vs 44.5 ms eager per step).
             Off by default for the class; ``fp4compile train`` turns it on when the model runs as CUDA graphs.
+
+    Non-finite gradients: a NaN or an Inf in a matrix's gradient makes that parameter all NaN at the step (the clip
+    passes it on, :func:`clip_by_quantile`; its momentum keeps it, so it stays NaN), and under NVFP4 NS every matrix
+    of the same shape too (they are orthogonalized as one stack with one global scale); a diverging run shows as
+    one. The AdamW part follows (Q-)AdamW.
     """
 
     #: weight decay is W <- (1 - lr wd) W, outside the gradient (LoRA-SVD's frozen branches follow it)
