@@ -57,7 +57,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 if triton is not None:
     # the kernels' one E2M1 encoder (magnitude code by FP-pipe rounding) and decoder, used by _quant2d_kernel
-    from .quantize import _amax_all, _e2m1_mag_code, _e2m1_value, _max_nan  # noqa: F401
+    from .quantize import _amax_all, _e2m1_mag_code, _e2m1_value, _max_nan, _min_nan  # noqa: F401
 
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
@@ -118,11 +118,10 @@ if triton is not None:
         adding and subtracting M = +-1.5 * 2^(max(e, 0) + 22) -- whose fp32 ulp is exactly that step -- rounds x
         to the grid with fp32's own round-to-nearest-even (ties land on the even code: 0.25 -> 0, 2.5 -> 2,
         5 -> 4). M is made from x's exponent bits; 7 instructions, no selects. A NaN stays NaN (the clamp is
-        ``min.NaN`` / ``max.NaN``, one instruction each as ``min`` / ``max`` are; those drop a NaN on the GPU and
+        ``_min_nan`` / ``_max_nan``, one instruction each as ``min`` / ``max`` are; those drop a NaN on the GPU and
         would saturate it to +-6), so a NaN in dS or P reaches the products it feeds (formats/schemes.py,
         "Non-finite inputs")."""
-        c = tl.minimum(tl.maximum(x, -6.0, propagate_nan=tl.PropagateNan.ALL), 6.0,
-                       propagate_nan=tl.PropagateNan.ALL)
+        c = _min_nan(_max_nan(x, -6.0), 6.0)
         bits = c.to(tl.uint32, bitcast=True)
         e = tl.maximum(bits & 0x7F800000, 0x3F800000)
         m = ((e + 0x0B400000) | (bits & 0x80000000)).to(tl.float32, bitcast=True)

@@ -64,6 +64,12 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+@triton.jit
+def _min_nan(a, b):
+    """min that keeps a NaN (PTX ``min.NaN.f32``), :func:`_max_nan`'s partner (Q-Attn's E2M1 clamp)."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 #: TRITON_INTERPRET=1 (the CPU tests): the interpreter calls a ``tl.reduce`` combine function in Python per element
 #: (minutes for the test suite's amax tiles), so there :func:`_amax_all` takes ``tl.max`` (np.nanmax: it drops a
 #: NaN, as the GPU's ``max.f32`` does) and a NaN flag; the sm_90 PTX tests check the GPU form's ``max.NaN.f32``
