@@ -7,7 +7,11 @@ API that every tree since session 20 has (``attention_fwd`` / ``attention_bwd`` 
 Prints one table row per (roles, kernel): mean device µs over 20 forward+backward calls (profiler), and a digest of
 dQ, dK, dV (trees whose kernels compute the same values print the same digest).
 
-    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D] [--sass] [--bwd-config JSON]
+    python bench/attention_kernels_at.py [--label NAME] [--shape B,H,T,D] [--sass] [--bwd-config JSON] [--masks M,...]
+
+``--masks``: the role masks timed, in order (default ``paper,bf16``); ``paper1x16`` is the paper split with Q and K
+in 1x16 blocks (``QK_1X16``: the dS products on the copies re-quantized in tiles by the backward's prep launch),
+for trees since session 50.
 
 ``--sass``: also print, for every backward kernel the runs compiled (Triton's in-process cache), its registers,
 spills, shared memory, SASS instruction count and a digest of its instruction sequence (addresses and encodings
@@ -36,13 +40,21 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true", help="digest the launched backward kernels' SASS")
     ap.add_argument("--bwd-config", default="", help='JSON backward config override for the paper split, e.g. '
                     '\'{"dkdv": {"maxnreg": 160}}\' (trees since session 20 take attention_bwd(config=...))')
+    ap.add_argument("--masks", default="paper,bf16", help="comma-separated of paper, paper1x16, bf16")
     args = ap.parse_args()
+    known = {"paper": R.PAPER_ROLES, "bf16": 0}
+    if hasattr(R, "QK_1X16"):
+        known["paper1x16"] = R.PAPER_ROLES | R.QK_1X16
+    names = args.masks.split(",")
+    if not set(names) <= set(known):
+        ap.error(f"--masks: comma-separated of {sorted(known)}, got {args.masks!r}")
+    masks = [(known[m], m) for m in names]
     bwd_cfg = json.loads(args.bwd_config) if args.bwd_config else None
     B, H, T, D = map(int, args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16() for _ in range(4))
     print(f"# {args.label}: {fp4compile.__file__}, {torch.cuda.get_device_name()}, shape {B},{H},{T},{D}")
-    for mask, name in ((R.PAPER_ROLES, "paper"), (0, "bf16")):
+    for mask, name in masks:
         views = R.quantize_qkv(q, k, v, mask, quantize=A.quantize_2d)
 
         def step():

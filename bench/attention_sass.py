@@ -44,19 +44,22 @@ def _signature(fn, constexprs: dict) -> dict:
 
 
 def compile_kernel(kernel: str, D: int, fp4: bool, upto: str = "cubin", metadata=None):
-    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq", "prep" or "prep_1x16") for sm_90;
+    """PTX (text) or cubin (bytes) of one backward kernel ("dkdv", "dq", "prep", or with "_1x16" as QK_1X16 launches
+    it: the dS products on their own re-quantized operand, the prep launch re-quantizing) for sm_90;
     ``metadata``: a dict that receives the compiler's (``"shared"``: bytes of shared memory per program)."""
+    own = kernel.endswith("_1x16")   # QK_1X16: the dS products read their own (re-quantized) operand
+    kernel = kernel.removesuffix("_1x16") if kernel != "prep_1x16" else kernel
     cfg = A.BWD_CONFIGS[(D, fp4)]["dq" if kernel == "dq" else "dkdv"]
     stages, cap = cfg["num_stages"], {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     # GROUPS = 1 (no GQA): a launch specializes an int argument equal to 1 into a constant
     if kernel == "dq":
         fn = A._attn_bwd_dq_kernel
         const = dict(QK_FP4=fp4, DOV_FP4=False, DSK_FP4=fp4, CAUSAL=True, HAS_BIAS=False, MASK_M=False,
-                     BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
+                     BM=64, BN=64, D=D, GROUPS=1, DS_OWN=own)
     elif kernel == "dkdv":
         fn = A._attn_bwd_dkdv_kernel
         const = dict(QK_FP4=fp4, DOV_FP4=False, PDO_FP4=False, DSQ_FP4=fp4, CAUSAL=True, HAS_BIAS=False,
-                     MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1, DS_OWN=False)
+                     MASK_M=False, MASK_N=False, BM=64, BN=64, D=D, GROUPS=1, DS_OWN=own)
     else:
         const = dict(BT=64, D=D, DEQUANT_ASM=True, RQ0=kernel == "prep_1x16", RQ1=kernel == "prep_1x16",
                      SUB=A._requant_rows(D))
@@ -79,10 +82,10 @@ def kernel_stats(kernel: str, D: int, fp4: bool) -> dict:
 def main() -> int:
     print("| kernel | d | roles | SASS instructions | registers | LDL / STL (spills) |\n|---|---|---|---|---|---|")
     for D in (64, 128):
-        for kernel in ("dkdv", "dq", "prep", "prep_1x16"):
+        for kernel in ("dkdv", "dkdv_1x16", "dq", "dq_1x16", "prep", "prep_1x16"):
             for fp4 in ((False, True) if kernel in ("dkdv", "dq") else (True,)):
                 s = kernel_stats(kernel, D, fp4)
-                roles = ("paper split" if fp4 else "all BF16") + (", Q/K 1x16" if kernel == "prep_1x16" else "")
+                roles = ("paper split" if fp4 else "all BF16") + (", Q/K 1x16" if kernel.endswith("_1x16") else "")
                 print(f"| {kernel} | {D} | {roles} | {s['instructions']} | {s['registers']} | "
                       f"{s['ldl']} / {s['stl']} |", flush=True)
     return 0

@@ -64,10 +64,12 @@ attn_configs() {
         --shape "$shape" ${c:+--bwd-config "$c"}
   done; }
 # the 124M step with Q, K in 1x16 blocks (QK_BLOCKS="1x16") against the tiles, alone on the GPU (ROUNDS rounds of
-# 10 steps), and with "none" also 1x16 without the Q, K transform: qk1x16_ab SECONDS ROUNDS [none]
+# 10 steps), and with "none" also 1x16 without the Q, K transform, with "all" the tiles without it as well:
+# qk1x16_ab SECONDS ROUNDS [none|all]
 qk1x16_ab() {
   local arms=(--arm 'qk1x16:fp4compile.passes.attention.QK_BLOCKS="1x16"')
-  [ "${3:-}" = none ] && arms+=(--arm \
+  [ "${3:-}" = all ] && arms+=(--arm 'fp4none:fp4compile.passes.attention.QK_TRANSFORM="none"')
+  [ -n "${3:-}" ] && arms+=(--arm \
       'qk1x16none:fp4compile.passes.attention.QK_BLOCKS="1x16",fp4compile.passes.attention.QK_TRANSFORM="none"')
   step step_ab "$1" python bench/step_ab.py --rounds "$2" --block 10 --json "$OUT/step_ab.jsonl" --arm fp4 "${arms[@]}"
   tail -n 5 "$OUT/step_ab.log"; }
@@ -889,6 +891,21 @@ s51_qk)
   qattn_finite_tests 300 tests/test_attention.py tests/test_finite.py tests/test_quantize_kernels.py &
   SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-330}"
   wait ;;
+s54_next)
+  # issues 3, 4 + 7 on one nvidia-h200 (~9.5 min; session 54; carry .data/corpus, .data/gpt2.tiktoken): the 124M step
+  # of the four Q, K preparations (tiles / 1x16, each with and without the transform; session 54 measured 1x16 at
+  # +0.83 ms with the transform and 1x16 without it at -0.30 ms: which part is the blocks, which the transform?),
+  # 6 rounds of 10 steps alone on the GPU; each Q-Attn kernel's device time at the 124M layer's shape, tiles against
+  # 1x16 (whose dS operands take 65 KB of shared memory per program instead of 49: 3 dQ programs per SM, not 4), and
+  # 1x16 with one pipeline stage in dQ (24 KB); then seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B
+  # seconds (default 240); `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6 fullbest_qk1x16:480` on the warm
+  # machine finishes it
+  qk1x16_ab 240 6 all
+  PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
+  PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
+      --bwd-config '{"dq": {"num_stages": 1}}'
+  grep -h '^|' "$OUT/attn_kernels.log" "$OUT/attn_kernels_dq1.log"
+  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-240}" ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,

@@ -581,7 +581,7 @@ def test_bwd_prep_loads_codes_and_scales_as_vectors(D, kernel):
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
 
 
-@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("kernel", ["dkdv", "dq", "dkdv_1x16", "dq_1x16"])
 def test_ds_quantizer_keeps_nan_on_sm90(kernel):
     """The paper split's backward kernels compiled for sm_90 (CPU): the in-register E2M1 rounding of dS clamps to
     +-6 with ``max.NaN`` / ``min.NaN`` (``_e2m1_round``), so a NaN in dS stays NaN into dS·K and dSᵀ·Q. With plain
