@@ -95,9 +95,10 @@ QK_TRANSFORM_IMPLS = ("torch", "op")
 #: import, the backend option ``qk_blocks`` per compile; the swap writes it into the node's ``fp4_roles`` (bit
 #: ``attention_ref.QK_1X16``), so graphs and cache keys differ. Default ``"16x16"``: in 30M forks from one checkpoint
 #: at step 800 of 1,525, ``"1x16"`` ended 0.0020 and 0.0041 lower in val loss than the tiles (seeds 0, 1; O's error
-#: on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer tokens/s, and cost the 124M step 1.0227x
-#: with its re-quantization in a launch of its own; the re-quantization has since moved into the backward's prep
-#: launch (one read of each saved copy for both its operands), not yet timed (docs/BENCHMARKS.md, sessions 49-52).
+#: on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer tokens/s; at 300M tokens (two seeds)
+#: the 30M full stack ended +1.47 % and +1.46 % over BF16 in val loss where the tiles had +1.42 % and +1.63 %; with its
+#: re-quantization inside the backward's prep launch it costs the 124M step +0.83 ms, 1.016x (docs/BENCHMARKS.md,
+#: sessions 49-54).
 QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
 
 
