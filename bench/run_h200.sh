@@ -892,20 +892,23 @@ s51_qk)
   SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-330}"
   wait ;;
 s54_next)
-  # issues 3, 4 + 7 on one nvidia-h200 (~9.5 min; session 54; carry .data/corpus, .data/gpt2.tiktoken): the 124M step
+  # issues 3, 4 + 7 on one nvidia-h200 (~10 min; session 54; carry .data/corpus, .data/gpt2.tiktoken): the 124M step
   # of the four Q, K preparations (tiles / 1x16, each with and without the transform; session 54 measured 1x16 at
   # +0.83 ms with the transform and 1x16 without it at -0.30 ms: which part is the blocks, which the transform?),
   # 6 rounds of 10 steps alone on the GPU; each Q-Attn kernel's device time at the 124M layer's shape, tiles against
-  # 1x16 (whose dS operands take 65 KB of shared memory per program instead of 49: 3 dQ programs per SM, not 4), and
-  # 1x16 with one pipeline stage in dQ (24 KB); then seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B
-  # seconds (default 240); `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6 fullbest_qk1x16:480` on the warm
-  # machine finishes it
+  # 1x16 (whose dS operands take 65 KB of shared memory per program instead of 49: 3 dQ programs per SM, not 4), 1x16
+  # with one pipeline stage in dQ (24 KB), and 1x16 with 128-query dQ programs of 8 warps (each K, K2, V load serves
+  # twice the rows; 2 programs per SM); then seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B seconds
+  # (default 200); `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6 fullbest_qk1x16:540` on the warm machine
+  # finishes it
   qk1x16_ab 240 6 all
   PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
   PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
       --bwd-config '{"dq": {"num_stages": 1}}'
-  grep -h '^|' "$OUT/attn_kernels.log" "$OUT/attn_kernels_dq1.log"
-  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-240}" ;;
+  PYTHONPATH=$PWD step attn_kernels_dq128 60 python bench/attention_kernels_at.py --label dq128 --masks paper1x16 \
+      --bwd-config '{"dq": {"BM": 128, "num_warps": 8}}'
+  grep -h '^[|#]' "$OUT"/attn_kernels*.log
+  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-200}" ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,

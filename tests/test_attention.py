@@ -484,7 +484,8 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
          (R.PAPER_ROLES, True, 1, 1, 160, None, dict(BM=64, BN=32), {"dkdv": dict(BN=128), "dq": dict(BM=128)}),
          (0, True, 1, 1, 100, None, dict(BM=32, BN=16, num_warps=4),
           {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)}),
-         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 64, None, None, {"dkdv": dict(BN=64), "dq": dict(BM=64)}),
+         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 64, None, None,
+          {"dkdv": dict(BN=64), "dq": dict(BM=128, num_warps=8)}),   # s54_next's 128-query dQ programs
          (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 48, None, None, None)]   # ragged: re-quantized tiles padded
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
