@@ -486,7 +486,8 @@ CASES = [(R.PAPER_ROLES, True, 2, 1, 80, None, None, None), (63, False, 2, 2, 70
           {"dkdv": dict(BM=16, BN=32), "dq": dict(BM=32, BN=16)}),
          (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 64, None, None,
           {"dkdv": dict(BN=64), "dq": dict(BM=128, num_warps=8)}),   # s54_next's 128-query dQ programs
-         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 48, None, None, None)]   # ragged: re-quantized tiles padded
+         (R.PAPER_ROLES | R.QK_1X16, True, 2, 1, 48, None, None, None),   # ragged: re-quantized tiles padded
+         (R.PAPER_ROLES | R.QK_1X16, True, 1, 1, 80, None, None, None, 128)]   # head dim 128
 x = torch.rand(4096) * 8
 x[:14] = torch.tensor([0, .25, .75, 1.25, 1.75, 2, 2.5, 3.5, 4, 5, 6, 7, 1e30, float("inf")])
 x = x.to(DEV)
@@ -498,12 +499,13 @@ E2M1_CHECK[(1,)](x, y, z, w, u, N=4096)
 assert torch.equal(y, z), "_e2m1_mag_code != threshold form"
 zv = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=DEV)[z.long()]
 assert torch.equal(u, zv) and torch.equal(w, -zv), "_e2m1_round(+-x) != +-(threshold form)"
-for mask, causal, H, Hkv, T, mk, fcfg, bcfg in CASES:
+for mask, causal, H, Hkv, T, mk, fcfg, bcfg, *hd in CASES:
+    D = hd[0] if hd else 64
     if mask == R.PDO | R.DOV | R.QK:  # [B, T, H, D] storage seen as [B, H, T, D]: strided inputs
-        q, k, v, do = (torch.randn(1, T, n, 64).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))
+        q, k, v, do = (torch.randn(1, T, n, D).bfloat16().transpose(1, 2).to(DEV) for n in (H, Hkv, Hkv, H))
     else:
-        q = torch.randn(1, H, T, 64).bfloat16(); k = torch.randn(1, Hkv, T, 64).bfloat16()
-        v = torch.randn(1, Hkv, T, 64).bfloat16(); do = torch.randn(1, H, T, 64).bfloat16()
+        q = torch.randn(1, H, T, D).bfloat16(); k = torch.randn(1, Hkv, T, D).bfloat16()
+        v = torch.randn(1, Hkv, T, D).bfloat16(); do = torch.randn(1, H, T, D).bfloat16()
         q, k, v, do = (t.to(DEV) for t in (q, k, v, do))
     am = None
     if mk:
