@@ -24,7 +24,7 @@ Pipeline (one screen; each step is one file of ``fp4compile/passes``):
                     the backward's seeds from one draw (POOL_SEEDS, opt-in)           passes/seeds.py
       6. check      every GEMM the policy sent to NVFP4 is NVFP4                      passes/check.py
                     (option check_finite: each copy's global scale checked, NaN/Inf   passes/finite.py
-                    raise naming the GEMMs it feeds)
+                    raise naming the GEMMs it feeds, or the attention and its copy)
       7. precompile the graph's fp4compile:: calls -> worker processes that compile     precompile.py
                     their Triton kernels into Triton's disk cache while Inductor compiles
     -> Inductor partitions and compiles the rest around the opaque fp4compile ops
@@ -45,9 +45,11 @@ False: the backward quantizes each weight again; default ``reuse.SAVE_WEIGHT_COP
 compiles it; ``"raise"``; default :data:`ON_ERROR`), ``qk_transform`` and ``qk_blocks`` (what Q-Attn does to Q and K
 before quantizing them and in which blocks it quantizes them, for this compile; defaults
 ``passes.attention.QK_TRANSFORM`` and ``QK_BLOCKS``, set by ``FP4COMPILE_QK_TRANSFORM`` / ``FP4COMPILE_QK_BLOCKS``),
-``check_finite`` (True: every linear NVFP4 copy's global scale is checked as it is made, and a NaN or Inf in a
-quantized tensor raises ``FloatingPointError`` naming the GEMMs it feeds: a debugging aid, one host read per copy,
-not with CUDA graphs; default False: a NaN or Inf makes the GEMM outputs through that copy NaN or Inf).
+``check_finite`` (True: every linear NVFP4 copy's global scale, and that of Q-Attn's copies of Q, K and V that its
+backward reads, is checked as it is made, and a NaN or Inf in a quantized tensor raises ``FloatingPointError``
+naming the GEMMs it feeds or the attention and its copy (``passes/finite.py`` lists what is not checked): a
+debugging aid, one host read per copy, not with CUDA graphs; default False: a NaN or Inf makes the GEMM outputs
+through that copy NaN or Inf).
 
 Speed: a training step launches many small kernels through the fp4compile custom ops (quantize, dequantize,
 GEMM: ~600 op calls and ~1,300 Triton launches per GPT-124M step); launched eagerly from Python, the step is

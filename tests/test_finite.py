@@ -97,6 +97,77 @@ def test_every_global_scale_goes_through_one_check(monkeypatch):
     assert seen["single_user"] and seen["named"], seen
 
 
+def _attention_only_gpt(roles=("attn.qk", "attn.dsk", "attn.dsq")):
+    from fp4compile.policy import Policy
+    from fp4compile.train.model import GPT, config_from_preset
+
+    torch.manual_seed(0)
+    model = GPT(config_from_preset("tiny", vocab_size=256, max_seq_len=64))
+    policy = Policy.bf16()
+    for role in roles:   # Q-Attn's paper split by default, every linear BF16
+        policy = policy.override("*", "nvfp4", role=role)
+    return model, policy
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_check_finite_names_the_attention_whose_copy_a_nan_reaches(monkeypatch, device):
+    """Q-Attn's Q, K copies are made inside ``fp4compile::qattn``; their global scales go through the check too, in
+    the forward graph: with every linear BF16 (so no other check can fire), a NaN in one token's embedding raises in
+    the forward, naming the first block's attention and the copy's roles, in the debug variant and through Inductor.
+    Every such check is one of the op's Q / K globals (V has no copy in the paper's split)."""
+    seen = {}
+
+    def spy(graph):
+        n = finite.guard_finite(graph)
+        seen["checks"] = [c.args[1] for c in graph.nodes if c.target is finite.CHECK]
+        return n
+
+    monkeypatch.setattr(B, "guard_finite", spy)
+    model, policy = _attention_only_gpt()
+    model = model.to(device)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
+    for debug in (True, False) if device == "cpu" else (False,):   # CUDA: the kernels under Inductor, bf16 autocast
+        c = _compiled(model, debug=debug, check_finite=True, policy=policy)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
+            c(x).float().square().mean().backward()               # finite: no error
+        assert sorted(seen["checks"]) == sorted(f"blocks.{i}.attn attention's {t} copy (attn.qk, attn.ds{d}) (fwd)"
+                                                for i in (0, 1) for t, d in (("Q", "q"), ("K", "k"))), seen
+        emb = next(p for n, p in model.named_parameters() if "emb" in n)
+        saved = emb.detach().clone()
+        with torch.no_grad():
+            emb[int(x[0, 3])] = float("nan")
+        try:
+            with pytest.raises(FloatingPointError, match=r"blocks\.0\.attn attention's [QK] copy \(attn\.qk, attn\.ds"
+                                                         r"[qk]\) \(fwd\).*check_finite"), \
+                    torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
+                c(x)
+        finally:
+            with torch.no_grad():
+                emb.copy_(saved)
+
+
+def test_check_finite_checks_the_copies_that_a_mask_makes(monkeypatch):
+    """With attn.pv and attn.dov in NVFP4 too, V's copy is checked as well, Q's and K's as before; with QKᵀ alone,
+    the copies name attn.qk only. (With attn.pv alone V's global has no node in the joint graph -- nothing after the
+    forward reads it -- so it is not checked; the module docstring says so.)"""
+    seen = {}
+
+    def spy(graph):
+        n = finite.guard_finite(graph)
+        seen["checks"] = sorted(c.args[1] for c in graph.nodes if c.target is finite.CHECK)
+        return n
+
+    monkeypatch.setattr(B, "guard_finite", spy)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    for roles, want in ((("attn.qk", "attn.dsk", "attn.dsq", "attn.pv", "attn.dov"),
+                         ("Q copy (attn.qk, attn.dsq)", "K copy (attn.qk, attn.dsk)", "V copy (attn.pv, attn.dov)")),
+                        (("attn.qk",), ("Q copy (attn.qk)", "K copy (attn.qk)"))):
+        model, policy = _attention_only_gpt(roles)
+        _compiled(model, check_finite=True, policy=policy)(x).float().mean().backward()
+        assert seen["checks"] == sorted(f"blocks.{i}.attn attention's {w} (fwd)" for i in (0, 1) for w in want), seen
+
+
 def test_check_finite_option_is_validated():
     with pytest.raises(TypeError, match="check_finite"):
         B.Settings.from_options({"check_finite": 1})
