@@ -898,9 +898,9 @@ s54_next)
   # 6 rounds of 10 steps alone on the GPU; each Q-Attn kernel's device time at the 124M layer's shape, tiles against
   # 1x16 (whose dS operands take 65 KB of shared memory per program instead of 49: 3 dQ programs per SM, not 4), 1x16
   # with one pipeline stage in dQ (24 KB), and 1x16 with 128-query dQ programs of 8 warps (each K, K2, V load serves
-  # twice the rows; 2 programs per SM); then seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B seconds
-  # (default 200); `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6 fullbest_qk1x16:540` on the warm machine
-  # finishes it
+  # twice the rows; 2 programs per SM); the GPU tests of check_finite (session 54: Q-Attn's copies checked too); then
+  # seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B seconds (default 150); `SIZE=30m SEED=S bash
+  # bench/run_h200.sh study124 300e6 fullbest_qk1x16:560` on the warm machine finishes it
   qk1x16_ab 240 6 all
   PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
   PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
@@ -908,7 +908,8 @@ s54_next)
   PYTHONPATH=$PWD step attn_kernels_dq128 60 python bench/attention_kernels_at.py --label dq128 --masks paper1x16 \
       --bwd-config '{"dq": {"BM": 128, "num_warps": 8}}'
   grep -h '^[|#]' "$OUT"/attn_kernels*.log
-  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-200}" ;;
+  step gpu_finite 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_finite.py; tail -n 3 "$OUT/gpu_finite.log"
+  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-150}" ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,
