@@ -169,6 +169,26 @@ study124_x4)
         --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
   python bench/study.py --size 124m --arms bf16,bf16root,full --tokens "$tokens" --report --export "$OUT/study124" ;;
+study124_x8)
+  # issue 7's 124M target (<= 1.0 % at >= 500M tokens) on an nvidia-h100-x8 / nvidia-h200-x8 (session 54; not lent
+  # so far): bash bench/run_h200.sh study124_x8 TOKENS BUDGET_S, e.g. "study124_x8 500e6 570" in back-to-back calls
+  # on the warm machine until every arm is done (carry .data/corpus, .data/gpt2.tiktoken; .study/ stays on it; each
+  # call resumes the arms from their checkpoints). GPUs 0-3: fullbest_qk1x16 (bench/study.py --nproc 4, DDP, 16
+  # sequences per rank, the same global batch); GPUs 4-5: bf16root; GPUs 6-7: fullbest (the tiles). From the 124M
+  # rates of sessions 15-16 (bf16root 466k tokens/s, fullbest 229k on one GPU) and ~0.9 DDP scaling: ~10 min for
+  # bf16root, ~20 for fullbest, ~10 for fullbest_qk1x16 at 500M tokens
+  tokens=$2 budget=$3
+  step data 150 python bench/study.py --data-only
+  x8_arm() {   # x8_arm GPUS ARM NPROC PORT
+    ( export CUDA_VISIBLE_DEVICES=$1
+      step "study124_$2" $((budget - SECONDS)) python bench/study.py --size 124m --arms "$2" --nproc "$3" \
+          --master-port "$4" --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) & }
+  x8_arm 0,1,2,3 fullbest_qk1x16 4 29500
+  x8_arm 4,5 bf16root 2 29510
+  x8_arm 6,7 fullbest 2 29520
+  wait
+  python bench/study.py --size 124m --arms bf16root,fullbest,fullbest_qk1x16 --tokens "$tokens" --report \
+      --export "$OUT/study124" ;;
 study124)
   # issue 7's 124M comparison on one nvidia-h200 (carry .data/corpus, .data/gpt2.tiktoken): arms one after another,
   # each with its own time budget; the same command again on a warm machine continues them (.study124/ stays on
