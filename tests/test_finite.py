@@ -109,6 +109,19 @@ def _attention_only_gpt(roles=("attn.qk", "attn.dsk", "attn.dsq")):
     return model, policy
 
 
+def _record_checks(monkeypatch) -> dict:
+    """``seen["checks"]``: what every check of the last joint graph names, sorted (the backend's guard_finite spied)."""
+    seen = {}
+
+    def spy(graph):
+        n = finite.guard_finite(graph)
+        seen["checks"] = sorted(c.args[1] for c in graph.nodes if c.target is finite.CHECK)
+        return n
+
+    monkeypatch.setattr(B, "guard_finite", spy)
+    return seen
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_check_finite_names_the_attention_whose_copy_a_nan_reaches(monkeypatch, device):
@@ -116,14 +129,7 @@ def test_check_finite_names_the_attention_whose_copy_a_nan_reaches(monkeypatch, 
     the forward graph: with every linear BF16 (so no other check can fire), a NaN in one token's embedding raises in
     the forward, naming the first block's attention and the copy's roles, in the debug variant and through Inductor.
     Every such check is one of the op's Q / K globals (V has no copy in the paper's split)."""
-    seen = {}
-
-    def spy(graph):
-        n = finite.guard_finite(graph)
-        seen["checks"] = [c.args[1] for c in graph.nodes if c.target is finite.CHECK]
-        return n
-
-    monkeypatch.setattr(B, "guard_finite", spy)
+    seen = _record_checks(monkeypatch)
     model, policy = _attention_only_gpt()
     model = model.to(device)
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
@@ -131,7 +137,7 @@ def test_check_finite_names_the_attention_whose_copy_a_nan_reaches(monkeypatch, 
         c = _compiled(model, debug=debug, check_finite=True, policy=policy)
         with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
             c(x).float().square().mean().backward()               # finite: no error
-        assert sorted(seen["checks"]) == sorted(f"blocks.{i}.attn attention's {t} copy (attn.qk, attn.ds{d}) (fwd)"
+        assert seen["checks"] == sorted(f"blocks.{i}.attn attention's {t} copy (attn.qk, attn.ds{d}) (fwd)"
                                                 for i in (0, 1) for t, d in (("Q", "q"), ("K", "k"))), seen
         emb = next(p for n, p in model.named_parameters() if "emb" in n)
         saved = emb.detach().clone()
@@ -151,14 +157,7 @@ def test_check_finite_checks_the_copies_that_a_mask_makes(monkeypatch):
     """With attn.pv and attn.dov in NVFP4 too, V's copy is checked as well, Q's and K's as before; with QKᵀ alone,
     the copies name attn.qk only. (With attn.pv alone V's global has no node in the joint graph -- nothing after the
     forward reads it -- so it is not checked; the module docstring says so.)"""
-    seen = {}
-
-    def spy(graph):
-        n = finite.guard_finite(graph)
-        seen["checks"] = sorted(c.args[1] for c in graph.nodes if c.target is finite.CHECK)
-        return n
-
-    monkeypatch.setattr(B, "guard_finite", spy)
+    seen = _record_checks(monkeypatch)
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     for roles, want in ((("attn.qk", "attn.dsk", "attn.dsq", "attn.pv", "attn.dov"),
                          ("Q copy (attn.qk, attn.dsq)", "K copy (attn.qk, attn.dsk)", "V copy (attn.pv, attn.dov)")),

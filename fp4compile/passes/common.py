@@ -98,6 +98,6 @@ _PRECISION_NAMES = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32
 def warn_fallback(node: Node, what: str, reason: str) -> None:
     """The one-line warning of a GEMM that is not NVFP4: it stays in the precision it was traced in (BF16 in a bf16
     or autocast model; a float32 / float64 model's GEMM says so)."""
-    v = node.meta.get("val")
-    prec = _PRECISION_NAMES.get(getattr(v, "dtype", torch.bfloat16), str(getattr(v, "dtype", "")))
+    dtype = getattr(node.meta.get("val"), "dtype", torch.bfloat16)
+    prec = _PRECISION_NAMES.get(dtype, str(dtype))
     warnings.warn(f"fp4compile: {node.name} ({what}) stays {prec}: {reason}", stacklevel=3)

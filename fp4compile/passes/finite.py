@@ -11,19 +11,18 @@ by the attention's module path and the roles that read the copy (``blocks.0.attn
 attn.dsq) (fwd)``); the checks of a forward copy run in the forward graph. Not checked: V's copy where no backward
 role reads it (attn.pv without attn.dov: its global is no node of the joint graph; a NaN there reaches the
 attention's output and the next check), and the copy of dO that ``fp4compile::qattn_bwd`` makes inside itself
-where attn.dov / attn.pdo are NVFP4 (neither is in the paper's split). One
-host read per copy and step: a debugging aid, off by default, not for CUDA graphs (the backend refuses
-``mode="reduce-overhead"`` with it).
+where attn.dov / attn.pdo are NVFP4 (neither is in the paper's split). One host read per copy and step: a
+debugging aid, off by default, not for CUDA graphs (the backend refuses ``mode="reduce-overhead"`` with it).
 """
 from __future__ import annotations
 
 import operator
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.fx import Graph, Node
 
-from ..kernels.attention_ref import ATTN_ROLES, needs_fp4
+from ..kernels.attention_ref import ATTN_ROLES
 from .attention import module_path
 from .common import add_call
 from .reuse import QUANTIZE, QUANTIZE_BOTH, QUANTIZE_BOTH_DQ, QUANTIZE_DQ
@@ -58,18 +57,20 @@ def consumers(node: Node, depth: int = 8) -> List[str]:
     return sorted(found)
 
 
-def _qattn_mask(node: Node) -> int:
-    """The ``fp4_roles`` argument of a ``fp4compile::qattn`` node (positional or keyword)."""
-    return int(node.args[6] if len(node.args) > 6 else node.kwargs["fp4_roles"])
-
-
-def _qattn_copy(node: Node, index: int) -> str:
-    """What a global-scale output of a ``fp4compile::qattn`` node scales: "PATH attention's Q copy (attn.qk,
-    attn.dsq) (fwd)", the roles those of the node's mask that read it in NVFP4."""
-    tensor, roles = QATTN_GLOBALS[index]
-    mask = _qattn_mask(node)
-    read = [r for r in roles if mask & (1 << ATTN_ROLES.index(r))]
-    return f"{module_path(node) or '<root>'} attention's {tensor} copy ({', '.join(read)}) (fwd)"
+def _where(q: Node, g: Node) -> Optional[str]:
+    """What the getitem ``g`` of the quantize or ``fp4compile::qattn`` node ``q`` scales, as the check's error names it,
+    or None if ``g`` is not a copy's global scale. A linear copy: the NVFP4 GEMMs it feeds. A Q-Attn copy: "PATH
+    attention's Q copy (attn.qk, attn.dsq) (fwd)", the roles of the node's mask (``fp4_roles``) that read it; with none
+    the op makes no such copy (``needs_fp4``)."""
+    i = g.args[1]
+    if q.target is QATTN:
+        tensor, roles = QATTN_GLOBALS.get(i, (None, ()))
+        mask = int(q.args[6] if len(q.args) > 6 else q.kwargs["fp4_roles"])
+        read = [r for r in roles if mask & (1 << ATTN_ROLES.index(r))]
+        return f"{module_path(q) or '<root>'} attention's {tensor} copy ({', '.join(read)}) (fwd)" if read else None
+    if i not in GLOBALS[q.target]:
+        return None
+    return ", ".join(consumers(g)) or f"the copy of {q.args[0]}"
 
 
 def _check(graph: Graph, g: Node, where: str) -> None:
@@ -83,23 +84,14 @@ def _check(graph: Graph, g: Node, where: str) -> None:
 
 def guard_finite(graph: Graph) -> int:
     """Insert ``fp4compile::check_finite`` after every global-scale output of a quantize node, and of each
-    ``fp4compile::qattn`` node whose copy exists (``needs_fp4`` of its mask), and route all its uses through it;
-    returns the number of checks."""
+    ``fp4compile::qattn`` node whose copy exists, and route all its uses through it; returns the number of checks."""
     checks = 0
     for q in list(graph.nodes):
-        if q.op != "call_function" or q.target not in GLOBALS and q.target is not QATTN:
-            continue
-        if q.target is QATTN:
-            made = dict(zip(QATTN_GLOBALS, needs_fp4(_qattn_mask(q))))
-            for g in list(q.users):
-                if g.target is operator.getitem and made.get(g.args[1], False):
-                    _check(graph, g, _qattn_copy(q, g.args[1]))
-                    checks += 1
+        if q.op != "call_function" or (q.target is not QATTN and q.target not in GLOBALS):
             continue
         for g in list(q.users):
-            if g.target is not operator.getitem or g.args[1] not in GLOBALS[q.target]:
-                continue
-            sites = consumers(g)
-            _check(graph, g, ", ".join(sites) if sites else f"the copy of {q.args[0]}")
-            checks += 1
+            where = _where(q, g) if g.target is operator.getitem else None
+            if where is not None:
+                _check(graph, g, where)
+                checks += 1
     return checks
