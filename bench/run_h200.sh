@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s55_b
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -94,6 +94,16 @@ study124_run() {
     if [ "$par" = 1 ]; then run_arm & else run_arm; fi
   done
   wait; }
+s54_measure() {  # s54_next's measurements (below)
+  qk1x16_ab 240 6 all
+  PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
+  PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
+      --bwd-config '{"dq": {"num_stages": 1}}'
+  PYTHONPATH=$PWD step attn_kernels_dq128 60 python bench/attention_kernels_at.py --label dq128 --masks paper1x16 \
+      --bwd-config '{"dq": {"BM": 128, "num_warps": 8}}'
+  grep -h '^[|#]' "$OUT"/attn_kernels*.log
+  step gpu_finite 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_finite.py; tail -n 3 "$OUT/gpu_finite.log"
+}
 case "${1:-phase1}" in
 phase1)
   nvidia-smi -L; python -c "import torch, triton; print(torch.__version__, triton.__version__)"
@@ -921,15 +931,14 @@ s54_next)
   # twice the rows; 2 programs per SM); the GPU tests of check_finite (session 54: Q-Attn's copies checked too); then
   # seed S's (default 2) 30M 300M-token fullbest_qk1x16 run for B seconds (default 150); `SIZE=30m SEED=S bash
   # bench/run_h200.sh study124 300e6 fullbest_qk1x16:560` on the warm machine finishes it
-  qk1x16_ab 240 6 all
-  PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
-  PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
-      --bwd-config '{"dq": {"num_stages": 1}}'
-  PYTHONPATH=$PWD step attn_kernels_dq128 60 python bench/attention_kernels_at.py --label dq128 --masks paper1x16 \
-      --bwd-config '{"dq": {"BM": 128, "num_warps": 8}}'
-  grep -h '^[|#]' "$OUT"/attn_kernels*.log
-  step gpu_finite 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_finite.py; tail -n 3 "$OUT/gpu_finite.log"
+  s54_measure
   SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-150}" ;;
+s55_b)
+  # s54_next in the other order, for a session whose device came late (session 55): first B seconds (default 200) of
+  # seed S's (default 2) 30M 300M-token fullbest_qk1x16 run, resuming the one `SIZE=30m SEED=S bash bench/run_h200.sh
+  # study124 300e6 fullbest_qk1x16:560` started on the warm machine, then s54_next's measurements
+  SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-200}"
+  s54_measure ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,
