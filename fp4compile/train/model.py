@@ -102,6 +102,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Causal multi-head self-attention: one fused ``qkv`` projection, RoPE on Q and K, SDPA (the call the backend's
+    Q-Attn pass replaces), then the output ``proj``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
@@ -130,6 +133,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: ``x + attn(RMSNorm(x))``, then ``x + mlp(RMSNorm(x))``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
