@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b|ncu
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -79,6 +79,23 @@ qattn_finite_tests() {
   local t=$1; shift
   step gpu_tests "$t" python -m pytest -m gpu -q -p no:cacheprovider "$@" -k "not test_quantize_kernels or nonfinite"
   tail -n 15 "$OUT/gpu_tests.log"; }
+# Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (issues 2, 4; session 55): the raw CSV in
+# $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md: ncu_probe SECONDS WORKLOAD...
+ncu_probe() {
+  local t=$1 w ncu stalls r; shift
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  [ -n "$ncu" ] || { echo "ncu not found" | tee -a "$OUT/steps.txt"; return; }
+  stalls=""; for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle \
+      not_selected selected no_instruction dispatch_stall branch_resolving membar sleeping tex_throttle drain imc_miss; do
+    stalls+="smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio,"; done
+  for w in "$@"; do
+    step "ncu_$w" "$t" "$ncu" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --metrics "${stalls}smsp__average_warp_latency_per_inst_issued.ratio,smsp__inst_executed.sum" \
+        --page raw --csv python bench/ncu_kernels.py "$w"
+    python bench/ncu_kernels.py --summarize "$OUT/ncu_$w.log" > "$OUT/ncu_$w.md" 2>&1; cat "$OUT/ncu_$w.md"
+    grep -h "==ERROR==\|==WARNING==" "$OUT/ncu_$w.log" | head -n 5
+  done; }
 # issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
 study124_run() {
   local tokens=$1 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
@@ -936,12 +953,19 @@ s54_next)
 s54_measure)
   # s54_next's measurements alone (~9 min; session 55, when too little device time was left for a training run)
   s54_measure ;;
+ncu)
+  # issues 2, 4 on one GPU (~4 min; session 55): Nsight Compute's first use in this project (KINDS.md: it reads the
+  # counters on the Firecracker machines): issue slots, occupancy and warp stall reasons of Q-Attn's kernels at the
+  # 124M layer's shape with Q, K in tiles and in 1x16 blocks (why is 1x16's dQ 20 % slower for 5 % more
+  # instructions?), and of MS-EDEN's and RTN's quantize at 16384x8192 (why 0.45 of copy bandwidth against 0.88?)
+  nvidia-smi -L; uname -r
+  ncu_probe "${NCU_T:-150}" ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn} ;;
 s55_b)
-  # s54_next in the other order, for a session whose device came late (session 55): first B seconds (default 200) of
-  # seed S's (default 2) 30M 300M-token fullbest_qk1x16 run, resuming the one `SIZE=30m SEED=S bash bench/run_h200.sh
-  # study124 300e6 fullbest_qk1x16:560` started on the warm machine, then s54_next's measurements
+  # for a session whose device comes late (session 55): the last B seconds (default 200) of seed S's (default 2) 30M
+  # 300M-token fullbest_qk1x16 run, resuming the one that `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6
+  # fullbest_qk1x16:560` started on the warm machine, then the ncu mode's probe
   SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-200}"
-  s54_measure ;;
+  ncu_probe "${NCU_T:-150}" ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn} ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,

@@ -1,0 +1,172 @@
+"""Hardware-counter profiles (Nsight Compute, ``ncu``) of the kernels that miss their targets (issues 2 and 4).
+
+Static SASS counts and timed variants (``bench/attention_sass.py``, ``bench/quantize_sass.py``, the A/Bs) leave
+open *why* a kernel takes its time: for instance why Q-Attn's dQ kernel is 20 % slower with Q, K in 1x16 blocks
+when it executes 5 % more instructions, or why MS-EDEN's quantize reaches 0.45 of copy bandwidth. ncu reads the
+answer off the hardware: issue-slot use, achieved occupancy, and the warp stall reasons.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --page raw --csv \\
+        python bench/ncu_kernels.py WORKLOAD > ncu_WORKLOAD.csv
+    python bench/ncu_kernels.py --summarize ncu_WORKLOAD.csv
+
+A workload runs ``--warmup`` times (compiles, fills caches), then once between ``torch.cuda.profiler.start()`` and
+``stop()``, so that ncu with ``--profile-from-start off`` profiles one launch of each of its kernels. Workloads
+(:data:`WORKLOADS`): ``attn_paper`` / ``attn_paper1x16`` (Q-Attn's forward and backward kernels at the GPT-124M
+layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x16 tiles / in 1x16 blocks), ``eden``
+(MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
+which reaches 0.88 of copy bandwidth: the reference point). ``--summarize`` prints, per profiled kernel, the
+duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's raw CSV page (metric
+names as ncu 2025 writes them; any that a version does not write print as "-").
+
+Needs CUDA (and Triton) for the workloads; ``--summarize`` runs anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import re
+import sys
+
+#: (label, ncu raw metric name) printed for every kernel, in this order
+METRICS = (
+    ("duration", "gpu__time_duration.sum"),
+    ("SM throughput % of peak", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("memory throughput % of peak", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("DRAM throughput % of peak", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("registers per thread", "launch__registers_per_thread"),
+    ("theoretical occupancy %", "sm__maximum_warps_per_active_cycle_pct"),
+    ("achieved occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("issue slots busy %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("warp cycles per issued instruction", "smsp__average_warp_latency_per_inst_issued.ratio"),
+    ("instructions executed", "smsp__inst_executed.sum"),
+)
+#: a stall-reason column of the raw page: cycles per issued instruction that warps spent stalled for one reason
+STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(?P<why>.+?)_per_issue_active\.ratio$")
+SHAPE_124M = (16, 12, 1024, 64)
+
+
+def _attn(mask_name: str):
+    """Q-Attn's forward + backward at the 124M layer's shape (``bench/attention_kernels_at.py``'s step)."""
+    import torch
+
+    from fp4compile.kernels import attention as A
+    from fp4compile.kernels import attention_ref as R
+
+    mask = R.PAPER_ROLES | (R.QK_1X16 if mask_name == "paper1x16" else 0)
+    B, H, T, D = SHAPE_124M
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16() for _ in range(4))
+    views = R.quantize_qkv(q, k, v, mask, quantize=A.quantize_2d)
+
+    def step():
+        o, lse = A.attention_fwd(q, k, v, views, None, True, D ** -0.5, mask)
+        return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)
+    return step
+
+
+def _quantize(case: dict):
+    """One quantize of a 16384x8192 BF16 tensor as ``bench/quantize.py`` runs its case."""
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import quantize as QB  # bench/quantize.py
+
+    torch.manual_seed(0)
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16)
+    return QB.run_case(x, case)
+
+
+#: workload name -> a function returning the no-argument callable that is profiled
+WORKLOADS = {
+    "attn_paper": lambda: _attn("paper"),
+    "attn_paper1x16": lambda: _attn("paper1x16"),
+    "eden": lambda: _quantize(dict(rounding="ms_eden", hadamard=128)),
+    "rtn": lambda: _quantize(dict(rounding="rtn")),
+}
+
+
+def run(workload: str, warmup: int = 3) -> None:
+    """Run ``workload`` ``warmup`` times, then once inside the CUDA profiler range that ncu profiles."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/ncu_kernels.py: the workloads need a CUDA device (--summarize does not)")
+    fn = WORKLOADS[workload]()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"# ncu_kernels: {workload} profiled once after {warmup} warm-up runs on {torch.cuda.get_device_name()}")
+
+
+def _float(s: str):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def parse_raw_csv(text: str) -> tuple[dict, list]:
+    """ncu's ``--page raw --csv`` output (other lines, such as ncu's ``==PROF==`` messages and the program's own
+    output, are skipped) as (units {metric: unit}, rows [{metric: value}] one per profiled kernel)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if not lines:
+        return {}, []
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    units = {}
+    if rows and not rows[0].get("ID", "").strip():           # the second line holds each metric's unit
+        units, rows = rows[0], rows[1:]
+    return units, rows
+
+
+def summarize(text: str, stalls: int = 6) -> str:
+    """A markdown table per profiled kernel: :data:`METRICS`, then the ``stalls`` largest stall reasons."""
+    units, rows = parse_raw_csv(text)
+    if not rows:
+        return "no kernel rows in this ncu output (did ncu run, with --page raw --csv?)"
+    out = []
+    for r in rows:
+        name = r.get("Kernel Name") or r.get("Function Name") or "?"
+        out.append(f"\n### {name} (ID {r.get('ID', '?')}, grid {r.get('Grid Size', '?')}, "
+                   f"block {r.get('Block Size', '?')})\n\n| metric | value |\n|---|---|")
+        for label, key in METRICS:
+            val = r.get(key)
+            unit = units.get(key, "")
+            out.append(f"| {label} | {val if val not in (None, '') else '-'}{' ' + unit if unit and val else ''} |")
+        found = []
+        for key, val in r.items():
+            m = STALL.match(key or "")
+            v = _float(val or "")
+            if m and v is not None and not m.group("why").endswith("_not_issued"):
+                found.append((v, m.group("why")))
+        for v, why in sorted(found, reverse=True)[:stalls]:
+            out.append(f"| stall: {why} (cycles per issued instruction) | {v:g} |")
+        if not found:
+            out.append("| stall reasons | - (not in this output) |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", nargs="?", choices=sorted(WORKLOADS))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--summarize", metavar="CSV", help="summarize a saved ncu --page raw --csv output instead")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summarize(f.read()))
+        return 0
+    if args.workload is None:
+        ap.error("name a workload or --summarize CSV")
+    run(args.workload, args.warmup)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
