@@ -79,22 +79,31 @@ qattn_finite_tests() {
   local t=$1; shift
   step gpu_tests "$t" python -m pytest -m gpu -q -p no:cacheprovider "$@" -k "not test_quantize_kernels or nonfinite"
   tail -n 15 "$OUT/gpu_tests.log"; }
-# Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (issues 2, 4; session 55): the raw CSV in
-# $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md: ncu_probe SECONDS WORKLOAD...
+# Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (default: $NCU_WORKLOADS, else all four;
+# issues 2, 4; session 55): the raw CSV in $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md. The stall
+# reasons are named metrics: if ncu refuses one (==ERROR==), the workload runs again with the sections alone
+# (ncu_WORKLOAD_sections.log): ncu_probe SECONDS [WORKLOAD...]
 ncu_probe() {
-  local t=$1 w ncu stalls r; shift
+  local t=$1 w ncu stalls r log; shift
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   [ -n "$ncu" ] || { echo "ncu not found" | tee -a "$OUT/steps.txt"; return; }
+  local sections=(--clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --page raw --csv)
   stalls=""; for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle \
       not_selected selected no_instruction dispatch_stall branch_resolving membar sleeping tex_throttle drain imc_miss; do
     stalls+="smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio,"; done
+  [ $# -gt 0 ] || set -- ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn}
   for w in "$@"; do
-    step "ncu_$w" "$t" "$ncu" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    log=ncu_$w
+    step "$log" "$t" "$ncu" "${sections[@]}" \
         --metrics "${stalls}smsp__average_warp_latency_per_inst_issued.ratio,smsp__inst_executed.sum" \
-        --page raw --csv python bench/ncu_kernels.py "$w"
-    python bench/ncu_kernels.py --summarize "$OUT/ncu_$w.log" > "$OUT/ncu_$w.md" 2>&1; cat "$OUT/ncu_$w.md"
-    grep -h "==ERROR==\|==WARNING==" "$OUT/ncu_$w.log" | head -n 5
+        python bench/ncu_kernels.py "$w"
+    if grep -q "==ERROR==" "$OUT/$log.log"; then
+      grep -h "==ERROR==" "$OUT/$log.log" | head -n 3
+      log=ncu_${w}_sections; step "$log" "$t" "$ncu" "${sections[@]}" python bench/ncu_kernels.py "$w"
+    fi
+    python bench/ncu_kernels.py --summarize "$OUT/$log.log" > "$OUT/ncu_$w.md" 2>&1; cat "$OUT/ncu_$w.md"
+    grep -h "==ERROR==\|==WARNING==" "$OUT/$log.log" | head -n 5
   done; }
 # issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
 study124_run() {
@@ -959,13 +968,13 @@ ncu)
   # 124M layer's shape with Q, K in tiles and in 1x16 blocks (why is 1x16's dQ 20 % slower for 5 % more
   # instructions?), and of MS-EDEN's and RTN's quantize at 16384x8192 (why 0.45 of copy bandwidth against 0.88?)
   nvidia-smi -L; uname -r
-  ncu_probe "${NCU_T:-150}" ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn} ;;
+  ncu_probe "${NCU_T:-150}" ;;
 s55_b)
   # for a session whose device comes late (session 55): the last B seconds (default 200) of seed S's (default 2) 30M
   # 300M-token fullbest_qk1x16 run, resuming the one that `SIZE=30m SEED=S bash bench/run_h200.sh study124 300e6
   # fullbest_qk1x16:560` started on the warm machine, then the ncu mode's probe
   SEED=${SEED:-2} SIZE=30m study124_run 300e6 "fullbest_qk1x16:${B:-200}"
-  ncu_probe "${NCU_T:-150}" ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn} ;;
+  ncu_probe "${NCU_T:-150}" ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
   # left for s51_qk's training run): s51_qk's 1x16 step A/B and prep launch alone on the GPU, then its GPU tests,
