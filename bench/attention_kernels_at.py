@@ -33,6 +33,35 @@ from fp4compile.kernels import attention as A
 from fp4compile.kernels import attention_ref as R
 
 
+def role_masks() -> dict:
+    """The role masks this script times, by name: ``paper`` (the paper's split), ``bf16`` (every role BF16), and on
+    trees since session 50 ``paper1x16`` (the paper's split with Q, K in 1x16 blocks)."""
+    known = {"paper": R.PAPER_ROLES, "bf16": 0}
+    if hasattr(R, "QK_1X16"):
+        known["paper1x16"] = R.PAPER_ROLES | R.QK_1X16
+    return known
+
+
+def make_inputs(shape) -> tuple:
+    """Q, K, V, dO: [B, H, T, D] BF16 on the GPU, the same values on every call (generator seed 0)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return tuple(torch.randn(*shape, device="cuda", generator=g).bfloat16() for _ in range(4))
+
+
+def make_step(q, k, v, do, mask: int, bwd_cfg=None):
+    """The profiled unit: Q-Attn's forward and backward kernels (causal) with the role mask ``mask`` on Q, K, V's
+    NVFP4 copies made once here; ``bwd_cfg`` overrides the backward's config where the mask has an NVFP4 role."""
+    views = R.quantize_qkv(q, k, v, mask, quantize=A.quantize_2d)
+    scale = q.shape[-1] ** -0.5
+
+    def step():
+        o, lse = A.attention_fwd(q, k, v, views, None, True, scale, mask)
+        if mask and bwd_cfg:
+            return A.attention_bwd(do, q, k, v, views, o, lse, None, True, scale, mask, config=bwd_cfg)
+        return A.attention_bwd(do, q, k, v, views, o, lse, None, True, scale, mask)
+    return step
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="this tree")
@@ -42,27 +71,17 @@ def main() -> int:
                     '\'{"dkdv": {"maxnreg": 160}}\' (trees since session 20 take attention_bwd(config=...))')
     ap.add_argument("--masks", default="paper,bf16", help="comma-separated of paper, paper1x16, bf16")
     args = ap.parse_args()
-    known = {"paper": R.PAPER_ROLES, "bf16": 0}
-    if hasattr(R, "QK_1X16"):
-        known["paper1x16"] = R.PAPER_ROLES | R.QK_1X16
+    known = role_masks()
     names = args.masks.split(",")
     if not set(names) <= set(known):
         ap.error(f"--masks: comma-separated of {sorted(known)}, got {args.masks!r}")
     masks = [(known[m], m) for m in names]
     bwd_cfg = json.loads(args.bwd_config) if args.bwd_config else None
     B, H, T, D = map(int, args.shape.split(","))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16() for _ in range(4))
+    q, k, v, do = make_inputs((B, H, T, D))
     print(f"# {args.label}: {fp4compile.__file__}, {torch.cuda.get_device_name()}, shape {B},{H},{T},{D}")
     for mask, name in masks:
-        views = R.quantize_qkv(q, k, v, mask, quantize=A.quantize_2d)
-
-        def step():
-            o, lse = A.attention_fwd(q, k, v, views, None, True, D ** -0.5, mask)
-            if mask and bwd_cfg:
-                return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask, config=bwd_cfg)
-            return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)
-
+        step = make_step(q, k, v, do, mask, bwd_cfg)
         for _ in range(3):
             grads = step()
         torch.cuda.synchronize()

@@ -30,6 +30,8 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/: the scripts whose workloads run here
+
 #: (label, ncu raw metric name) printed for every kernel, in this order
 METRICS = (
     ("duration", "gpu__time_duration.sum"),
@@ -49,29 +51,16 @@ SHAPE_124M = (16, 12, 1024, 64)
 
 
 def _attn(mask_name: str):
-    """Q-Attn's forward + backward at the 124M layer's shape (``bench/attention_kernels_at.py``'s step)."""
-    import torch
+    """Q-Attn's forward + backward at the 124M layer's shape, as ``bench/attention_kernels_at.py`` times it."""
+    import attention_kernels_at as AK  # bench/attention_kernels_at.py
 
-    from fp4compile.kernels import attention as A
-    from fp4compile.kernels import attention_ref as R
-
-    mask = R.PAPER_ROLES | (R.QK_1X16 if mask_name == "paper1x16" else 0)
-    B, H, T, D = SHAPE_124M
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g).bfloat16() for _ in range(4))
-    views = R.quantize_qkv(q, k, v, mask, quantize=A.quantize_2d)
-
-    def step():
-        o, lse = A.attention_fwd(q, k, v, views, None, True, D ** -0.5, mask)
-        return A.attention_bwd(do, q, k, v, views, o, lse, None, True, D ** -0.5, mask)
-    return step
+    return AK.make_step(*AK.make_inputs(SHAPE_124M), AK.role_masks()[mask_name])
 
 
 def _quantize(case: dict):
     """One quantize of a 16384x8192 BF16 tensor as ``bench/quantize.py`` runs its case."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import quantize as QB  # bench/quantize.py
 
     torch.manual_seed(0)
