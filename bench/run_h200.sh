@@ -55,13 +55,14 @@ root_trees() {
   step root_ops 60 python bench/optim.py --skip check,adamw,profile,warps,peak,root --root-ops 124M
   tail -n 5 "$OUT/gpu_tests.log"; grep -h "^section=QRoot" "$OUT"/root_*.log; }
 # bench/attention_kernels_at.py of this tree once per LABEL[=JSON] in the order given (JSON: a --bwd-config override
-# for the paper split; none: the default), at SHAPE, each logged as PREFIX_LABEL: attn_configs PREFIX SHAPE LABEL[=JSON]...
+# for the paper split; none: the default), at SHAPE, each logged as PREFIX_LABEL; MASKS (optional): its --masks:
+# [MASKS=M,...] attn_configs PREFIX SHAPE LABEL[=JSON]...
 attn_configs() {
   local prefix=$1 shape=$2 a c; shift 2
   for a in "$@"; do
     c=${a#*=}; [ "$c" = "$a" ] && c=''
     PYTHONPATH=$PWD step "${prefix}_${a%%=*}" 60 python bench/attention_kernels_at.py --label "${a%%=*}" \
-        --shape "$shape" ${c:+--bwd-config "$c"}
+        --shape "$shape" ${c:+--bwd-config "$c"} ${MASKS:+--masks "$MASKS"}
   done; }
 # the 124M step with Q, K in 1x16 blocks (QK_BLOCKS="1x16") against the tiles, alone on the GPU (ROUNDS rounds of
 # 10 steps), and with "none" also 1x16 without the Q, K transform, with "all" the tiles without it as well:
@@ -122,11 +123,9 @@ study124_run() {
   wait; }
 s54_measure() {  # s54_next's measurements (below)
   qk1x16_ab 240 6 all
-  PYTHONPATH=$PWD step attn_kernels 90 python bench/attention_kernels_at.py --label default --masks paper,paper1x16
-  PYTHONPATH=$PWD step attn_kernels_dq1 60 python bench/attention_kernels_at.py --label dq1stage --masks paper1x16 \
-      --bwd-config '{"dq": {"num_stages": 1}}'
-  PYTHONPATH=$PWD step attn_kernels_dq128 60 python bench/attention_kernels_at.py --label dq128 --masks paper1x16 \
-      --bwd-config '{"dq": {"BM": 128, "num_warps": 8}}'
+  MASKS=paper,paper1x16 attn_configs attn_kernels 16,12,1024,64 default
+  MASKS=paper1x16 attn_configs attn_kernels 16,12,1024,64 'dq1stage={"dq": {"num_stages": 1}}' \
+      'dq128={"dq": {"BM": 128, "num_warps": 8}}'
   grep -h '^[|#]' "$OUT"/attn_kernels*.log
   step gpu_finite 100 python -m pytest -m gpu -q -p no:cacheprovider tests/test_finite.py; tail -n 3 "$OUT/gpu_finite.log"
 }
