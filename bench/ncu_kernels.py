@@ -15,7 +15,8 @@ A workload runs ``--warmup`` times (compiles, fills caches), then once between `
 (:data:`WORKLOADS`): ``attn_paper`` / ``attn_paper1x16`` (Q-Attn's forward and backward kernels at the GPT-124M
 layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x16 tiles / in 1x16 blocks), ``eden``
 (MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
-which reaches 0.88 of copy bandwidth: the reference point). ``--summarize`` prints, per profiled kernel, the
+which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
+parameters, issue 5, and torch's fused AdamW step, its baseline). ``--summarize`` prints, per profiled kernel, the
 duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's raw CSV page (metric
 names as ncu 2025 writes them; any that a version does not write print as "-").
 
@@ -32,18 +33,27 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/: the scripts whose workloads run here
 
-#: (label, ncu raw metric name) printed for every kernel, in this order
+#: (label, ncu raw metric names) printed for every kernel, in this order: the first name the output holds is taken
+#: (ncu's ``--metrics`` list and its sections name DRAM throughput differently)
 METRICS = (
-    ("duration", "gpu__time_duration.sum"),
-    ("SM throughput % of peak", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
-    ("memory throughput % of peak", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
-    ("DRAM throughput % of peak", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-    ("registers per thread", "launch__registers_per_thread"),
-    ("theoretical occupancy %", "sm__maximum_warps_per_active_cycle_pct"),
-    ("achieved occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
-    ("issue slots busy %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
-    ("warp cycles per issued instruction", "smsp__average_warp_latency_per_inst_issued.ratio"),
-    ("instructions executed", "smsp__inst_executed.sum"),
+    ("duration", ("gpu__time_duration.sum",)),
+    ("SM throughput % of peak", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",)),
+    ("memory throughput % of peak", ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",)),
+    ("DRAM throughput % of peak", ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                                   "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")),
+    ("registers per thread", ("launch__registers_per_thread",)),
+    ("theoretical occupancy %", ("sm__maximum_warps_per_active_cycle_pct",)),
+    ("achieved occupancy %", ("sm__warps_active.avg.pct_of_peak_sustained_active",)),
+    ("issue slots busy %", ("smsp__issue_active.avg.pct_of_peak_sustained_active",)),
+    ("warp cycles per issued instruction", ("smsp__average_warp_latency_per_inst_issued.ratio",)),
+    ("instructions executed", ("smsp__inst_executed.sum",)),
+    ("ALU pipe % of peak", ("sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_elapsed",)),
+    ("FMA pipe % of peak", ("sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_elapsed",)),
+    ("tensor pipe (HMMA/HGMMA) % of peak",
+     ("sm__pipe_tensor_type_hmma_hgmma_qgmma_imma_igmma_bmma_bgmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+      "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed")),
+    ("LSU instructions % of peak", ("sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_elapsed",)),
+    ("XU (special function) instructions % of peak", ("sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed",)),
 )
 #: a stall-reason column of the raw page: cycles per issued instruction that warps spent stalled for one reason
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(?P<why>.+?)_per_issue_active\.ratio$")
@@ -68,12 +78,27 @@ def _quantize(case: dict):
     return QB.run_case(x, case)
 
 
+def _optimizer(name: str):
+    """One optimizer step on GPT-124M's parameter set, as ``bench/optim.py`` times it: Q-AdamW (issue 5) or torch's
+    fused AdamW (its baseline). The warm-up runs create the states, so the profiled step is a steady one."""
+    import torch
+
+    import optim as OB  # bench/optim.py
+    from fp4compile.optim import QAdamW
+
+    ps = OB.make_params(OB.gpt_shapes(**OB.SETS["124M"]), torch.device("cuda"))
+    opt = QAdamW(ps, lr=1e-4) if name == "qadamw" else torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    return opt.step
+
+
 #: workload name -> a function returning the no-argument callable that is profiled
 WORKLOADS = {
     "attn_paper": lambda: _attn("paper"),
     "attn_paper1x16": lambda: _attn("paper1x16"),
     "eden": lambda: _quantize(dict(rounding="ms_eden", hadamard=128)),
     "rtn": lambda: _quantize(dict(rounding="rtn")),
+    "qadamw": lambda: _optimizer("qadamw"),
+    "adamw": lambda: _optimizer("adamw"),
 }
 
 
@@ -124,7 +149,8 @@ def summarize(text: str, stalls: int = 6) -> str:
         name = r.get("Kernel Name") or r.get("Function Name") or "?"
         out.append(f"\n### {name} (ID {r.get('ID', '?')}, grid {r.get('Grid Size', '?')}, "
                    f"block {r.get('Block Size', '?')})\n\n| metric | value |\n|---|---|")
-        for label, key in METRICS:
+        for label, names in METRICS:
+            key = next((k for k in names if r.get(k) not in (None, "")), names[0])
             val = r.get(key)
             unit = units.get(key, "")
             out.append(f"| {label} | {val if val not in (None, '') else '-'}{' ' + unit if unit and val else ''} |")

@@ -60,3 +60,14 @@ def test_cli_needs_a_workload_or_a_csv(tmp_path, capsys):
 def test_workload_without_cuda_says_so():
     with pytest.raises(SystemExit, match="need a CUDA device"):
         N.main(["rtn"])
+
+
+def test_summary_takes_the_first_metric_name_the_output_holds():
+    """ncu 2025's sections write DRAM throughput as gpu__dram_throughput (no dram__throughput): the summary reads it."""
+    cols = ["ID", "Kernel Name", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"]
+    q = lambda vals: ",".join(f'"{v}"' for v in vals)  # noqa: E731
+    text = N.summarize("\n".join([q(cols), q(["", "", "%", "%"]), q(["0", "k", "53.87", "12.5"])]))
+    assert "| DRAM throughput % of peak | 53.87 % |" in text
+    assert "| tensor pipe (HMMA/HGMMA) % of peak | 12.5 % |" in text
+    assert "| ALU pipe % of peak | - |" in text
