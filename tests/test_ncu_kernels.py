@@ -65,9 +65,13 @@ def test_workload_without_cuda_says_so():
 def test_summary_takes_the_first_metric_name_the_output_holds():
     """ncu 2025's sections write DRAM throughput as gpu__dram_throughput (no dram__throughput): the summary reads it."""
     cols = ["ID", "Kernel Name", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"]
+            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed", "launch__shared_mem_per_block",
+            "launch__occupancy_limit_shared_mem"]
     q = lambda vals: ",".join(f'"{v}"' for v in vals)  # noqa: E731
-    text = N.summarize("\n".join([q(cols), q(["", "", "%", "%"]), q(["0", "k", "53.87", "12.5"])]))
+    text = N.summarize("\n".join([q(cols), q(["", "", "%", "%", "byte", "block"]),
+                                   q(["0", "k", "53.87", "12.5", "67,584", "3"])]))
     assert "| DRAM throughput % of peak | 53.87 % |" in text
     assert "| tensor pipe (HMMA/HGMMA) % of peak | 12.5 % |" in text
+    assert "| shared memory per program | 67,584 byte |" in text
+    assert "| programs per SM allowed by shared memory | 3 block |" in text
     assert "| ALU pipe % of peak | - |" in text
