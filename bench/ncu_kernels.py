@@ -1,4 +1,4 @@
-"""Hardware-counter profiles (Nsight Compute, ``ncu``) of the kernels that miss their targets (issues 2 and 4).
+"""Hardware-counter profiles (Nsight Compute, ``ncu``) of the kernels that miss their targets (issues 2, 4 and 5).
 
 Static SASS counts and timed variants (``bench/attention_sass.py``, ``bench/quantize_sass.py``, the A/Bs) leave
 open *why* a kernel takes its time: for instance why Q-Attn's dQ kernel is 20 % slower with Q, K in 1x16 blocks

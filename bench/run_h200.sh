@@ -81,7 +81,7 @@ qattn_finite_tests() {
   step gpu_tests "$t" python -m pytest -m gpu -q -p no:cacheprovider "$@" -k "not test_quantize_kernels or nonfinite"
   tail -n 15 "$OUT/gpu_tests.log"; }
 # Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (default: $NCU_WORKLOADS, else all six;
-# issues 2, 4; session 55): the raw CSV in $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md. The stall
+# issues 2, 4, 5; sessions 55, 56): the raw CSV in $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md. The stall
 # reasons are named metrics: if ncu refuses one (==ERROR==), the workload runs again with the sections alone
 # (ncu_WORKLOAD_sections.log): ncu_probe SECONDS [WORKLOAD...]
 ncu_probe() {
