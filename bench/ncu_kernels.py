@@ -1,4 +1,4 @@
-"""Hardware-counter profiles (Nsight Compute, ``ncu``) of the kernels that miss their targets (issues 2, 4 and 5).
+"""Hardware-counter profiles (Nsight Compute, ``ncu``) of the kernels that miss their targets (issues 2, 3, 4 and 5).
 
 Static SASS counts and timed variants (``bench/attention_sass.py``, ``bench/quantize_sass.py``, the A/Bs) leave
 open *why* a kernel takes its time: for instance why Q-Attn's dQ kernel is 20 % slower with Q, K in 1x16 blocks
@@ -16,7 +16,8 @@ A workload runs ``--warmup`` times (compiles, fills caches), then once between `
 layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x16 tiles / in 1x16 blocks), ``eden``
 (MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
 which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
-parameters, issue 5, and torch's fused AdamW step, its baseline). ``--summarize`` prints, per profiled kernel, the
+parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
+GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3). ``--summarize`` prints, per profiled kernel, the
 duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's raw CSV page (metric
 names as ncu 2025 writes them; any that a version does not write print as "-").
 
@@ -94,6 +95,26 @@ def _optimizer(name: str):
     return opt.step
 
 
+def _gemm():
+    """The 124M step's fc1 and fc2 forward GEMMs (16384 tokens, d = 768, MLP 3072) as the step runs them
+    (``gemm_dequantized``: bf16 q·S operands, the global scales in the TMA GEMM's epilogue; issue 3), each followed
+    by cuBLAS BF16 (``torch.mm``) on the same operands, its baseline."""
+    import torch
+
+    from fp4compile.kernels import gemm as G
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    one = torch.ones((), device="cuda")
+    pairs = [(torch.randn(16384, k, device="cuda", generator=g).to(torch.bfloat16),
+              torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)) for n, k in ((3072, 768), (768, 3072))]
+
+    def step():
+        for a, b in pairs:
+            G.gemm_dequantized(a, one, b, one)
+            torch.mm(a, b.t())
+    return step
+
+
 #: workload name -> a function returning the no-argument callable that is profiled
 WORKLOADS = {
     "attn_paper": lambda: _attn("paper"),
@@ -102,6 +123,7 @@ WORKLOADS = {
     "rtn": lambda: _quantize(dict(rounding="rtn")),
     "qadamw": lambda: _optimizer("qadamw"),
     "adamw": lambda: _optimizer("adamw"),
+    "gemm124": _gemm,
 }
 
 

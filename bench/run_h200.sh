@@ -80,8 +80,8 @@ qattn_finite_tests() {
   local t=$1; shift
   step gpu_tests "$t" python -m pytest -m gpu -q -p no:cacheprovider "$@" -k "not test_quantize_kernels or nonfinite"
   tail -n 15 "$OUT/gpu_tests.log"; }
-# Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (default: $NCU_WORKLOADS, else all six;
-# issues 2, 4, 5; sessions 55, 56): the raw CSV in $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md. The stall
+# Nsight Compute's counters for each WORKLOAD of bench/ncu_kernels.py (default: $NCU_WORKLOADS, else all seven;
+# issues 2 to 5; sessions 55, 56): the raw CSV in $OUT/ncu_WORKLOAD.log, its summary in $OUT/ncu_WORKLOAD.md. The stall
 # reasons are named metrics: if ncu refuses one (==ERROR==), the workload runs again with the sections alone
 # (ncu_WORKLOAD_sections.log): ncu_probe SECONDS [WORKLOAD...]
 ncu_probe() {
@@ -93,7 +93,7 @@ ncu_probe() {
   stalls=""; for r in long_scoreboard short_scoreboard wait barrier mio_throttle lg_throttle math_pipe_throttle \
       not_selected selected no_instruction dispatch_stall branch_resolving membar sleeping tex_throttle drain imc_miss; do
     stalls+="smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio,"; done
-  [ $# -gt 0 ] || set -- ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn qadamw adamw}
+  [ $# -gt 0 ] || set -- ${NCU_WORKLOADS:-attn_paper attn_paper1x16 eden rtn qadamw adamw gemm124}
   for w in "$@"; do
     log=ncu_$w
     step "$log" "$t" "$ncu" "${sections[@]}" \
