@@ -6,6 +6,7 @@ Usage (on the H200)::
     python bench/gemm.py --explore       # correctness checks + tile/dequant-path sweep (development)
     python bench/gemm.py --quick         # fewer shapes
     python bench/gemm.py --lower         # candidate sm_90 lowerings per shape vs cuBLAS BF16 (lowering_table)
+    python bench/gemm.py --tma-configs   # every TMA GEMM tile vs the autotuner's pick and cuBLAS (124M fprop/dgrad)
 
 Per shape: TFLOP/s (2*M*N*K / time) of the "half" kernel (autotuned; its time includes the bf16
 pre-dequantization of the operand with fewer rows), of the "full" kernel (both operands dequantized in
@@ -442,12 +443,90 @@ def _all_linear(d, tokens=TOKENS):
                 (f"{layer}.wgrad", fout, fin, tokens)]
     return out
 
+def tile_name(c: dict, flatten: bool = False) -> str:
+    """A TMA GEMM tile as ``BMxBNxBK wW sS`` (+ `` sub`` with the split epilogue, `` flat`` flattened)."""
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c.get('num_warps', 4)} s{c.get('num_stages', 3)}"
+            + (" sub" if c.get("EPI_SUBTILE") else "") + (" flat" if flatten or c.get("FLATTEN") else ""))
+
+
+def tma_candidates() -> list:
+    """(name, config) of every :data:`TMA_CONFIGS` tile as listed and with its persistent loop flattened (once per
+    tile: the listed flattened entry is its plain twin flattened)."""
+    out, seen = [], set()
+    for c in G.TMA_CONFIGS:
+        for flat in (bool(c.get("FLATTEN")), True):
+            cfg = dict(c, FLATTEN=flat)
+            name = tile_name(cfg)
+            if name not in seen:
+                seen.add(name)
+                out.append((name, cfg))
+    return out
+
+
+def tma_configs_table(rep, only=()):
+    """Whether the TMA GEMM's autotuner picks its fastest tile (issue 3). On the 124M step's fprop and dgrad shapes
+    (the ones ``auto`` runs as ``dq_triton``): every tile of :func:`tma_candidates` timed explicitly, the tile the
+    autotuner picks in this process (its in-memory and disk choices dropped first: it tunes anew, warmup 5, rep 20),
+    and cuBLAS BF16, in µs (``do_bench_cudagraph``: GPU time; the pick and the fastest tile also as the autotuner
+    times them, L2 flushed before each call). Session 56 saw the 16384x3072x768 GEMM (fc1.fprop and
+    fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an H100."""
+    from triton.testing import do_bench_cudagraph
+
+    def us(fn):
+        return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+    def us_flushed(fn):  # as the autotuner times (do_bench: L2 flushed before every call, launch included)
+        return 1e3 * do_bench(fn, warmup=5, rep=max(20, rep), return_mode="median")
+
+    one = torch.ones((), device="cuda")
+    cands = tma_candidates()
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"do_bench_cudagraph rep={rep} ms (median), µs")
+    print("| shape | M | N | K | cuBLAS | autotuned pick | pick µs | fastest tile | fastest µs | pick / fastest "
+          "| fastest / cuBLAS | pick, fastest µs with L2 flushed | " + " | ".join(n for n, _ in cands) + " |")
+    print("|" + "---|" * (12 + len(cands)))
+    for name, M, N, K in linear_shapes(768):
+        if name.endswith("wgrad") or (only and not f"124M {name}".startswith(only)):
+            continue
+        g = torch.Generator(device="cuda").manual_seed(0)
+        a = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        b = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
+        cub = us(lambda: torch.mm(a, b.t()))
+        times = {}
+        for n, cfg in cands:
+            try:
+                times[n] = us(lambda: G.bf16_gemm_scaled(a, b, one, one, config=cfg))
+            except Exception as e:  # noqa: BLE001  (a tile that does not fit: one bad entry must not lose the table)
+                print(f"  {name} {n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                times[n] = float("nan")
+        cache = G.AUTOTUNE_CACHE
+        G.AUTOTUNE_CACHE, _ = False, G._tuned.pop("tma", None)
+        G._TMA_BEST.pop((M, N, K, torch.bfloat16, a.device.index, False, False), None)
+        try:
+            G.bf16_gemm_scaled(a, b, one, one)
+        finally:
+            G.AUTOTUNE_CACHE = cache
+        pick = G._TMA_BEST[(M, N, K, torch.bfloat16, a.device.index, False, False)]
+        pick_us = us(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick))
+        best = min((n for n in times if times[n] == times[n]), key=times.get)
+        best_cfg = dict(cands)[best]
+        flushed = (us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick)),
+                   us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=best_cfg)))
+        print(f"| 124M {name} | {M} | {N} | {K} | {cub:.1f} | {tile_name(pick)} | {pick_us:.1f} | {best} | "
+              f"{times[best]:.1f} | {pick_us / times[best]:.3f} | {times[best] / cub:.3f} | "
+              f"{flushed[0]:.1f}, {flushed[1]:.1f} | " + " | ".join(f"{times[n]:.1f}" for n, _ in cands) + " |",
+              flush=True)
+        del a, b
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--lower", action="store_true", help="the lowering table (candidate lowerings vs cuBLAS)")
     ap.add_argument("--host", action="store_true", help="host (launch) overhead per call of each impl")
+    ap.add_argument("--tma-configs", action="store_true",
+                    help="every TMA GEMM tile against the autotuner's pick and cuBLAS on the 124M fprop/dgrad shapes")
     ap.add_argument("--cudagraph", action="store_true",
                     help="time CUDA-graph replays (GPU time only, no Python launch overhead)")
     ap.add_argument("--only", default="", help="--lower: only shapes whose name starts with one of these "
@@ -460,6 +539,8 @@ def main():
         sys.exit("bench/gemm.py needs a CUDA device")
     if a.host:
         host_overhead()
+    elif a.tma_configs:
+        tma_configs_table(a.rep, only=tuple(p for p in a.only.split(",") if p))
     elif a.explore:
         explore(a.out)
     elif a.lower:
