@@ -978,10 +978,12 @@ s57_gemm)
   # issue 3 on one GPU (~3 min; prepared in session 56): does the TMA GEMM's autotuner pick its fastest tile? Session
   # 56's ncu saw the 124M step's 16384x3072x768 GEMM (fc1.fprop, fc2.dgrad: 24 per step) in a 4-warp 128x128 tile at
   # 60 % tensor-pipe use, 141.8 us against cuBLAS's 116.6 (75 %), where the every-tile-flattened variant took 122 us
-  # (bench/gemm.py --lower on an H100). Every tile timed explicitly against the pick and cuBLAS, then the ncu probe
-  # of the gemm124 workload.
+  # (bench/gemm.py --lower on an H100; that tile was chosen by an autotune run under ncu and kept on disk). Every
+  # tile timed explicitly against a fresh pick (disk cache off) and cuBLAS; then the gemm124 workload once without
+  # ncu, so that the autotuner's choice is made outside ncu and stored, and the ncu probe (which loads it)
   nvidia-smi -L
   step tma_configs 240 python bench/gemm.py --tma-configs; cat "$OUT/tma_configs.log"
+  step gemm124_tune 120 python bench/ncu_kernels.py gemm124
   ncu_probe "${NCU_T:-120}" gemm124 ;;
 s53_qk)
   # issue 4 (+ the non-finite GPU tests) on one nvidia-h200 (~6 min; session 53, when too little device time was
