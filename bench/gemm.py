@@ -463,60 +463,69 @@ def tma_candidates() -> list:
     return out
 
 
-def tma_configs_table(rep, only=()):
+def _us_graph(fn, rep):
+    """µs of ``fn`` as GPU time of CUDA-graph replays (``do_bench_cudagraph``, median)."""
+    from triton.testing import do_bench_cudagraph
+    return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def _us_flushed(fn, rep):
+    """µs of ``fn`` as the TMA GEMM's autotuner times it (``do_bench``: L2 flushed before every call, median)."""
+    return 1e3 * do_bench(fn, warmup=5, rep=max(20, rep), return_mode="median")
+
+
+def tma_configs_table(rep, only=(), device="cuda"):
     """Whether the TMA GEMM's autotuner picks its fastest tile (issue 3). On the 124M step's fprop and dgrad shapes
     (the ones ``auto`` runs as ``dq_triton``): every tile of :func:`tma_candidates` timed explicitly, the tile the
     autotuner picks in this process (its in-memory and disk choices dropped first: it tunes anew, warmup 5, rep 20),
-    and cuBLAS BF16, in µs (``do_bench_cudagraph``: GPU time; the pick and the fastest tile also as the autotuner
-    times them, L2 flushed before each call). Session 56 saw the 16384x3072x768 GEMM (fc1.fprop and
-    fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an H100."""
-    from triton.testing import do_bench_cudagraph
-
-    def us(fn):
-        return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-    def us_flushed(fn):  # as the autotuner times (do_bench: L2 flushed before every call, launch included)
-        return 1e3 * do_bench(fn, warmup=5, rep=max(20, rep), return_mode="median")
-
-    one = torch.ones((), device="cuda")
+    and cuBLAS BF16, in µs (:func:`_us_graph`: GPU time; the pick and the fastest tile also as the autotuner
+    times them, L2 flushed before each call, :func:`_us_flushed`). Session 56 saw the 16384x3072x768 GEMM (fc1.fprop
+    and fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an H100. Returns the rows as dicts."""
+    one = torch.ones((), device=device)
     cands = tma_candidates()
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}; "
+    gpu = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"device: {gpu}; torch {torch.__version__}; triton {triton.__version__}; "
           f"do_bench_cudagraph rep={rep} ms (median), µs")
     print("| shape | M | N | K | cuBLAS | autotuned pick | pick µs | fastest tile | fastest µs | pick / fastest "
           "| fastest / cuBLAS | pick, fastest µs with L2 flushed | " + " | ".join(n for n, _ in cands) + " |")
     print("|" + "---|" * (12 + len(cands)))
+    rows = []
     for name, M, N, K in linear_shapes(768):
         if name.endswith("wgrad") or (only and not f"124M {name}".startswith(only)):
             continue
-        g = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-        b = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
-        cub = us(lambda: torch.mm(a, b.t()))
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16)
+        b = torch.randn(N, K, device=device, generator=g).to(torch.bfloat16)
+        cub = _us_graph(lambda: torch.mm(a, b.t()), rep)
         times = {}
         for n, cfg in cands:
             try:
-                times[n] = us(lambda: G.bf16_gemm_scaled(a, b, one, one, config=cfg))
+                times[n] = _us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=cfg), rep)
             except Exception as e:  # noqa: BLE001  (a tile that does not fit: one bad entry must not lose the table)
                 print(f"  {name} {n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 times[n] = float("nan")
+        key = (M, N, K, torch.bfloat16, a.device.index, False, False)
         cache = G.AUTOTUNE_CACHE
         G.AUTOTUNE_CACHE, _ = False, G._tuned.pop("tma", None)
-        G._TMA_BEST.pop((M, N, K, torch.bfloat16, a.device.index, False, False), None)
+        G._TMA_BEST.pop(key, None)
         try:
             G.bf16_gemm_scaled(a, b, one, one)
         finally:
             G.AUTOTUNE_CACHE = cache
-        pick = G._TMA_BEST[(M, N, K, torch.bfloat16, a.device.index, False, False)]
-        pick_us = us(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick))
+        pick = G._TMA_BEST[key]
+        pick_us = _us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick), rep)
         best = min((n for n in times if times[n] == times[n]), key=times.get)
         best_cfg = dict(cands)[best]
-        flushed = (us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick)),
-                   us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=best_cfg)))
+        flushed = (_us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick), rep),
+                   _us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=best_cfg), rep))
+        rows.append(dict(shape=name, M=M, N=N, K=K, cublas=cub, pick=tile_name(pick), pick_us=pick_us, fastest=best,
+                         fastest_us=times[best], flushed=flushed, times=times))
         print(f"| 124M {name} | {M} | {N} | {K} | {cub:.1f} | {tile_name(pick)} | {pick_us:.1f} | {best} | "
               f"{times[best]:.1f} | {pick_us / times[best]:.3f} | {times[best] / cub:.3f} | "
               f"{flushed[0]:.1f}, {flushed[1]:.1f} | " + " | ".join(f"{times[n]:.1f}" for n, _ in cands) + " |",
               flush=True)
         del a, b
+    return rows
 
 
 def main():

@@ -25,3 +25,39 @@ def test_tile_name():
     assert B.tile_name(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, EPI_SUBTILE=True),
                        flatten=True) == "128x256x64 w8 s3 sub flat"
     assert B.tile_name(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)) == "128x128x64 w4 s4"
+
+
+def test_tma_configs_table_finds_a_slower_pick(monkeypatch, capsys):
+    """The table's logic on the CPU: timings come from a fake clock that makes every tile cost its name's length in µs
+    except one fast tile; the fake GEMM records the config it runs and, without one, 'autotunes' to a slow tile. The
+    row names the pick, the fastest tile and their ratio, and the autotuner's disk cache is restored afterwards."""
+    cands = B.tma_candidates()
+    fast = cands[1][0]                                   # the listed 128x256 tile, flattened
+    slow = next(c for n, c in cands if n == "128x128x64 w4 s4")
+    ran = []
+
+    def fake_gemm(a, b, ag, bg, out_dtype=None, *, config=None, **kw):
+        if config is None:                               # the autotuner: picks the slow tile, as on session 56's H100
+            assert G.AUTOTUNE_CACHE is False             # tuned anew, not loaded from disk
+            G._TMA_BEST[(a.shape[0], b.shape[0], a.shape[1], a.dtype, a.device.index, False, False)] = dict(slow)
+            config = slow
+        ran.append(B.tile_name(config))
+        return a[:, :1]
+
+    def clock(fn, rep):
+        fn()
+        return 100.0 if not ran or ran[-1] != fast else 80.0
+    monkeypatch.setattr(G, "bf16_gemm_scaled", fake_gemm)
+    monkeypatch.setattr(B, "_us_graph", clock)
+    monkeypatch.setattr(B, "_us_flushed", clock)
+    monkeypatch.setattr(B, "linear_shapes", lambda d: [("fc1.fprop", 32, 48, 16), ("fc1.wgrad", 48, 16, 32)])
+    monkeypatch.setattr(G, "AUTOTUNE_CACHE", True)
+    monkeypatch.setattr(G, "_TMA_BEST", {})              # the fake pick must not outlive the test
+    rows = B.tma_configs_table(rep=1, device="cpu")
+    assert G.AUTOTUNE_CACHE is True                      # restored
+    assert [r["shape"] for r in rows] == ["fc1.fprop"]   # wgrad shapes are not the TMA GEMM's
+    r = rows[0]
+    assert r["pick"] == "128x128x64 w4 s4" and r["fastest"] == fast
+    assert r["pick_us"] == 100.0 and r["fastest_us"] == 80.0 and r["flushed"] == (100.0, 80.0)
+    assert set(r["times"]) == {n for n, _ in cands}
+    assert "| 124M fc1.fprop | 32 | 48 | 16 | 100.0 | 128x128x64 w4 s4 | 100.0 | " + fast in capsys.readouterr().out
