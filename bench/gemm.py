@@ -443,6 +443,7 @@ def _all_linear(d, tokens=TOKENS):
                 (f"{layer}.wgrad", fout, fin, tokens)]
     return out
 
+
 def tile_name(c: dict, flatten: bool = False) -> str:
     """A TMA GEMM tile as ``BMxBNxBK wW sS`` (+ `` sub`` with the split epilogue, `` flat`` flattened)."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c.get('num_warps', 4)} s{c.get('num_stages', 3)}"
