@@ -479,7 +479,8 @@ def tma_configs_table(rep, only=(), device="cuda"):
     """Whether the TMA GEMM's autotuner picks its fastest tile (issue 3). On the 124M step's fprop and dgrad shapes
     (the ones ``auto`` runs as ``dq_triton``): every tile of :func:`tma_candidates` timed explicitly, the tile the
     autotuner picks in this process (its in-memory and disk choices dropped first: it tunes anew, warmup 5, rep 20),
-    and cuBLAS BF16, in µs (:func:`_us_graph`: GPU time; the pick and the fastest tile also as the autotuner
+    the choice the disk cache held before (``AUTOTUNE_CACHE``: e.g. a training run's, made by its precompile workers
+    while others compiled; "-" if none), and cuBLAS BF16, in µs (:func:`_us_graph`: GPU time; the pick and the fastest tile also as the autotuner
     times them, L2 flushed before each call, :func:`_us_flushed`). Session 56 saw the 16384x3072x768 GEMM (fc1.fprop
     and fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an H100. Returns the rows as dicts."""
     one = torch.ones((), device=device)
@@ -488,8 +489,9 @@ def tma_configs_table(rep, only=(), device="cuda"):
     print(f"device: {gpu}; torch {torch.__version__}; triton {triton.__version__}; "
           f"do_bench_cudagraph rep={rep} ms (median), µs")
     print("| shape | M | N | K | cuBLAS | autotuned pick | pick µs | fastest tile | fastest µs | pick / fastest "
-          "| fastest / cuBLAS | pick, fastest µs with L2 flushed | " + " | ".join(n for n, _ in cands) + " |")
-    print("|" + "---|" * (12 + len(cands)))
+          "| fastest / cuBLAS | pick, fastest µs with L2 flushed | stored pick | stored µs | "
+          + " | ".join(n for n, _ in cands) + " |")
+    print("|" + "---|" * (14 + len(cands)))
     rows = []
     for name, M, N, K in linear_shapes(768):
         if name.endswith("wgrad") or (only and not f"124M {name}".startswith(only)):
@@ -506,6 +508,9 @@ def tma_configs_table(rep, only=(), device="cuda"):
                 print(f"  {name} {n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 times[n] = float("nan")
         key = (M, N, K, torch.bfloat16, a.device.index, False, False)
+        stored = G._load_tuned(key)
+        stored_us = (_us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=stored), rep) if stored
+                     else float("nan"))
         cache = G.AUTOTUNE_CACHE
         G.AUTOTUNE_CACHE, _ = False, G._tuned.pop("tma", None)
         G._TMA_BEST.pop(key, None)
@@ -520,10 +525,12 @@ def tma_configs_table(rep, only=(), device="cuda"):
         flushed = (_us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick), rep),
                    _us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=best_cfg), rep))
         rows.append(dict(shape=name, M=M, N=N, K=K, cublas=cub, pick=tile_name(pick), pick_us=pick_us, fastest=best,
-                         fastest_us=times[best], flushed=flushed, times=times))
+                         fastest_us=times[best], flushed=flushed, times=times,
+                         stored=tile_name(stored) if stored else None, stored_us=stored_us))
         print(f"| 124M {name} | {M} | {N} | {K} | {cub:.1f} | {tile_name(pick)} | {pick_us:.1f} | {best} | "
               f"{times[best]:.1f} | {pick_us / times[best]:.3f} | {times[best] / cub:.3f} | "
-              f"{flushed[0]:.1f}, {flushed[1]:.1f} | " + " | ".join(f"{times[n]:.1f}" for n, _ in cands) + " |",
+              f"{flushed[0]:.1f}, {flushed[1]:.1f} | {tile_name(stored) if stored else '-'} | {stored_us:.1f} | "
+              + " | ".join(f"{times[n]:.1f}" for n, _ in cands) + " |",
               flush=True)
         del a, b
     return rows

@@ -53,6 +53,7 @@ def test_tma_configs_table_finds_a_slower_pick(monkeypatch, capsys):
     monkeypatch.setattr(B, "linear_shapes", lambda d: [("fc1.fprop", 32, 48, 16), ("fc1.wgrad", 48, 16, 32)])
     monkeypatch.setattr(G, "AUTOTUNE_CACHE", True)
     monkeypatch.setattr(G, "_TMA_BEST", {})              # the fake pick must not outlive the test
+    monkeypatch.setattr(G, "_load_tuned", lambda key: dict(cands[1][1]))   # a stored choice: the fast tile
     rows = B.tma_configs_table(rep=1, device="cpu")
     assert G.AUTOTUNE_CACHE is True                      # restored
     assert [r["shape"] for r in rows] == ["fc1.fprop"]   # wgrad shapes are not the TMA GEMM's
@@ -60,4 +61,5 @@ def test_tma_configs_table_finds_a_slower_pick(monkeypatch, capsys):
     assert r["pick"] == "128x128x64 w4 s4" and r["fastest"] == fast
     assert r["pick_us"] == 100.0 and r["fastest_us"] == 80.0 and r["flushed"] == (100.0, 80.0)
     assert set(r["times"]) == {n for n, _ in cands}
+    assert r["stored"] == fast and r["stored_us"] == 80.0
     assert "| 124M fc1.fprop | 32 | 48 | 16 | 100.0 | 128x128x64 w4 s4 | 100.0 | " + fast in capsys.readouterr().out
