@@ -95,9 +95,13 @@ def qk_tiles(mask: int) -> bool:
     return not mask & QK_1X16
 
 
+#: the roles that read each of Q's, K's and V's NVFP4 copies (forward or backward)
+COPY_READERS = (QK | DSQ, QK | DSK, PV | DOV)
+
+
 def needs_fp4(mask: int) -> tuple[bool, bool, bool]:
     """Which of Q, K, V have an NVFP4 consumer (forward or backward)."""
-    return bool(mask & (QK | DSQ)), bool(mask & (QK | DSK)), bool(mask & (PV | DOV))
+    return tuple(bool(mask & r) for r in COPY_READERS)
 
 
 def saved_for_backward(mask: int) -> dict:

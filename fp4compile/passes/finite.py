@@ -22,7 +22,7 @@ from typing import List, Optional
 import torch
 from torch.fx import Graph, Node
 
-from ..kernels.attention_ref import ATTN_ROLES
+from ..kernels.attention_ref import ATTN_ROLES, COPY_READERS
 from .attention import module_path
 from .common import add_call
 from .reuse import QUANTIZE, QUANTIZE_BOTH, QUANTIZE_BOTH_DQ, QUANTIZE_DQ
@@ -31,10 +31,9 @@ CHECK = torch.ops.fp4compile.check_finite.default
 #: each quantize op's outputs that are a copy's global decode scale
 GLOBALS = {QUANTIZE: (2,), QUANTIZE_DQ: (2,), QUANTIZE_BOTH: (2, 5), QUANTIZE_BOTH_DQ: (2, 6)}
 QATTN = torch.ops.fp4compile.qattn.default
-#: fp4compile::qattn's outputs that are the global scales of Q's, K's and V's copies (ops.py), and the roles of
-#: attention_ref.ATTN_ROLES that read each copy
-QATTN_GLOBALS = {4: ("Q", ("attn.qk", "attn.dsq")), 7: ("K", ("attn.qk", "attn.dsk")),
-                 10: ("V", ("attn.pv", "attn.dov"))}
+#: fp4compile::qattn's outputs that are the global scales of Q's, K's and V's copies (ops.py), and the role bits
+#: that read each copy (attention_ref.COPY_READERS)
+QATTN_GLOBALS = {4: ("Q", COPY_READERS[0]), 7: ("K", COPY_READERS[1]), 10: ("V", COPY_READERS[2])}
 
 
 def consumers(node: Node, depth: int = 8) -> List[str]:
@@ -64,9 +63,9 @@ def _where(q: Node, g: Node) -> Optional[str]:
     the op makes no such copy (``needs_fp4``)."""
     i = g.args[1]
     if q.target is QATTN:
-        tensor, roles = QATTN_GLOBALS.get(i, (None, ()))
+        tensor, readers = QATTN_GLOBALS.get(i, (None, 0))
         mask = int(q.args[6] if len(q.args) > 6 else q.kwargs["fp4_roles"])
-        read = [r for r in roles if mask & (1 << ATTN_ROLES.index(r))]
+        read = [r for b, r in enumerate(ATTN_ROLES) if mask & readers & (1 << b)]
         return f"{module_path(q) or '<root>'} attention's {tensor} copy ({', '.join(read)}) (fwd)" if read else None
     if i not in GLOBALS[q.target]:
         return None
