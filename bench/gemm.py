@@ -93,8 +93,12 @@ def tflops(M, N, K, ms):
 CUDAGRAPH = False   # --cudagraph: GPU time only (do_bench_cudagraph), no Python launch overhead
 
 
-def bench_ms(fn, rep):
-    if CUDAGRAPH:
+def bench_ms(fn, rep, cudagraph=None):
+    """Median ms of ``fn``: CUDA-graph replays (GPU time) when ``cudagraph`` (default: ``--cudagraph``), else
+    ``do_bench`` (L2 flushed before every call, launch included)."""
+    if cudagraph is None:
+        cudagraph = CUDAGRAPH
+    if cudagraph:
         from triton.testing import do_bench_cudagraph
         return do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return do_bench(fn, warmup=max(5, rep // 5), rep=rep, return_mode="median")
@@ -465,14 +469,13 @@ def tma_candidates() -> list:
 
 
 def _us_graph(fn, rep):
-    """µs of ``fn`` as GPU time of CUDA-graph replays (``do_bench_cudagraph``, median)."""
-    from triton.testing import do_bench_cudagraph
-    return 1e3 * do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    """µs of ``fn`` as GPU time of CUDA-graph replays."""
+    return 1e3 * bench_ms(fn, rep, cudagraph=True)
 
 
 def _us_flushed(fn, rep):
-    """µs of ``fn`` as the TMA GEMM's autotuner times it (``do_bench``: L2 flushed before every call, median)."""
-    return 1e3 * do_bench(fn, warmup=5, rep=max(20, rep), return_mode="median")
+    """µs of ``fn`` about as the TMA GEMM's autotuner times it (``do_bench``: L2 flushed before every call)."""
+    return 1e3 * bench_ms(fn, max(20, rep), cudagraph=False)
 
 
 def tma_configs_table(rep, only=(), device="cuda"):
@@ -499,31 +502,32 @@ def tma_configs_table(rep, only=(), device="cuda"):
         g = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16)
         b = torch.randn(N, K, device=device, generator=g).to(torch.bfloat16)
+        def gemm(cfg=None):
+            return G.bf16_gemm_scaled(a, b, one, one, config=cfg)
+
         cub = _us_graph(lambda: torch.mm(a, b.t()), rep)
         times = {}
         for n, cfg in cands:
             try:
-                times[n] = _us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=cfg), rep)
+                times[n] = _us_graph(lambda: gemm(cfg), rep)
             except Exception as e:  # noqa: BLE001  (a tile that does not fit: one bad entry must not lose the table)
                 print(f"  {name} {n}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 times[n] = float("nan")
         key = (M, N, K, torch.bfloat16, a.device.index, False, False)
         stored = G._load_tuned(key)
-        stored_us = (_us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=stored), rep) if stored
-                     else float("nan"))
+        stored_us = _us_graph(lambda: gemm(stored), rep) if stored else float("nan")
         cache = G.AUTOTUNE_CACHE
         G.AUTOTUNE_CACHE, _ = False, G._tuned.pop("tma", None)
         G._TMA_BEST.pop(key, None)
         try:
-            G.bf16_gemm_scaled(a, b, one, one)
+            gemm()
         finally:
             G.AUTOTUNE_CACHE = cache
         pick = G._TMA_BEST[key]
-        pick_us = _us_graph(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick), rep)
+        pick_us = _us_graph(lambda: gemm(pick), rep)
         best = min((n for n in times if times[n] == times[n]), key=times.get)
         best_cfg = dict(cands)[best]
-        flushed = (_us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=pick), rep),
-                   _us_flushed(lambda: G.bf16_gemm_scaled(a, b, one, one, config=best_cfg), rep))
+        flushed = (_us_flushed(lambda: gemm(pick), rep), _us_flushed(lambda: gemm(best_cfg), rep))
         rows.append(dict(shape=name, M=M, N=N, K=K, cublas=cub, pick=tile_name(pick), pick_us=pick_us, fastest=best,
                          fastest_us=times[best], flushed=flushed, times=times,
                          stored=tile_name(stored) if stored else None, stored_us=stored_us))
