@@ -133,6 +133,9 @@ def run(workload: str, warmup: int = 3) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/ncu_kernels.py: the workloads need a CUDA device (--summarize does not)")
+    # under ncu a TMA GEMM autotune may rank the tiles differently from a training run (session 56 kept such a
+    # choice on disk, and later processes ran it): load a stored choice, store none (set before fp4compile imports)
+    os.environ.setdefault("FP4COMPILE_AUTOTUNE_CACHE", "read")
     fn = WORKLOADS[workload]()
     for _ in range(warmup):
         fn()
@@ -142,6 +145,9 @@ def run(workload: str, warmup: int = 3) -> None:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print(f"# ncu_kernels: {workload} profiled once after {warmup} warm-up runs on {torch.cuda.get_device_name()}")
+    G = sys.modules.get("fp4compile.kernels.gemm")
+    for key, config in sorted((G._TMA_BEST if G else {}).items(), key=str):
+        print(f"# TMA GEMM {key[0]}x{key[1]}x{key[2]}: {config} (disk cache {os.environ['FP4COMPILE_AUTOTUNE_CACHE']})")
 
 
 def _float(s: str):

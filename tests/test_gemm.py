@@ -540,6 +540,39 @@ def test_tma_autotune_choice_round_trips_through_the_disk_cache(tmp_path, monkey
     assert G._load_tuned(key) is None
 
 
+def test_tma_autotune_cache_read_mode_loads_but_stores_nothing(tmp_path, monkeypatch):
+    """With the disk cache read-only (``FP4COMPILE_AUTOTUNE_CACHE=read``, what bench/ncu_kernels.py sets: a choice
+    tuned under a profiler must not outlive it), a stored choice is still found, a new one is not written."""
+    from fp4compile.kernels import gemm as G
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(G, "AUTOTUNE_CACHE", True)
+    stored, other = (4096, 768, 3072, torch.bfloat16, 0, False, False), (4096, 2304, 768, torch.bfloat16, 0, False,
+                                                                          False)
+    G._store_tuned(stored, dict(G.TMA_CONFIGS[1]))
+    monkeypatch.setattr(G, "AUTOTUNE_STORE", False)
+    G._store_tuned(other, dict(G.TMA_CONFIGS[0]))
+    G._store_tuned(stored, dict(G.TMA_CONFIGS[0]))            # not overwritten either
+    assert G._load_tuned(other) is None
+    assert G._load_tuned(stored) == G.TMA_CONFIGS[1]
+
+
+@pytest.mark.parametrize("value, load, store, warned", [("1", True, True, False), ("read", True, False, False),
+                                                        (" READ ", True, False, False), ("0", False, False, False),
+                                                        ("yes", True, True, True)])
+def test_autotune_cache_environment_variable(value, load, store, warned):
+    """``FP4COMPILE_AUTOTUNE_CACHE`` as read at import (a fresh interpreter): 1 / read / 0, anything else warns
+    once and means 1."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import fp4compile.kernels.gemm as G; print(G.AUTOTUNE_CACHE, G.AUTOTUNE_STORE)")
+    env = dict(os.environ, FP4COMPILE_AUTOTUNE_CACHE=value)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(load), str(store)]
+    assert ("FP4COMPILE_AUTOTUNE_CACHE" in r.stderr) == warned, r.stderr
+
+
 def test_tma_autotune_space_has_one_flattened_tile_and_its_choice_round_trips(tmp_path, monkeypatch):
     """The autotuner's space is TMA_CONFIGS with FLATTEN set on each config (True on exactly one entry); with
     ``flatten=True`` every config is flattened and the duplicates dropped. Every config the autotuner can choose maps

@@ -69,6 +69,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -568,7 +569,7 @@ def _get_tuned_kernel(impl="full"):
                                  num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
         _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
                                        prune_configs_by={"early_config_prune": _prune_configs},
-                                       warmup=5, rep=20, cache_results=AUTOTUNE_CACHE)(fn)
+                                       warmup=5, rep=20, cache_results=AUTOTUNE_CACHE and AUTOTUNE_STORE)(fn)
     return _tuned[impl]
 
 
@@ -613,8 +614,19 @@ _TMA_BEST: dict = {}
 #: ``cache_results`` skips kernels with a config pre-hook, as this one has): a later process, or the training
 #: process after a precompile worker (``fp4compile/precompile.py``) has tuned the shape, launches the chosen
 #: config without benchmarking. Keyed by Triton's version, the kernel's source hash, the GPU's name, the shape and
-#: the configs. ``FP4COMPILE_AUTOTUNE_CACHE=0``: tune in every process.
-AUTOTUNE_CACHE = os.environ.get("FP4COMPILE_AUTOTUNE_CACHE", "1") != "0"
+#: the configs. ``FP4COMPILE_AUTOTUNE_CACHE``: ``1`` (default) loads and stores choices; ``read`` loads stored
+#: choices but stores none (:data:`AUTOTUNE_STORE`: tuning under a profiler, whose serialised, replayed launches can
+#: rank the tiles differently from a training run, must not leave its choice for later processes; the other
+#: autotuned GEMMs, whose Triton ``cache_results`` loads and stores together, then tune in the process); ``0``: tune
+#: in every process.
+_CACHE_MODE = os.environ.get("FP4COMPILE_AUTOTUNE_CACHE", "1").strip().lower()
+if _CACHE_MODE not in ("0", "1", "read"):
+    warnings.warn(f"fp4compile: FP4COMPILE_AUTOTUNE_CACHE={_CACHE_MODE!r} is not 0, 1 or read: using 1")
+    _CACHE_MODE = "1"
+AUTOTUNE_CACHE = _CACHE_MODE != "0"
+#: whether a TMA GEMM autotune choice made in this process is written to the disk cache (``FP4COMPILE_AUTOTUNE_CACHE``
+#: is ``1``)
+AUTOTUNE_STORE = _CACHE_MODE == "1"
 _TUNED_FILE = "bf16_tma_gemm.autotune.json"
 
 
@@ -645,7 +657,9 @@ def _load_tuned(tuned_key) -> Optional[dict]:
 
 
 def _store_tuned(tuned_key, config: dict) -> None:
-    if not AUTOTUNE_CACHE:
+    """Keep ``config``, the choice for ``tuned_key``, on disk for later processes (unless :data:`AUTOTUNE_CACHE`
+    or :data:`AUTOTUNE_STORE` is off)."""
+    if not (AUTOTUNE_CACHE and AUTOTUNE_STORE):
         return
     try:
         _tuned_cache(tuned_key).put(json.dumps({"shape": list(tuned_key[:3]), "config": config}), _TUNED_FILE,
