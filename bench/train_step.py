@@ -225,6 +225,11 @@ def main():
             summary.append(f"{r['label']:<44}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>7.3f}"
                            f"{r['ms_per_step']:>9.1f}{r['peak_gib']:>9.2f}{r['first_compile_s']:>10.1f}"
                            f"{r['first_loss']:>8.3f}->{r['last_loss']:.3f}")
+        if args.skip_bf16:   # no baseline: the ratios above are against the first fp4 row, and no target is judged
+            summary.append(f"[{mode}] no BF16 baseline (--skip-bf16): ratios are against the first row; no targets")
+            print("\n".join(summary[-len(rows) - 3:]), flush=True)
+            all_rows += rows
+            continue
         fp4 = max(rows[1:] or rows, key=lambda r: r["tokens_per_s"])
         summary.append(f"[{mode}] best fp4 row: {fp4['label']}; targets: tokens/s ratio "
                        f"{fp4['tokens_per_s'] / base['tokens_per_s']:.3f} (>= 0.9), peak {fp4['peak_gib']:.2f} vs "
