@@ -11,7 +11,9 @@ answer off the hardware: issue-slot use, achieved occupancy, and the warp stall 
     python bench/ncu_kernels.py --summarize ncu_WORKLOAD.csv
 
 A workload runs ``--warmup`` times (compiles, fills caches), then once between ``torch.cuda.profiler.start()`` and
-``stop()``, so that ncu with ``--profile-from-start off`` profiles one launch of each of its kernels. Workloads
+``stop()``, so that ncu with ``--profile-from-start off`` profiles one launch of each of its kernels. It runs with
+``FP4COMPILE_AUTOTUNE_CACHE=read`` unless set otherwise: a TMA GEMM tile stored on disk is used, one tuned under
+ncu is not stored (to profile a training run's tiles, run the workload once without ncu first). Workloads
 (:data:`WORKLOADS`): ``attn_paper`` / ``attn_paper1x16`` (Q-Attn's forward and backward kernels at the GPT-124M
 layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x16 tiles / in 1x16 blocks), ``eden``
 (MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
