@@ -5,6 +5,7 @@ alternating blocks, so that a machine's drift (clocks, temperature, neighbours) 
     python bench/step_ab.py --arm base --arm 'e128:fp4compile.kernels.quantize.CONFIG[e_maxnreg]=128' --rounds 12
     python bench/step_ab.py --arm fp4 --arm bf16:backend=inductor           # the step against BF16, interleaved
     python bench/step_ab.py --tiny --arm base --arm x:options.save_weight_copies=false     # CPU smoke run
+    python bench/step_ab.py --arm fp4 --arm q2:options.policy=quartet2 --arm bf16:backend=inductor  # + linear-only
 
 An arm is ``NAME[:SETTING,SETTING...]``; a setting is ``module.path.ATTR=JSON`` or ``module.path.ATTR[KEY]=JSON``
 (a module switch or an entry of a module's dict such as ``fp4compile.kernels.quantize.CONFIG``, set while the arm
@@ -118,7 +119,7 @@ class Arm:
                 raise SystemExit(f"--arm {spec!r}: the inductor arm takes no backend options")
             self.fn = torch.compile(self.model, mode=args.mode)
         else:
-            opts = dict(policy=policy_for(args.policy), mode=args.mode, **options)
+            opts = {**dict(policy=policy_for(args.policy), mode=args.mode), **options}   # options.policy=PRESET wins
 
             def backend(gm, example_inputs, **kw):
                 # a function of its own per arm: torch.compile's wrapper of a custom backend compares equal for

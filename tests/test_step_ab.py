@@ -65,3 +65,21 @@ def test_tiny_run_times_every_arm_on_a_graph_of_its_own(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "(1 Dynamo graphs)" in text and "ABBA" in text and "== profile: arm nobias, 2 steps ==" in text
     assert out.read_text().count("\n") == 1
+
+
+def test_an_arm_can_name_its_own_policy(monkeypatch):
+    """``options.policy=PRESET`` replaces ``--policy`` for that arm alone (the linear-only step beside the full
+    stack in one run): it reached the backend instead of failing on a repeated keyword."""
+    import fp4compile.backend as B
+
+    real, seen = B.fullstack_fp4, []
+
+    def spy(gm, example_inputs, **kw):
+        seen.append(kw["options"]["policy"])
+        return real(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(B, "fullstack_fp4", spy)
+    rows = step_ab.main(["--tiny", "--rounds", "1", "--block", "1", "--warmup", "0",
+                         "--arm", "fs", "--arm", "q2:options.policy=quartet2"])
+    assert [r["arm"] for r in rows] == ["fs", "q2"]
+    assert seen[0] != "quartet2" and "quartet2" in seen
