@@ -374,7 +374,9 @@ _register_cuda_kernels()
 #           q_codes u8 [B,H,Tq,D/2], q_scales u8 [B,H,Tq,D/16], q_global f32 [],   (16x16 tiles, or 1x16: bit 6)
 #           k_codes, k_scales, k_global, v_codes, v_scales, v_global)
 #       fp4_roles: bit mask over (attn.qk, attn.pv, attn.dov, attn.pdo, attn.dsk, attn.dsq) = bits 0..5; bit 6
-#       (attention_ref.QK_1X16): Q's and K's copies in 1x16 blocks along head_dim instead of 16x16 tiles.
+#       (attention_ref.QK_1X16): Q's and K's copies in 1x16 blocks along head_dim instead of 16x16 tiles; bits 7, 8
+#       (attention_ref.QK_ROT, K_SMOOTH): the Q, K transform applied by the op to q, k before quantizing them (needs
+#       attn.qk, attn.dsk, attn.dsq in NVFP4; the copies are then of the transformed tensors, dq, dk are for q, k).
 #       A tensor with no NVFP4 consumer gets codes/scales of shape [0] and global 0.
 #       attn_mask: bool (True = attend) or additive float, broadcastable to [B,H,Tq,Tk]; not differentiated.
 #   fp4compile::qattn_bwd(grad_out, q?, k?, v?, <the nine view tensors>?, out, lse, attn_mask?, is_causal,
@@ -407,7 +409,11 @@ def _qattn_check(q: Tensor, k: Tensor, v: Tensor, fp4_roles: int):
     torch._check(k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0,
                  lambda: f"qattn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     torch._check(0 <= fp4_roles < _aref.MASK_LIMIT,
-                 lambda: f"qattn: fp4_roles must be a 6-bit role mask, plus bit 6 (QK_1X16), got {fp4_roles}")
+                 lambda: f"qattn: fp4_roles must be a 6-bit role mask, plus bits 6 (QK_1X16), 7 (QK_ROT) and 8 "
+                         f"(K_SMOOTH), got {fp4_roles}")
+    torch._check(not fp4_roles & _aref.IN_OP_TRANSFORM or fp4_roles & _aref.QK_READERS == _aref.QK_READERS,
+                 lambda: f"qattn: the Q, K transform inside the op (bits 7, 8) needs attn.qk, attn.dsk and attn.dsq in "
+                         f"NVFP4, got fp4_roles={fp4_roles}")
 
 
 @torch.library.custom_op("fp4compile::qattn", mutates_args=())
@@ -420,6 +426,7 @@ def qattn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causa
 
 def _qattn_fwd_ref(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     _qattn_check(q, k, v, fp4_roles)
+    q, k = _aref.apply_in_op_transform(q, k, fp4_roles)
     views = _aref.quantize_qkv(q, k, v, fp4_roles)
     out, lse = _aref.attention_fwd_ref(q, k, v, views, attn_mask, is_causal, scale, fp4_roles,
                                        dtype=torch.float32, emulate_bf16=True)
@@ -504,7 +511,21 @@ def _qattn_backward(ctx, grad_out, *unused):
         return None, None, None, None, None, None, None
     dq, dk, dv = torch.ops.fp4compile.qattn_bwd(grad_out, q, k, v, *views, out, lse, attn_mask,
                                                 is_causal, scale, fp4_roles)
+    dq, dk = _in_op_transform_grads(dq, dk, fp4_roles)
     return dq, dk, dv, None, None, None, None
+
+
+def _in_op_transform_grads(dq: Tensor, dk: Tensor, fp4_roles: int) -> tuple[Tensor, Tensor]:
+    """dQ, dK for the q, k the op was given, from those for the transformed Q', K' (``qattn_bwd``'s) under
+    ``IN_OP_TRANSFORM``: the transform's transpose by ``fp4compile::smooth_rotate``, the op the unfused graph's
+    autograd runs."""
+    if not fp4_roles & _aref.IN_OP_TRANSFORM:
+        return dq, dk
+    smooth, block = _aref.in_op_transform(fp4_roles, dq.shape[-1])
+    rot = torch.ops.fp4compile.smooth_rotate
+    if block:
+        dq = rot(dq, False, block, True)
+    return dq, rot(dk, smooth, block, True)
 
 
 qattn.register_autograd(_qattn_backward, setup_context=_qattn_setup_context)
@@ -528,13 +549,20 @@ def _qattn_fwd_cuda(q, k, v, attn_mask, is_causal, scale, fp4_roles):
     if q.shape[-1] not in _attn.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"qattn CUDA kernel supports head dims {_attn.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
     # the FP4 copies (saved for backward) of every tensor with an NVFP4 consumer, and, where the forward
-    # reads it, its bf16 code x scale (transient): two launches for all of them
+    # reads it, its bf16 code x scale (transient): two launches for all of them; under IN_OP_TRANSFORM those two
+    # launches apply the Q, K transform in registers (or, where they cannot, fp4compile::smooth_rotate first)
+    smooth, block = _aref.in_op_transform(fp4_roles, q.shape[-1])
+    folded = _attn.folds_transform(q, block)
+    if (smooth or block) and not folded:
+        q, k = _aref.apply_in_op_transform(q, k, fp4_roles, op=lambda x, s, b: smooth_rotate(x, s, b, False))
+    transforms = {"q": (False, block), "k": (smooth, block)} if folded else {}
     tiles = _aref.qk_tiles(fp4_roles)
     todo = [(name, x, bool(fp4_roles & r), t) for name, x, need, r, t in
             zip("qkv", (q, k, v), _aref.needs_fp4(fp4_roles), (_aref.QK, _aref.QK, _aref.PV), (tiles, tiles, True))
             if need]
-    done = dict(zip((t[0] for t in todo), _attn.quantize_many([t[1] for t in todo], [t[2] for t in todo],
-                                                              [t[3] for t in todo]) if todo else ()))
+    done = dict(zip((t[0] for t in todo), _attn.quantize_many(
+        [t[1] for t in todo], [t[2] for t in todo], [t[3] for t in todo],
+        [transforms.get(t[0], (False, 0)) for t in todo]) if todo else ()))
     vals, deq, zero = [], {}, 0
     for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
         if name in done:
@@ -592,6 +620,7 @@ class _QAttnEager(torch.autograd.Function):
         bwd = _IMPLS.get(grad_out.device.type, (_qattn_fwd_ref, _qattn_bwd_ref))[1]
         dq, dk, dv = bwd(grad_out, *saved[:12], saved[12], saved[13], saved[14], is_causal, scale,
                          fp4_roles)
+        dq, dk = _in_op_transform_grads(dq, dk, fp4_roles)
         return dq, dk, dv, None, None, None, None
 
 

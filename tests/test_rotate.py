@@ -104,6 +104,45 @@ def test_qattn_sdpa_with_the_op_is_the_aten_transform():
         _errors("triton")
 
 
+@pytest.mark.parametrize("how", ["smooth_k+hadamard", "hadamard", "smooth_k"])
+@pytest.mark.parametrize("causal,gqa", [(True, False), (False, True)])
+def test_qattn_sdpa_fused_is_the_op(how, causal, gqa):
+    """qk_impl="fused" (the transform inside fp4compile::qattn, bits QK_ROT / K_SMOOTH) against "op" on the CPU: the
+    same forward bytes and the same gradients bit for bit (the op's CPU implementation applies the same reference
+    transform before quantizing, and its autograd the same transposed op), with GQA and with and without causality."""
+    from fp4compile.passes.attention import qattn_sdpa
+
+    q, k = _split_qkv(T=48, H=4, seed=2)
+    if gqa:
+        k = k[:, :2].contiguous()
+    v = torch.randn(k.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    res = {}
+    for impl in ("op", "fused"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = qattn_sdpa(*leaves, is_causal=causal, qk_transform=how, qk_impl=impl, enable_gqa=gqa)
+        res[impl] = (out, *torch.autograd.grad(out, leaves, do))
+    for a, b in zip(res["op"], res["fused"]):
+        assert torch.equal(a, b)
+
+
+def test_qattn_in_op_transform_needs_the_qk_readers_in_nvfp4():
+    """The op refuses the in-op transform bits unless attn.qk, attn.dsk and attn.dsq are all NVFP4 (a BF16 reader
+    would need Q', K' in BF16); qattn_sdpa's "fused" then does what "op" does (the transform outside the op)."""
+    from fp4compile.passes.attention import qattn_sdpa
+
+    q, k = _split_qkv(T=32, H=2, seed=3)
+    v = torch.randn(k.shape).bfloat16()
+    bits = R.in_op_transform_bits("smooth_k+hadamard")
+    assert bits == R.QK_ROT | R.K_SMOOTH and R.in_op_transform_bits("none") == 0
+    with pytest.raises(RuntimeError, match="attn.qk, attn.dsk and attn.dsq"):
+        torch.ops.fp4compile.qattn(q, k, v, None, True, 0.125, R.QK | R.DSK | bits)
+    roles = R.QK | R.PV
+    a = qattn_sdpa(q, k, v, is_causal=True, qk_transform="smooth_k+hadamard", qk_impl="fused", fp4_roles=roles)
+    b = qattn_sdpa(q, k, v, is_causal=True, qk_transform="smooth_k+hadamard", qk_impl="op", fp4_roles=roles)
+    assert torch.equal(a, b)
+
+
 def test_the_op_is_the_default_impl():
     """QK_TRANSFORM_IMPL defaults to "op" (session 39), and so does qattn_sdpa's qk_impl."""
     import inspect
@@ -115,7 +154,7 @@ def test_the_op_is_the_default_impl():
     assert inspect.signature(A.qattn_sdpa).parameters["qk_impl"].default == "op"
 
 
-@pytest.mark.parametrize("impl", ["op", "torch"])
+@pytest.mark.parametrize("impl", ["op", "torch", "fused"])
 def test_swap_writes_the_impl_and_compiles(monkeypatch, impl):
     """QK_TRANSFORM_IMPL reaches the swapped node's kwargs (cache keys); with "op" the compiled graph calls the op,
     with "torch" it does not; the compiled model equals the eager one with the same impl, gradients too. A bad
@@ -142,9 +181,14 @@ def test_swap_writes_the_impl_and_compiles(monkeypatch, impl):
     if impl == "torch":
         assert rot == {"fw": [], "bw": []}
         return
-    # forward: K centred and rotated, Q rotated; backward: both rotated back (Sᵀ), nothing of Q, K saved but the
-    # FP4 copies that qattn_bwd reads
-    assert sorted((n.args[1], n.args[3]) for n in rot["fw"]) == [(False, False), (True, False)]
+    (fwd,) = [n for n in be.fw.graph.nodes if n.target is torch.ops.fp4compile.qattn.default]
+    if impl == "fused":   # the forward's transform is inside the op: no smooth_rotate, the op's mask says what
+        assert rot["fw"] == [] and fwd.args[6] & R.IN_OP_TRANSFORM == R.in_op_transform_bits(A.qk_transform_mode())
+    else:
+        assert not fwd.args[6] & R.IN_OP_TRANSFORM
+        # forward: K centred and rotated, Q rotated
+        assert sorted((n.args[1], n.args[3]) for n in rot["fw"]) == [(False, False), (True, False)]
+    # backward: both rotated back (Sᵀ), nothing of Q, K saved but the FP4 copies that qattn_bwd reads
     assert sorted((n.args[1], n.args[3]) for n in rot["bw"]) == [(False, True), (True, True)]
     (bwd,) = [n for n in be.bw.graph.nodes if n.target is torch.ops.fp4compile.qattn_bwd.default]
     assert bwd.args[1] is None and bwd.args[2] is None
@@ -209,6 +253,63 @@ def test_triton_kernel_under_the_interpreter(tmp_path):
             assert layout_ok and max_ulp <= 1 and exact >= 0.99, (case, res)
 
 
+_FOLD_INTERP = textwrap.dedent("""
+    import json, torch
+    import triton.runtime.interpreter as I
+    _orig = I._patch_lang_tensor
+    def _patched(tensor, scope):  # Triton 3.6's interpreter calls int() on 1-element arrays; numpy >= 2.4 refuses
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    I._patch_lang_tensor = _patched
+    from fp4compile.kernels import attention as A, attention_ref as R, rotate as K
+    from test_rotate import _split_qkv
+    out = {}
+    for D, T, H, Hkv, tiles, dtype in ((64, 40, 4, 2, True, torch.bfloat16), (64, 70, 2, 2, False, torch.bfloat16),
+                                       (128, 33, 2, 1, True, torch.bfloat16), (64, 40, 2, 2, True, torch.float16)):
+        q, k = _split_qkv(T=T, H=H, D=D, dtype=dtype)
+        k = k[:, :Hkv]
+        v = torch.randn(k.shape, dtype=dtype)
+        for smooth, block in ((True, D), (False, D), (True, 0)):
+            fused = A.quantize_many([q, k, v], [True, True, False], [tiles, tiles, True],
+                                    [(False, block), (smooth, block), (False, 0)])
+            qt = K.smooth_rotate(q, False, block, False) if block else q
+            kt = K.smooth_rotate(k, smooth, block, False)
+            plain = A.quantize_many([qt, kt, v], [True, True, False], [tiles, tiles, True])
+            ref = [R.quantize_2d(x, tiles=t) for x, t in ((qt, tiles), (kt, tiles), (v, True))]
+            out[f"{D}-{T}-{Hkv}-{tiles}-{dtype}-{smooth}-{block}"] = [
+                [all(torch.equal(a, b) for a, b in zip(f, p)), all(torch.equal(a, b) for a, b in zip(p[:3], r))]
+                for f, p, r in zip(fused, plain, ref)]
+    try:
+        A.quantize_many([q, k, v], [True] * 3, None, [(False, 0), (False, 0), (True, 0)])
+    except ValueError as e:
+        out["third"] = "Q, K" in str(e)
+    print("REPORT" + json.dumps(out))
+""")
+
+
+def test_quantize_many_folds_the_transform_under_the_interpreter(tmp_path):
+    """Q-Attn's quantize launches with the Q, K transform folded in (``quantize_many(..., transforms)``, what
+    ``fp4compile::qattn`` runs on CUDA under QK_ROT / K_SMOOTH), TRITON_INTERPRET=1 in a fresh process: codes,
+    scales, globals and the bf16 code x scale equal, bit for bit, those of the unfused path (the smooth_rotate kernel,
+    then quantize_many), which equals the reference; ragged T (the padded rows of a 16x16 tile stay zero after
+    centring), 1x16 blocks, GQA, head dim 128, FP16, rotation and centring alone. A third tensor is not transformed."""
+    pytest.importorskip("triton")
+    import json
+
+    script = tmp_path / "fold_interp.py"
+    script.write_text(_FOLD_INTERP)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(line[0][len("REPORT"):])
+    assert report.pop("third") is True
+    assert len(report) == 12
+    for case, res in report.items():
+        assert res == [[True, True]] * 3, (case, res)
+
+
 def test_mean_chunks_cover_every_tile_once():
     """The partial-sums grid: every BT-row tile of T in exactly one chunk, about MEAN_PROGRAMS programs in all (never
     fewer than one chunk, never more chunks than tiles); a bad FP4COMPILE_ROTATE_MEAN raises."""
@@ -250,6 +351,34 @@ def test_gpu_kernel_matches_the_reference(monkeypatch, mean):
                 assert got.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_fused_transform_is_the_op(D):
+    """On CUDA, qk_impl="fused" (the transform in Q-Attn's quantize launches) against "op" (the smooth_rotate kernel,
+    then the launches): the saved FP4 copies equal but for values whose rotation's FP32 sum rounds one BF16 step
+    apart in the two kernels' tile shapes (>= 99.9 % of codes equal), and the output and gradients as close as such
+    differences allow (relative norm <= 1e-3; Q-Attn's own error against float64 is ~8e-2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from fp4compile.kernels import attention as A
+    from fp4compile.passes.attention import qattn_sdpa
+
+    q, k = (t.cuda() for t in _split_qkv(B=4, T=1000, H=6, D=D, seed=4))
+    v, do = (torch.randn(q.shape, generator=torch.Generator().manual_seed(s)).bfloat16().cuda() for s in (7, 8))
+    res = {}
+    for impl in ("op", "fused"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = qattn_sdpa(*leaves, is_causal=True, qk_transform="smooth_k+hadamard", qk_impl=impl)
+        res[impl] = (out, *torch.autograd.grad(out, leaves, do))
+    for a, b in zip(res["op"], res["fused"]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() <= 1e-3
+    fused = A.quantize_many([q, k], [True, True], None, [(False, D), (True, D)])
+    plain = A.quantize_many([OP(q, False, D, False), OP(k, True, D, False)], [True, True])
+    for f, p in zip(fused, plain):
+        assert (f[0] == p[0]).float().mean().item() >= 0.999 and (f[1] == p[1]).float().mean().item() >= 0.999
+        assert torch.equal(f[2], p[2]) or abs(f[2].item() / p[2].item() - 1) < 1e-2
+
+
 @pytest.mark.parametrize("D,block,smooth,trans,nc", [(64, 64, True, False, 0), (128, 128, False, True, 0),
                                                      (64, 16, True, True, 0), (64, 64, True, False, 3)])
 def test_kernel_compiles_for_sm90(D, block, smooth, trans, nc):
@@ -274,6 +403,34 @@ def test_kernel_compiles_for_sm90(D, block, smooth, trans, nc):
         sass = disassemble(cubin)
         assert re.search(r"\bFADD", sass) and not re.search(r"\bHGMMA|\bHMMA", sass)
         assert 0 < sass_stats(cubin)[2] <= 255
+
+
+@pytest.mark.parametrize("kernel", ["amax", "quant2d"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_folded_transform_compiles_for_sm90(kernel, D):
+    """Q-Attn's quantize launches with the Q, K transform folded in (Q rotated, K centred and rotated) through
+    Triton's sm_90 stages on this CPU: the rotation is a tensor-core product (an MMA in the SASS, none without the
+    transform), registers within 4 warps' share of an SM."""
+    pytest.importorskip("triton")
+    from fp4compile.kernels import attention as KA
+    from fp4compile.kernels.offline import compile_offline, disassemble, sass_stats
+
+    fn = KA._amax_kernel if kernel == "amax" else KA._quant2d_kernel
+    ptr = {"X": "*bf16", "C": "*u8", "S": "*u8", "Y": "*bf16", "G": "*fp32", "M": "*fp32"}
+
+    def typ(n):
+        return "*fp32" if n == "PART" else ptr[n[0]] if len(n) == 2 and n[0] in ptr and n[1].isdigit() else "i32"
+
+    regs = {}
+    for fold in (False, True):
+        const = dict(BT=32, D=D, SM0=False, RO0=D if fold else 0, SM1=fold, RO1=D if fold else 0,
+                     LOGR=D.bit_length() - 1 if fold else 0)
+        if kernel == "quant2d":
+            const.update(NP2=256, WD0=True, WD1=True, WD2=False, RW0=False, RW1=False, RW2=False)
+        cubin = compile_offline(fn, {n: typ(n) for n in fn.arg_names if n not in const}, const, 4, upto="cubin")
+        assert bool(re.search(r"\bHGMMA|\bHMMA", disassemble(cubin))) == fold
+        regs[fold] = sass_stats(cubin)[2]
+        assert 0 < regs[fold] <= 255, (fold, regs)
 
 
 def test_bench_qk_transform_kinds_on_cpu():

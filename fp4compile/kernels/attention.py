@@ -54,6 +54,7 @@ except ImportError:  # CPU wheel without Triton: only the torch reference is ava
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if triton is not None:
     # the kernels' one E2M1 encoder (magnitude code by FP-pipe rounding) and decoder, used by _quant2d_kernel
@@ -107,6 +108,36 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             return tl.dot(a, b)
+
+    @triton.jit
+    def _signed_hadamard(D: tl.constexpr, BLOCK: tl.constexpr, LOGB: tl.constexpr, TRANS: tl.constexpr):
+        """The +-1 [D, D] ``attention_ref.signed_hadamard(D, block=BLOCK, normalize=False)`` (its transpose with
+        TRANS) in FP32 registers, from the same integer formula: the sign of row i is bit 13 of i * 0x39B1, entry
+        (i, j) of a diagonal block the parity of (i & j)."""
+        i = tl.arange(0, D)[:, None]
+        j = tl.arange(0, D)[None, :]
+        if TRANS:
+            neg = ((j * 0x39B1) >> 13) & 1             # S^T[i, j] = S[j, i]: the sign of row j
+        else:
+            neg = ((i * 0x39B1) >> 13) & 1
+        a = (i % BLOCK) & (j % BLOCK)
+        for sh in tl.static_range(LOGB):
+            neg = neg ^ ((a >> sh) & 1)
+        return tl.where((i // BLOCK) == (j // BLOCK), 1.0 - 2.0 * neg.to(tl.float32), 0.0)
+
+    @triton.jit
+    def _qk_transform_rows(x, x_ptr, m_ptr, bh, rows_ok, SMOOTH: tl.constexpr, ROT: tl.constexpr,
+                           LOGR: tl.constexpr, D: tl.constexpr):
+        """Rows ``x`` [R, D] of Q or K as loaded (x_ptr's dtype) after the Q, K transform, as
+        ``fp4compile::smooth_rotate`` makes them (``kernels/rotate.py``): minus the FP32 mean m_ptr[bh, :] and one
+        rounding (SMOOTH), times the signed Hadamard of ROT channels on tensor cores and one rounding (ROT > 0).
+        Rows past T (``rows_ok`` False) come back 0, as the unfused copy's padding."""
+        if SMOOTH:
+            mean = tl.load(m_ptr + bh * D + tl.arange(0, D))
+            x = _cast_like(x.to(tl.float32) - mean[None, :], x_ptr)
+        if ROT > 0:
+            x = _cast_like(_mma(x, _signed_hadamard(D, ROT, LOGR, False).to(x_ptr.dtype.element_ty)), x_ptr)
+        return tl.where(rows_ok[:, None], x, 0.0).to(x_ptr.dtype.element_ty)
 
     # -----------------------------------------------------------------------------------------------------
     # NVFP4 helpers (registers)
@@ -233,8 +264,10 @@ if triton is not None:
     # -----------------------------------------------------------------------------------------------------
     # quantization of Q/K/V/dO: one amax launch and one quantize launch for up to three tensors
     @triton.jit
-    def _amax_body(x_ptr, part_ptr, pid, NP, T, H, NBH, sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr):
-        """Partial amax of the [BT, D] tiles pid, pid + NP, ... of x (tiles ordered (batch*head, time))."""
+    def _amax_body(x_ptr, part_ptr, pid, NP, T, H, NBH, sxb, sxh, sxt, m_ptr, BT: tl.constexpr, D: tl.constexpr,
+                   SMOOTH: tl.constexpr = False, ROT: tl.constexpr = 0, LOGR: tl.constexpr = 0):
+        """Partial amax of the [BT, D] tiles pid, pid + NP, ... of x (tiles ordered (batch*head, time)); of x after
+        the Q, K transform where SMOOTH / ROT say so (:func:`_qk_transform_rows`)."""
         nT = tl.cdiv(T, BT)
         od = tl.arange(0, D)
         acc = tl.zeros([BT, D], tl.float32)
@@ -243,21 +276,26 @@ if triton is not None:
             offs_t = (i % nT) * BT + tl.arange(0, BT)
             x = tl.load(x_ptr + (bh // H) * sxb + (bh % H) * sxh + offs_t[:, None] * sxt + od[None, :],
                         mask=offs_t[:, None] < T, other=0.0)
+            if SMOOTH or ROT > 0:
+                x = _qk_transform_rows(x, x_ptr, m_ptr, bh, offs_t < T, SMOOTH, ROT, LOGR, D)
             acc = _max_nan(acc, tl.abs(x.to(tl.float32)))   # a NaN element makes the global NaN
         tl.store(part_ptr + pid, _amax_all(acc))
 
     @triton.jit
     def _amax_kernel(X0, X1, X2, PART, NP, T0, T1, T2, H0, H1, H2, N0, N1, N2,
-                     s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, BT: tl.constexpr, D: tl.constexpr):
-        """PART[t, p] = amax of tensor t's tiles p, p + NP, ... (deterministic: no atomics, no memset)."""
+                     s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, M0, M1, BT: tl.constexpr, D: tl.constexpr,
+                     SM0: tl.constexpr = False, RO0: tl.constexpr = 0, SM1: tl.constexpr = False,
+                     RO1: tl.constexpr = 0, LOGR: tl.constexpr = 0):
+        """PART[t, p] = amax of tensor t's tiles p, p + NP, ... (deterministic: no atomics, no memset). Tensors 0 and
+        1 (Q and K) may be transformed first (SMi: centred by the means Mi; ROi: rotated; see ``quantize_many``)."""
         pid = tl.program_id(0)
         t = tl.program_id(1)
         if t == 0:
-            _amax_body(X0, PART, pid, NP, T0, H0, N0, s0b, s0h, s0t, BT, D)
+            _amax_body(X0, PART, pid, NP, T0, H0, N0, s0b, s0h, s0t, M0, BT, D, SM0, RO0, LOGR)
         elif t == 1:
-            _amax_body(X1, PART + NP, pid, NP, T1, H1, N1, s1b, s1h, s1t, BT, D)
+            _amax_body(X1, PART + NP, pid, NP, T1, H1, N1, s1b, s1h, s1t, M1, BT, D, SM1, RO1, LOGR)
         else:
-            _amax_body(X2, PART + 2 * NP, pid, NP, T2, H2, N2, s2b, s2h, s2t, BT, D)
+            _amax_body(X2, PART + 2 * NP, pid, NP, T2, H2, N2, s2b, s2h, s2t, M0, BT, D)
 
     @triton.jit
     def _per_element(blk, BT: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
@@ -286,9 +324,11 @@ if triton is not None:
 
     @triton.jit
     def _quant_body(x_ptr, codes_ptr, scales_ptr, deq_ptr, gdec_ptr, part_ptr, NP, pid_t, pid_bh, T, H, NBH,
-                    sxb, sxh, sxt, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr, WRITE_DEQ: tl.constexpr,
-                    ROWS: tl.constexpr = False):
-        """NVFP4 RTN, 16x16 tiles over (T, D) (with ROWS: 1x16 blocks along D), of one [BT, D] slab of x[b, h];
+                    sxb, sxh, sxt, m_ptr, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
+                    WRITE_DEQ: tl.constexpr, ROWS: tl.constexpr = False, SMOOTH: tl.constexpr = False,
+                    ROT: tl.constexpr = 0, LOGR: tl.constexpr = 0):
+        """NVFP4 RTN, 16x16 tiles over (T, D) (with ROWS: 1x16 blocks along D), of one [BT, D] slab of x[b, h]
+        (after the Q, K transform where SMOOTH / ROT say so: :func:`_qk_transform_rows`);
         == attention_ref.quantize_2d(x, tiles=not ROWS). The per-tensor amax is the max of the NP partials. With
         WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
         if (pid_t * BT < T) & (pid_bh < NBH):
@@ -304,8 +344,10 @@ if triton is not None:
             mt = offs_t < T
             od = tl.arange(0, D)
             x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
-                        other=0.0).to(tl.float32)
-            code, sf8, sf = _round_blocks(x, s_enc, g_dec, BT, D, ROWS)
+                        other=0.0)
+            if SMOOTH or ROT > 0:
+                x = _qk_transform_rows(x, x_ptr, m_ptr, pid_bh, mt, SMOOTH, ROT, LOGR, D)
+            code, sf8, sf = _round_blocks(x.to(tl.float32), s_enc, g_dec, BT, D, ROWS)
             base = pid_bh * T
             if WRITE_DEQ:
                 val = _e2m1_value(code) * _per_element(sf, BT, D, ROWS)
@@ -325,22 +367,26 @@ if triton is not None:
 
     @triton.jit
     def _quant2d_kernel(X0, C0, S0, Y0, G0, X1, C1, S1, Y1, G1, X2, C2, S2, Y2, G2, PART, NP,
-                        T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t,
+                        T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, M0, M1,
                         BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
                         WD0: tl.constexpr, WD1: tl.constexpr, WD2: tl.constexpr,
-                        RW0: tl.constexpr = False, RW1: tl.constexpr = False, RW2: tl.constexpr = False):
+                        RW0: tl.constexpr = False, RW1: tl.constexpr = False, RW2: tl.constexpr = False,
+                        SM0: tl.constexpr = False, RO0: tl.constexpr = 0, SM1: tl.constexpr = False,
+                        RO1: tl.constexpr = 0, LOGR: tl.constexpr = 0):
         """Grid (time blocks, batch*head, tensor): quantizes up to three tensors in one launch (RWi: tensor i in
-        1x16 blocks along D instead of 16x16 tiles)."""
+        1x16 blocks along D instead of 16x16 tiles; SMi, ROi: tensors 0 and 1 transformed first, as in
+        :func:`_amax_kernel`)."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         t = tl.program_id(2)
         if t == 0:
-            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, BT, D, NP2, WD0, RW0)
+            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, M0, BT, D, NP2, WD0,
+                        RW0, SM0, RO0, LOGR)
         elif t == 1:
-            _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t, pid_bh, T1, H1, N1, s1b, s1h, s1t, BT, D, NP2,
-                        WD1, RW1)
+            _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t, pid_bh, T1, H1, N1, s1b, s1h, s1t, M1, BT, D, NP2,
+                        WD1, RW1, SM1, RO1, LOGR)
         else:
-            _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t, pid_bh, T2, H2, N2, s2b, s2h, s2t, BT, D,
+            _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t, pid_bh, T2, H2, N2, s2b, s2h, s2t, M0, BT, D,
                         NP2, WD2, RW2)
 
     @triton.jit
@@ -760,23 +806,61 @@ def _lastdim_contig(x: Tensor) -> Tensor:
 _AMAX_PROGRAMS = 256
 
 
-def quantize_many(xs, dequantized, tiles=None) -> list:
+#: head dims whose Q, K transform ``quantize_many`` can apply in its launches (``folds_transform``)
+FOLD_HEAD_DIMS = (64, 128)
+
+
+def folds_transform(x: Tensor, block: int) -> bool:
+    """Whether ``quantize_many`` applies the Q, K transform (rotation in diagonal blocks of ``block`` channels) to
+    ``x`` itself: CUDA (or any device under ``TRITON_INTERPRET=1``), BF16 / FP16, a head dim of
+    :data:`FOLD_HEAD_DIMS`. Otherwise the caller transforms first."""
+    return (triton is not None and (x.is_cuda or _INTERPRET) and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[-1] in FOLD_HEAD_DIMS and block <= x.shape[-1])
+
+
+def quantize_many(xs, dequantized, tiles=None, transforms=None) -> list:
     """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles (or, where
     ``tiles[i]`` is False, 1x16 blocks along D), in two launches in all: one partial-amax pass and one quantize
     pass (the per-tensor global scales stay on the device). Returns, per tensor, (codes, scales, global) and,
     where ``dequantized[i]``, also the bf16 code x E4M3 scale tensor (exact; the global excluded) that the
-    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``."""
+    attention kernels consume. Bit-identical to ``attention_ref.quantize_2d(x, tiles[i])``.
+
+    ``transforms[i]`` = (smooth, block) for the first two tensors (Q and K): both launches quantize
+    ``fp4compile::smooth_rotate(x, smooth, block, False)``'s values instead, computed in registers from x (its mean
+    over T by one ``torch.mean``, as the op's default), so the transformed tensor is never stored; the product's
+    FP32 sums may round one BF16 step apart from the op's (another tile shape), as between the op's GPU and CPU
+    implementations. Needs :func:`folds_transform`."""
     _require_triton()
     n = len(xs)
     tiles = [True] * n if tiles is None else list(tiles)
-    if not 1 <= n <= 3 or len(dequantized) != n or len(tiles) != n:
-        raise ValueError(f"quantize_many takes 1 to 3 tensors and as many dequantized (and tiles) flags, got {n}")
+    transforms = [(False, 0)] * n if transforms is None else [(bool(a), int(b)) for a, b in transforms]
+    if not 1 <= n <= 3 or len(dequantized) != n or len(tiles) != n or len(transforms) != n:
+        raise ValueError(f"quantize_many takes 1 to 3 tensors and as many dequantized (and tiles, transforms) flags, "
+                         f"got {n}")
+    if n > 2 and any(transforms[2]):
+        raise ValueError("quantize_many: only the first two tensors (Q, K) can be transformed")
     xs = [_lastdim_contig(x) for x in xs]
     D = xs[0].shape[-1]
     if any(x.dim() != 4 or x.shape[-1] != D for x in xs):
         raise ValueError("quantize_many: tensors must be [B, H, T, D] with one head dim")
+    for x, (smooth, block) in zip(xs, transforms):
+        if (smooth or block) and not folds_transform(x, block):
+            raise ValueError(f"quantize_many: cannot fold the Q, K transform for a {x.dtype} {x.device.type} tensor "
+                             f"of head dim {D} (block {block}); transform it first")
+        if block and (block & (block - 1) or D % block):
+            raise ValueError(f"quantize_many: the rotation block must be a power of two dividing {D}, got {block}")
+    blocks = {b for _, b in transforms if b}
+    if len(blocks) > 1:
+        raise ValueError(f"quantize_many: one rotation block for Q and K, got {sorted(blocks)}")
+    rot = blocks.pop() if blocks else 0
     dev = xs[0].device
-    BT_A = 64 if D <= 64 else 32
+    fp32_ph = placeholder(dev, torch.float32)
+    means = [torch.mean(x, dim=-2, dtype=torch.float32).contiguous() if sm else fp32_ph
+             for x, (sm, _) in zip(xs, transforms)][:2]
+    means += [fp32_ph] * (2 - len(means))
+    tf = dict(SM0=transforms[0][0], RO0=transforms[0][1], SM1=n > 1 and transforms[1][0],
+              RO1=transforms[1][1] if n > 1 else 0, LOGR=max(rot.bit_length() - 1, 0))
+    BT_A = 64 if D <= 64 and not rot else 32   # rotated: the quantize launch's tile shape, so the same products
     NP = _AMAX_PROGRAMS
     part = torch.empty((n, NP), dtype=torch.float32, device=dev)
     outs, slots = [], []
@@ -794,13 +878,13 @@ def quantize_many(xs, dequantized, tiles=None) -> list:
     X = [s[0] for s in slots]
     T_, H_, N_ = [s[5] for s in slots], [s[6] for s in slots], [s[7] for s in slots]
     strides = [v for s in slots for v in s[8:11]]
-    _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, BT=BT_A, D=D, num_warps=4)
+    _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, *means, BT=BT_A, D=D, **tf, num_warps=4)
     BT = 32
     tens = [t for s in slots for t in s[:5]]
     _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
-        *tens, part, NP, *T_, *H_, *N_, *strides, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
+        *tens, part, NP, *T_, *H_, *N_, *strides, *means, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
         WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], RW0=not tiles[0], RW1=n > 1 and not tiles[1],
-        RW2=n > 2 and not tiles[2], num_warps=4)
+        RW2=n > 2 and not tiles[2], **tf, num_warps=4)
     return outs
 
 

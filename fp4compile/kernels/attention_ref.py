@@ -30,6 +30,14 @@ re-quantization's own comes out exactly 1, see ``requantize_tiles``; the Triton 
 launch from the copy's codes and scales, ``attention._requant_body``). V and dO keep the tiles. The scales' layout
 ([..., T, D/16]) is the same for both blockings, so every consumer reads either copy unchanged.
 
+**The transform inside the op (``QK_ROT``, ``K_SMOOTH``, bits 7 and 8; ``passes.attention.QK_TRANSFORM_IMPL =
+"fused"``).** :func:`qk_transform`'s K centring and signed Hadamard may be left to the op: it is then given Q and K
+as the model made them and quantizes ``apply_in_op_transform(q, k)`` -- on CUDA the launches that take Q's and K's
+amax and quantize them compute the transform in registers, so the transformed BF16 Q', K' are never written or read
+back -- and its autograd returns dQ, dK through the transform's transpose (``fp4compile::smooth_rotate``, as the
+unfused graph's). Only with attn.qk, attn.dsk and attn.dsq all NVFP4 (``QK_READERS``): then Q', K' feed nothing but
+their NVFP4 copies. The softmax scale's factor ``c`` stays the caller's.
+
 Tensors made inside the kernels are quantized on the fly, in registers, along the contraction axis of the
 product that consumes them, with 1x16 blocks:
   * P (pv, pdo): its values lie in [0, 1], so the per-tensor level is fixed: global decode scale 1/2688
@@ -66,10 +74,19 @@ ATTN_ROLES = ("attn.qk", "attn.pv", "attn.dov", "attn.pdo", "attn.dsk", "attn.ds
 QK, PV, DOV, PDO, DSK, DSQ = (1 << i for i in range(6))
 #: not a role: Q and K quantized with 1x16 blocks along head_dim instead of 16x16 tiles (module docstring)
 QK_1X16 = 1 << 6
-#: every valid mask is below this (the role bits and ``QK_1X16``)
-MASK_LIMIT = 1 << 7
+#: not roles: Q-Attn's Q, K transform (:func:`qk_transform`) applied by ``fp4compile::qattn`` itself to the Q and K
+#: it is given, inside the launches that quantize them (module docstring, "The transform inside the op"):
+#: ``QK_ROT`` rotates both by the signed Hadamard of :func:`hadamard_block` channels, ``K_SMOOTH`` centres K over T
+QK_ROT = 1 << 7
+K_SMOOTH = 1 << 8
+IN_OP_TRANSFORM = QK_ROT | K_SMOOTH
+#: every valid mask is below this (the role bits, ``QK_1X16``, ``QK_ROT``, ``K_SMOOTH``)
+MASK_LIMIT = 1 << 9
 #: the Full-Stack FP4 split: QKᵀ, dS·K, dSᵀ·Q in NVFP4; P·V, Pᵀ·dO, dO·Vᵀ in BF16
 PAPER_ROLES = QK | DSK | DSQ
+#: the roles that read Q and K: all three NVFP4 is what ``IN_OP_TRANSFORM`` needs (then the transformed Q, K feed
+#: nothing but their NVFP4 copies, and no BF16 Q' or K' has to exist)
+QK_READERS = QK | DSK | DSQ
 #: rows x cols of the dS tile whose amax is the per-tile global scale (the backward kernels' tile)
 DS_TILE = 64
 #: key-tile width of the forward kernel: with attn.pv in NVFP4, P̃ is quantized per key tile relative to the
@@ -442,6 +459,30 @@ def smooth_rotate(x: Tensor, smooth: bool, block: int, transpose: bool = False) 
         s = signed_hadamard(x.shape[-1], x.device, x.dtype, normalize=False, block=block)
         x = _times_last(x, s.T if transpose else s)
     return x
+
+
+def in_op_transform(mask: int, d: int) -> tuple[bool, int]:
+    """(K centred over T, the rotation's block or 0) of the Q, K transform that ``mask`` asks ``fp4compile::qattn``
+    to apply itself (``QK_ROT``, ``K_SMOOTH``), for head dim ``d``."""
+    return bool(mask & K_SMOOTH), hadamard_block(d) if mask & QK_ROT else 0
+
+
+def in_op_transform_bits(how: str) -> int:
+    """The ``fp4_roles`` bits that run :func:`qk_transform` ``how`` inside ``fp4compile::qattn``."""
+    if how not in QK_TRANSFORMS:
+        raise ValueError(f"qk_transform: how must be one of {QK_TRANSFORMS}, got {how!r}")
+    return (QK_ROT if "hadamard" in how else 0) | (K_SMOOTH if "smooth_k" in how else 0)
+
+
+def apply_in_op_transform(q: Tensor, k: Tensor, mask: int, op=None) -> tuple[Tensor, Tensor]:
+    """Q and K as :func:`qk_transform` makes them for the bits ``mask`` carries (``op`` as there; the softmax
+    scale's factor is the caller's, as with ``qk_transform``): what ``fp4compile::qattn`` quantizes under
+    ``IN_OP_TRANSFORM``. The CPU implementation of the op, and its CUDA one where the kernels cannot fold it."""
+    smooth, block = in_op_transform(mask, q.shape[-1])
+    op = smooth_rotate if op is None else op
+    if smooth or block:
+        k = op(k, smooth, block)
+    return (op(q, False, block) if block else q), k
 
 
 def qk_transform(q: Tensor, k: Tensor, how: str = "none", op=None) -> tuple[Tensor, Tensor, float]:

@@ -40,7 +40,7 @@ MEAN_IMPLS = ("torch", "triton")
 MEAN_PROGRAMS = 512
 
 if triton is not None:
-    from .attention import _cast_like, _mma
+    from .attention import _cast_like, _mma, _signed_hadamard
 
     @triton.jit
     def _col_sums_kernel(X, P, T, H, sxb, sxh, sxt, TILES: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
@@ -85,18 +85,7 @@ if triton is not None:
                 mean = tl.load(M + pid_bh * D + offs_d)
             x = _cast_like(x.to(tl.float32) - mean[None, :], Y)
         if BLOCK > 0:
-            i = tl.arange(0, D)[:, None]
-            j = tl.arange(0, D)[None, :]
-            # the sign of S's row (bit 13 of row * 0x9E3779B1, as the reference), then the parity of (i & j) in the block
-            if TRANS:
-                neg = ((j * 0x39B1) >> 13) & 1             # S^T[i, j] = S[j, i]: the sign of row j
-            else:
-                neg = ((i * 0x39B1) >> 13) & 1
-            a = (i % BLOCK) & (j % BLOCK)
-            for sh in tl.static_range(LOGB):
-                neg = neg ^ ((a >> sh) & 1)
-            s = tl.where((i // BLOCK) == (j // BLOCK), 1.0 - 2.0 * neg.to(tl.float32), 0.0)
-            acc = _mma(x, s.to(Y.dtype.element_ty))
+            acc = _mma(x, _signed_hadamard(D, BLOCK, LOGB, TRANS).to(Y.dtype.element_ty))
             out = _cast_like(acc, Y)
         else:
             out = x

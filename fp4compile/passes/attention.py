@@ -54,7 +54,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.attention_ref import ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, bthd_empty, check_qk_option
+from ..kernels.attention_ref import (ATTN_ROLES, DSK, DSQ, PAPER_ROLES, QK, QK_1X16, QK_READERS, bthd_empty,
+                                     check_qk_option, in_op_transform, in_op_transform_bits)
 from ..kernels.attention_ref import qk_transform as _qk_transform
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -83,8 +84,12 @@ QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 #: faster than with ``"torch"`` in two A/Bs; the transform's GPU kernels 136 against 171 us per layer forward +
 #: backward there and 598 against 1,852 us at B=4, T=4096, H=16, D=128. Without CUDA graphs the op's launches cost
 #: more host time than Inductor's kernels (docs/BENCHMARKS.md, session 39).
+#: ``"fused"`` (session 57, opt-in until timed): the transform left to ``fp4compile::qattn`` itself
+#: (``attention_ref.IN_OP_TRANSFORM``): on CUDA its two quantize launches compute it in registers, so Q', K' are never
+#: written or read back in BF16 (~0.4 ms of the 124M step's memory traffic, by session 55's count); the backward as
+#: with ``"op"``. Only where attn.qk, attn.dsk and attn.dsq are all NVFP4 (the paper's split); elsewhere ``"op"``.
 QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
-QK_TRANSFORM_IMPLS = ("torch", "op")
+QK_TRANSFORM_IMPLS = ("torch", "op", "fused")
 
 #: the blocks of a swapped site's NVFP4 copies of Q and K (after :data:`QK_TRANSFORM`): ``"16x16"`` (tiles of 16
 #: positions x 16 channels: one copy that is a valid NVFP4 operand along head_dim and along the sequence, saved and
@@ -137,7 +142,8 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     ``attention_ref.QK_1X16``: Q and K in 1x16 blocks along head_dim, see :data:`QK_BLOCKS`). No dropout. The output is
     [B, H, T, D] stored as [B, T, H, D], as SDPA's CUDA kernels return it (``.transpose(1, 2)`` is contiguous).
     ``qk_transform``: Q and K go through ``attention_ref.qk_transform`` first (the same attention function; see
-    :data:`QK_TRANSFORM`), by ``fp4compile::smooth_rotate`` (``qk_impl="op"``) or as aten ops (``"torch"``; see
+    :data:`QK_TRANSFORM`), by ``fp4compile::smooth_rotate`` (``qk_impl="op"``), inside ``fp4compile::qattn``
+    (``"fused"``, where attn.qk, attn.dsk, attn.dsq are NVFP4) or as aten ops (``"torch"``; see
     :data:`QK_TRANSFORM_IMPL`). The defaults are the bare op's (tiles, no transform); what the backend writes into a
     swapped site follows :data:`QK_TRANSFORM` and :data:`QK_BLOCKS`."""
     if dropout_p:
@@ -148,9 +154,15 @@ def qattn_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         raise ValueError(f"qattn_sdpa: {query.shape[1]} query heads vs {key.shape[1]} KV heads needs enable_gqa=True")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    op = _smooth_rotate_op if _checked_impl(qk_impl, "qattn_sdpa: qk_impl") == "op" else None
-    query, key, c = _qk_transform(query, key, qk_transform, op=op)
-    scale = scale * c
+    impl = _checked_impl(qk_impl, "qattn_sdpa: qk_impl")
+    if impl == "fused" and qk_transform != "none" and fp4_roles & QK_READERS == QK_READERS:
+        fp4_roles |= in_op_transform_bits(qk_transform)        # the op transforms Q, K inside its quantization
+        block = in_op_transform(fp4_roles, query.shape[-1])[1]
+        scale = scale / block if block else scale
+    else:
+        op = _smooth_rotate_op if impl in ("op", "fused") else None
+        query, key, c = _qk_transform(query, key, qk_transform, op=op)
+        scale = scale * c
     if _plain_eager(query, key, value, attn_mask):  # same implementation and saved tensors, less host time
         from ..ops import qattn_eager
 
