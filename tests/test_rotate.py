@@ -230,22 +230,27 @@ _INTERP = textwrap.dedent("""
 """)
 
 
+def _interpreter_report(tmp_path, source: str) -> dict:
+    """Run ``source`` under TRITON_INTERPRET=1 in a fresh process (tests/ on its path); its REPORT line's JSON."""
+    pytest.importorskip("triton")
+    import json
+
+    script = tmp_path / "interp.py"
+    script.write_text(source)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(line[0][len("REPORT"):])
+
+
 def test_triton_kernel_under_the_interpreter(tmp_path):
     """The Triton kernel (TRITON_INTERPRET=1, fresh process) against the reference on split-QKV strided inputs:
     ragged T, with and without centring, S and Sᵀ, blocks 64 / 16 / 128, FP16, K's mean by torch.mean and by the
     partial-sums kernel (one and several tiles per chunk): within one output step and the FP32 summation-order
     bound everywhere, equal for >= 99 % of values, stored in Q-Attn's layout."""
-    pytest.importorskip("triton")
-    import json
-
-    script = tmp_path / "rotate_interp.py"
-    script.write_text(_INTERP)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
-    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
-    report = json.loads(line[0][len("REPORT"):])
+    report = _interpreter_report(tmp_path, _INTERP)
     assert len(report) == 7 + 2 * 5                   # the five centring cases again per partial-sums setting
     for case, res in report.items():
         assert res, case
@@ -293,17 +298,7 @@ def test_quantize_many_folds_the_transform_under_the_interpreter(tmp_path):
     scales, globals and the bf16 code x scale equal, bit for bit, those of the unfused path (the smooth_rotate kernel,
     then quantize_many), which equals the reference; ragged T (the padded rows of a 16x16 tile stay zero after
     centring), 1x16 blocks, GQA, head dim 128, FP16, rotation and centring alone. A third tensor is not transformed."""
-    pytest.importorskip("triton")
-    import json
-
-    script = tmp_path / "fold_interp.py"
-    script.write_text(_FOLD_INTERP)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT")]
-    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
-    report = json.loads(line[0][len("REPORT"):])
+    report = _interpreter_report(tmp_path, _FOLD_INTERP)
     assert report.pop("third") is True
     assert len(report) == 12
     for case, res in report.items():
