@@ -343,9 +343,10 @@ def test_fully_masked_row_gives_zero_and_finite_grads():
 
 def test_opcheck_cpu():
     q, k, v, do = _qkv(Tq=20, Tk=20)
-    for mask in (PAPER, ALL):
-        # the full opcheck suite on the paper split; schema + fake tensors on the all-NVFP4 variant (CI time)
-        utils = None if mask == PAPER else ("test_schema", "test_faketensor")
+    for mask in (PAPER, ALL, PAPER | R.IN_OP_TRANSFORM):
+        # the full opcheck suite on the paper split and with the Q, K transform inside the op; schema + fake tensors
+        # on the all-NVFP4 variant (CI time)
+        utils = None if mask != ALL else ("test_schema", "test_faketensor")
         kw = {} if utils is None else {"test_utils": utils}
         args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, True, 0.125, mask)
         torch.library.opcheck(torch.ops.fp4compile.qattn.default, args, **kw)
