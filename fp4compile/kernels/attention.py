@@ -126,17 +126,18 @@ if triton is not None:
         return tl.where((i // BLOCK) == (j // BLOCK), 1.0 - 2.0 * neg.to(tl.float32), 0.0)
 
     @triton.jit
-    def _qk_transform_rows(x, x_ptr, m_ptr, bh, rows_ok, SMOOTH: tl.constexpr, ROT: tl.constexpr,
-                           LOGR: tl.constexpr, D: tl.constexpr):
+    def _qk_transform_rows(x, x_ptr, m_ptr, bh, rows_ok, s, SMOOTH: tl.constexpr, ROT: tl.constexpr,
+                           D: tl.constexpr):
         """Rows ``x`` [R, D] of Q or K as loaded (x_ptr's dtype) after the Q, K transform, as
         ``fp4compile::smooth_rotate`` makes them (``kernels/rotate.py``): minus the FP32 mean m_ptr[bh, :] and one
-        rounding (SMOOTH), times the signed Hadamard of ROT channels on tensor cores and one rounding (ROT > 0).
-        Rows past T (``rows_ok`` False) come back 0, as the unfused copy's padding."""
+        rounding (SMOOTH), times ``s`` (the signed Hadamard of ROT channels in x's dtype, :func:`_signed_hadamard`,
+        built once per program by the caller) on tensor cores and one rounding (ROT > 0). Rows past T (``rows_ok``
+        False) come back 0, as the unfused copy's padding."""
         if SMOOTH:
             mean = tl.load(m_ptr + bh * D + tl.arange(0, D))
             x = _cast_like(x.to(tl.float32) - mean[None, :], x_ptr)
         if ROT > 0:
-            x = _cast_like(_mma(x, _signed_hadamard(D, ROT, LOGR, False).to(x_ptr.dtype.element_ty)), x_ptr)
+            x = _cast_like(_mma(x, s), x_ptr)
         return tl.where(rows_ok[:, None], x, 0.0).to(x_ptr.dtype.element_ty)
 
     # -----------------------------------------------------------------------------------------------------
@@ -271,13 +272,14 @@ if triton is not None:
         nT = tl.cdiv(T, BT)
         od = tl.arange(0, D)
         acc = tl.zeros([BT, D], tl.float32)
+        s = _signed_hadamard(D, ROT if ROT > 0 else D, LOGR, False).to(x_ptr.dtype.element_ty)   # once per program
         for i in range(pid, nT * NBH, NP):
             bh = i // nT
             offs_t = (i % nT) * BT + tl.arange(0, BT)
             x = tl.load(x_ptr + (bh // H) * sxb + (bh % H) * sxh + offs_t[:, None] * sxt + od[None, :],
                         mask=offs_t[:, None] < T, other=0.0)
             if SMOOTH or ROT > 0:
-                x = _qk_transform_rows(x, x_ptr, m_ptr, bh, offs_t < T, SMOOTH, ROT, LOGR, D)
+                x = _qk_transform_rows(x, x_ptr, m_ptr, bh, offs_t < T, s, SMOOTH, ROT, D)
             acc = _max_nan(acc, tl.abs(x.to(tl.float32)))   # a NaN element makes the global NaN
         tl.store(part_ptr + pid, _amax_all(acc))
 
@@ -346,7 +348,8 @@ if triton is not None:
             x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
                         other=0.0)
             if SMOOTH or ROT > 0:
-                x = _qk_transform_rows(x, x_ptr, m_ptr, pid_bh, mt, SMOOTH, ROT, LOGR, D)
+                s = _signed_hadamard(D, ROT if ROT > 0 else D, LOGR, False).to(x_ptr.dtype.element_ty)
+                x = _qk_transform_rows(x, x_ptr, m_ptr, pid_bh, mt, s, SMOOTH, ROT, D)
             code, sf8, sf = _round_blocks(x.to(tl.float32), s_enc, g_dec, BT, D, ROWS)
             base = pid_bh * T
             if WRITE_DEQ:
