@@ -483,9 +483,10 @@ def tma_configs_table(rep, only=(), device="cuda"):
     (the ones ``auto`` runs as ``dq_triton``): every tile of :func:`tma_candidates` timed explicitly, the tile the
     autotuner picks in this process (its in-memory and disk choices dropped first: it tunes anew, warmup 5, rep 20),
     the choice the disk cache held before (``AUTOTUNE_CACHE``: e.g. a training run's, made by its precompile workers
-    while others compiled; "-" if none), and cuBLAS BF16, in µs (:func:`_us_graph`: GPU time; the pick and the fastest tile also as the autotuner
-    times them, L2 flushed before each call, :func:`_us_flushed`). Session 56 saw the 16384x3072x768 GEMM (fc1.fprop
-    and fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an H100. Returns the rows as dicts."""
+    while others compiled; "-" if none), and cuBLAS BF16, in µs (:func:`_us_graph`: GPU time; the pick and the
+    fastest tile also as the autotuner times them, L2 flushed before each call, :func:`_us_flushed`). Session 56
+    saw the 16384x3072x768 GEMM (fc1.fprop and fc2.dgrad) at 141.8 µs in a 4-warp tile against cuBLAS's 116.6 on an
+    H100. Returns the rows as dicts."""
     one = torch.ones((), device=device)
     cands = tma_candidates()
     gpu = torch.cuda.get_device_name() if device == "cuda" else device

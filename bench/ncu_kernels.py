@@ -19,9 +19,9 @@ layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x1
 (MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
 which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
 parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
-GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3). ``--summarize`` prints, per profiled kernel, the
-duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's raw CSV page (metric
-names as ncu 2025 writes them; any that a version does not write print as "-").
+GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3). ``--summarize`` prints, per
+profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
+raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
 
 Needs CUDA (and Triton) for the workloads; ``--summarize`` runs anywhere.
 """

@@ -639,7 +639,7 @@ def test_qattn_amax_keeps_nan_on_sm90(kernel):
     const = dict(BT=32, D=64, SM0=False, RO0=0, SM1=False, RO1=0, LOGR=0)
     if kernel == "quant2d":
         const.update(NP2=256, WD0=True, WD1=True, WD2=False, RW0=False, RW1=False, RW2=False)
-    ptr = {"X": "*bf16", "C": "*u8", "S": "*u8", "Y": "*bf16", "G": "*fp32", "M": "*fp32"}   # X0, C0, ...; the rest ints
+    ptr = {"X": "*bf16", "C": "*u8", "S": "*u8", "Y": "*bf16", "G": "*fp32", "M": "*fp32"}   # X0, ...; rest ints
 
     def typ(n):
         return "*fp32" if n == "PART" else ptr[n[0]] if len(n) == 2 and n[0] in ptr and n[1].isdigit() else "i32"

@@ -62,7 +62,7 @@ if triton is not None:
 
     #: The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw integers in tl.dot; there
     #: the (exact-in-bf16) operands are widened to fp32 first. On the GPU the dots are BF16 MMAs.
-    _DOT_F32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+    _DOT_F32 = tl.constexpr(_INTERPRET)
 
     @triton.jit
     def _rne_bf16(x):
@@ -858,11 +858,11 @@ def quantize_many(xs, dequantized, tiles=None, transforms=None) -> list:
     rot = blocks.pop() if blocks else 0
     dev = xs[0].device
     fp32_ph = placeholder(dev, torch.float32)
+    tq, tk = (transforms + [(False, 0)])[:2]          # Q's and K's slots (a lone tensor: K's unused)
     means = [torch.mean(x, dim=-2, dtype=torch.float32).contiguous() if sm else fp32_ph
-             for x, (sm, _) in zip(xs, transforms)][:2]
+             for x, (sm, _) in zip(xs, (tq, tk))]
     means += [fp32_ph] * (2 - len(means))
-    tf = dict(SM0=transforms[0][0], RO0=transforms[0][1], SM1=n > 1 and transforms[1][0],
-              RO1=transforms[1][1] if n > 1 else 0, LOGR=max(rot.bit_length() - 1, 0))
+    tf = dict(SM0=tq[0], RO0=tq[1], SM1=tk[0], RO1=tk[1], LOGR=max(rot.bit_length() - 1, 0))
     BT_A = 64 if D <= 64 and not rot else 32   # rotated: the quantize launch's tile shape, so the same products
     NP = _AMAX_PROGRAMS
     part = torch.empty((n, NP), dtype=torch.float32, device=dev)
