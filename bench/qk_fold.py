@@ -10,14 +10,13 @@ each one CUDA graph of 20 calls (``triton.testing.do_bench_cudagraph``, median):
   plain        ``quantize_many`` of Q, K untransformed: the lower bound (not the same numbers)
   op           ``fp4compile::smooth_rotate`` of Q and of K (kernels/rotate.py), then ``quantize_many``: the
                ``QK_TRANSFORM_IMPL="op"`` forward
-  fused:OP:N   ``quantize_many(..., transforms)`` (``QK_TRANSFORM_IMPL="fused"``): the transform in the amax and
-               quantize launches' registers, the rotation's operand built in registers ("regs") or loaded ("load")
-               once per program of N slabs of 32 rows (``attention.HADAMARD_OPERAND``, ``attention.FOLD_SLABS``)
+  fused        ``quantize_many(..., transforms)`` (``QK_TRANSFORM_IMPL="fused"``): the transform in the amax and
+               quantize launches' registers, the rotation's +-1 operand built by every program
 
-and prints each time, its ratio to ``op`` (below 1: the fold saves time) and to ``plain``. Every fused variant's
-codes, scales, globals and bf16 copies are checked equal, bit for bit, to the first fused variant's (the same
-products in the same tile shape), and the fraction of its codes equal to ``op``'s is printed (the op's rotation
-sums in another tile shape, so a product can round one BF16 step apart).
+and prints each time, its ratio to ``op`` (below 1: the fold saves time) and to ``plain``, and the fraction of
+fused's codes equal to ``op``'s (the op's rotation sums in another tile shape, so a product can round one BF16 step
+apart). Session 58 also timed, at tree ``230201f`` (reverted), the operand loaded from a cached copy and made once per
+2..8 slabs of 32 rows: none was faster than ``op`` (``docs/BENCHMARKS.md``, session 58).
 """
 from __future__ import annotations
 
@@ -35,8 +34,6 @@ from fp4compile.kernels import attention as A  # noqa: E402
 
 #: (B, H, T, D): the 124M step's attention, and a long one with head dim 128
 SHAPES = ((16, 12, 1024, 64), (4, 16, 4096, 128))
-#: (operand source, slabs per program) of the fused variants
-FUSED = (("regs", 1), ("regs", 2), ("regs", 4), ("regs", 8), ("load", 1), ("load", 4), ("load", 8))
 
 
 def split_qk(B: int, H: int, T: int, D: int, device="cuda"):
@@ -56,8 +53,6 @@ def run_kind(kind: str, q, k):
     if kind == "op":
         rot = torch.ops.fp4compile.smooth_rotate
         return A.quantize_many([rot(q, False, D, False), rot(k, True, D, False)], **flags)
-    _, src, nsub = kind.split(":")
-    A.HADAMARD_OPERAND, A.FOLD_SLABS = src, int(nsub)
     return A.quantize_many([q, k], **flags, transforms=[(False, D), (True, D)])
 
 
@@ -68,37 +63,22 @@ def main():
     import triton.testing
 
     import fp4compile.ops  # noqa: F401  (registers fp4compile::smooth_rotate)
-    kinds = ["plain", "op"] + [f"fused:{s}:{n}" for s, n in FUSED]
+    kinds = ["plain", "op", "fused"]
     dev = torch.cuda.get_device_name()
     print(f"Q, K forward quantization with the transform; {dev}, torch {torch.__version__}")
     rows = []
-    saved = (A.HADAMARD_OPERAND, A.FOLD_SLABS)
-    try:
-        for B, H, T, D in SHAPES:
-            q, k = split_qk(B, H, T, D)
-            outs = {kind: run_kind(kind, q, k) for kind in kinds}
-            first = outs[kinds[2]]
-            times = {}
-            for kind in kinds:
-                if kind.startswith("fused"):
-                    same = all(torch.equal(a, b) for o1, o2 in zip(outs[kind], first) for a, b in zip(o1, o2))
-                    if not same:
-                        raise SystemExit(f"{kind} differs from {kinds[2]} at {(B, H, T, D)}")
-                times[kind] = triton.testing.do_bench_cudagraph(lambda: run_kind(kind, q, k), rep=200) * 1e3
-                torch.cuda.synchronize()
-            op_codes = [o[0] for o in outs["op"]]
-            print(f"\n[B, H, T, D] = {[B, H, T, D]}")
-            print(f"{'kind':<16}{'us':>9}{'vs op':>8}{'vs plain':>10}  codes equal to op's")
-            for kind in kinds:
-                eq = ""
-                if kind.startswith("fused"):
-                    eq = "  ".join(f"{(a == b).float().mean().item():.5f}"
-                                   for a, b in zip((o[0] for o in outs[kind]), op_codes))
-                print(f"{kind:<16}{times[kind]:9.1f}{times[kind] / times['op']:8.3f}"
-                      f"{times[kind] / times['plain']:10.3f}  {eq}")
-                rows.append(dict(shape=[B, H, T, D], kind=kind, us=times[kind], vs_op=times[kind] / times["op"]))
-    finally:
-        A.HADAMARD_OPERAND, A.FOLD_SLABS = saved
+    for B, H, T, D in SHAPES:
+        q, k = split_qk(B, H, T, D)
+        outs = {kind: run_kind(kind, q, k) for kind in kinds}
+        times = {}
+        for kind in kinds:
+            times[kind] = triton.testing.do_bench_cudagraph(lambda: run_kind(kind, q, k), rep=200) * 1e3
+        eq = "  ".join(f"{(a[0] == b[0]).float().mean().item():.5f}" for a, b in zip(outs["fused"], outs["op"]))
+        print(f"\n[B, H, T, D] = {[B, H, T, D]}; fused's Q, K codes equal to op's: {eq}")
+        print(f"{'kind':<8}{'us':>9}{'vs op':>8}{'vs plain':>10}")
+        for kind in kinds:
+            print(f"{kind:<8}{times[kind]:9.1f}{times[kind] / times['op']:8.3f}{times[kind] / times['plain']:10.3f}")
+            rows.append(dict(shape=[B, H, T, D], kind=kind, us=times[kind], vs_op=times[kind] / times["op"]))
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(dict(date=datetime.date.today().isoformat(), device=dev, rows=rows)) + "\n")

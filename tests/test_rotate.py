@@ -275,8 +275,6 @@ _FOLD_INTERP = textwrap.dedent("""
         k = k[:, :Hkv]
         v = torch.randn(k.shape, dtype=dtype)
         for smooth, block in ((True, D), (False, D), (True, 0)):
-            # the rotation's operand built by every program of one slab, or loaded once for three (ragged T)
-            A.HADAMARD_OPERAND, A.FOLD_SLABS = ("regs", 1) if smooth else ("load", 3)
             fused = A.quantize_many([q, k, v], [True, True, False], [tiles, tiles, True],
                                     [(False, block), (smooth, block), (False, 0)])
             qt = K.smooth_rotate(q, False, block, False) if block else q
@@ -402,13 +400,12 @@ def test_kernel_compiles_for_sm90(D, block, smooth, trans, nc):
         assert 0 < sass_stats(cubin)[2] <= 255
 
 
-@pytest.mark.parametrize("kernel", ["amax", "quant2d", "quant2d:load:4"])
+@pytest.mark.parametrize("kernel", ["amax", "quant2d"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_folded_transform_compiles_for_sm90(kernel, D):
     """Q-Attn's quantize launches with the Q, K transform folded in (Q rotated, K centred and rotated) through
     Triton's sm_90 stages on this CPU: the rotation is a tensor-core product (an MMA in the SASS, none without the
-    transform), registers within 4 warps' share of an SM; the quantize launch also with the rotation's operand
-    loaded once for four slabs."""
+    transform), registers within 4 warps' share of an SM."""
     pytest.importorskip("triton")
     from fp4compile.kernels import attention as KA
     from fp4compile.kernels.offline import compile_offline, disassemble, sass_stats
@@ -417,16 +414,14 @@ def test_folded_transform_compiles_for_sm90(kernel, D):
     ptr = {"X": "*bf16", "C": "*u8", "S": "*u8", "Y": "*bf16", "G": "*fp32", "M": "*fp32"}
 
     def typ(n):
-        return "*fp32" if n == "PART" else "*bf16" if n == "HS" else ptr[n[0]] if len(n) == 2 and n[0] in ptr and n[1].isdigit() else "i32"
+        return "*fp32" if n == "PART" else ptr[n[0]] if len(n) == 2 and n[0] in ptr and n[1].isdigit() else "i32"
 
     regs = {}
     for fold in (False, True):
         const = dict(BT=32, D=D, SM0=False, RO0=D if fold else 0, SM1=fold, RO1=D if fold else 0,
                      LOGR=D.bit_length() - 1 if fold else 0)
-        if kernel.startswith("quant2d"):
+        if kernel == "quant2d":
             const.update(NP2=256, WD0=True, WD1=True, WD2=False, RW0=False, RW1=False, RW2=False)
-        if kernel == "quant2d:load:4":
-            const.update(NSUB=4, HLOAD=fold)
         cubin = compile_offline(fn, {n: typ(n) for n in fn.arg_names if n not in const}, const, 4, upto="cubin")
         assert bool(re.search(r"\bHGMMA|\bHMMA", disassemble(cubin))) == fold
         regs[fold] = sass_stats(cubin)[2]

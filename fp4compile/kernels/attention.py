@@ -32,7 +32,6 @@ length: ragged tiles are masked, padded rows/keys contribute exact zeros (also t
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Optional
@@ -44,7 +43,7 @@ from . import dequant as _dequant
 from .dequant import _dequant_rows, _dequant_tile
 from .launch import cdiv, placeholder, stable_cache_keys
 from .attention_ref import (DOV, DS_TILE, PV_TILE, DSK, DSQ, G_NUM, P_GLOBAL, PDO, PV, QK, QuantizedQKV, bthd_empty,
-                            needs_fp4, qk_tiles, signed_hadamard)
+                            needs_fp4, qk_tiles)
 
 try:
     import triton
@@ -327,12 +326,11 @@ if triton is not None:
 
     @triton.jit
     def _quant_body(x_ptr, codes_ptr, scales_ptr, deq_ptr, gdec_ptr, part_ptr, NP, pid_t, pid_bh, T, H, NBH,
-                    sxb, sxh, sxt, m_ptr, s, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
+                    sxb, sxh, sxt, m_ptr, BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
                     WRITE_DEQ: tl.constexpr, ROWS: tl.constexpr = False, SMOOTH: tl.constexpr = False,
-                    ROT: tl.constexpr = 0):
+                    ROT: tl.constexpr = 0, LOGR: tl.constexpr = 0):
         """NVFP4 RTN, 16x16 tiles over (T, D) (with ROWS: 1x16 blocks along D), of one [BT, D] slab of x[b, h]
-        (after the Q, K transform where SMOOTH / ROT say so: :func:`_qk_transform_rows`, ``s`` the caller's
-        :func:`_hadamard_operand`);
+        (after the Q, K transform where SMOOTH / ROT say so: :func:`_qk_transform_rows`);
         == attention_ref.quantize_2d(x, tiles=not ROWS). The per-tensor amax is the max of the NP partials. With
         WRITE_DEQ also stores code x E4M3 scale (exact in bf16; the global is applied by the consumer)."""
         if (pid_t * BT < T) & (pid_bh < NBH):
@@ -350,6 +348,7 @@ if triton is not None:
             x = tl.load(x_ptr + b * sxb + h * sxh + offs_t[:, None] * sxt + od[None, :], mask=mt[:, None],
                         other=0.0)
             if SMOOTH or ROT > 0:
+                s = _signed_hadamard(D, ROT if ROT > 0 else D, LOGR, False).to(x_ptr.dtype.element_ty)
                 x = _qk_transform_rows(x, x_ptr, m_ptr, pid_bh, mt, s, SMOOTH, ROT, D)
             code, sf8, sf = _round_blocks(x.to(tl.float32), s_enc, g_dec, BT, D, ROWS)
             base = pid_bh * T
@@ -370,49 +369,28 @@ if triton is not None:
             tl.store(scales_ptr + (base + offs_t[:, None]) * (D // 16) + os_[None, :], srows, mask=mt[:, None])
 
     @triton.jit
-    def _hadamard_operand(h_ptr, x_ptr, D: tl.constexpr, ROT: tl.constexpr, LOGR: tl.constexpr,
-                          HLOAD: tl.constexpr):
-        """The rotation's +-1 [D, D] operand in x's dtype for :func:`_qk_transform_rows` (a dummy 0 without ROT):
-        loaded from ``h_ptr`` (``signed_hadamard(D, block=ROT, normalize=False)``, row-major) with HLOAD, else built
-        in registers by :func:`_signed_hadamard`."""
-        if ROT == 0:
-            s = 0.0
-        elif HLOAD:
-            od = tl.arange(0, D)
-            s = tl.load(h_ptr + od[:, None] * D + od[None, :]).to(x_ptr.dtype.element_ty)
-        else:
-            s = _signed_hadamard(D, ROT, LOGR, False).to(x_ptr.dtype.element_ty)
-        return s
-
-    @triton.jit
     def _quant2d_kernel(X0, C0, S0, Y0, G0, X1, C1, S1, Y1, G1, X2, C2, S2, Y2, G2, PART, NP,
-                        T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, M0, M1, HS,
+                        T0, T1, T2, H0, H1, H2, N0, N1, N2, s0b, s0h, s0t, s1b, s1h, s1t, s2b, s2h, s2t, M0, M1,
                         BT: tl.constexpr, D: tl.constexpr, NP2: tl.constexpr,
                         WD0: tl.constexpr, WD1: tl.constexpr, WD2: tl.constexpr,
                         RW0: tl.constexpr = False, RW1: tl.constexpr = False, RW2: tl.constexpr = False,
                         SM0: tl.constexpr = False, RO0: tl.constexpr = 0, SM1: tl.constexpr = False,
-                        RO1: tl.constexpr = 0, LOGR: tl.constexpr = 0, NSUB: tl.constexpr = 1,
-                        HLOAD: tl.constexpr = False):
-        """Grid (time blocks of NSUB * BT rows, batch*head, tensor): quantizes up to three tensors in one launch (RWi:
-        tensor i in 1x16 blocks along D instead of 16x16 tiles; SMi, ROi: tensors 0 and 1 transformed first, as in
-        :func:`_amax_kernel`, the rotation's operand made once per program for its NSUB slabs of BT rows)."""
+                        RO1: tl.constexpr = 0, LOGR: tl.constexpr = 0):
+        """Grid (time blocks, batch*head, tensor): quantizes up to three tensors in one launch (RWi: tensor i in
+        1x16 blocks along D instead of 16x16 tiles; SMi, ROi: tensors 0 and 1 transformed first, as in
+        :func:`_amax_kernel`)."""
         pid_t = tl.program_id(0)
         pid_bh = tl.program_id(1)
         t = tl.program_id(2)
         if t == 0:
-            s = _hadamard_operand(HS, X0, D, RO0, LOGR, HLOAD)
-            for j in range(NSUB):
-                _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t * NSUB + j, pid_bh, T0, H0, N0, s0b, s0h, s0t, M0, s,
-                            BT, D, NP2, WD0, RW0, SM0, RO0)
+            _quant_body(X0, C0, S0, Y0, G0, PART, NP, pid_t, pid_bh, T0, H0, N0, s0b, s0h, s0t, M0, BT, D, NP2, WD0,
+                        RW0, SM0, RO0, LOGR)
         elif t == 1:
-            s = _hadamard_operand(HS, X1, D, RO1, LOGR, HLOAD)
-            for j in range(NSUB):
-                _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t * NSUB + j, pid_bh, T1, H1, N1, s1b, s1h, s1t,
-                            M1, s, BT, D, NP2, WD1, RW1, SM1, RO1)
+            _quant_body(X1, C1, S1, Y1, G1, PART + NP, NP, pid_t, pid_bh, T1, H1, N1, s1b, s1h, s1t, M1, BT, D, NP2,
+                        WD1, RW1, SM1, RO1, LOGR)
         else:
-            for j in range(NSUB):
-                _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t * NSUB + j, pid_bh, T2, H2, N2, s2b, s2h,
-                            s2t, M0, 0.0, BT, D, NP2, WD2, RW2)
+            _quant_body(X2, C2, S2, Y2, G2, PART + 2 * NP, NP, pid_t, pid_bh, T2, H2, N2, s2b, s2h, s2t, M0, BT, D,
+                        NP2, WD2, RW2)
 
     @triton.jit
     def _requant_body(c_ptr, s_ptr, y_ptr, z_ptr, pid, T, NBH, BT: tl.constexpr, D: tl.constexpr,
@@ -843,20 +821,6 @@ def folds_transform(x: Tensor, block: int) -> bool:
             and x.shape[-1] in FOLD_HEAD_DIMS and block <= x.shape[-1])
 
 
-#: with the Q, K rotation folded into ``quantize_many``: the quantize launch's slabs of 32 rows per program (the
-#: rotation's [D, D] operand made once for them) and where that operand comes from ("regs": built from integer ops
-#: by every program; "load": read from a cached device copy)
-FOLD_SLABS = 1
-HADAMARD_OPERAND = "regs"
-
-
-@functools.lru_cache(maxsize=None)
-def _hadamard_tensor(d: int, block: int, dtype: torch.dtype, device) -> Tensor:
-    """``signed_hadamard(d, block=block, normalize=False)`` in ``dtype`` on ``device`` (+-1 and 0: exact), made once
-    per key (before a CUDA graph's capture: its first call runs in the warm-up)."""
-    return signed_hadamard(d, device, dtype, normalize=False, block=block)
-
-
 def quantize_many(xs, dequantized, tiles=None, transforms=None) -> list:
     """Quantize up to three ``[B, H, T, D]`` tensors (same D, a power of two 16..256) with 16x16 tiles (or, where
     ``tiles[i]`` is False, 1x16 blocks along D), in two launches in all: one partial-amax pass and one quantize
@@ -919,14 +883,11 @@ def quantize_many(xs, dequantized, tiles=None, transforms=None) -> list:
     strides = [v for s in slots for v in s[8:11]]
     _amax_kernel[(NP, n)](*X, part, NP, *T_, *H_, *N_, *strides, *means, BT=BT_A, D=D, **tf, num_warps=4)
     BT = 32
-    nsub = FOLD_SLABS if rot else 1
-    hload = bool(rot) and HADAMARD_OPERAND == "load"
-    hs = _hadamard_tensor(D, rot, xs[0].dtype, dev) if hload else fp32_ph
     tens = [t for s in slots for t in s[:5]]
-    _quant2d_kernel[(cdiv(max(T_[:n]), BT * nsub), max(N_[:n]), n)](
-        *tens, part, NP, *T_, *H_, *N_, *strides, *means, hs, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
+    _quant2d_kernel[(cdiv(max(T_[:n]), BT), max(N_[:n]), n)](
+        *tens, part, NP, *T_, *H_, *N_, *strides, *means, BT=BT, D=D, NP2=triton.next_power_of_2(NP),
         WD0=slots[0][11], WD1=slots[1][11], WD2=slots[2][11], RW0=not tiles[0], RW1=n > 1 and not tiles[1],
-        RW2=n > 2 and not tiles[2], **tf, NSUB=nsub, HLOAD=hload, num_warps=4)
+        RW2=n > 2 and not tiles[2], **tf, num_warps=4)
     return outs
 
 
