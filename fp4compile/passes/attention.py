@@ -84,10 +84,11 @@ QK_TRANSFORM = os.environ.get("FP4COMPILE_QK_TRANSFORM", "smooth_k+hadamard")
 #: faster than with ``"torch"`` in two A/Bs; the transform's GPU kernels 136 against 171 us per layer forward +
 #: backward there and 598 against 1,852 us at B=4, T=4096, H=16, D=128. Without CUDA graphs the op's launches cost
 #: more host time than Inductor's kernels (docs/BENCHMARKS.md, session 39).
-#: ``"fused"`` (session 57, opt-in until timed): the transform left to ``fp4compile::qattn`` itself
+#: ``"fused"`` (session 57, opt-in): the transform left to ``fp4compile::qattn`` itself
 #: (``attention_ref.IN_OP_TRANSFORM``): on CUDA its two quantize launches compute it in registers, so Q', K' are never
-#: written or read back in BF16 (~0.4 ms of the 124M step's memory traffic, by session 55's count); the backward as
-#: with ``"op"``. Only where attn.qk, attn.dsk and attn.dsq are all NVFP4 (the paper's split); elsewhere ``"op"``.
+#: written or read back in BF16; the backward as with ``"op"``. Only where attn.qk, attn.dsk and attn.dsq are all
+#: NVFP4 (the paper's split); elsewhere ``"op"``. Slower on an H100 (session 58): +0.28 ms [0.04, 0.53] in the 124M
+#: step, the latency-bound quantize launch 146 against 133 us for the kernel and the launch (bench/qk_fold.py).
 QK_TRANSFORM_IMPL = os.environ.get("FP4COMPILE_QK_TRANSFORM_IMPL", "op")
 QK_TRANSFORM_IMPLS = ("torch", "op", "fused")
 
