@@ -292,6 +292,26 @@ _FOLD_INTERP = textwrap.dedent("""
 """)
 
 
+_QK_FOLD_BENCH = _FOLD_INTERP[:_FOLD_INTERP.index("from fp4compile.kernels")] + textwrap.dedent("""
+    from bench import qk_fold
+    out = {}
+    for D in (64, 128):
+        q, k = qk_fold.split_qk(1, 2, 40, D, device="cpu")
+        res = {kind: qk_fold.run_kind(kind, q, k) for kind in ("plain", "op", "fused")}
+        out[D] = [q.stride(2) == 3 * 2 * D, [len(o) for o in res["fused"]],
+                  all(torch.equal(a, b) for f, o in zip(res["fused"], res["op"]) for a, b in zip(f, o)),
+                  any(not torch.equal(p[0], o[0]) for p, o in zip(res["plain"], res["op"]))]
+    print("REPORT" + json.dumps(out))
+""")
+
+
+def test_bench_qk_fold_kinds_under_the_interpreter(tmp_path):
+    """bench/qk_fold.py's three kinds on the CPU under TRITON_INTERPRET=1: Q, K strided as from one QKV projection;
+    per tensor codes, scales, global and bf16 copy; fused equal to op bit for bit (the same transform), plain not."""
+    report = _interpreter_report(tmp_path, _QK_FOLD_BENCH)
+    assert report == {"64": [True, [4, 4], True, True], "128": [True, [4, 4], True, True]}
+
+
 def test_quantize_many_folds_the_transform_under_the_interpreter(tmp_path):
     """Q-Attn's quantize launches with the Q, K transform folded in (``quantize_many(..., transforms)``, what
     ``fp4compile::qattn`` runs on CUDA under QK_ROT / K_SMOOTH), TRITON_INTERPRET=1 in a fresh process: codes,
