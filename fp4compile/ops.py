@@ -519,13 +519,8 @@ def _in_op_transform_grads(dq: Tensor, dk: Tensor, fp4_roles: int) -> tuple[Tens
     """dQ, dK for the q, k the op was given, from those for the transformed Q', K' (``qattn_bwd``'s) under
     ``IN_OP_TRANSFORM``: the transform's transpose by ``fp4compile::smooth_rotate``, the op the unfused graph's
     autograd runs."""
-    if not fp4_roles & _aref.IN_OP_TRANSFORM:
-        return dq, dk
-    smooth, block = _aref.in_op_transform(fp4_roles, dq.shape[-1])
     rot = torch.ops.fp4compile.smooth_rotate
-    if block:
-        dq = rot(dq, False, block, True)
-    return dq, rot(dk, smooth, block, True)
+    return _aref.apply_in_op_transform(dq, dk, fp4_roles, op=lambda x, smooth, block: rot(x, smooth, block, True))
 
 
 qattn.register_autograd(_qattn_backward, setup_context=_qattn_setup_context)
