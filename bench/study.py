@@ -29,7 +29,8 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
                fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
     fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim / in 16x16 tiles
                (the default) (FP4COMPILE_QK_BLOCKS; not in the default list); fullbest_qk1x16_none: 1x16 without
-               the Q, K transform (FP4COMPILE_QK_TRANSFORM=none);
+               the Q, K transform (FP4COMPILE_QK_TRANSFORM=none); fullbest_qk1x16_nsold: 1x16 with the NS of
+               sessions <= 46;
                fullbest_nsold, fullbest_v6: the NS of sessions <= 46, Q-AdamW's v without 4/6
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):
@@ -156,6 +157,10 @@ ARMS["fullbest_qk16x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="16x16")
 # 1x16 without the Q, K transform (passes/attention.py QK_TRANSFORM "none"): does the finer scale take over what the
 # transform buys (sessions 37-40: -0.31 point of val gap on the tiles, 2.0-2.4 % of tokens/s)? Run mode s51_fork
 ARMS["fullbest_qk1x16_none"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="1x16", FP4COMPILE_QK_TRANSFORM="none")
+# 1x16 with the NS of sessions <= 46: the two options that each took ~0.1-0.16 point off the tiles' val gap in
+# session 59's comparisons (1x16 -0.16 ± 0.08 point paired over seeds 0, 1; the former NS -0.12 at seed 0), together
+ARMS["fullbest_qk1x16_nsold"] = dict(env_arm("fullbest_qk1x16", FP4COMPILE_NS_AMAX="0"),
+                                     flags=ARMS["fullbest_nsold"]["flags"])
 # a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16
 # Newton–Schulz and Q-AdamW for the rest
 ARMS["bf16qroot"] = dict(backend="inductor", policy="bf16", optimizer="qroot", lora=False)
@@ -168,6 +173,7 @@ LABELS = {"bf16": "BF16", "quartet2": "NVFP4 linear (Quartet II)", "lora": "+ Lo
           "fullbest_nsold": "full stack, NVFP4 NS of sessions <= 46", "fullbest_v6": "full stack, v without 4/6",
           "fullbest_qk1x16": "full stack, Q, K in 1x16 blocks",
           "fullbest_qk1x16_none": "full stack, Q, K in 1x16 blocks, no transform",
+          "fullbest_qk1x16_nsold": "full stack, Q, K in 1x16 blocks, NVFP4 NS of sessions <= 46",
           "fullbest_qk16x16": "full stack, Q, K in 16x16 tiles",
           "bf16qroot": "BF16 + Root (BF16 NS) + Q-AdamW",
           "qattn": "+ Q-Attn", "qattn_none": "+ Q-Attn, Q, K as they are", "qattn_sk": "+ Q-Attn, K smoothed",
