@@ -10,7 +10,8 @@ early by a time budget is compared at its last step. ``--windows 560-600,601-620
 ranges and its change from the first range, per pair and per label (e.g. the jump of the gap across a realignment
 at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
 the first common step, ``fp4compile.train.cli.gap_curve``), one colour per label.
-``--val-png`` draws each pair's val gap at every eval both runs logged against tokens seen (for pairs on different
+``--evals`` prints each pair's val gap at every eval both runs logged and, per ``--diff``, the difference at each
+eval (at how many A is lower, and the mean). ``--val-png`` draws each pair's val gap at every eval both runs logged against tokens seen (for pairs on different
 schedules, e.g. ``--pair 100M ... --pair 200M ...``).
 
     python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
@@ -149,6 +150,29 @@ def _print_windows(rows: Dict[str, List[dict]], windows: Sequence[Tuple[int, int
             f"{n} {_fmt(*mean_se([d[j] for d in ds]))}" for j, n in enumerate(names[1:])) + f" ({len(ds)} pairs)")
 
 
+def _print_eval_gaps(rows: Dict[str, List[dict]], diffs: Sequence[Tuple[str, str]], key: str = "val_loss") -> None:
+    """Per pair: the ``key`` gap at every eval both runs logged; per ``--diff A B`` and base run both labels share:
+    A's gap minus B's at every eval all four runs logged, at how many of them A is lower, and their mean (a curve
+    of differences says more than the last eval alone: sessions 58-59 read two runs' split from it)."""
+    print(f"\n| label | arm run | {key.replace('_', ' ')} gap (%) at each eval (step: gap) |")
+    print("|---|---|---|")
+    for label, gs in rows.items():
+        for g in gs:
+            print(f"| {label} | {g['arm']} | " + ", ".join(f"{s}: {v:+.2f}" for s, v in g[key].items()) + " |")
+    for a, b in diffs:
+        ga = {g["base"]: g[key] for g in rows[a]}
+        for g in rows[b]:
+            if g["base"] not in ga:
+                continue
+            steps = [s for s in ga[g["base"]] if s in g[key]]
+            if not steps:
+                continue
+            d = [ga[g["base"]][s] - g[key][s] for s in steps]
+            print(f"\n{a} − {b}, {key} gap at each eval (base {g['base']}): "
+                  + ", ".join(f"{s}: {x:+.2f}" for s, x in zip(steps, d))
+                  + f"; {a} lower at {sum(x < 0 for x in d)} of {len(d)}, mean {statistics.fmean(d):+.2f} points")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", nargs=3, action="append", required=True, metavar=("LABEL", "BASE_RUN", "ARM_RUN"))
@@ -157,6 +181,8 @@ def main(argv=None) -> int:
                     help="paired per-seed difference A - B, pairs matched by their base run; repeatable")
     ap.add_argument("--windows", default="", help="comma-separated step ranges FIRST-LAST (e.g. 560-600,601-620): "
                     "the train gap over each, and its change from the first range, per pair and per label")
+    ap.add_argument("--evals", action="store_true", help="each pair's val gap at every eval both runs logged, and "
+                    "for each --diff A B the difference at every eval (pairs matched by their base run)")
     ap.add_argument("--png", type=Path)
     ap.add_argument("--val-png", type=Path, help="the val gap at every eval both runs logged, against tokens seen, "
                     "one line per pair (runs on different schedules)")
@@ -171,7 +197,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for label, base, arm in args.pair:
         g = pair_gaps(base, arm, steps, windows=windows)
-        g["base"] = str(Path(base).resolve())
+        g["base"], g["arm"] = str(Path(base).resolve()), arm
         rows.setdefault(label, []).append(g)
         tr = ", ".join("–" if v is None else f"{v:+.2f}" for v in g["train"].values())  # None: before a fork
         ev = [f"{d[max(d)]:+.2f} % (step {max(d)})" if d else "–" for d in (g["val_loss"], g["brown_loss"])]
@@ -205,6 +231,8 @@ def main(argv=None) -> int:
                   + (f" ({left} pair(s) without a same-base partner left out)" if left else ""))
     if windows:
         _print_windows(rows, windows)
+    if args.evals:
+        _print_eval_gaps(rows, args.diff)
     if args.png:
         print(f"\nwrote {plot(args.pair, args.png)}")
     if args.val_png:

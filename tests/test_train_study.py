@@ -483,6 +483,30 @@ def test_seed_gaps_val_png_puts_runs_of_different_schedules_on_tokens(tmp_path):
     assert (tmp_path / "v.png").stat().st_size > 0
 
 
+def test_seed_gaps_evals_prints_every_eval_and_the_per_eval_difference(tmp_path, capsys):
+    """--evals: each pair's val gap at every eval both runs logged, and per --diff (pairs matched by base run) the
+    difference at the evals all four runs logged, with the count of evals where A is lower; hand arithmetic."""
+    sg = _bench_module("seed_gaps")
+
+    def run(name, evals):
+        d = tmp_path / name
+        d.mkdir()
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+            {"step": 0, "event": "start"}, {"step": 1, "tokens": 100, "loss": 3.0},
+            *({"step": s, "tokens": 100 * s, "val_loss": v} for s, v in evals)]))
+        return str(d)
+
+    b = run("b", [(10, 2.0), (20, 2.0), (30, 2.0)])
+    x = run("x", [(10, 2.02), (20, 2.04), (30, 2.01)])     # +1, +2, +0.5 %
+    y = run("y", [(10, 2.04), (20, 2.03)])                 # +2, +1.5 %; no eval at 30
+    sg.main(["--pair", "x", b, x, "--pair", "y", b, y, "--diff", "x", "y", "--evals"])
+    out = capsys.readouterr().out
+    assert f"| x | {x} | 10: +1.00, 20: +2.00, 30: +0.50 |" in out
+    assert f"| y | {y} | 10: +2.00, 20: +1.50 |" in out
+    assert "x − y, val_loss gap at each eval" in out
+    assert "10: -1.00, 20: +0.50; x lower at 1 of 2, mean -0.25 points" in out
+
+
 def test_seed_gaps_compares_the_same_steps_and_pairs_the_seeds(tmp_path, capsys):
     """bench/seed_gaps.py: train gaps over the 10-step window ending at a step both runs reached (an arm stopped
     early is compared at its own last step), eval gaps at common eval steps, mean ± standard error per label
