@@ -11,8 +11,8 @@ ranges and its change from the first range, per pair and per label (e.g. the jum
 at step 600). ``--png`` draws every pair's gap curve (EMA of the train loss from
 the first common step, ``fp4compile.train.cli.gap_curve``), one colour per label.
 ``--evals`` prints each pair's val gap at every eval both runs logged and, per ``--diff``, the difference at each
-eval (at how many A is lower, and the mean). ``--val-png`` draws each pair's val gap at every eval both runs logged against tokens seen (for pairs on different
-schedules, e.g. ``--pair 100M ... --pair 200M ...``).
+eval (at how many A is lower, and the mean). ``--val-png`` draws each pair's val gap at every eval both runs logged
+against tokens seen (for pairs on different schedules, e.g. ``--pair 100M ... --pair 200M ...``).
 
     python bench/seed_gaps.py --pair quartet2 s0/bf16 s0/quartet2 --pair lora s0/bf16 s0/lora \\
         --pair quartet2 s1/bf16 s1/quartet2 --pair lora s1/bf16 s1/lora --diff quartet2 lora --png gaps.png

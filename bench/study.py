@@ -157,8 +157,9 @@ ARMS["fullbest_qk16x16"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="16x16")
 # 1x16 without the Q, K transform (passes/attention.py QK_TRANSFORM "none"): does the finer scale take over what the
 # transform buys (sessions 37-40: -0.31 point of val gap on the tiles, 2.0-2.4 % of tokens/s)? Run mode s51_fork
 ARMS["fullbest_qk1x16_none"] = env_arm("fullbest", FP4COMPILE_QK_BLOCKS="1x16", FP4COMPILE_QK_TRANSFORM="none")
-# 1x16 with the NS of sessions <= 46: the two options that each took ~0.1-0.16 point off the tiles' val gap in
-# session 59's comparisons (1x16 -0.16 ± 0.08 point paired over seeds 0, 1; the former NS -0.12 at seed 0), together
+# 1x16 with the NS of sessions <= 46: the two options that each came out 0.12-0.16 point lower in val gap than the
+# tiles with today's NS in session 59's comparisons (1x16 -0.16 ± 0.08 paired over seeds 0, 1; the former NS -0.12 at
+# seed 0; both within the 0.1-0.2 point spread between reruns across sessions), together
 ARMS["fullbest_qk1x16_nsold"] = dict(env_arm("fullbest_qk1x16", FP4COMPILE_NS_AMAX="0"),
                                      flags=ARMS["fullbest_nsold"]["flags"])
 # a fork source for the QRoot arms (a fork needs the source's optimizer, Root + Q-AdamW): BF16 with QRoot's BF16

@@ -487,18 +487,10 @@ def test_seed_gaps_evals_prints_every_eval_and_the_per_eval_difference(tmp_path,
     """--evals: each pair's val gap at every eval both runs logged, and per --diff (pairs matched by base run) the
     difference at the evals all four runs logged, with the count of evals where A is lower; hand arithmetic."""
     sg = _bench_module("seed_gaps")
-
-    def run(name, evals):
-        d = tmp_path / name
-        d.mkdir()
-        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-            {"step": 0, "event": "start"}, {"step": 1, "tokens": 100, "loss": 3.0},
-            *({"step": s, "tokens": 100 * s, "val_loss": v} for s, v in evals)]))
-        return str(d)
-
-    b = run("b", [(10, 2.0), (20, 2.0), (30, 2.0)])
-    x = run("x", [(10, 2.02), (20, 2.04), (30, 2.01)])     # +1, +2, +0.5 %
-    y = run("y", [(10, 2.04), (20, 2.03)])                 # +2, +1.5 %; no eval at 30
+    b, x, y = (str(tmp_path / n) for n in "bxy")
+    _write_metrics(tmp_path / "b", [3.0], [(10, 2.0), (20, 2.0), (30, 2.0)])
+    _write_metrics(tmp_path / "x", [3.0], [(10, 2.02), (20, 2.04), (30, 2.01)])   # +1, +2, +0.5 %
+    _write_metrics(tmp_path / "y", [3.0], [(10, 2.04), (20, 2.03)])               # +2, +1.5 %; no eval at 30
     sg.main(["--pair", "x", b, x, "--pair", "y", b, y, "--diff", "x", "y", "--evals"])
     out = capsys.readouterr().out
     assert f"| x | {x} | 10: +1.00, 20: +2.00, 30: +0.50 |" in out

@@ -274,8 +274,6 @@ if triton is not None:
         acc = tl.zeros([BT, D], tl.float32)
         if SMOOTH or ROT > 0:   # the transform's +-1 operand, once per program (only where it is used)
             s = _signed_hadamard(D, ROT if ROT > 0 else D, LOGR, False).to(x_ptr.dtype.element_ty)
-        else:
-            s = 0
         for i in range(pid, nT * NBH, NP):
             bh = i // nT
             offs_t = (i % nT) * BT + tl.arange(0, BT)
