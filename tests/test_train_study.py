@@ -650,3 +650,35 @@ def test_prepare_data_trains_only_on_the_whole_corpus(study, tmp_path, monkeypat
     assert D.load_bin(tmp_path / "train.bin").tolist()[-7:] == list(b"gamma\n") + [D.ByteTokenizer().eot]
     study.prepare_data(tmp_path, 9)                             # a cap keeps an existing train.bin as it is
     assert study._bin_identity(tmp_path / "train.bin") == full["train.bin"]
+
+
+def test_compare_runs_finds_same_bits_and_the_first_differing_step(tmp_path, capsys):
+    """bench/compare_runs.py: two CPU runs of one configuration and seed are the same bits at every step (the CPU
+    path is deterministic); a run with another seed differs from step 1; a hand-made pair differing only from step 3
+    reports step 3 first, its largest difference and the last step's; a resumed run's later record of a step wins;
+    runs with no common step exit 2."""
+    cr = _bench_module("compare_runs")
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        _tiny_run(tmp_path / name, seed=seed)
+    assert cr.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out.startswith("identical: the train loss of all 4 common steps (1..4)")
+    assert cr.main([str(tmp_path / "a"), str(tmp_path / "c"), "--json", str(tmp_path / "ac.json")]) == 0
+    ac = json.loads((tmp_path / "ac.json").read_text())
+    assert ac["first_differ"] == 1 and ac["n_differ"] == 4 and ac["common_steps"] == 4
+
+    _write_metrics(tmp_path / "x", [3.0, 2.5, 2.0, 1.5, 1.25])
+    _write_metrics(tmp_path / "y", [3.0, 2.5, 2.125, 1.0, 1.5], evals=[(5, 9.0)])
+    with open(tmp_path / "y" / "metrics.jsonl", "a") as f:      # a resumed run logs step 2 again: the later wins
+        f.write(json.dumps({"step": 2, "tokens": 20, "loss": 2.5}) + "\n")
+    r = cr.compare(cr.step_losses(_read(tmp_path / "x")), cr.step_losses(_read(tmp_path / "y")))
+    assert (r["first_differ"], r["n_differ"], r["max_abs_diff"], r["max_abs_diff_step"]) == (3, 3, 0.5, 4)
+    assert (r["last_step"], r["last_diff"]) == (5, -0.25)
+    assert cr.compare({1: float("nan")}, {1: float("nan")})["n_differ"] == 0
+    _write_metrics(tmp_path / "z", [])
+    assert cr.main([str(tmp_path / "x"), str(tmp_path / "z")]) == 2
+
+
+def _read(run):
+    from fp4compile.train.loop import read_metrics
+
+    return read_metrics(run)
