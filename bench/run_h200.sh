@@ -1006,13 +1006,17 @@ s60_det)
   # loss of every step compared (bench/compare_runs.py: the first step that differs and the largest difference); a
   # difference from step 1 on means the 300M-token reruns' spread (0.1-0.2 point of val gap across sessions) holds
   # run-to-run nondeterminism, not only code and machine changes. Then the GPU tests of the kernels changed since
-  # session 55's whole-suite run (attention, GEMM, rotation, non-finite), until END seconds (default 560)
+  # session 55's whole-suite run (attention, GEMM, rotation, non-finite), until END seconds (default 560).
+  # DET=1: both runs with `--deterministic` (fp4compile.determinism; session 60 built it after this call found the
+  # default runs parting at step 2), and the GPU tests of deterministic mode first
   nvidia-smi -L
+  [ "${DET:-0}" = 1 ] && step det_tests 120 python -m pytest -m gpu -q -rfs -p no:cacheprovider tests/test_gemm.py \
+      -k deterministic && tail -2 "$OUT/det_tests.log"
   step data 60 python bench/study.py --data-only
   for r in a b; do
     rm -rf ".study_det_$r"
     step "det_$r" 150 python bench/study.py --size 30m --arms fullbest --out ".study_det_$r" --tokens 300e6 \
-        --skip-data --time-budget 130 -- --seed 0 --stop-after "${N:-100}"
+        --skip-data --time-budget 130 -- --seed 0 --stop-after "${N:-100}" $([ "${DET:-0}" = 1 ] && echo --deterministic)
   done
   step compare 30 python bench/compare_runs.py .study_det_a/30m/fullbest .study_det_b/30m/fullbest; cat "$OUT/compare.log"
   step gpu_tests $((${END:-560} - SECONDS)) python -m pytest -m gpu -q -rfs -n 8 -p no:cacheprovider \

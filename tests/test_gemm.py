@@ -311,6 +311,39 @@ def test_gpu_splitk_and_tma_tiles_match_float64(shape):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("impl", ["full", "half", "half_rega", "dq_triton"])
+def test_gpu_deterministic_mode_launches_the_first_fitting_tile_without_timing(impl, monkeypatch):
+    """Under deterministic mode the autotuned GEMMs launch the first candidate tile that fits (no autotuner, no
+    stored choice): the same bits as that tile launched explicitly, on every call, and correct against float64."""
+    from fp4compile import determinism
+    from fp4compile.kernels import gemm as G
+
+    def no_autotune(*a, **k):
+        raise AssertionError("deterministic mode must not autotune")
+
+    monkeypatch.setattr(G, "_get_tuned_kernel", no_autotune)
+    monkeypatch.setattr(G, "_get_tma_kernel", no_autotune)
+    M, N, K = 1000, 768, 1024
+    args = operands(M, N, K, seed=5, device="cuda", scale_a=100.0, scale_b=1e-3)
+    ref = reference64(args)
+    for dt in (torch.float32, torch.bfloat16):
+        with determinism.deterministic_mode():
+            outs = [G.nvfp4_gemm(*args, out_dtype=dt, impl=impl) for _ in range(2)]
+        assert torch.equal(outs[0], outs[1])
+        check_close(outs[0], ref, dt)
+        if impl == "dq_triton":
+            a16, b16 = G.dequantize_bf16(args[0], args[1]), G.dequantize_bf16(args[3], args[4])
+            explicit = G.first_that_fits(G.TMA_CONFIGS, lambda c: G.bf16_gemm_scaled(
+                a16, b16, args[2], args[5], dt, config=c))
+        else:
+            mn = (M, N) if impl == "full" else ((M, N) if (impl == "half") == (M < N) else (N, M))
+            explicit = G.first_that_fits(G.deterministic_configs(impl, *mn), lambda c: G.nvfp4_gemm(
+                *args, out_dtype=dt, impl=impl, config=c))
+        assert torch.equal(outs[0], explicit)
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_tuned_impl_times_candidates_and_matches_float64():
     from fp4compile.kernels import gemm as G
 

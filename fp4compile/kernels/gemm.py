@@ -74,6 +74,7 @@ from typing import Optional
 
 import torch
 
+from .. import determinism
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
 from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
 from .gemm_wgmma import nvfp4_gemm_wgmma
@@ -89,7 +90,8 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     TensorDescriptor = None
 
 __all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas",
-           "gemm_dequantized", "gemm_dequant_triton", "bf16_gemm_scaled", "bf16_gemm_splitk", "splitk_factor",
+           "gemm_dequantized", "gemm_dequant_triton", "bf16_gemm_scaled", "deterministic_configs", "first_that_fits",
+           "bf16_gemm_splitk", "splitk_factor",
            "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS", "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
            "DEFAULT_DEQUANT", "DEFAULT_IMPL", "DQ_IMPLS"]
 
@@ -543,17 +545,51 @@ TMA_CONFIGS = [
     _cfg(256, 128, 64, 8, 3, EPI_SUBTILE=True),
 ]
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep tiles that fit the problem: 64-wide tiles only for dims < 512 (or N tiles when M < 128, to get
-    more CTAs on skinny problems), 256-wide only for dims >= 256."""
-    M, N = named_args["M"], named_args["N"]
-
+def _tile_fits(block_m: int, block_n: int, M: int, N: int) -> bool:
+    """Whether a tile fits the problem: 64-wide tiles only for dims < 512 (or N tiles when M < 128, to get more
+    CTAs on skinny problems), 256-wide only for dims >= 256."""
     def fits(block, dim, small_ok=False):
         return block <= max(64, triton.next_power_of_2(dim)) and (block >= 128 or dim < 512 or small_ok)
 
-    kept = [c for c in configs
-            if fits(c.kwargs["BLOCK_M"], M) and fits(c.kwargs["BLOCK_N"], N, small_ok=M < 128)]
+    return fits(block_m, M) and fits(block_n, N, small_ok=M < 128)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """The autotuner's pruning: keep the configs whose tile fits the problem (:func:`_tile_fits`)."""
+    M, N = named_args["M"], named_args["N"]
+    kept = [c for c in configs if _tile_fits(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], M, N)]
     return kept or configs
+
+
+#: the autotuning space of each autotuned NVFP4 GEMM kernel
+CONFIG_SPACES = {"full": GEMM_CONFIGS, "half": HALF_CONFIGS, "half_rega": HALF_REGA_CONFIGS}
+
+
+def deterministic_configs(impl: str, M: int, N: int) -> list:
+    """The tiles ``impl`` ("full", "half", "half_rega") tries under deterministic mode, in order, instead of timing
+    them: the entries of its autotuning space the autotuner keeps for the [M, N] problem (:func:`_prune_configs`),
+    in the space's order. :func:`first_that_fits` launches the first that compiles within the GPU's resources: the
+    same tile in every process on one machine and software stack."""
+    space = CONFIG_SPACES[impl]
+    return [c for c in space if _tile_fits(c["BLOCK_M"], c["BLOCK_N"], M, N)] or list(space)
+
+
+def _out_of_resources(e: Exception) -> bool:
+    """Whether a launch failed because its tile needs more shared memory or registers than the GPU has."""
+    return "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower()
+
+
+def first_that_fits(configs, run):
+    """``run(config)`` for the first of ``configs`` that compiles within the GPU's resources, skipping those that
+    raise Triton's ``OutOfResources`` (as the autotuner does): deterministic mode's stand-in for the autotuner,
+    same candidates, no timing."""
+    for c in configs:
+        try:
+            return run(c)
+        except Exception as e:  # noqa: BLE001  (only out-of-resources is skipped; anything else is raised)
+            if not _out_of_resources(e):
+                raise
+    raise RuntimeError(f"fp4compile: none of {len(configs)} GEMM tiles fits this GPU's resources")
 
 
 _tuned = {}
@@ -562,9 +598,9 @@ _tuned = {}
 def _get_tuned_kernel(impl="full"):
     """The autotuned launcher of the ``"full"`` or ``"half"`` kernel (built on first use)."""
     if impl not in _tuned:
-        space, fn = {"full": (GEMM_CONFIGS, _nvfp4_gemm_kernel),
-                     "half": (HALF_CONFIGS, _bf16_nvfp4_gemm_kernel),
-                     "half_rega": (HALF_REGA_CONFIGS, _nvfp4_bf16_gemm_kernel)}[impl]
+        space = CONFIG_SPACES[impl]
+        fn = {"full": _nvfp4_gemm_kernel, "half": _bf16_nvfp4_gemm_kernel,
+              "half_rega": _nvfp4_bf16_gemm_kernel}[impl]
         configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                  num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in space]
         _tuned[impl] = triton.autotune(configs, key=["M", "N", "K", "OUT_FP32", "DEQUANT_ASM"],
@@ -745,6 +781,10 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
     tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
+    if config is None and determinism.enabled():  # no timing: the first TMA_CONFIGS tile that fits, every time
+        return first_that_fits(TMA_CONFIGS, lambda c: bf16_gemm_scaled(
+            a, b, a_global, b_global, out_dtype, config=c, warp_specialize=warp_specialize, flatten=flatten,
+            bias=bias))
     if config is None:
         config = _TMA_BEST.get(tuned_key)  # autotuned before: launch its config directly (no autotuner pass)
     if config is None and on_cuda:
@@ -941,7 +981,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     flags = dict(DEQUANT_ASM=dequant == "asm", OUT_FP32=out_dtype == torch.float32, **extra)
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1)
-    if config is not None:
+
+    def run(config):
         c = dict(config)
         bm, bn, bk = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
         nw, ns, gm = c.pop("num_warps", 4), c.pop("num_stages", 3), c.pop("GROUP_M", 8)
@@ -951,6 +992,11 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, EVEN_K=K % bk == 0,
                      num_warps=nw, num_stages=ns, K_ITERS=0 if on_cuda else cdiv(K, bk), **c, **flags)
         return out
+
+    if config is not None:
+        return run(config)
+    if determinism.enabled():  # no timing: the tiles differ in BLOCK_K, so in summation order
+        return first_that_fits(deterministic_configs(impl, M, N), run)
     kern = _get_tuned_kernel(impl)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     # every tuned BLOCK_K divides 128: K % 128 == 0 is EVEN for all of them; otherwise the masked variant

@@ -59,6 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..determinism import deterministic_mode
 from . import data as D
 from .model import GPT, config_from_preset
 
@@ -160,6 +161,8 @@ class TrainConfig:
                                               # resumed at or past it, the run trains nothing and stops)
     device: str = "auto"
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
+    deterministic: bool = False               # run under fp4compile.determinism.deterministic_mode: two runs of one
+                                              # config, machine and thread count give the same bits (slower)
     progress: bool = True
     parallel: str = "none"                    # none | ddp | fsdp2 (under torchrun; fp4compile.train.distributed)
     fsdp_reshard: bool = True                 # FSDP2 reshard_after_forward (False: one all-gather per block/step)
@@ -619,7 +622,7 @@ STRUCTURAL = ("model", "tie_embeddings", "tokenizer", "optimizer", "lora", "lora
 #: fields whose change is allowed on resume but breaks bit-exact continuation (a warning)
 SOFT = ("seed", "batch_size", "seq_len", "grad_accum", "train_data", "lr", "matrix_lr", "schedule",
         "warmup_steps", "steps", "backend", "policy", "weight_decay", "beta1", "beta2", "eps",
-        "grad_clip", "late_bf16_at", "late_bf16_roles", "qk_transform", "qk_blocks") + ROOT_GROUP_KEYS
+        "grad_clip", "late_bf16_at", "late_bf16_roles", "qk_transform", "qk_blocks", "deterministic") + ROOT_GROUP_KEYS
 #: Q-AdamW's group keys the TrainConfig sets that only choose how states are encoded, not their format
 QADAMW_GROUP_KEYS = ("v_four_over_six",)
 #: the param-group hyper-parameters the TrainConfig sets (lr, matrix_lr, weight_decay, beta1/beta2, eps, QRoot's NS
@@ -989,8 +992,14 @@ def autocast_factory(cfg: TrainConfig, dtype: str, device: torch.device):
 
 
 def train(cfg: TrainConfig) -> RunResult:
-    """Run (or resume) one training run as configured; see the module docstring for what it writes."""
+    """Run (or resume) one training run as configured; see the module docstring for what it writes. With
+    ``cfg.deterministic`` the whole run is inside :func:`fp4compile.determinism.deterministic_mode`."""
     cfg.validate()
+    with deterministic_mode(cfg.deterministic):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> RunResult:
     denv = None
     if cfg.parallel != "none":                    # torchrun: init the process group (gloo on CPU, nccl on CUDA)
         from . import distributed as DP

@@ -1,0 +1,81 @@
+"""Run-to-run reproducibility: the settings under which two runs of one configuration give the same bits.
+
+By default a training run is not bit-reproducible. Measured (``bench/compare_runs.py``): two GPU runs of the 30M
+full stack, same seed, code and machine, differed from step 2 on (session 60). Two CPU runs (2 threads) of the full
+stack also differed, from step 3 or 5: MKL's multithreaded SGEMM in Q-Attn's reference does not fix its summation
+order unless told to. :func:`deterministic_mode` turns on every setting this project knows of:
+
+* ``torch.use_deterministic_algorithms(True)``: deterministic CUDA kernels where PyTorch has one (e.g.
+  ``index_put`` with accumulation, behind an embedding's backward), an error where it has none, and uninitialized
+  memory filled (``torch.utils.deterministic.fill_uninitialized_memory``). Inductor also stops benchmarking
+  candidate kernels when this is on, and ``torch._inductor.config.deterministic`` (where the torch version has it)
+  is set too. A benchmark picks by timing, and a different pick can sum in a different order.
+* ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless set) and ``torch.backends.cudnn.deterministic``, as PyTorch's
+  reproducibility notes ask.
+* fp4compile's own autotuned GEMMs (``kernels/gemm.py``) launch a fixed tile instead of the fastest one timed
+  (:func:`enabled` is what they check). Their tiles differ in ``BLOCK_K``, so in summation order.
+* ``MKL_CBWR=AUTO,STRICT`` (unless set) for the CPU: MKL reads it at its first call, so it has to be set before the
+  process's first matrix product. ``fp4compile train --deterministic`` sets it in time; in a process that has
+  already run a matrix product it changes nothing (and cannot tell), so a long-lived process (a test session, a
+  notebook) should set it in the environment before starting.
+
+Everything is restored on exit except the two environment variables: a cuBLAS workspace or MKL mode already chosen
+cannot be chosen again.
+
+What stays outside: NCCL reductions across ranks, and Triton kernels that sum with atomics. fp4compile's kernels
+use only ``atomic_max``, whose result does not depend on the order. Performance: deterministic modes are slower
+(Inductor's untuned kernels, fixed GEMM tiles, filled memory); use it to reproduce, not to benchmark.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+#: the cuBLAS workspace setting PyTorch requires for deterministic cuBLAS with CUDA >= 10.2
+CUBLAS_WORKSPACE = ":4096:8"
+#: MKL's conditional numerical reproducibility mode: the fastest code path, summation order fixed
+MKL_CBWR = "AUTO,STRICT"
+
+
+def enabled() -> bool:
+    """Whether deterministic algorithms are on (:func:`deterministic_mode`, or the user's own
+    ``torch.use_deterministic_algorithms(True)``): fp4compile's autotuned kernels then launch a fixed config."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def set_environment() -> None:
+    """Set ``CUBLAS_WORKSPACE_CONFIG`` and ``MKL_CBWR`` unless the user has set them. They only take effect
+    before the first cuBLAS / MKL call of the process."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    os.environ.setdefault("MKL_CBWR", MKL_CBWR)
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool = True) -> Iterator[None]:
+    """Within the block, run with every reproducibility setting of the module docstring (``on=False``: a no-op,
+    so a caller can pass a config flag straight through). Restores torch's and Inductor's settings on exit."""
+    if not on:
+        yield
+        return
+    set_environment()
+    import torch._inductor.config as inductor_config
+
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    has_inductor_flag = hasattr(inductor_config, "deterministic")
+    saved_inductor = inductor_config.deterministic if has_inductor_flag else None
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    if has_inductor_flag:
+        inductor_config.deterministic = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        if has_inductor_flag:
+            inductor_config.deterministic = saved_inductor
