@@ -1,8 +1,8 @@
 """Run-to-run reproducibility: the settings under which two runs of one configuration give the same bits.
 
-By default a training run is not bit-reproducible. Measured (``bench/compare_runs.py``): two GPU runs of the 30M
-full stack, same seed, code and machine, differed from step 2 on (session 60). Two CPU runs (2 threads) of the full
-stack also differed, from step 3 or 5: MKL's multithreaded SGEMM in Q-Attn's reference does not fix its summation
+By default a training run is not bit-reproducible. Two GPU runs of the 30M full stack with the same seed, code and
+machine differ from step 2 on (sessions 36 and 60; ``bench/compare_runs.py``). Two CPU runs (2 threads) of the full
+stack differed too, from step 3 or 5: MKL's multithreaded SGEMM in Q-Attn's reference does not fix its summation
 order unless told to. :func:`deterministic_mode` turns on every setting this project knows of:
 
 * ``torch.use_deterministic_algorithms(True)``: deterministic CUDA kernels where PyTorch has one (e.g.
