@@ -653,14 +653,15 @@ def test_prepare_data_trains_only_on_the_whole_corpus(study, tmp_path, monkeypat
 
 
 def test_compare_runs_finds_same_bits_and_the_first_differing_step(tmp_path, capsys):
-    """bench/compare_runs.py: two CPU runs of one configuration and seed are the same bits at every step (the CPU
-    path is deterministic); a run with another seed differs from step 1; a hand-made pair differing only from step 3
-    reports step 3 first, its largest difference and the last step's; a resumed run's later record of a step wins;
-    runs with no common step exit 2."""
+    """bench/compare_runs.py: a real run's metrics (with its start and eval records) against themselves are
+    identical at every step; a run with another seed differs from step 1 (another initialisation); a hand-made pair
+    differing only from step 3 reports step 3 first, its largest difference and the last step's; a resumed run's
+    later record of a step wins; runs with no common step exit 2. (Two runs of one seed are not compared here: on
+    a multi-threaded CPU they need deterministic mode from the process's start, tests/test_determinism.py.)"""
     cr = _bench_module("compare_runs")
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+    for name, seed in (("a", 0), ("c", 1)):
         _tiny_run(tmp_path / name, seed=seed)
-    assert cr.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert cr.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
     assert capsys.readouterr().out.startswith("identical: the train loss of all 4 common steps (1..4)")
     assert cr.main([str(tmp_path / "a"), str(tmp_path / "c"), "--json", str(tmp_path / "ac.json")]) == 0
     ac = json.loads((tmp_path / "ac.json").read_text())
