@@ -10,6 +10,10 @@ an option whose effect shows only late in a long run will look free here. The GP
     python bench/cpu_fork_ab.py --optimizer qadamw --arm base --arm v6:qadamw_v_four_over_six=false
     python bench/cpu_fork_ab.py --optimizer qroot --policy full_stack --arm base \\
         --arm nsold:ns_sym_b=false,ns_shared_x=false
+
+``--deterministic`` makes the runs reproducible (same numbers on a rerun). It is not expected to make a paired
+difference less noisy (not measured): training amplifies an arm's own change as it amplifies a change of summation
+order.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import step_ab  # noqa: E402
 from bench.seed_gaps import mean_se  # noqa: E402
+from fp4compile import determinism  # noqa: E402
 from fp4compile.train import loop as L  # noqa: E402
 
 
@@ -66,14 +71,21 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", default=None, help="run directories (default: a temporary directory)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every run under fp4compile.determinism.deterministic_mode, MKL_CBWR set before the first "
+                         "matrix product: a rerun gives the same numbers, and two arms with the same settings the "
+                         "same bits (without it the CPU's threaded SGEMM makes reruns drift apart)")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        determinism.set_environment()       # before this process's first MKL call
     arms = [parse_arm(a) for a in args.arm]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="cpu_fork_ab_"))
     base = dict(model=args.model, optimizer=args.optimizer, policy=args.policy, backend=args.backend,
                 backend_debug=args.backend != "none", batch_size=args.batch_size, seq_len=args.seq_len,
                 steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 20), eval_batches=args.eval_batches,
-                progress=False, log_interval=max(1, args.steps // 10), ckpt_interval=0)
+                progress=False, log_interval=max(1, args.steps // 10), ckpt_interval=0,
+                deterministic=args.deterministic)
     val = {name: {} for name, _, _ in arms}
     t0 = time.time()
     for seed in seeds:

@@ -2,6 +2,7 @@
 source's checkpoint with its own settings (the reference arm against itself differs by exactly 0)."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import cpu_fork_ab  # noqa: E402
 from fp4compile.train import loop as L  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_arm_syntax():
@@ -48,3 +51,22 @@ def test_tiny_fork_ab(tmp_path, capsys, monkeypatch):
         assert {g["v_four_over_six"] for g in groups} == {flag}
     # the module switch holds while its arm trains (source, base, again, v6, amax) and is restored after
     assert seen == [default] * 4 + [not default] and root.FUSE_AMAX == default
+
+
+def test_deterministic_fork_ab_gives_two_equal_arms_the_same_bits(tmp_path):
+    """--deterministic, in a fresh process (MKL_CBWR must precede the first matrix product): the full stack through
+    fullstack_fp4's eager variant (Q-Attn's reference, whose threaded SGEMM otherwise sums in a varying order) on
+    2 threads; two arms with the same settings log the same train loss at every step and the same val loss."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_fork_ab.py"), "--model", "cpu", "--steps", "8",
+                    "--at", "2", "--seeds", "0", "--batch-size", "4", "--seq-len", "64", "--eval-batches", "2",
+                    "--optimizer", "qroot", "--policy", "full_stack", "--backend", "fullstack_fp4",
+                    "--out", str(tmp_path), "--deterministic", "--arm", "base:threads=2", "--arm", "again:threads=2"],
+                   check=True, env=env, capture_output=True, timeout=600)
+    runs = [L.read_metrics(tmp_path / "seed0" / arm) for arm in ("base", "again")]
+    losses = [[(r["step"], r["loss"]) for r in m if "loss" in r and "event" not in r] for m in runs]
+    assert len(losses[0]) >= 2 and losses[0] == losses[1]
+    vals = [[r["val_loss"] for r in m if "val_loss" in r] for m in runs]
+    assert vals[0] and vals[0] == vals[1]
