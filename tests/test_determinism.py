@@ -2,7 +2,6 @@
 instead of timing them, and two `fp4compile train --deterministic` runs giving the same bits on the CPU."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from fp4compile import determinism
+from fp4compile.train.loop import read_metrics
 
 
 def test_deterministic_mode_sets_and_restores_torch_and_inductor(monkeypatch):
@@ -69,6 +69,10 @@ def test_first_that_fits_skips_only_out_of_resources():
         return c * 10
 
     assert G.first_that_fits([0, 1, 2, 3], run) == 20 and tried == [0, 1, 2]
+    tried.clear()                                     # with a key the choice is kept: the next call launches it
+    assert G.first_that_fits([0, 1, 2, 3], run, key="test-shape") == 20 and tried == [0, 1, 2]
+    assert G.first_that_fits([0, 1, 2, 3], run, key="test-shape") == 20 and tried == [0, 1, 2, 2]
+    G._FITS.pop("test-shape")
     with pytest.raises(RuntimeError, match="none of 2 GEMM tiles"):
         G.first_that_fits([0, 1], run)
 
@@ -87,7 +91,7 @@ def _train_cli(out, *extra):
            "--policy", "full_stack", "--optimizer", "qroot", "--threads", "2", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "CUBLAS_WORKSPACE_CONFIG")}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return read_metrics(out)
 
 
 def test_two_deterministic_cpu_runs_of_the_full_stack_are_the_same_bits(tmp_path):

@@ -658,6 +658,8 @@ def test_compare_runs_finds_same_bits_and_the_first_differing_step(tmp_path, cap
     differing only from step 3 reports step 3 first, its largest difference and the last step's; a resumed run's
     later record of a step wins; runs with no common step exit 2. (Two runs of one seed are not compared here: on
     a multi-threaded CPU they need deterministic mode from the process's start, tests/test_determinism.py.)"""
+    from fp4compile.train.loop import read_metrics
+
     cr = _bench_module("compare_runs")
     for name, seed in (("a", 0), ("c", 1)):
         _tiny_run(tmp_path / name, seed=seed)
@@ -671,15 +673,9 @@ def test_compare_runs_finds_same_bits_and_the_first_differing_step(tmp_path, cap
     _write_metrics(tmp_path / "y", [3.0, 2.5, 2.125, 1.0, 1.5], evals=[(5, 9.0)])
     with open(tmp_path / "y" / "metrics.jsonl", "a") as f:      # a resumed run logs step 2 again: the later wins
         f.write(json.dumps({"step": 2, "tokens": 20, "loss": 2.5}) + "\n")
-    r = cr.compare(cr.step_losses(_read(tmp_path / "x")), cr.step_losses(_read(tmp_path / "y")))
+    r = cr.compare(cr.step_losses(read_metrics(tmp_path / "x")), cr.step_losses(read_metrics(tmp_path / "y")))
     assert (r["first_differ"], r["n_differ"], r["max_abs_diff"], r["max_abs_diff_step"]) == (3, 3, 0.5, 4)
     assert (r["last_step"], r["last_diff"]) == (5, -0.25)
     assert cr.compare({1: float("nan")}, {1: float("nan")})["n_differ"] == 0
     _write_metrics(tmp_path / "z", [])
     assert cr.main([str(tmp_path / "x"), str(tmp_path / "z")]) == 2
-
-
-def _read(run):
-    from fp4compile.train.loop import read_metrics
-
-    return read_metrics(run)

@@ -579,16 +579,27 @@ def _out_of_resources(e: Exception) -> bool:
     return "OutOfResources" in type(e).__name__ or "out of resource" in str(e).lower()
 
 
-def first_that_fits(configs, run):
+#: first_that_fits's choice per caller key: later calls launch it directly, without re-raising the tiles before it
+_FITS: dict = {}
+
+
+def first_that_fits(configs, run, key=None):
     """``run(config)`` for the first of ``configs`` that compiles within the GPU's resources, skipping those that
     raise Triton's ``OutOfResources`` (as the autotuner does): deterministic mode's stand-in for the autotuner,
-    same candidates, no timing."""
+    same candidates, no timing. With ``key`` (the launch's shape and flags) the choice is kept, so later calls
+    launch it at once."""
+    if key is not None and key in _FITS:
+        return run(_FITS[key])
     for c in configs:
         try:
-            return run(c)
+            result = run(c)
         except Exception as e:  # noqa: BLE001  (only out-of-resources is skipped; anything else is raised)
             if not _out_of_resources(e):
                 raise
+            continue
+        if key is not None:
+            _FITS[key] = c
+        return result
     raise RuntimeError(f"fp4compile: none of {len(configs)} GEMM tiles fits this GPU's resources")
 
 
@@ -780,19 +791,8 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
     opts = {"enable_fp_fusion": False} if bias is not None and on_cuda else {}
     if config is None and not on_cuda:
         config = _cfg(32, 32, 32, 4, 1, EPI_SUBTILE=True)
-    tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
-    if config is None and determinism.enabled():  # no timing: the first TMA_CONFIGS tile that fits, every time
-        return first_that_fits(TMA_CONFIGS, lambda c: bf16_gemm_scaled(
-            a, b, a_global, b_global, out_dtype, config=c, warp_specialize=warp_specialize, flatten=flatten,
-            bias=bias))
-    if config is None:
-        config = _TMA_BEST.get(tuned_key)  # autotuned before: launch its config directly (no autotuner pass)
-    if config is None and on_cuda:
-        config = _load_tuned(tuned_key)  # ... or in an earlier process (AUTOTUNE_CACHE)
-        if config is not None:
-            _TMA_BEST[tuned_key] = config
-    dummy = [1, 1]
-    if config is not None:
+
+    def run(config):
         c = dict(config)
         bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
         sub = bool(c.get("EPI_SUBTILE", False))
@@ -808,6 +808,19 @@ def bf16_gemm_scaled(a, b, a_global, b_global, out_dtype=torch.bfloat16, *, conf
                HAS_BIAS=bias is not None, num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3),
                **opts)
         return out
+
+    tuned_key = (M, N, K, out_dtype, a.device.index, warp_specialize, flatten)
+    if config is None and determinism.enabled():  # no timing: the first TMA_CONFIGS tile that fits, every time
+        return first_that_fits(TMA_CONFIGS, run, key=("tma", bias is not None) + tuned_key)
+    if config is None:
+        config = _TMA_BEST.get(tuned_key)  # autotuned before: launch its config directly (no autotuner pass)
+    if config is None and on_cuda:
+        config = _load_tuned(tuned_key)  # ... or in an earlier process (AUTOTUNE_CACHE)
+        if config is not None:
+            _TMA_BEST[tuned_key] = config
+    if config is not None:
+        return run(config)
+    dummy = [1, 1]
     ad = TensorDescriptor(a, a.shape, a.stride(), dummy)
     bd = TensorDescriptor(b, b.shape, b.stride(), dummy)
     cd = TensorDescriptor(out, out.shape, out.stride(), dummy)
@@ -996,7 +1009,8 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
     if config is not None:
         return run(config)
     if determinism.enabled():  # no timing: the tiles differ in BLOCK_K, so in summation order
-        return first_that_fits(deterministic_configs(impl, M, N), run)
+        return first_that_fits(deterministic_configs(impl, M, N), run,
+                               key=(impl, M, N, K, out_dtype, dequant, a_codes.device.index, tuple(extra.items())))
     kern = _get_tuned_kernel(impl)
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     # every tuned BLOCK_K divides 128: K % 128 == 0 is EVEN for all of them; otherwise the masked variant
