@@ -27,8 +27,9 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
                factors re-split every 100 steps from step 100 (its flags are part of the arm)
     fullbest_late  fullbest with the late switch: the linears' forward GEMMs in BF16 from 85 % of the steps on;
                fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
-    fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim / in 16x16 tiles
-               (the default) (FP4COMPILE_QK_BLOCKS; not in the default list); fullbest_qk1x16_none: 1x16 without
+    fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim (the default
+               since session 61) / in 16x16 tiles (the default until session 60: fullbest and the arms built on it
+               ran the tiles in earlier sessions' runs) (FP4COMPILE_QK_BLOCKS; not in the default list); fullbest_qk1x16_none: 1x16 without
                the Q, K transform (FP4COMPILE_QK_TRANSFORM=none); fullbest_qk1x16_nsold: 1x16 with the NS of
                sessions <= 46;
                fullbest_nsold, fullbest_v6: the NS of sessions <= 46, Q-AdamW's v without 4/6

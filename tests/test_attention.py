@@ -909,13 +909,13 @@ def test_swap_sdpa_full_stack_matches_op_and_saves_fp4_qk():
     assert [s.swapped for s in be.sites] == [True]
     assert F.scaled_dot_product_attention not in _targets(be.dynamo)
     meta = [n.meta["fp4_attn"] for n in be.dynamo.graph.nodes if "fp4_attn" in n.meta][0]
-    # the defaults: Q, K smoothed and rotated, then quantized in 16x16 tiles (no QK_1X16 bit)
-    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER
-    assert meta["source"] == "sdpa" and meta["qk_blocks"] == qk_blocks_mode() == "16x16"
+    # the defaults (session 61): Q, K smoothed and rotated, then quantized in 1x16 blocks along head_dim (QK_1X16 bit)
+    assert set(meta["roles"]) == set(R.ATTN_ROLES) and meta["fp4_roles"] == PAPER | R.QK_1X16
+    assert meta["source"] == "sdpa" and meta["qk_blocks"] == qk_blocks_mode() == "1x16"
     assert meta["roles"]["attn.qk"].name == "nvfp4" and meta["roles"]["attn.pv"] is BF16
     assert meta["qk_transform"] == qk_transform_mode() == "smooth_k+hadamard"
     # eager model with the same op and transform: identical result
-    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER, qk_transform=qk_transform_mode())
+    ref, gx2 = _eager_qattn(m, x, fp4_roles=PAPER | R.QK_1X16, qk_transform=qk_transform_mode())
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(gx, gx2)
     # the backward consumes the forward's FP4 Q/K (uint8 codes + uint8 E4M3 scales), not bf16/fp32 Q/K
@@ -1082,8 +1082,8 @@ def test_real_backend_explain_lists_six_attention_roles():
     attn = {s.role: s for s in rep.sites if s.role.startswith("attn.")}
     assert set(attn) == set(R.ATTN_ROLES)
     assert {r for r, s in attn.items() if s.precision == "nvfp4"} == {"attn.qk", "attn.dsk", "attn.dsq"}
-    # the default QK_BLOCKS "16x16": the dS products reuse the forward's tiles (valid along T)
-    assert attn["attn.dsk"].reused == "2d fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
+    # the default QK_BLOCKS "1x16": the dS products take the forward's copy re-quantized in tiles (valid along T)
+    assert attn["attn.dsk"].reused == "requant of fwd copy" and tuple(attn["attn.qk"].shape) == (32, 32, 64)
 
 
 def test_backend_options_set_qk_transform_and_blocks_per_compile():

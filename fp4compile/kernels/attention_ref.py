@@ -19,7 +19,8 @@ backward reuses them, bit for bit, for the S recomputation and for dS·K / dSᵀ
 re-quantized. The price is a coarser scale (one per 256 values instead of per 16) -- the same trade NVIDIA's
 recipe makes for weights.
 
-**The 1x16 option (``QK_1X16``, bit 6 of the mask; ``passes.attention.QK_BLOCKS = "1x16"``).** Q and K may
+**The 1x16 option (``QK_1X16``, bit 6 of the mask; ``passes.attention.QK_BLOCKS = "1x16"``, the pass's default
+since session 61: 0.17 +- 0.05 point lower val-loss gap at 30M / 300M tokens over three seeds).** Q and K may
 instead be quantized with 1x16 blocks along head_dim -- one E4M3 scale per row and 16 channels, the blocks of
 QKᵀ's own contraction and the finer scale. That copy is what the forward's QKᵀ reads and what autograd saves; the
 backward reuses it for the S recomputation. It is not an NVFP4 operand along the sequence (its blocks do not run

@@ -36,8 +36,8 @@ warning naming the node. Every site found, swapped or not, is returned as an ``A
     }
 
 NVFP4 specs other than plain RTN (SR, MS-EDEN, 4/6, Hadamard) are implemented as RTN for attention operands
-(a one-line warning says so); Q/K/V/dO use 16x16 tiles (Q and K 1x16 blocks along head_dim with
-:data:`QK_BLOCKS` ``"1x16"``) and P/dS 1x16 blocks along the contraction (see ``kernels/attention_ref.py`` for why).
+(a one-line warning says so); Q and K use 1x16 blocks along head_dim (16x16 tiles with :data:`QK_BLOCKS`
+``"16x16"``), V/dO 16x16 tiles and P/dS 1x16 blocks along the contraction (see ``kernels/attention_ref.py`` for why).
 """
 from __future__ import annotations
 
@@ -99,13 +99,14 @@ QK_TRANSFORM_IMPLS = ("torch", "op", "fused")
 #: in 16x16 tiles: ``attention_ref.requantize_tiles``). ``"1x16"`` applies only where attn.qk is NVFP4: for the dS
 #: products alone the tiles are already their operand. V and dO keep the tiles. ``FP4COMPILE_QK_BLOCKS`` sets it at
 #: import, the backend option ``qk_blocks`` per compile; the swap writes it into the node's ``fp4_roles`` (bit
-#: ``attention_ref.QK_1X16``), so graphs and cache keys differ. Default ``"16x16"``: in 30M forks from one checkpoint
-#: at step 800 of 1,525, ``"1x16"`` ended 0.0020 and 0.0041 lower in val loss than the tiles (seeds 0, 1; O's error
-#: on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer tokens/s; at 300M tokens (two seeds)
-#: the 30M full stack ended +1.47 % and +1.46 % over BF16 in val loss where the tiles had +1.42 % and +1.63 %; with its
-#: re-quantization inside the backward's prep launch it costs the 124M step +0.83 ms, 1.016x (docs/BENCHMARKS.md,
-#: sessions 49-54).
-QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "16x16")
+#: ``attention_ref.QK_1X16``), so graphs and cache keys differ. Default ``"1x16"`` since session 61 (``"16x16"``
+#: before): in 30M forks from one checkpoint at step 800 of 1,525 it ended 0.0020 and 0.0041 lower in val loss than
+#: the tiles (seeds 0, 1; O's error on the runs' Q, K 0.79-0.81x the tiles', dQ's 0.98-1.00x) at 1.4 % fewer
+#: tokens/s; at 300M tokens, with today's Newton-Schulz defaults, the 30M full stack ended +1.47, +1.46, +1.56 % over
+#: BF16 in val loss (seeds 0-2) where the tiles ended +1.71, +1.54, +1.76 %: 0.17 +- 0.05 point lower, paired. With
+#: its re-quantization inside the backward's prep launch it costs the 124M step +0.83 ms, 1.016x (docs/BENCHMARKS.md,
+#: sessions 49-61).
+QK_BLOCKS = os.environ.get("FP4COMPILE_QK_BLOCKS", "1x16")
 
 
 def _checked_impl(impl: str, what: str) -> str:
@@ -338,7 +339,7 @@ def _plan(node: fx.Node, policy, source: str, args: dict, sites: list, qk: tuple
         return None
     if notes:
         warnings.warn(f"fp4compile: attention {node.name} at '{path}': {', '.join(notes)} run as NVFP4 RTN "
-                      "(Q-Attn implements RTN; 16x16 tiles for Q/K/V/dO unless QK_BLOCKS, 1x16 blocks for P/dS)",
+                      "(Q-Attn implements RTN; Q/K in QK_BLOCKS blocks, V/dO in 16x16 tiles, P/dS in 1x16 blocks)",
                       stacklevel=3)
     site.swapped = True
     if mask & (QK | DSK | DSQ):
