@@ -7,9 +7,9 @@ order unless told to. :func:`deterministic_mode` turns on every setting this pro
 
 * ``torch.use_deterministic_algorithms(True)``: deterministic CUDA kernels where PyTorch has one (e.g.
   ``index_put`` with accumulation, behind an embedding's backward), an error where it has none, and uninitialized
-  memory filled (``torch.utils.deterministic.fill_uninitialized_memory``). Inductor also stops benchmarking
-  candidate kernels when this is on, and ``torch._inductor.config.deterministic`` (where the torch version has it)
-  is set too. A benchmark picks by timing, and a different pick can sum in a different order.
+  memory filled (``torch.utils.deterministic.fill_uninitialized_memory``, unless :data:`FILL_UNINITIALIZED` is
+  off). Inductor also stops benchmarking candidate kernels when this is on, and
+  ``torch._inductor.config.deterministic`` (where the torch version has it) is set too. A benchmark picks by timing, and a different pick can sum in a different order.
 * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless set) and ``torch.backends.cudnn.deterministic``, as PyTorch's
   reproducibility notes ask.
 * fp4compile's own autotuned GEMMs (``kernels/gemm.py``) launch a fixed tile instead of the fastest one timed
@@ -38,6 +38,13 @@ import torch
 CUBLAS_WORKSPACE = ":4096:8"
 #: MKL's conditional numerical reproducibility mode: the fastest code path, summation order fixed
 MKL_CBWR = "AUTO,STRICT"
+#: whether deterministic mode leaves ``torch.utils.deterministic.fill_uninitialized_memory`` on (PyTorch's default
+#: under deterministic algorithms): every ``torch.empty`` is then filled (NaN for floats), and under CUDA graphs the
+#: fills are captured and replayed every step. Needed for the same bits only where a kernel reads memory it did not
+#: write first; ``FP4COMPILE_DETERMINISTIC_FILL=0`` turns it off, to measure what the fills cost (two runs that
+#: still agree bit for bit then show that nothing reads uninitialized memory). Session 61: deterministic mode with
+#: the fills ran the 30M full stack at 0.86x the default's tokens/s (one H100); the fills' share is not measured.
+FILL_UNINITIALIZED = os.environ.get("FP4COMPILE_DETERMINISTIC_FILL", "1") != "0"
 
 
 def enabled() -> bool:
@@ -64,12 +71,14 @@ def deterministic_mode(on: bool = True) -> Iterator[None]:
     import torch._inductor.config as inductor_config
 
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.utils.deterministic.fill_uninitialized_memory)
     has_inductor_flag = hasattr(inductor_config, "deterministic")
     saved_inductor = inductor_config.deterministic if has_inductor_flag else None
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    torch.utils.deterministic.fill_uninitialized_memory = FILL_UNINITIALIZED
     if has_inductor_flag:
         inductor_config.deterministic = True
     try:
@@ -77,5 +86,6 @@ def deterministic_mode(on: bool = True) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch.utils.deterministic.fill_uninitialized_memory = saved[4]
         if has_inductor_flag:
             inductor_config.deterministic = saved_inductor

@@ -39,6 +39,20 @@ def test_deterministic_mode_sets_and_restores_torch_and_inductor(monkeypatch):
     assert not determinism.enabled()
 
 
+@pytest.mark.parametrize("fill", [True, False])
+def test_deterministic_mode_fill_switch_sets_and_restores_the_fill(monkeypatch, fill):
+    """FILL_UNINITIALIZED (FP4COMPILE_DETERMINISTIC_FILL) decides torch's fill of uninitialized memory inside the
+    block, and the user's own setting comes back after it; with the fill on, torch.empty under deterministic mode
+    gives NaN (PyTorch's documented fill)."""
+    monkeypatch.setattr(determinism, "FILL_UNINITIALIZED", fill)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", not fill)
+    with determinism.deterministic_mode():
+        assert torch.utils.deterministic.fill_uninitialized_memory is fill
+        if fill:
+            assert torch.isnan(torch.empty(1000)).all()
+    assert torch.utils.deterministic.fill_uninitialized_memory is (not fill)
+
+
 def test_deterministic_gemm_tiles_are_the_autotuners_candidates_in_order():
     """The tiles deterministic mode tries are exactly those Triton's autotuner would keep after
     ``_prune_configs``, in the same order (built from triton.Config objects, as ``_get_tuned_kernel`` builds them)."""
