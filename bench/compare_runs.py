@@ -14,24 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Dict, List, Optional
 
-from fp4compile.train.loop import read_metrics
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def step_losses(records: List[dict]) -> Dict[int, float]:
-    """``{step: train loss}`` of a run's metrics records (only records with both; a resumed run's later record of a
-    step replaces its earlier one)."""
-    out: Dict[int, float] = {}
-    for r in records:
-        if "loss" in r and "step" in r and r.get("event") is None:
-            out[int(r["step"])] = float(r["loss"])
-    return out
+from bench.seed_gaps import train_losses  # noqa: E402
+from fp4compile.train.loop import read_metrics  # noqa: E402
 
 
 def compare(a: Dict[int, float], b: Dict[int, float]) -> Optional[dict]:
-    """The exact comparison of two ``step_losses``: common steps, how many differ, the first that does, the largest
+    """The exact comparison of two runs' ``train_losses`` (``bench/seed_gaps.py``): common steps, how many differ, the first that does, the largest
     absolute difference and its step, and the last common step's difference (``None`` if no step is common). NaN
     equals NaN here (both runs diverged alike)."""
     steps = sorted(set(a) & set(b))
@@ -58,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("run_b")
     ap.add_argument("--json", help="also write the comparison as one JSON object here")
     args = ap.parse_args(argv)
-    res = compare(step_losses(read_metrics(args.run_a)), step_losses(read_metrics(args.run_b)))
+    res = compare(train_losses(read_metrics(args.run_a)), train_losses(read_metrics(args.run_b)))
     if res is None:
         print(f"{args.run_a} and {args.run_b} share no step with a train loss", file=sys.stderr)
         return 2

@@ -30,9 +30,15 @@ from fp4compile.train.loop import read_metrics
 EVALS = ("val_loss", "brown_loss")
 
 
+def train_losses(records: List[dict]) -> Dict[int, float]:
+    """``{step: train loss}`` of a run's metrics records (its start and eval event records left out; a resumed run's
+    later record of a step replaces its earlier one)."""
+    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r and "step" in r and "event" not in r}
+
+
 def _curves(run) -> Tuple[Dict[int, float], Dict[str, Dict[int, float]]]:
     recs = read_metrics(run)
-    train = {r["step"]: r["loss"] for r in recs if "loss" in r and "event" not in r and "step" in r}
+    train = train_losses(recs)
     evals = {k: {r["step"]: r[k] for r in recs if k in r} for k in EVALS}
     return train, evals
 

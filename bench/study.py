@@ -29,9 +29,9 @@ Arms (each adds one recipe to the previous; same seed, data order and hyper-para
                fullbest_late70: from 70 %; fullbest_late_all: every linear GEMM in BF16 from 85 % (not in the default list)
     fullbest_qk1x16, fullbest_qk16x16  fullbest with Q-Attn's Q, K in 1x16 blocks along head_dim (the default
                since session 61) / in 16x16 tiles (the default until session 60: fullbest and the arms built on it
-               ran the tiles in earlier sessions' runs) (FP4COMPILE_QK_BLOCKS; not in the default list); fullbest_qk1x16_none: 1x16 without
-               the Q, K transform (FP4COMPILE_QK_TRANSFORM=none); fullbest_qk1x16_nsold: 1x16 with the NS of
-               sessions <= 46;
+               ran the tiles in earlier sessions' runs) (FP4COMPILE_QK_BLOCKS; not in the default list);
+               fullbest_qk1x16_none: 1x16 without the Q, K transform (FP4COMPILE_QK_TRANSFORM=none);
+               fullbest_qk1x16_nsold: 1x16 with the NS of sessions <= 46;
                fullbest_nsold, fullbest_v6: the NS of sessions <= 46, Q-AdamW's v without 4/6
 
 On the GPU machine (the tree that travels is <= 64 MiB, so carry the xz shards and tokenize there, ~10 s):

@@ -673,7 +673,7 @@ def test_compare_runs_finds_same_bits_and_the_first_differing_step(tmp_path, cap
     _write_metrics(tmp_path / "y", [3.0, 2.5, 2.125, 1.0, 1.5], evals=[(5, 9.0)])
     with open(tmp_path / "y" / "metrics.jsonl", "a") as f:      # a resumed run logs step 2 again: the later wins
         f.write(json.dumps({"step": 2, "tokens": 20, "loss": 2.5}) + "\n")
-    r = cr.compare(cr.step_losses(read_metrics(tmp_path / "x")), cr.step_losses(read_metrics(tmp_path / "y")))
+    r = cr.compare(cr.train_losses(read_metrics(tmp_path / "x")), cr.train_losses(read_metrics(tmp_path / "y")))
     assert (r["first_differ"], r["n_differ"], r["max_abs_diff"], r["max_abs_diff_step"]) == (3, 3, 0.5, 4)
     assert (r["last_step"], r["last_diff"]) == (5, -0.25)
     assert cr.compare({1: float("nan")}, {1: float("nan")})["n_differ"] == 0
