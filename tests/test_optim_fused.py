@@ -55,11 +55,29 @@ def test_interpreter_bit_exact_variants():
     _assert_exact(_interp(["fp32-variant", "fp32-had128-rtn", "bf16-sr", "bf16-kahan", "bf16-rtn", "qroot-adamw"], 2))
 
 
+def _worker_cases():
+    """The worker's case names, read from its ``CASES`` (importing it as a module sets no interpreter)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_optim_fused_worker",
+                                                  os.path.join(ROOT, "tests", "_optim_fused_worker.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return list(mod.CASES)
+
+
+# one worker process per case and kernel, so that pytest-xdist spreads them (as one test the eight cases plus the
+# first kernel's two took 256 s on the H200, the longest test of the GPU suite, session 40)
+GPU_CASES = [(c, None) for c in _worker_cases()] + [("fp32-default", 1), ("bf16-sr", 1)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_bit_exact():
-    _assert_exact(_interp(None, 3, device="cuda"))
-    _assert_exact(_interp(["fp32-default", "bf16-sr"], 2, device="cuda", kernel=1))
+@pytest.mark.parametrize("case,kernel", GPU_CASES, ids=[f"{c}-k{k or 'default'}" for c, k in GPU_CASES])
+def test_gpu_bit_exact(case, kernel):
+    rep = _interp([case], 3 if kernel is None else 2, device="cuda", kernel=kernel)
+    assert list(rep) == [case]
+    _assert_exact(rep)
 
 
 def test_legacy_per_tensor_global_scale_loads():
