@@ -97,13 +97,16 @@ def test_first_that_fits_skips_only_out_of_resources():
         G.first_that_fits([2, 3], broken)
 
 
-def _train_cli(out, *extra):
+def _train_cli(out, *extra, fill=True):
     cmd = [sys.executable, "-m", "fp4compile", "train", "--model", "cpu", "--tokenizer", "bytes",
            "--train-data", "stdlib", "--val-data", "stdlib:val", "--batch-size", "4", "--seq-len", "64",
            "--steps", "6", "--warmup-steps", "1", "--eval-batches", "2", "--log-interval", "1",
            "--out-dir", str(out), "--no-progress", "--device", "cpu", "--seed", "0", "--backend", "fullstack_fp4",
            "--policy", "full_stack", "--optimizer", "qroot", "--threads", "2", *extra]
-    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "CUBLAS_WORKSPACE_CONFIG")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MKL_CBWR", "CUBLAS_WORKSPACE_CONFIG", "FP4COMPILE_DETERMINISTIC_FILL")}
+    if not fill:
+        env["FP4COMPILE_DETERMINISTIC_FILL"] = "0"
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
     return read_metrics(out)
 
@@ -111,10 +114,12 @@ def _train_cli(out, *extra):
 def test_two_deterministic_cpu_runs_of_the_full_stack_are_the_same_bits(tmp_path):
     """The full stack (Q-Attn, NVFP4 linears, Q-Root) on 2 CPU threads, two processes: with --deterministic every
     step's train loss and the final val loss are the same bits. (Without it, session 60 saw such runs part at step 3
-    or 5 in three pairs out of three: MKL's threaded SGEMM in Q-Attn's reference.)"""
-    a = _train_cli(tmp_path / "a", "--deterministic")
-    b = _train_cli(tmp_path / "b", "--deterministic")
-    losses = [[(r["step"], r["loss"]) for r in run if "loss" in r and r.get("event") is None] for run in (a, b)]
-    assert len(losses[0]) == 6 and losses[0] == losses[1]
-    vals = [[r["val_loss"] for r in run if "val_loss" in r] for run in (a, b)]
-    assert vals[0] and vals[0] == vals[1]
+    or 5 in three pairs out of three: MKL's threaded SGEMM in Q-Attn's reference.) A third run with torch's fill of
+    uninitialized memory off (``FP4COMPILE_DETERMINISTIC_FILL=0``) gives the same bits too: with the fill every
+    ``torch.empty`` starts as NaN, so no op of the CPU path reads memory it did not write."""
+    runs = [_train_cli(tmp_path / "a", "--deterministic"), _train_cli(tmp_path / "b", "--deterministic"),
+            _train_cli(tmp_path / "nofill", "--deterministic", fill=False)]
+    losses = [[(r["step"], r["loss"]) for r in run if "loss" in r and r.get("event") is None] for run in runs]
+    assert len(losses[0]) == 6 and losses[0] == losses[1] == losses[2]
+    vals = [[r["val_loss"] for r in run if "val_loss" in r] for run in runs]
+    assert vals[0] and vals[0] == vals[1] == vals[2]
