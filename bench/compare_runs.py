@@ -25,9 +25,9 @@ from fp4compile.train.loop import read_metrics  # noqa: E402
 
 
 def compare(a: Dict[int, float], b: Dict[int, float]) -> Optional[dict]:
-    """The exact comparison of two runs' ``train_losses`` (``bench/seed_gaps.py``): common steps, how many differ, the first that does, the largest
-    absolute difference and its step, and the last common step's difference (``None`` if no step is common). NaN
-    equals NaN here (both runs diverged alike)."""
+    """The exact comparison of two runs' ``train_losses`` (``bench/seed_gaps.py``): common steps, how many differ,
+    the first that does, the largest absolute difference and its step, and the last common step's difference
+    (``None`` if no step is common). NaN equals NaN here (both runs diverged alike)."""
     steps = sorted(set(a) & set(b))
     if not steps:
         return None

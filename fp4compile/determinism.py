@@ -9,7 +9,8 @@ order unless told to. :func:`deterministic_mode` turns on every setting this pro
   ``index_put`` with accumulation, behind an embedding's backward), an error where it has none, and uninitialized
   memory filled (``torch.utils.deterministic.fill_uninitialized_memory``, unless :data:`FILL_UNINITIALIZED` is
   off). Inductor also stops benchmarking candidate kernels when this is on, and
-  ``torch._inductor.config.deterministic`` (where the torch version has it) is set too. A benchmark picks by timing, and a different pick can sum in a different order.
+  ``torch._inductor.config.deterministic`` (where the torch version has it) is set too. A benchmark picks by
+  timing, and a different pick can sum in a different order.
 * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (unless set) and ``torch.backends.cudnn.deterministic``, as PyTorch's
   reproducibility notes ask.
 * fp4compile's own autotuned GEMMs (``kernels/gemm.py``) launch a fixed tile instead of the fastest one timed

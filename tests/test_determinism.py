@@ -12,6 +12,9 @@ import torch
 from fp4compile import determinism
 from fp4compile.train.loop import read_metrics
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.seed_gaps import train_losses  # noqa: E402
+
 
 def test_deterministic_mode_sets_and_restores_torch_and_inductor(monkeypatch):
     import torch._inductor.config as inductor_config
@@ -119,7 +122,7 @@ def test_two_deterministic_cpu_runs_of_the_full_stack_are_the_same_bits(tmp_path
     ``torch.empty`` starts as NaN, so no op of the CPU path reads memory it did not write."""
     runs = [_train_cli(tmp_path / "a", "--deterministic"), _train_cli(tmp_path / "b", "--deterministic"),
             _train_cli(tmp_path / "nofill", "--deterministic", fill=False)]
-    losses = [[(r["step"], r["loss"]) for r in run if "loss" in r and r.get("event") is None] for run in runs]
+    losses = [train_losses(run) for run in runs]
     assert len(losses[0]) == 6 and losses[0] == losses[1] == losses[2]
     vals = [[r["val_loss"] for r in run if "val_loss" in r] for run in runs]
     assert vals[0] and vals[0] == vals[1] == vals[2]

@@ -1,7 +1,8 @@
 """The fused multi-tensor Q-AdamW / AdamW Triton kernels (fp4compile/optim/fused.py) against the per-parameter
 torch reference step: bit for bit, parameters and every state tensor, over several steps, for FP32 and BF16
 parameters (SR / Kahan / RTN masters), Hadamard sizes, SR/RTN and 4/6 variants, tail runs, extreme
-gradients, and QRoot's AdamW part. On CPU through the Triton interpreter, on CUDA with the compiled kernels (``-m gpu``); both in a fresh process."""
+gradients, and QRoot's AdamW part. On CPU through the Triton interpreter, on CUDA with the compiled kernels
+(``-m gpu``, one test per case); both in a fresh process."""
 import copy
 import json
 import os
