@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b|ncu|s57_gemm|s58_fused|s58_b|s60_det|s61_fill|gpu_suite
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b|ncu|s57_gemm|s58_fused|s58_b|s60_det|s61_fill|gpu_suite [PYTEST ARGS...]
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -1025,9 +1025,11 @@ s60_det)
 gpu_suite)
   # every GPU test on one GPU (~6-9 min; session 62: a cold machine took over 420 s, a warm one with 10 workers 510 s
   # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended, and the slowest 15;
-  # SECONDS_LIMIT (default 560) bounds the pytest run
-  nvidia-smi -L
-  step gpu_suite "${SECONDS_LIMIT:-560}" python -m pytest -m gpu -v -rfs -n 8 --durations=15 -p no:cacheprovider tests/
+  # SECONDS_LIMIT (default 560) bounds the pytest run. Arguments after the mode replace "tests/" (files, node ids,
+  # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s)
+  nvidia-smi -L; shift
+  step gpu_suite "${SECONDS_LIMIT:-560}" python -m pytest -m gpu -v -rfs -n 8 --durations=15 -p no:cacheprovider \
+      "${@:-tests/}"
   grep -c " PASSED " "$OUT/gpu_suite.log"; grep -E " (FAILED|ERROR) " "$OUT/gpu_suite.log" | head -20
   tail -n 30 "$OUT/gpu_suite.log" ;;
 s61_fill)
