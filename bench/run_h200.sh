@@ -1027,11 +1027,21 @@ gpu_suite)
   # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended, and the slowest 15;
   # SECONDS_LIMIT (default 560) bounds the pytest run. Arguments after the mode replace "tests/" (files, node ids,
   # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s)
+  # FP4COMPILE_TEST_TIMES (tests/conftest.py) writes each test's phases as they end, so a run the limit kills still
+  # gives the slowest tests and, against a collection, the tests it did not reach
   nvidia-smi -L; shift
-  step gpu_suite "${SECONDS_LIMIT:-560}" python -m pytest -m gpu -v -rfs -n 8 --durations=15 -p no:cacheprovider \
-      "${@:-tests/}"
+  FP4COMPILE_TEST_TIMES="$OUT/gpu_times.tsv" step gpu_suite "${SECONDS_LIMIT:-560}" python -m pytest -m gpu -v -rfs \
+      -n 8 --durations=15 -p no:cacheprovider "${@:-tests/}"
   grep -c " PASSED " "$OUT/gpu_suite.log"; grep -E " (FAILED|ERROR) " "$OUT/gpu_suite.log" | head -20
-  tail -n 30 "$OUT/gpu_suite.log" ;;
+  tail -n 30 "$OUT/gpu_suite.log"
+  touch "$OUT/gpu_times.tsv"
+  echo "== slowest 15 (seconds, setup + call + teardown)"
+  awk -F'\t' '{t[$1] += $4} END {for (n in t) printf "%8.1f  %s\n", t[n], n}' "$OUT/gpu_times.tsv" | sort -rn | head -15
+  python -m pytest -m gpu --collect-only -q -p no:cacheprovider "${@:-tests/}" 2>/dev/null | grep "::" \
+      >"$OUT/gpu_collected.txt"
+  echo "== not reached: $(awk -F'\t' 'FILENAME == ARGV[1] {if ($2 == "teardown") ended[$1] = 1; next} !($0 in ended)' \
+      "$OUT/gpu_times.tsv" "$OUT/gpu_collected.txt" | tee "$OUT/gpu_not_reached.txt" | wc -l)"
+  cat "$OUT/gpu_not_reached.txt" ;;
 s61_fill)
   # issue 7 on one GPU (~4 min; session 61, after s60_det DET=1 found two --deterministic runs the same bits over 300
   # steps at 0.86x the default's tokens/s): what does torch's fill of uninitialized memory cost deterministic mode
