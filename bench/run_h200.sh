@@ -187,14 +187,14 @@ study)
 study124_x4)
   # issue 7's 124M comparison on an nvidia-h200-x4 (not lent so far): bash bench/run_h200.sh study124_x4 TOKENS
   # BUDGET_S, e.g. three back-to-back calls of "study124_x4 500e6 570" (a whole session; carry .data/corpus,
-  # .data/gpt2.tiktoken; .study/ stays on the warm machine). GPUs 0-1: the full stack under DDP (bench/study.py
-  # --nproc 2: 32 sequences per rank, the same global batch); GPU 2: bf16root (the optimizer-matched BF16 run);
-  # GPU 3: BF16 with AdamW. Estimated from docs/BENCHMARKS.md's 124M rates: ~20 min for the full stack at 500M
+  # .data/gpt2.tiktoken; .study/ stays on the warm machine). GPUs 0-1: the default full stack (fullbest, as in the
+  # 30M study and study124_x8) under DDP (bench/study.py --nproc 2: 32 sequences per rank, the same global batch);
+  # GPU 2: bf16root (the optimizer-matched BF16 run); GPU 3: BF16 with AdamW. Estimated from docs/BENCHMARKS.md's 124M rates: ~20 min for the full stack at 500M
   # tokens, ~16-17 for each BF16 arm
   tokens=$2 budget=$3
   step data 150 python bench/study.py --data-only
   ( export CUDA_VISIBLE_DEVICES=0,1
-    step study124_full $((budget - SECONDS)) python bench/study.py --size 124m --arms full --nproc 2 \
+    step study124_fullbest $((budget - SECONDS)) python bench/study.py --size 124m --arms fullbest --nproc 2 \
         --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   ( export CUDA_VISIBLE_DEVICES=2
     step study124_bf16root $((budget - SECONDS)) python bench/study.py --size 124m --arms bf16root \
@@ -203,26 +203,27 @@ study124_x4)
     step study124_bf16 $((budget - SECONDS)) python bench/study.py --size 124m --arms bf16 \
         --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
-  python bench/study.py --size 124m --arms bf16,bf16root,full --tokens "$tokens" --report --export "$OUT/study124" ;;
+  python bench/study.py --size 124m --arms bf16,bf16root,fullbest --tokens "$tokens" --report --export "$OUT/study124" ;;
 study124_x8)
   # issue 7's 124M target (<= 1.0 % at >= 500M tokens) on an nvidia-h100-x8 / nvidia-h200-x8 (session 54; not lent
   # so far): bash bench/run_h200.sh study124_x8 TOKENS BUDGET_S, e.g. "study124_x8 500e6 570" in back-to-back calls
   # on the warm machine until every arm is done (carry .data/corpus, .data/gpt2.tiktoken; .study/ stays on it; each
-  # call resumes the arms from their checkpoints). GPUs 0-3: fullbest_qk1x16 (bench/study.py --nproc 4, DDP, 16
-  # sequences per rank, the same global batch); GPUs 4-5: bf16root; GPUs 6-7: fullbest (the tiles). From the 124M
-  # rates of sessions 15-16 (bf16root 466k tokens/s, fullbest 229k on one GPU) and ~0.9 DDP scaling: ~10 min for
-  # bf16root, ~20 for fullbest, ~10 for fullbest_qk1x16 at 500M tokens
+  # call resumes the arms from their checkpoints). GPUs 0-3: fullbest, the default (Q, K in 1x16 blocks since
+  # session 61; bench/study.py --nproc 4, DDP, 16 sequences per rank, the same global batch); GPUs 4-5: bf16root;
+  # GPUs 6-7: fullbest_qk16x16 (the tiles, the default until session 60). From the 124M rates of sessions 15-16
+  # (bf16root 466k tokens/s, the full stack 229k on one GPU) and ~0.9 DDP scaling: ~10 min for bf16root, ~20 for
+  # the tiles, ~10 for the default at 500M tokens
   tokens=$2 budget=$3
   step data 150 python bench/study.py --data-only
   x8_arm() {   # x8_arm GPUS ARM NPROC PORT
     ( export CUDA_VISIBLE_DEVICES=$1
       step "study124_$2" $((budget - SECONDS)) python bench/study.py --size 124m --arms "$2" --nproc "$3" \
           --master-port "$4" --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) & }
-  x8_arm 0,1,2,3 fullbest_qk1x16 4 29500
+  x8_arm 0,1,2,3 fullbest 4 29500
   x8_arm 4,5 bf16root 2 29510
-  x8_arm 6,7 fullbest 2 29520
+  x8_arm 6,7 fullbest_qk16x16 2 29520
   wait
-  python bench/study.py --size 124m --arms bf16root,fullbest,fullbest_qk1x16 --tokens "$tokens" --report \
+  python bench/study.py --size 124m --arms bf16root,fullbest,fullbest_qk16x16 --tokens "$tokens" --report \
       --export "$OUT/study124" ;;
 study124)
   # issue 7's 124M comparison on one nvidia-h200 (carry .data/corpus, .data/gpt2.tiktoken): arms one after another,
