@@ -189,8 +189,8 @@ study124_x4)
   # BUDGET_S, e.g. three back-to-back calls of "study124_x4 500e6 570" (a whole session; carry .data/corpus,
   # .data/gpt2.tiktoken; .study/ stays on the warm machine). GPUs 0-1: the default full stack (fullbest, as in the
   # 30M study and study124_x8) under DDP (bench/study.py --nproc 2: 32 sequences per rank, the same global batch);
-  # GPU 2: bf16root (the optimizer-matched BF16 run); GPU 3: BF16 with AdamW. Estimated from docs/BENCHMARKS.md's 124M rates: ~20 min for the full stack at 500M
-  # tokens, ~16-17 for each BF16 arm
+  # GPU 2: bf16root (the optimizer-matched BF16 run); GPU 3: BF16 with AdamW. Estimated from docs/BENCHMARKS.md's
+  # 124M rates: ~20 min for the full stack at 500M tokens, ~16-17 for each BF16 arm
   tokens=$2 budget=$3
   step data 150 python bench/study.py --data-only
   ( export CUDA_VISIBLE_DEVICES=0,1
@@ -203,7 +203,8 @@ study124_x4)
     step study124_bf16 $((budget - SECONDS)) python bench/study.py --size 124m --arms bf16 \
         --tokens "$tokens" --skip-data --time-budget $((budget - SECONDS - 20)) ) &
   wait
-  python bench/study.py --size 124m --arms bf16,bf16root,fullbest --tokens "$tokens" --report --export "$OUT/study124" ;;
+  python bench/study.py --size 124m --arms bf16,bf16root,fullbest --tokens "$tokens" --report \
+      --export "$OUT/study124" ;;
 study124_x8)
   # issue 7's 124M target (<= 1.0 % at >= 500M tokens) on an nvidia-h100-x8 / nvidia-h200-x8 (session 54; not lent
   # so far): bash bench/run_h200.sh study124_x8 TOKENS BUDGET_S, e.g. "study124_x8 500e6 570" in back-to-back calls
@@ -1027,7 +1028,7 @@ gpu_suite)
   # every GPU test on one GPU (~6-9 min; session 62: a cold machine took over 420 s, a warm one with 10 workers 510 s
   # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended, and the slowest 15;
   # SECONDS_LIMIT (default 560) bounds the pytest run. Arguments after the mode replace "tests/" (files, node ids,
-  # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s)
+  # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s).
   # FP4COMPILE_TEST_TIMES (tests/conftest.py) writes each test's phases as they end, so a run the limit kills still
   # gives the slowest tests and, against a collection, the tests it did not reach
   nvidia-smi -L; shift
