@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.seed_gaps import train_losses  # noqa: E402
-from fp4compile.train.loop import read_metrics  # noqa: E402
+from fp4compile.train.loop import read_metrics, train_losses
 
 
 def compare(a: Dict[int, float], b: Dict[int, float]) -> Optional[dict]:
-    """The exact comparison of two runs' ``train_losses`` (``bench/seed_gaps.py``): common steps, how many differ,
+    """The exact comparison of two runs' ``train_losses`` (``fp4compile.train.loop``): common steps, how many differ,
     the first that does, the largest absolute difference and its step, and the last common step's difference
     (``None`` if no step is common). NaN equals NaN here (both runs diverged alike)."""
     steps = sorted(set(a) & set(b))

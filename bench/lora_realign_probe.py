@@ -27,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4compile.nn.lora_svd import LoRASVDLinear
-from fp4compile.train.loop import TrainConfig, read_metrics, train
+from fp4compile.train.loop import TrainConfig, read_metrics, train, train_losses
 
 
 def _rms(m) -> float:
@@ -84,7 +84,7 @@ def run(out_dir: Path, steps: int, realign_at, args, hold: bool = False) -> dict
     finally:
         handle.remove()
         L.build_optimizer = orig
-    losses = {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r and "event" not in r}
+    losses = train_losses(read_metrics(out_dir))
     return {"stats": stats, "loss": losses}
 
 

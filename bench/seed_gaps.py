@@ -25,15 +25,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fp4compile.train.cli import gap_curve
-from fp4compile.train.loop import read_metrics
+from fp4compile.train.loop import read_metrics, train_losses
 
 EVALS = ("val_loss", "brown_loss")
-
-
-def train_losses(records: List[dict]) -> Dict[int, float]:
-    """``{step: train loss}`` of a run's metrics records (its start and eval event records left out; a resumed run's
-    later record of a step replaces its earlier one)."""
-    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r and "step" in r and "event" not in r}
 
 
 def _curves(run) -> Tuple[Dict[int, float], Dict[str, Dict[int, float]]]:

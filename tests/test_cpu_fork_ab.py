@@ -9,7 +9,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import cpu_fork_ab  # noqa: E402
-from bench.seed_gaps import train_losses  # noqa: E402
 from fp4compile.train import loop as L  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +66,7 @@ def test_deterministic_fork_ab_gives_two_equal_arms_the_same_bits(tmp_path):
                     "--out", str(tmp_path), "--deterministic", "--arm", "base:threads=2", "--arm", "again:threads=2"],
                    check=True, env=env, capture_output=True, timeout=600)
     runs = [L.read_metrics(tmp_path / "seed0" / arm) for arm in ("base", "again")]
-    losses = [train_losses(m) for m in runs]
+    losses = [L.train_losses(m) for m in runs]
     assert len(losses[0]) >= 2 and losses[0] == losses[1]
     vals = [[r["val_loss"] for r in m if "val_loss" in r] for m in runs]
     assert vals[0] and vals[0] == vals[1]

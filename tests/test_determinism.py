@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from fp4compile import determinism
-from fp4compile.train.loop import read_metrics
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.seed_gaps import train_losses  # noqa: E402
+from fp4compile.train.loop import read_metrics, train_losses
 
 
 def test_deterministic_mode_sets_and_restores_torch_and_inductor(monkeypatch):

@@ -14,6 +14,8 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from _optim_fused_worker import CASES  # noqa: E402  (its interpreter switch runs only as a script)
 
 
 def _interp(cases, steps, device="cpu", kernel=None):
@@ -56,20 +58,9 @@ def test_interpreter_bit_exact_variants():
     _assert_exact(_interp(["fp32-variant", "fp32-had128-rtn", "bf16-sr", "bf16-kahan", "bf16-rtn", "qroot-adamw"], 2))
 
 
-def _worker_cases():
-    """The worker's case names, read from its ``CASES`` (importing it as a module sets no interpreter)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_optim_fused_worker",
-                                                  os.path.join(ROOT, "tests", "_optim_fused_worker.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return list(mod.CASES)
-
-
 # one worker process per case and kernel, so that pytest-xdist spreads them (as one test the eight cases plus the
 # first kernel's two took 256 s on the H200, the longest test of the GPU suite, session 40)
-GPU_CASES = [(c, None) for c in _worker_cases()] + [("fp32-default", 1), ("bf16-sr", 1)]
+GPU_CASES = [(c, None) for c in CASES] + [("fp32-default", 1), ("bf16-sr", 1)]
 
 
 @pytest.mark.gpu

@@ -874,6 +874,12 @@ def read_metrics(run_dir: os.PathLike) -> List[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
+def train_losses(records: List[dict]) -> Dict[int, float]:
+    """``{step: train loss}`` of a run's :func:`read_metrics` records (its start and eval event records left out; a
+    resumed run's later record of a step replaces its earlier one)."""
+    return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r and "step" in r and "event" not in r}
+
+
 @contextlib.contextmanager
 def _sigint_flag():
     """While active, the first Ctrl-C sets ``flag["stop"]``; a second one raises KeyboardInterrupt."""
