@@ -1026,14 +1026,15 @@ s60_det)
   tail -4 "$OUT/gpu_tests.log" ;;
 gpu_suite)
   # every GPU test on one GPU (~6-9 min; session 62: a cold machine took over 420 s, a warm one with 10 workers 510 s
-  # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended, and the slowest 15;
+  # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended in its log;
   # SECONDS_LIMIT (default 560) bounds the pytest run. Arguments after the mode replace "tests/" (files, node ids,
   # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s).
   # FP4COMPILE_TEST_TIMES (tests/conftest.py) writes each test's phases as they end, so a run the limit kills still
-  # gives the slowest tests and, against a collection, the tests it did not reach
+  # gives the slowest 15 tests (pytest's --durations would print only at the session's end) and, against a
+  # collection, the tests it did not reach
   nvidia-smi -L; shift
   FP4COMPILE_TEST_TIMES="$OUT/gpu_times.tsv" step gpu_suite "${SECONDS_LIMIT:-560}" python -m pytest -m gpu -v -rfs \
-      -n 8 --durations=15 -p no:cacheprovider "${@:-tests/}"
+      -n 8 -p no:cacheprovider "${@:-tests/}"
   grep -c " PASSED " "$OUT/gpu_suite.log"; grep -E " (FAILED|ERROR) " "$OUT/gpu_suite.log" | head -20
   tail -n 30 "$OUT/gpu_suite.log"
   touch "$OUT/gpu_times.tsv"
