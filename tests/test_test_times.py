@@ -1,9 +1,14 @@
-"""``FP4COMPILE_TEST_TIMES`` (tests/conftest.py): one line per test phase, written as the phase ends."""
+"""tests/conftest.py: ``FP4COMPILE_TEST_TIMES`` (one line per test phase, written as the phase ends) and the threads
+of a pytest-xdist worker."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 NODE = "tests/test_nvfp4_format.py::test_ml_dtypes_rounding_behaviour"
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +32,39 @@ def test_every_phase_is_written_with_its_outcome_and_seconds(tmp_path):
 
 def test_an_xdist_worker_writes_nothing(tmp_path):
     assert not _run(tmp_path, PYTEST_XDIST_WORKER="gw0").exists()
+
+
+def _conftest():
+    """A fresh copy of tests/conftest.py as a module."""
+    spec = importlib.util.spec_from_file_location("_conftest_under_test", ROOT / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+W = {"PYTEST_XDIST_WORKER": "gw3"}
+
+
+@pytest.mark.parametrize("env,cpus,want", [
+    ({**W, "PYTEST_XDIST_WORKER_COUNT": "8"}, 16, 2), ({**W, "PYTEST_XDIST_WORKER_COUNT": "3"}, 16, 5),
+    ({**W, "PYTEST_XDIST_WORKER_COUNT": "32"}, 16, 1), ({**W, "PYTEST_XDIST_WORKER_COUNT": "8"}, 1, 1),
+    ({**W, "PYTEST_XDIST_WORKER_COUNT": "8", "OMP_NUM_THREADS": "4"}, 16, None), ({}, 16, None),
+    ({"PYTEST_XDIST_WORKER_COUNT": "8"}, 16, None), ({**W, "PYTEST_XDIST_WORKER_COUNT": ""}, 16, 16),
+])
+def test_an_xdist_worker_gets_its_share_of_the_cpus(env, cpus, want):
+    assert _conftest().xdist_worker_threads(env, cpus) == want
+
+
+def test_the_configure_hook_sets_the_workers_threads_and_their_subprocesses(monkeypatch):
+    mod, before = _conftest(), torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # recorded, so that the hook's value is undone after the test
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(4 * mod._cpus()))
+    try:
+        mod.pytest_configure(None)
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+        mod.pytest_configure(None)  # OMP_NUM_THREADS now set: left alone
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
