@@ -1029,8 +1029,8 @@ gpu_suite)
   # for 293 of 300): 8 workers, -v so that an interrupted run still names every test that ended in its log;
   # SECONDS_LIMIT (default 560) bounds the pytest run. Arguments after the mode replace "tests/" (files, node ids,
   # -k EXPR), e.g. to run only what an interrupted run did not reach (session 63: 5 of 309 in 440 s; session 64, an
-  # H200: all 309 in 465 s, the three slowest Q-Root tests 241-315 s each from 8 workers x 16 OpenMP threads, which
-  # tests/conftest.py now shares out: 2 threads a worker on 16 CPUs).
+  # H200: all 309 in 465 s, the three slowest Q-Root tests 241-315 s each (~13 s alone) with 8 workers x 16 OpenMP
+  # threads; tests/conftest.py now gives each worker 2 threads on 16 CPUs: not yet run on the GPU).
   # FP4COMPILE_TEST_TIMES (tests/conftest.py) writes each test's phases as they end, so a run the limit kills still
   # gives the slowest 15 tests (pytest's --durations would print only at the session's end) and, against a
   # collection, the tests it did not reach

@@ -9,7 +9,8 @@ reach it through the same hook.
 Under pytest-xdist each worker's CPU ops get the machine's CPUs shared out among the workers (at least one thread
 each; ``OMP_NUM_THREADS``, where set, wins). Without that every worker starts one OpenMP thread per CPU: 8 workers
 on 16 CPUs ran 128 threads, and the GPU tests' CPU references (a Newton–Schulz in NVFP4, a float64 SVD) took
-~300 s in the suite against ~13 s alone (session 64; on 2 CPUs, 4 processes of 2 threads took 10x as long as of 1).
+~300 s in the suite against ~13 s alone (session 64; the GPU suite has not yet run with this). On 2 CPUs, 4
+processes of that CPU reference with 2 threads each took 10x as long as with 1.
 """
 
 import os
