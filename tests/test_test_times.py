@@ -64,7 +64,8 @@ def test_the_configure_hook_sets_the_workers_threads_and_their_subprocesses(monk
     try:
         mod.pytest_configure(None)
         assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
-        mod.pytest_configure(None)  # OMP_NUM_THREADS now set: left alone
-        assert os.environ["OMP_NUM_THREADS"] == "1"
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's value: left alone, torch's threads too
+        mod.pytest_configure(None)
+        assert os.environ["OMP_NUM_THREADS"] == "3" and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
