@@ -13,20 +13,21 @@
 # then in the call that resumes the run:
 #   bash bench/ckpt_relay.sh unpack DEST_PARENT    # joins .relay/c*/p*, checks the sha256, untars the run directory
 set -euo pipefail
-PIECE=16700000
+PIECE=${PIECE:-16700000}
 BUNDLE=${BUNDLE:-58000000}
+T=${RELAY_TMP:-/tmp/relay}   # the sending machine's staging folder
 case "${1:-}" in
 pack)
-  src=$2; rm -rf /tmp/relay; mkdir -p /tmp/relay/parts
-  tar cf /tmp/relay/run.tar -C "$(dirname "$src")" "$(basename "$src")"
-  (cd /tmp/relay && sha256sum run.tar > run.tar.sha256)
-  split -b "$PIECE" -d -a 3 /tmp/relay/run.tar /tmp/relay/parts/p
-  echo "packed $(stat -c %s /tmp/relay/run.tar) bytes in $(ls /tmp/relay/parts | wc -l) pieces; sha256 $(cut -c1-64 /tmp/relay/run.tar.sha256)"
-  cp /tmp/relay/run.tar.sha256 "${OUT:?}/" ;;
+  src=$2; rm -rf "$T"; mkdir -p "$T/parts"
+  tar cf "$T/run.tar" -C "$(dirname "$src")" "$(basename "$src")"
+  (cd "$T" && sha256sum run.tar > run.tar.sha256)
+  split -b "$PIECE" -d -a 3 "$T/run.tar" "$T/parts/p"
+  echo "packed $(stat -c %s "$T/run.tar") bytes in $(ls "$T/parts" | wc -l) pieces; sha256 $(cut -c1-64 "$T/run.tar.sha256")"
+  cp "$T/run.tar.sha256" "${OUT:?}/" ;;
 send)
   k=$2
   for i in 0 1 2 3; do
-    f=$(printf "/tmp/relay/parts/p%03d" $((4 * k + i))); [ -f "$f" ] && cp "$f" "${OUT:?}/"
+    f=$(printf "%s/parts/p%03d" "$T" $((4 * k + i))); if [ -f "$f" ]; then cp "$f" "${OUT:?}/"; fi
   done; ls -la "$OUT" ;;
 bundle)
   # .relay/p000 ... -> .relay/c00/b000 ... : the joined bytes split again into carry-sized pieces
@@ -36,11 +37,11 @@ bundle)
   for b in b[0-9][0-9]; do mkdir "c${b#b}"; mv "$b" "c${b#b}/"; cp run.tar.sha256 "c${b#b}/"; done
   rm joined.tar; ls -la c*/ ;;
 unpack)
-  dest=$2; mkdir -p "$dest"
-  sha=$(cat .relay/c*/run.tar.sha256 | head -n 1 | cut -c1-64)
-  cat .relay/c[0-9][0-9]/b[0-9][0-9] > /tmp/run.tar
-  echo "$sha  /tmp/run.tar" | sha256sum -c -
-  tar xf /tmp/run.tar -C "$dest"; rm /tmp/run.tar; echo "unpacked into $dest" ;;
+  dest=$2; mkdir -p "$dest" "$T"
+  sha=$(head -n 1 .relay/c00/run.tar.sha256 | cut -c1-64)
+  cat .relay/c[0-9][0-9]/b[0-9][0-9] > "$T/in.tar"
+  echo "$sha  $T/in.tar" | sha256sum -c -
+  tar xf "$T/in.tar" -C "$dest"; rm "$T/in.tar"; echo "unpacked into $dest" ;;
 *)
   echo "usage: bash bench/ckpt_relay.sh pack RUN_DIR | send K | bundle | unpack DEST_PARENT" >&2; exit 2 ;;
 esac
