@@ -20,7 +20,9 @@ def _relay(args, cwd, env, check=True):
 
 
 def _ship(tmp_path: Path):
-    """A run directory sent piece by piece (4 pieces a call) and bundled on the receiving side."""
+    """A run directory sent piece by piece (4 pieces a call, each call's files in a folder of their own, as the
+    device tool returns them), collected and bundled here, then each bundle carried alone into the receiving
+    machine's checkout and stashed there (a carried path lasts one call on the device)."""
     rng = __import__("random").Random(7)
     run = tmp_path / "a" / "fullbest"
     (run / "checkpoint").mkdir(parents=True)
@@ -28,32 +30,38 @@ def _ship(tmp_path: Path):
              "metrics.jsonl": b'{"step": 1}\n'}
     for name, data in files.items():
         (run / name).write_bytes(data)
-    here = tmp_path / "here"
-    here.mkdir()
-    env = dict(os.environ, PIECE="4000", BUNDLE="15000", RELAY_TMP=str(tmp_path / "stage"))
-    out = tmp_path / "out"
-    out.mkdir()
-    env["OUT"] = str(out)
-    _relay(["pack", str(run)], here, env)
-    relay = here / ".relay"
-    relay.mkdir()
-    shutil.copy(out / "run.tar.sha256", relay)
+    env = dict(os.environ, PIECE="4000", BUNDLE="15000", RELAY_TMP=str(tmp_path / "stage"),
+               RELAY_IN=str(tmp_path / "stash"))
+    sender = tmp_path / "sender"
+    sender.mkdir()
+    calls = []
+    env["OUT"] = str(tmp_path / "call0")
+    Path(env["OUT"]).mkdir()
+    _relay(["pack", str(run)], sender, env)
+    calls.append(env["OUT"])
     n_pieces = len(list((tmp_path / "stage" / "parts").iterdir()))
     assert n_pieces > 4  # several calls' worth
     for k in range((n_pieces + 3) // 4):
-        for f in out.glob("p*"):
-            f.unlink()
-        _relay(["send", str(k)], here, env)
-        sent = sorted(out.glob("p*"))
+        env["OUT"] = str(tmp_path / f"call{k + 1}")
+        Path(env["OUT"]).mkdir()
+        _relay(["send", str(k)], sender, env)
+        sent = sorted(Path(env["OUT"]).glob("p*"))
         assert 1 <= len(sent) <= 4 and all(f.stat().st_size <= 4000 for f in sent)
-        for f in sent:
-            shutil.copy(f, relay)
+        calls.append(env["OUT"])
+    here = tmp_path / "here"
+    here.mkdir()
+    assert f"{n_pieces} pieces" in _relay(["collect", *calls], here, env).stdout
     _relay(["bundle"], here, env)
-    for f in relay.glob("p*"):
-        f.unlink()
-    bundles = sorted(relay.glob("c*/b*"))
-    assert len(bundles) > 1 and all(b.stat().st_size <= 15000 for b in bundles)
-    return files, here, env
+    relay = here / ".relay"
+    bundles = sorted(relay.glob("c*"))
+    assert len(bundles) > 1 and all(b.stat().st_size <= 15000 for b in relay.glob("c*/b*"))
+    receiver = tmp_path / "receiver"
+    for c in bundles:  # one call per bundle: only the carried folder is in the receiver's .relay
+        shutil.rmtree(receiver / ".relay", ignore_errors=True)
+        shutil.copytree(c, receiver / ".relay" / c.name)
+        _relay(["stash", c.name], receiver, env)
+    shutil.rmtree(receiver / ".relay")
+    return files, receiver, env
 
 
 def test_round_trip(tmp_path):
@@ -67,7 +75,7 @@ def test_round_trip(tmp_path):
 @pytest.mark.parametrize("damage", ["flip", "missing"])
 def test_damage_is_refused(tmp_path, damage):
     _files, here, env = _ship(tmp_path)
-    relay = here / ".relay"
+    relay = Path(env["RELAY_IN"])
     if damage == "flip":
         b = relay / "c01" / "b01"
         data = bytearray(b.read_bytes())
@@ -79,3 +87,9 @@ def test_damage_is_refused(tmp_path, damage):
     r = _relay(["unpack", str(dest)], here, env, check=False)
     assert r.returncode != 0
     assert not (dest / "fullbest").exists()
+
+
+def test_stash_without_the_carried_folder_fails(tmp_path):
+    env = dict(os.environ, RELAY_IN=str(tmp_path / "stash"))
+    r = _relay(["stash", "c03"], tmp_path, env, check=False)
+    assert r.returncode != 0 and "carry it" in r.stderr
