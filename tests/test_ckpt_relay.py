@@ -93,3 +93,50 @@ def test_stash_without_the_carried_folder_fails(tmp_path):
     env = dict(os.environ, RELAY_IN=str(tmp_path / "stash"))
     r = _relay(["stash", "c03"], tmp_path, env, check=False)
     assert r.returncode != 0 and "carry it" in r.stderr
+
+
+def test_a_relayed_checkpoint_resumes_bit_exactly(tmp_path):
+    """The plan's whole path on a tiny CPU run with the study arm's optimizer and LoRA-SVD: train to step 4, relay the
+    run directory (its original deleted, as on a machine given back), unpack it where it was, resume to step 8: the
+    same per-step losses, bit for bit, as 8 steps straight."""
+    import torch
+
+    from fp4compile.train import loop as L
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def cfg(name, **kw):
+            return L.TrainConfig(out_dir=str(tmp_path / name), model="tiny", backend="none", steps=8, batch_size=4,
+                                 seq_len=32, log_interval=2, eval_batches=2, progress=False, warmup_steps=2, lr=3e-3,
+                                 optimizer="qroot", lora=True, lora_rank=16, lora_train_factors=False,
+                                 lora_realign_every=2, lora_realign_after=2, **kw)
+
+        L.train(cfg("straight"))
+        assert L.train(cfg("a/run", stop_after=4)).step == 4
+        env = dict(os.environ, PIECE="100000", BUNDLE="300000", RELAY_TMP=str(tmp_path / "stage"),
+                   RELAY_IN=str(tmp_path / "stash"), OUT=str(tmp_path / "out"))
+        Path(env["OUT"]).mkdir()
+        _relay(["pack", str(tmp_path / "a" / "run")], tmp_path, env)
+        n_pieces = len(list((tmp_path / "stage" / "parts").iterdir()))
+        for k in range((n_pieces + 3) // 4):
+            _relay(["send", str(k)], tmp_path, env)
+        here = tmp_path / "here"
+        here.mkdir()
+        _relay(["collect", env["OUT"]], here, env)
+        _relay(["bundle"], here, env)
+        for c in sorted((here / ".relay").glob("c*")):
+            _relay(["stash", c.name], here, env)
+        shutil.rmtree(tmp_path / "a" / "run")
+        _relay(["unpack", str(tmp_path / "a")], here, env)
+        assert L.train(cfg("a/run", resume=True)).step == 8
+        events = [(r["step"], r["event"]) for r in L.read_metrics(tmp_path / "a" / "run") if r.get("event")]
+        assert (4, "stopped") in events and events[-1] == (8, "done")       # it resumed, not started over
+
+        def losses(d):
+            return [(r["step"], r["loss"]) for r in L.read_metrics(d) if "loss" in r and "event" not in r]
+
+        a, b = losses(tmp_path / "straight"), losses(tmp_path / "a" / "run")
+        assert [s for s, _ in a] == list(range(1, 9)) and a == b
+    finally:
+        torch.set_num_threads(n)
