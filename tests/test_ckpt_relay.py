@@ -1,8 +1,10 @@
 """bench/ckpt_relay.sh: a run directory split into pieces, regrouped, joined and checked comes back byte for byte,
-and a damaged or missing piece is refused (small piece sizes stand in for the device's 16 MiB / 58 MB)."""
+a damaged or missing piece is refused, and a relayed training run resumes bit for bit (small piece sizes stand in
+for the device's 16.7 MB / 58 MB)."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,7 +25,7 @@ def _ship(tmp_path: Path):
     """A run directory sent piece by piece (4 pieces a call, each call's files in a folder of their own, as the
     device tool returns them), collected and bundled here, then each bundle carried alone into the receiving
     machine's checkout and stashed there (a carried path lasts one call on the device)."""
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     run = tmp_path / "a" / "fullbest"
     (run / "checkpoint").mkdir(parents=True)
     files = {"checkpoint/model.safetensors": rng.randbytes(40_011), "checkpoint/state.pt": rng.randbytes(17_003),
