@@ -44,7 +44,8 @@ bundle)
   cd .relay; ls p[0-9][0-9][0-9] > /dev/null
   cat p[0-9][0-9][0-9] > joined.tar; sed "s/run.tar/joined.tar/" run.tar.sha256 | sha256sum -c -
   rm -rf c[0-9][0-9]; split -b "$BUNDLE" -d -a 2 joined.tar b
-  for b in b[0-9][0-9]; do mkdir "c${b#b}"; mv "$b" "c${b#b}/"; cp run.tar.sha256 "c${b#b}/"; done
+  for b in b[0-9][0-9]; do mkdir "c${b#b}"; mv "$b" "c${b#b}/"; done
+  cp run.tar.sha256 c00/   # unpack reads the checksum from the first bundle only
   rm joined.tar; ls -la c*/ ;;
 stash)
   c=$2; [ -d ".relay/$c" ] || { echo "no .relay/$c here: carry it" >&2; exit 1; }
