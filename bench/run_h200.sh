@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200 machine (most modes need 2 GPUs). Every step is time-boxed and logged to $OUT;
 # a failing step does not stop the others; $OUT comes back as one tgz.
-# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|study124_bg TOKENS ARM BUDGET [WAIT]|bg_wait [SECONDS]|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b|ncu|s57_gemm|s58_fused|s58_b|s60_det|s61_fill|gpu_suite [PYTEST ARGS...]
+# Usage: bash bench/run_h200.sh phase1|phase2|final|study ...|study124_x4 TOKENS BUDGET|study124 TOKENS ARM:SECONDS,...|study124_bg TOKENS ARM BUDGET [WAIT]|bg_wait ARM [SECONDS]|realign|lora_next|qroot_shift|qroot_split|root_fb [BUDGET [wa]]|root_fix [BUDGET]|ptq [fragility]|ns_soft|fragility_next|posthoc [ARMS [POLICIES [BUDGET]]]|first_block [FULL [Q2]]|first_block_lora [RANK [BUDGET]]|full_frozen [RANK [BUDGET [EVERY]]]|seeds S[,S..]|- ARM:SECONDS,...|SEED:ARM:SECONDS,... [EXTRA [TAG]]|fork S [AT [ARMS [EXTRA]]]|pdl|verify|fsdp_sweep [MB]|fsdp_optim|dist_cg|attn_ab|attn_step|layout_ab|requant_ab|deq_ab|dkdv_ab|fused_ab|attn_bisect|both_ab|dkdv_contig_ab|decode_ab|qflat_ab|trim_ab|regcap_ab|attn_regcap|s30_ab|attn_stages|s31_next|attn_div_ab|r46_ab|s31_final|attn_caps31|s31_check|s32_c|s32_d|s33_next|s33_b|s33_c|s33_d|s33_e|s34_next|ab ARGS...|s34_final|s35_next|s35_b|s35_final|s36_qk [BUDGET]|s37_next|s38_a|s39_a|s39_b|s39_c|s40_suite|s40_mean|s41_root|s42_ns|s43_sr|s44_glue|s44_shift|s44_next|s45_shared|s45_eden|s46_qadamw|s46_eden|s47_fork|s47_root|s49_qk|s50_qk|s51_qk|s51_fork|s53_qk|s53_b|s54_next|s54_measure|s55_b|ncu|s57_gemm|s58_fused|s58_b|s60_det|s61_fill|gpu_suite [PYTEST ARGS...]
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -121,12 +121,13 @@ study124_run() {
     if [ "$par" = 1 ]; then run_arm & else run_arm; fi
   done
   wait; }
-# waits up to $1 s for the study124_bg run (below); once it ended, its log and --export folder go to $OUT
+# waits up to $2 s for the study124_bg run of arm $1 (below); once it ended, its log and --export folder go to $OUT
 bg_wait() {
-  local d=${BG_DIR:-/tmp/bg}/study124 rc=0
-  bash bench/bg.sh wait study124 "$1" "$(cat "$d/watch" 2>/dev/null)" | tee -a "$OUT/bg_wait.txt"; rc=${PIPESTATUS[0]}
+  local d=${BG_DIR:-/tmp/bg}/study124_$1 rc=0
+  bash bench/bg.sh wait "study124_$1" "$2" "$(cat "$d/watch" 2>/dev/null)" | tee -a "$OUT/bg_wait_$1.txt"
+  rc=${PIPESTATUS[0]}
   if [ "$rc" != 3 ]; then
-    cp "$d/log" "$OUT/study124_bg.log" 2>/dev/null; cp -r "${d}_export" "$OUT/" 2>/dev/null
+    cp "$d/log" "$OUT/study124_$1_bg.log" 2>/dev/null; cp -r "${d}_export" "$OUT/" 2>/dev/null
   fi; return 0; }
 s54_measure() {  # s54_next's measurements (below)
   qk1x16_ab 240 6 all
@@ -253,18 +254,19 @@ study124_bg)
   # one 124M arm trained by one detached process over several calls (bench/bg.sh: no start-up per call, a time
   # budget longer than a call): bash bench/run_h200.sh study124_bg TOKENS ARM BUDGET [WAIT] starts it (same run
   # directory as study124 TOKENS ARM:..., so either continues the other) and waits WAIT seconds (default 540);
-  # then "bg_wait SECONDS" in each next call, fired at once (the machine's idle release is 30 s and giving it back
-  # ends the run uncheckpointed), until it reports done; the arm stops and checkpoints by BUDGET itself
+  # then "bg_wait ARM SECONDS" in each next call, fired at once (the machine's idle release is 30 s and giving it
+  # back ends the run uncheckpointed), until it reports done; the arm stops and checkpoints by BUDGET itself. Two
+  # arms may run at once (each its own process, time-sliced on the one GPU: their tokens/s are then no measurement)
   tokens=$2 arm=$3 budget=$4 dir=.study124; [ "$tokens" != 100e6 ] && dir=.study124_$tokens
   step data 60 python bench/study.py --data-only
-  rm -rf "${BG_DIR:-/tmp/bg}/study124_export"
-  bash bench/bg.sh start study124 -- python bench/study.py --size 124m --arms "$arm" --out "$dir" \
-      --tokens "$tokens" --skip-data --time-budget "$budget" --export "${BG_DIR:-/tmp/bg}/study124_export"
-  echo "$dir/124m/$arm/metrics.jsonl" > "${BG_DIR:-/tmp/bg}/study124/watch"
-  bg_wait "${5:-540}" ;;
+  rm -rf "${BG_DIR:-/tmp/bg}/study124_${arm}_export"
+  bash bench/bg.sh start "study124_$arm" -- python bench/study.py --size 124m --arms "$arm" --out "$dir" \
+      --tokens "$tokens" --skip-data --time-budget "$budget" --export "${BG_DIR:-/tmp/bg}/study124_${arm}_export"
+  echo "$dir/124m/$arm/metrics.jsonl" > "${BG_DIR:-/tmp/bg}/study124_$arm/watch"
+  bg_wait "$arm" "${5:-540}" ;;
 bg_wait)
-  # the study124_bg run's next wait (above): bash bench/run_h200.sh bg_wait [SECONDS]
-  bg_wait "${2:-540}" ;;
+  # the next wait for study124_bg's arm (above): bash bench/run_h200.sh bg_wait ARM [SECONDS]
+  bg_wait "$2" "${3:-540}" ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
