@@ -8,15 +8,16 @@
 #   bash bench/bg.sh start NAME -- CMD [ARGS...]   # starts CMD detached; refuses if NAME is still running
 #   bash bench/bg.sh wait NAME SECONDS [WATCH]     # waits until CMD ends or SECONDS pass; prints the log's tail
 #                                                  # and WATCH's last line (e.g. a run's metrics.jsonl)
-#   bash bench/bg.sh status NAME                   # running / done rc=N / unknown
+#   bash bench/bg.sh status NAME                   # running / done rc=N / vanished (killed) / unknown
 # wait exits 0 once CMD ended with 0, CMD's own exit status if it failed, 3 while it still runs, 4 for an unknown
-# NAME, so that "bash bench/bg.sh wait study 540 && bash bench/ckpt_relay.sh pack ..." packs only a finished run.
+# NAME or a CMD killed before it could end, so that "bash bench/bg.sh wait study 540 && bash bench/ckpt_relay.sh
+# pack ..." packs a run only once it has ended well (done, or stopped and checkpointed by its time budget).
 # State lives in $BG_DIR/NAME (default /tmp/bg): pid, log (CMD's stdout and stderr), rc once it ended.
 set -euo pipefail
 ROOT=${BG_DIR:-/tmp/bg}
 usage() { echo "usage: bash bench/bg.sh start NAME -- CMD [ARGS...] | wait NAME SECONDS [WATCH] | status NAME" >&2
   exit 2; }
-state() {  # prints running / done / unknown for $1's folder
+state() {  # prints running / done / vanished / unknown for $1's folder
   local d=$1
   if [ -f "$d/rc" ]; then echo done
   elif [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null \
@@ -30,7 +31,7 @@ start)
   [ "${1:-}" = "--" ] && shift; [ $# -ge 1 ] || usage
   if [ "$(state "$d")" = running ]; then echo "bg: $name is still running (pid $(cat "$d/pid"))" >&2; exit 1; fi
   rm -rf "$d"; mkdir -p "$d"
-  # setsid: a session of its own, so the call's end (which ends the call's process group) leaves it running
+  # setsid: a session of its own, so whatever ends the caller's process group or session leaves it running
   # (setsid forks when its caller leads a process group, so the detached shell writes its own pid)
   setsid nohup bash -c 'echo $$ > "$0/pid"; "$@"; echo $? > "$0/rc.tmp" && mv "$0/rc.tmp" "$0/rc"' "$d" "$@" \
       > "$d/log" 2>&1 < /dev/null &
