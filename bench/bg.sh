@@ -18,11 +18,11 @@ ROOT=${BG_DIR:-/tmp/bg}
 usage() { echo "usage: bash bench/bg.sh start NAME -- CMD [ARGS...] | wait NAME SECONDS [WATCH] | status NAME" >&2
   exit 2; }
 state() {  # prints running / done / vanished / unknown for $1's folder
-  local d=$1
+  local d=$1 pid; pid=$(cat "$d/pid" 2>/dev/null || true)
   if [ -f "$d/rc" ]; then echo done
-  elif [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null \
-      && ! grep -qs '^State:.*zombie' "/proc/$(cat "$d/pid")/status"; then echo running   # (an unreaped zombie is gone)
-  elif [ -f "$d/pid" ]; then echo "vanished"   # no rc and no process: killed from outside (rc never written)
+  elif [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && ! grep -qs '^State:.*zombie' "/proc/$pid/status"; then
+    echo running   # (an unreaped zombie counts as gone)
+  elif [ -n "$pid" ]; then echo "vanished"   # no rc and no process: killed from outside (rc never written)
   else echo unknown; fi; }
 [ $# -ge 2 ] || usage
 cmd=$1 name=$2 d="$ROOT/$2"; shift 2

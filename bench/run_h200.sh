@@ -106,28 +106,35 @@ ncu_probe() {
     python bench/ncu_kernels.py --summarize "$OUT/$log.log" > "$OUT/ncu_$w.md" 2>&1; cat "$OUT/ncu_$w.md"
     grep -h "==ERROR==\|==WARNING==" "$OUT/$log.log" | head -n 5
   done; }
-# issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
-study124_run() {
-  local tokens=$1 size=${SIZE:-124m} tag=study124 dir=.study124 seed=${SEED:-} par=${PAR:-0}
+# the bench/study.py command of issue 7's arm(s) ARMS ("+" joins a --pair-late pair) at TOKENS with a time budget of
+# SECONDS into the global array study_argv, its run directory into study_dir, its log name into study_name and its
+# export folder, PARENT/study_name, into study_export. SIZE (default 124m) and SEED as in the study124 mode below:
+# study_cmd TOKENS ARMS SECONDS PARENT
+study_cmd() {
+  local tokens=$1 size=${SIZE:-124m} dir=.study124 seed=${SEED:-} tag=study124
   [ "$size" = 124m ] || { tag=study$size; dir=.study${size}_$tokens; }
   # 124M runs of another length than session 15's 100e6 get their own directories (a warm machine would resume them)
   [ "$size" = 124m ] && [ "$tokens" != 100e6 ] && dir=.study124_$tokens
   local extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
+  study_dir=$dir study_name=${tag}_${2//+/_}; study_export=$4/$study_name
+  study_argv=(python bench/study.py --size "$size" --arms "${2//+/,}" --pair-late --out "$dir" --tokens "$tokens"
+      --skip-data --time-budget "$3" --export "$study_export" "${extra[@]}"); }
+# issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
+study124_run() {
+  local tokens=$1 par=${PAR:-0}
   step data 60 python bench/study.py --data-only
   local ab a b; for ab in ${2//,/ }; do a=${ab%%:*}; b=${ab##*:}
-    run_arm() { step "${tag}_${a//+/_}" $((b + 15)) python bench/study.py --size "$size" --arms "${a//+/,}" \
-        --pair-late --out "$dir" --tokens "$tokens" --skip-data --time-budget "$b" --export "$OUT/${tag}_${a//+/_}" \
-        "${extra[@]}"; }
+    study_cmd "$tokens" "$a" "$b" "$OUT"
+    run_arm() { step "$study_name" $((b + 15)) "${study_argv[@]}"; }
     if [ "$par" = 1 ]; then run_arm & else run_arm; fi
   done
   wait; }
 # waits up to $2 s for the study124_bg run of arm $1 (below); once it ended, its log and --export folder go to $OUT
 bg_wait() {
-  local d=${BG_DIR:-/tmp/bg}/study124_$1 rc=0
+  local d=${BG_DIR:-/tmp/bg}/study124_$1
   bash bench/bg.sh wait "study124_$1" "$2" "$(cat "$d/watch" 2>/dev/null)" | tee -a "$OUT/bg_wait_$1.txt"
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" != 3 ]; then
-    cp "$d/log" "$OUT/study124_$1_bg.log" 2>/dev/null; cp -r "${d}_export" "$OUT/" 2>/dev/null
+  if [ "${PIPESTATUS[0]}" != 3 ]; then
+    cp "$d/log" "$OUT/study124_$1_bg.log" 2>/dev/null; cp -r "$(cat "$d/export" 2>/dev/null)" "$OUT/" 2>/dev/null
   fi; return 0; }
 s54_measure() {  # s54_next's measurements (below)
   qk1x16_ab 240 6 all
@@ -257,12 +264,11 @@ study124_bg)
   # then "bg_wait ARM SECONDS" in each next call, fired at once (the machine's idle release is 30 s and giving it
   # back ends the run uncheckpointed), until it reports done; the arm stops and checkpoints by BUDGET itself. Two
   # arms may run at once (each its own process, time-sliced on the one GPU: their tokens/s are then no measurement)
-  tokens=$2 arm=$3 budget=$4 dir=.study124; [ "$tokens" != 100e6 ] && dir=.study124_$tokens
+  tokens=$2 arm=$3 bg=${BG_DIR:-/tmp/bg}/study124_$3
   step data 60 python bench/study.py --data-only
-  rm -rf "${BG_DIR:-/tmp/bg}/study124_${arm}_export"
-  bash bench/bg.sh start "study124_$arm" -- python bench/study.py --size 124m --arms "$arm" --out "$dir" \
-      --tokens "$tokens" --skip-data --time-budget "$budget" --export "${BG_DIR:-/tmp/bg}/study124_${arm}_export"
-  echo "$dir/124m/$arm/metrics.jsonl" > "${BG_DIR:-/tmp/bg}/study124_$arm/watch"
+  study_cmd "$tokens" "$arm" "$4" "${BG_DIR:-/tmp/bg}/export"; rm -rf "$study_export"
+  bash bench/bg.sh start "study124_$arm" -- "${study_argv[@]}"
+  echo "$study_dir/${SIZE:-124m}/$arm/metrics.jsonl" > "$bg/watch"; echo "$study_export" > "$bg/export"
   bg_wait "$arm" "${5:-540}" ;;
 bg_wait)
   # the next wait for study124_bg's arm (above): bash bench/run_h200.sh bg_wait ARM [SECONDS]
