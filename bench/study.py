@@ -286,7 +286,8 @@ def arm_command(size: str, arm: str, out: Path, steps: int, extra: list, warmup:
     """The arm's ``fp4compile train`` command. ``nproc > 1``: launched by torchrun with ``--parallel ddp`` and
     ``batch_size // nproc`` sequences per rank, so the global batch (and with it the schedule, the data order
     and the tokens per step) stays the config's ``batch_size``. ``deadline`` (a Unix time): the run's time budget
-    (``--deadline``: it stops and checkpoints in time for it, start-up included)."""
+    (``--deadline``: it stops and checkpoints in time for it, start-up included). The run also stops and checkpoints
+    once a file ``STOP`` appears in its directory (``--stop-file``: a detached arm stopped early from outside)."""
     a = ARMS[arm]
     if nproc > 1:
         if batch_size is None or batch_size % nproc:
@@ -299,7 +300,7 @@ def arm_command(size: str, arm: str, out: Path, steps: int, extra: list, warmup:
     cmd = launch + ["-m", "fp4compile", "train", "--config", str(ROOT / "configs" / f"study_{size}.toml"),
                     "--out-dir", str(out / arm), "--backend", a["backend"], "--policy", a["policy"],
                     "--optimizer", a["optimizer"], "--lora" if a["lora"] else "--no-lora", "--steps", str(steps),
-                    "--resume", "--no-progress"] + ddp
+                    "--resume", "--no-progress", "--stop-file", str(out / arm / "STOP")] + ddp
     if warmup is not None:
         cmd += ["--warmup-steps", str(warmup)]
     if deadline is not None:

@@ -442,6 +442,22 @@ def test_deadline_stops_checkpoints_records_the_save_and_resume_reserves_it(tmp_
     assert all(3000.0 < b <= 3600.0 for b, _ in seen)
 
 
+def test_stop_file_stops_at_the_next_log_step_is_removed_and_resume_matches(tmp_path):
+    """``stop_file``: once the file exists the run checkpoints after the current step and stops ("stopped"), removes
+    the file (so a resume with the same config trains on), and the stop + resume gives the straight run's losses."""
+    stop = tmp_path / "STOP"
+    cfg = tiny_cfg(tmp_path, "stopped", steps=8, val_data="", log_interval=2, stop_file=str(stop))
+    L.train(dataclasses.replace(cfg, out_dir=str(tmp_path / "absent")))     # no file: the run is not stopped
+    assert L.read_metrics(tmp_path / "absent")[-1]["step"] == 8
+    stop.write_text("")
+    r = L.train(cfg)
+    assert (r.status, r.step) == ("stopped", 1) and not stop.exists()
+    assert torch.load(tmp_path / "stopped" / "checkpoint" / "state.pt", weights_only=True)["step"] == 1
+    r2 = L.train(dataclasses.replace(cfg, resume=True))
+    assert (r2.status, r2.step) == ("done", 8)
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "absent")
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_matches(tmp_path):
     cfg = tiny_cfg(tmp_path, "intr", steps=400, val_data="", log_interval=1, schedule="constant")
     metrics = tmp_path / "intr" / "metrics.jsonl"

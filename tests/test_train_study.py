@@ -1,4 +1,5 @@
 """bench/study.py: arm commands, resumable driver and the report table (CPU, tiny stand-in runs)."""
+import re
 import importlib.util
 import json
 import tarfile
@@ -18,11 +19,17 @@ def study():
     return mod
 
 
+def moved(cmd, a, b):
+    """An arm command of arm ``a`` with its run directory (``--out-dir`` and ``--stop-file``) that of arm ``b``."""
+    return cmd.replace(f"/{a} ", f"/{b} ").replace(f"/{a}/STOP", f"/{b}/STOP")
+
+
 def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     assert study.main(["--print-commands", "--tokens", "6553600"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 7
     assert all("--steps 100 " in ln and "--resume" in ln and "--warmup-steps 5" in ln for ln in lines)
+    assert all(re.search(r"--out-dir (\S+) .*--stop-file \1/STOP ", ln) for ln in lines)   # bg_stop's file
     assert "--backend inductor --policy bf16 --optimizer adamw --no-lora" in lines[0]
     assert "--backend fullstack_fp4 --policy quartet2 --optimizer adamw --no-lora" in lines[1]
     assert "--policy quartet2 --optimizer adamw --lora" in lines[2]
@@ -33,13 +40,13 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     # the rank arms are the lora arm with one more flag
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "lora,lora64,lora128"]) == 0
     lora, r64, r128 = capsys.readouterr().out.strip().splitlines()
-    assert r64 == lora.replace("/lora ", "/lora64 ") + " --lora-rank 64"
-    assert r128 == lora.replace("/lora ", "/lora128 ") + " --lora-rank 128"
+    assert r64 == moved(lora, "lora", "lora64") + " --lora-rank 64"
+    assert r128 == moved(lora, "lora", "lora128") + " --lora-rank 128"
     # the frozen-factor arms: one more flag each (lora64f on lora64, fullf on the full stack)
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "lora64,lora64f,full,fullf"]) == 0
     r64, r64f, full, fullf = capsys.readouterr().out.strip().splitlines()
-    assert r64f == r64.replace("/lora64 ", "/lora64f ") + " --no-lora-train-factors"
-    assert fullf == full.replace("/full ", "/fullf ") + " --no-lora-train-factors"
+    assert r64f == moved(r64, "lora64", "lora64f") + " --no-lora-train-factors"
+    assert fullf == moved(full, "full", "fullf") + " --no-lora-train-factors"
     # fullbest: fullf with block 0 in BF16, rank 256 and its re-split cadence; its flags come after the study's
     # extra flags, so a mode's defaults (e.g. run_h200.sh seeds' "--lora-realign-every 300") cannot override them
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "fullf,fullbest", "--",
@@ -52,27 +59,27 @@ def test_arm_commands_differ_only_in_the_recipe(study, capsys):
     assert "--lora-rank 256 --no-lora-train-factors" in best
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "fullbest,fullbest_late"]) == 0
     best, late = capsys.readouterr().out.strip().splitlines()
-    assert late == best.replace("/fullbest ", "/fullbest_late ") + " --late-bf16-at 0.85"
+    assert late == moved(best, "fullbest", "fullbest_late") + " --late-bf16-at 0.85"
     # the Q/K transform arms: qattn's command in an environment that sets passes/attention.py's QK_TRANSFORM
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms",
                        "qattn,qattn_sk,qattn_had,qattn_skh,qattn_none"]) == 0
     qa, sk, had, skh, none = capsys.readouterr().out.strip().splitlines()
-    assert sk == "FP4COMPILE_QK_TRANSFORM=smooth_k " + qa.replace("/qattn ", "/qattn_sk ")
-    assert had == "FP4COMPILE_QK_TRANSFORM=hadamard " + qa.replace("/qattn ", "/qattn_had ")
-    assert skh == "FP4COMPILE_QK_TRANSFORM=smooth_k+hadamard " + qa.replace("/qattn ", "/qattn_skh ")
-    assert none == "FP4COMPILE_QK_TRANSFORM=none " + qa.replace("/qattn ", "/qattn_none ")
+    assert sk == "FP4COMPILE_QK_TRANSFORM=smooth_k " + moved(qa, "qattn", "qattn_sk")
+    assert had == "FP4COMPILE_QK_TRANSFORM=hadamard " + moved(qa, "qattn", "qattn_had")
+    assert skh == "FP4COMPILE_QK_TRANSFORM=smooth_k+hadamard " + moved(qa, "qattn", "qattn_skh")
+    assert none == "FP4COMPILE_QK_TRANSFORM=none " + moved(qa, "qattn", "qattn_none")
     assert study.arm_env("qattn_sk", {"A": "1"}) == {"A": "1", "FP4COMPILE_QK_TRANSFORM": "smooth_k"}
     assert study.arm_env("qattn", {"A": "1"}) == {"A": "1"}
     # q2root: bf16root's optimizer with Quartet II linears
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "bf16root,q2root"]) == 0
     root, q2root = capsys.readouterr().out.strip().splitlines()
-    assert q2root == root.replace("/bf16root ", "/q2root ").replace("--backend inductor --policy bf16 ",
+    assert q2root == moved(root, "bf16root", "q2root").replace("--backend inductor --policy bf16 ",
                                                                    "--backend fullstack_fp4 --policy quartet2 ")
     # q2w: the quartet2 arm with the forward-weight-only policy file, which loads
     assert study.main(["--print-commands", "--tokens", "6553600", "--arms", "quartet2,q2w"]) == 0
     q2, q2w = capsys.readouterr().out.strip().splitlines()
     pol = str(ROOT / "configs" / "policy_quartet2_fwd_weight_only.toml")
-    assert q2w == q2.replace("/quartet2 ", "/q2w ").replace("--policy quartet2 ", f"--policy {pol} ")
+    assert q2w == moved(q2, "quartet2", "q2w").replace("--policy quartet2 ", f"--policy {pol} ")
     from fp4compile.policy import NVFP4
     from fp4compile.train.loop import load_policy
 

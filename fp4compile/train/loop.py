@@ -14,7 +14,9 @@ Everything a run writes goes to ``out_dir``:
 
 Resume (``resume=True``) continues bit-exactly: batches are a pure function of (seed, sample index), the
 optimizer/schedule/RNG state is restored, and metric lines past the checkpoint are dropped. Ctrl-C (SIGINT)
-finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once).
+finishes the current step, saves a checkpoint and returns (a second Ctrl-C aborts at once); so does ``stop_file``
+(after the step in which that file appears, under DDP at the next log step: a detached run stopped from
+outside).
 
 Time budget (``max_seconds`` from the loop's start, or ``deadline``, a Unix time that start-up counts against;
 the smaller wins): the run stops, checkpoints and returns while three more steps and the checkpoint still fit. It
@@ -159,6 +161,9 @@ class TrainConfig:
                                               # its checkpoint: start-up before the loop counts against it
     stop_after: Optional[int] = None          # checkpoint and stop after this step (resume continues the run;
                                               # resumed at or past it, the run trains nothing and stops)
+    stop_file: str = ""                       # checkpoint and stop after the step in which this file appears
+                                              # (status "stopped"; the file is then removed, so a resume goes on):
+                                              # a detached run stopped early from outside, without a signal
     device: str = "auto"
     threads: Optional[int] = None             # CPU intra-op threads (torch.set_num_threads); None: torch's default
     deterministic: bool = False               # run under fp4compile.determinism.deterministic_mode: two runs of one
@@ -1269,7 +1274,8 @@ def _train(cfg: TrainConfig) -> RunResult:
             if denv is None or step % cfg.log_interval == 0 or step == cfg.steps:
                 stop = [flag["stop"], budget_s is not None and step < cfg.steps and out_of_time(
                     time.perf_counter() - t_start, step_times, budget_s,
-                    3 if denv is None else 3 + cfg.log_interval, checkpoint_reserve(save_s))]
+                    3 if denv is None else 3 + cfg.log_interval, checkpoint_reserve(save_s)),
+                    bool(cfg.stop_file) and step < cfg.steps and os.path.exists(cfg.stop_file)]
                 if denv is not None:                  # any rank's flag stops every rank: mean over ranks > 0
                     stop = (DP.all_reduce_mean(torch.tensor(stop, dtype=torch.float32)) > 0).tolist()
                 if stop[0]:
@@ -1277,6 +1283,14 @@ def _train(cfg: TrainConfig) -> RunResult:
                     break
                 if stop[1]:
                     status = "time_budget"
+                    break
+                if stop[2]:
+                    status = "stopped"
+                    if is_main:
+                        print(f"[fp4compile] {cfg.stop_file} found: saving a checkpoint at step {step} and stopping",
+                              file=sys.stderr, flush=True)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(cfg.stop_file)
                     break
         flush_pending()
         if bar is not None:
