@@ -364,15 +364,47 @@ def summaries(out: Path, arms):
     return res
 
 
+def curves(run_dir: Path) -> dict:
+    """A run's logged points from its ``metrics.jsonl``: ``{"loss": {step: train loss}, "val_loss": {step: v},
+    "brown_loss": {step: v}}`` (a resumed run's later record of a step wins); empty dicts without the file."""
+    from fp4compile.train.loop import read_metrics, train_losses
+
+    recs = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    res = {"loss": train_losses(recs), "val_loss": {}, "brown_loss": {}}
+    for r in recs:
+        for k in ("val_loss", "brown_loss"):
+            if k in r and "event" not in r:
+                res[k][int(r["step"])] = float(r[k])
+    return res
+
+
+def at_common_step(a: dict, b: dict, key: str, upto: int) -> tuple | None:
+    """``(step, value of a, value of b)`` at the latest point both :func:`curves` ``a`` and ``b`` logged for ``key``
+    at or before step ``upto``: an eval's step for val/Brown; for the train loss the last common log step, with each
+    run's mean over the last 10 common log steps (the summaries' smoothing). None without a common point."""
+    common = sorted(set(a[key]) & set(b[key]))
+    common = [t for t in common if t <= upto][-10:] if key == "loss" else [t for t in common if t <= upto][-1:]
+    if not common:
+        return None
+    return common[-1], sum(a[key][t] for t in common) / len(common), sum(b[key][t] for t in common) / len(common)
+
+
 def report(out: Path, arms, size: str) -> str:
-    """Markdown table: final train loss, val loss, Brown loss, relative gaps to BF16, tokens/s, memory."""
+    """Markdown table: final train loss, val loss, Brown loss, relative gaps to BF16, tokens/s, memory. Arms that
+    stopped at different steps (a study not yet finished) are compared at the latest step both logged (from their
+    ``metrics.jsonl``, marked "@ step"), and a val/Brown loss from an eval before the run's last step says so: a
+    summary's val/Brown loss is its last eval's."""
     s = summaries(out, arms)
     base = s.get("bf16")
+    pts = {arm: curves(out / arm) for arm in s}
 
     def gap(arm, key, ref=base, ref_arm="bf16"):
         if ref is None or arm == ref_arm or s[arm].get(key) is None or ref.get(key) is None:
             return "—"
-        return f"{100 * (s[arm][key] - ref[key]) / ref[key]:+.2f} %"
+        if s[arm]["step"] == ref["step"]:
+            return f"{100 * (s[arm][key] - ref[key]) / ref[key]:+.2f} %"
+        m = at_common_step(pts[arm], pts[ref_arm], key, min(s[arm]["step"], ref["step"]))
+        return "—" if m is None else f"{100 * (m[1] - m[2]) / m[2]:+.2f} % @ {m[0]}"
 
     lines = [f"| arm ({size}) | status | tokens | train loss | val loss | Brown loss | gap train | gap val | "
              "gap Brown | tokens/s | peak GiB | compile mode |", "|" + "---|" * 12]
@@ -381,7 +413,11 @@ def report(out: Path, arms, size: str) -> str:
             lines.append(f"| {LABELS[arm]} | not run | | | | | | | | | | |")
             continue
         r = s[arm]
-        f = lambda k: "—" if r.get(k) is None else f"{r[k]:.4f}"  # noqa: E731
+        def f(k):
+            if r.get(k) is None:
+                return "—"
+            at = max(pts[arm].get(k) or [r["step"]])   # the step of the last eval (summaries keep its value)
+            return f"{r[k]:.4f}" + ("" if k == "loss" or at == r["step"] else f" @ {at}")
         paired = out / arm / PAIRED                   # --pair-late: the base's run up to the switch step
         status = f"{r['status']} ({r['step']}/{r['steps']})" + (
             f", {ARMS[arm]['late_of']}'s run to step {json.loads(paired.read_text())['step']}" if paired.is_file() else "")

@@ -110,6 +110,39 @@ def test_arm_command_on_several_gpus_keeps_the_global_batch(study, capsys):
         study.main(["--arms", "bf16", "--nproc", "3", "--print-commands"])
 
 
+def test_report_compares_arms_stopped_at_different_steps_at_their_latest_common_step(study, tmp_path):
+    """An unfinished study (fullbest stopped at step 7, bf16root at 10): the gaps come from the metrics at the latest
+    step both logged (eval step 5 for val/Brown; log steps 1..7 for train), marked with it, and a val loss from an
+    eval before the run's last step is marked with the eval's step."""
+    out = tmp_path / "124m"
+
+    def run(arm, last, offset):
+        d = out / arm
+        d.mkdir(parents=True)
+        recs = [dict(step=t, tokens=t * 65536, loss=3.0 + offset - t / 100) for t in range(1, last + 1)]
+        recs += [dict(step=t, tokens=t * 65536, val_loss=3.2 + offset - t / 100) for t in (5, 10) if t <= last]
+        recs += [dict(step=t, tokens=t * 65536, brown_loss=5.0 + offset) for t in (5, 10) if t <= last]
+        recs.append(dict(step=last, event="stopped", loss=1.0))          # an event record: not a train point
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        ev = max(t for t in (5, 10) if t <= last)
+        d.joinpath("summary.json").write_text(json.dumps(dict(
+            status="stopped", step=last, steps=20, tokens=last * 65536, loss=3.0 + offset - last / 100,
+            val_loss=3.2 + offset - ev / 100, brown_loss=5.0 + offset, tok_per_s=1e6, peak_mem_mib=2048)))
+
+    run("bf16root", 10, 0.0)
+    run("fullbest", 7, 0.06)
+    table = study.report(out, ["bf16root", "fullbest"], "124m")
+    row = next(ln for ln in table.splitlines() if ln.startswith("| **"))
+    train = (3.06 - 0.04) / (3.0 - 0.04) - 1          # mean over log steps 1..7 of each: 3.0x - 4/100
+    val = (3.26 - 0.05) / (3.2 - 0.05) - 1             # the step-5 evals
+    assert f"**{100 * train:+.2f} % @ 7**" in row and f"**{100 * val:+.2f} % @ 5**" in row
+    assert f"**{100 * 0.06 / 5.0:+.2f} % @ 5**" in row
+    fb = next(ln for ln in table.splitlines() if ln.startswith("| " + study.LABELS["fullbest"] + " |"))
+    assert "| 3.2100 @ 5 | 5.0600 @ 5 |" in fb                       # its last eval was at step 5, not 7
+    br = next(ln for ln in table.splitlines() if ln.startswith("| " + study.LABELS["bf16root"] + " |"))
+    assert "| 3.1000 | 5.0000 |" in br                                # evaluated at its last step: no mark
+
+
 def test_report_and_export(study, tmp_path):
     out = tmp_path / "30m"
     rows = {"bf16": 3.00, "quartet2": 3.06, "qroot": 2.94, "bf16root": 2.80}
