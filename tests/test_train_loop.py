@@ -442,7 +442,7 @@ def test_deadline_stops_checkpoints_records_the_save_and_resume_reserves_it(tmp_
     assert all(3000.0 < b <= 3600.0 for b, _ in seen)
 
 
-def test_stop_file_stops_at_the_next_log_step_is_removed_and_resume_matches(tmp_path):
+def test_stop_file_stops_after_the_current_step_is_removed_and_resume_matches(tmp_path):
     """``stop_file``: once the file exists the run checkpoints after the current step and stops ("stopped"), removes
     the file (so a resume with the same config trains on), and the stop + resume gives the straight run's losses."""
     stop = tmp_path / "STOP"

@@ -1,7 +1,7 @@
 """bench/study.py: arm commands, resumable driver and the report table (CPU, tiny stand-in runs)."""
-import re
 import importlib.util
 import json
+import re
 import tarfile
 import time
 from pathlib import Path
