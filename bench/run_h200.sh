@@ -277,7 +277,9 @@ bg_stop)
   # stop study124_bg's arm before its budget (when the session's device time runs shorter than planned): bash
   # bench/run_h200.sh bg_stop ARM [SECONDS] puts STOP in its run directory (study.py's --stop-file: the run
   # checkpoints after its current step and study.py exports it), then waits as bg_wait does
-  touch "$(dirname "$(cat "${BG_DIR:-/tmp/bg}/study124_$2/watch")")/STOP"; bg_wait "$2" "${3:-540}" ;;
+  watch=${BG_DIR:-/tmp/bg}/study124_$2/watch
+  [ -s "$watch" ] || { echo "bg_stop: no study124_bg run of $2 on this machine ($watch missing)" >&2; exit 1; }
+  touch "$(dirname "$(cat "$watch")")/STOP"; bg_wait "$2" "${3:-540}" ;;
 realign)
   # issue 6 in one call on an nvidia-h200-x2 (~8 min; carry .data/corpus, .data/gpt2.tiktoken). GPU 0: the 30M
   # LoRA-SVD arm realigning every 300 steps (compare with docs/RESULTS.md's quartet2 / lora rows: same seed and
