@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -124,7 +125,7 @@ def test_run_h200_bg_stop_stops_a_study124_bg_arm_through_study_py_s_stop_file(t
     (fake / "python").write_text(FAKE_PYTHON)
     (fake / "python").chmod(0o755)
     env = dict(os.environ, BG_DIR=str(tmp_path / "bg"), OUT=str(out), REPO=str(repo),
-               REAL_PYTHON=shutil.which("python3") or shutil.which("python"), PATH=f"{fake}:{os.environ['PATH']}")
+               REAL_PYTHON=sys.executable, PATH=f"{fake}:{os.environ['PATH']}")
     run = lambda *a: subprocess.run(["bash", str(repo / "bench" / "run_h200.sh"), *a], cwd=work, env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     r = run("study124_bg", "500e6", "bf16root", "100", "2")
