@@ -107,8 +107,9 @@ ncu_probe() {
     grep -h "==ERROR==\|==WARNING==" "$OUT/$log.log" | head -n 5
   done; }
 # the bench/study.py command of issue 7's arm(s) ARMS ("+" joins a --pair-late pair) at TOKENS with a time budget of
-# SECONDS into the global array study_argv, its run directory into study_dir, its log name into study_name and its
-# export folder, PARENT/study_name, into study_export. SIZE (default 124m) and SEED as in the study124 mode below:
+# SECONDS into the global array study_argv, the folder of its arms' run directories (--out DIR/SIZE) into study_dir,
+# its log name into study_name and its export folder, PARENT/study_name, into study_export. SIZE (default 124m) and
+# SEED as in the study124 mode below:
 # study_cmd TOKENS ARMS SECONDS PARENT
 study_cmd() {
   local tokens=$1 size=${SIZE:-124m} dir=.study124 seed=${SEED:-} tag=study124
@@ -116,7 +117,7 @@ study_cmd() {
   # 124M runs of another length than session 15's 100e6 get their own directories (a warm machine would resume them)
   [ "$size" = 124m ] && [ "$tokens" != 100e6 ] && dir=.study124_$tokens
   local extra=(); [ -n "$seed" ] && { tag+=_seed$seed; dir+=_seed$seed; extra=(-- --seed "$seed"); }
-  study_dir=$dir study_name=${tag}_${2//+/_}; study_export=$4/$study_name
+  study_dir=$dir/$size study_name=${tag}_${2//+/_}; study_export=$4/$study_name
   study_argv=(python bench/study.py --size "$size" --arms "${2//+/,}" --pair-late --out "$dir" --tokens "$tokens"
       --skip-data --time-budget "$3" --export "$study_export" "${extra[@]}"); }
 # issue 7's study arms one after another (the study124 mode below): study124_run TOKENS ARM:SECONDS,...
@@ -268,7 +269,7 @@ study124_bg)
   step data 60 python bench/study.py --data-only
   study_cmd "$tokens" "$arm" "$4" "${BG_DIR:-/tmp/bg}/export"; rm -rf "$study_export"
   bash bench/bg.sh start "study124_$arm" -- "${study_argv[@]}"
-  echo "$study_dir/${SIZE:-124m}/$arm/metrics.jsonl" > "$bg/watch"; echo "$study_export" > "$bg/export"
+  echo "$study_dir/$arm/metrics.jsonl" > "$bg/watch"; echo "$study_export" > "$bg/export"
   bg_wait "$arm" "${5:-540}" ;;
 bg_wait)
   # the next wait for study124_bg's arm (above): bash bench/run_h200.sh bg_wait ARM [SECONDS]

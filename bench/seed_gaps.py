@@ -25,16 +25,14 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fp4compile.train.cli import gap_curve
-from fp4compile.train.loop import read_metrics, train_losses
+from fp4compile.train.loop import eval_losses, read_metrics, train_losses
 
 EVALS = ("val_loss", "brown_loss")
 
 
 def _curves(run) -> Tuple[Dict[int, float], Dict[str, Dict[int, float]]]:
     recs = read_metrics(run)
-    train = train_losses(recs)
-    evals = {k: {r["step"]: r[k] for r in recs if k in r} for k in EVALS}
-    return train, evals
+    return train_losses(recs), eval_losses(recs, EVALS)
 
 
 def _window_gap(at: Dict[int, float], bt: Dict[int, float], lo: int, hi: int) -> Optional[float]:

@@ -367,15 +367,10 @@ def summaries(out: Path, arms):
 def curves(run_dir: Path) -> dict:
     """A run's logged points from its ``metrics.jsonl``: ``{"loss": {step: train loss}, "val_loss": {step: v},
     "brown_loss": {step: v}}`` (a resumed run's later record of a step wins); empty dicts without the file."""
-    from fp4compile.train.loop import read_metrics, train_losses
+    from fp4compile.train.loop import eval_losses, read_metrics, train_losses
 
     recs = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    res = {"loss": train_losses(recs), "val_loss": {}, "brown_loss": {}}
-    for r in recs:
-        for k in ("val_loss", "brown_loss"):
-            if k in r and "event" not in r:
-                res[k][int(r["step"])] = float(r[k])
-    return res
+    return {"loss": train_losses(recs), **eval_losses(recs)}
 
 
 def at_common_step(a: dict, b: dict, key: str, upto: int) -> tuple | None:

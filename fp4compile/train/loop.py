@@ -885,6 +885,13 @@ def train_losses(records: List[dict]) -> Dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in records if "loss" in r and "step" in r and "event" not in r}
 
 
+def eval_losses(records: List[dict], keys: Tuple[str, ...] = ("val_loss", "brown_loss")) -> Dict[str, Dict[int, float]]:
+    """``{key: {step: loss}}`` of each eval ``key`` in a run's :func:`read_metrics` records (a resumed run's later
+    record of a step replaces its earlier one; an empty dict for a key never logged)."""
+    return {k: {int(r["step"]): float(r[k]) for r in records if k in r and "step" in r and "event" not in r}
+            for k in keys}
+
+
 @contextlib.contextmanager
 def _sigint_flag():
     """While active, the first Ctrl-C sets ``flag["stop"]``; a second one raises KeyboardInterrupt."""
