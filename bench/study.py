@@ -384,11 +384,47 @@ def at_common_step(a: dict, b: dict, key: str, upto: int) -> tuple | None:
     return common[-1], sum(a[key][t] for t in common) / len(common), sum(b[key][t] for t in common) / len(common)
 
 
+def lowest(curve: dict, upto: int) -> tuple | None:
+    """``(step, value)`` of the lowest point of a :func:`curves` entry at or before step ``upto``; None without one."""
+    pts = [(v, t) for t, v in curve.items() if t <= upto]
+    return None if not pts else min(pts)[::-1]
+
+
+def lowest_table(s: dict, pts: dict, arms, size: str) -> list:
+    """Markdown lines: each arm's lowest val and Brown loss over its evals (with the eval's step) and the relative gap
+    of those lowest values to BF16's, and of ROOT-trained arms to BF16 ROOT's. A run that repeats its corpus can
+    overfit, so its last eval need not be its best; for arms stopped at different steps both lowest values are taken
+    over the evals up to the earlier stop, marked "to step"."""
+    def cell(arm, key):
+        m = lowest(pts[arm].get(key, {}), s[arm]["step"])
+        return "—" if m is None else f"{m[1]:.4f} @ {m[0]}"
+
+    def gap(arm, key, ref_arm):
+        if ref_arm not in s or arm == ref_arm:
+            return "—"
+        upto = min(s[arm]["step"], s[ref_arm]["step"])
+        a, b = lowest(pts[arm].get(key, {}), upto), lowest(pts[ref_arm].get(key, {}), upto)
+        if a is None or b is None:
+            return "—"
+        return f"{100 * (a[1] - b[1]) / b[1]:+.2f} %" + ("" if s[arm]["step"] == s[ref_arm]["step"] else f" to step {upto}")
+
+    lines = [f"| arm ({size}): lowest eval | lowest val loss | lowest Brown loss | gap val | gap Brown |", "|" + "---|" * 5]
+    for arm in arms:
+        if arm in s:
+            lines.append(f"| {LABELS[arm]} | {cell(arm, 'val_loss')} | {cell(arm, 'brown_loss')} | "
+                         f"{gap(arm, 'val_loss', 'bf16')} | {gap(arm, 'brown_loss', 'bf16')} |")
+    for arm in arms:
+        if "bf16root" in s and arm in s and arm != "bf16root" and ARMS[arm]["optimizer"].startswith("qroot"):
+            lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | **{gap(arm, 'val_loss', 'bf16root')}** | "
+                         f"**{gap(arm, 'brown_loss', 'bf16root')}** |")
+    return lines
+
+
 def report(out: Path, arms, size: str) -> str:
     """Markdown table: final train loss, val loss, Brown loss, relative gaps to BF16, tokens/s, memory. Arms that
     stopped at different steps (a study not yet finished) are compared at the latest step both logged (from their
     ``metrics.jsonl``, marked "@ step"), and a val/Brown loss from an eval before the run's last step says so: a
-    summary's val/Brown loss is its last eval's."""
+    summary's val/Brown loss is its last eval's. Below it, :func:`lowest_table`: each arm's lowest eval losses."""
     s = summaries(out, arms)
     base = s.get("bf16")
     pts = {arm: curves(out / arm) for arm in s}
@@ -429,6 +465,8 @@ def report(out: Path, arms, size: str) -> str:
             lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
                          f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
                          f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
+    if any(pts[arm].get("val_loss") for arm in s):
+        lines += [""] + lowest_table(s, pts, arms, size)
     return "\n".join(lines)
 
 

@@ -143,6 +143,36 @@ def test_report_compares_arms_stopped_at_different_steps_at_their_latest_common_
     assert "| 3.1000 | 5.0000 |" in br                                # evaluated at its last step: no mark
 
 
+def test_report_lowest_eval_table_takes_each_arm_lowest_val_within_the_common_steps(study, tmp_path):
+    """A run that overfits (bf16root's val falls to 2.0 at step 4, then rises to 2.4 by step 8) is compared by its
+    lowest eval as well as its last: the lowest-eval table has each arm's minimum with its step, and the gap of the
+    two minima, taken over the evals up to the earlier stop (step 8 here, so that fullbest's 1.95 at step 10 does not
+    count against it) and marked with it."""
+    out = tmp_path / "124m"
+    vals = {"bf16root": {2: 2.5, 4: 2.0, 6: 2.2, 8: 2.4}, "fullbest": {2: 2.6, 4: 2.1, 6: 2.05, 8: 2.3, 10: 1.95}}
+    for arm, v in vals.items():
+        d = out / arm
+        d.mkdir(parents=True)
+        last = max(v)
+        recs = [dict(step=t, tokens=t, loss=3.0 - t / 10) for t in range(1, last + 1)]
+        recs += [dict(step=t, tokens=t, val_loss=x) for t, x in v.items()]
+        recs += [dict(step=t, tokens=t, brown_loss=5.0 + t / 100) for t in v]
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        d.joinpath("summary.json").write_text(json.dumps(dict(
+            status="done" if arm == "bf16root" else "stopped", step=last, steps=10, tokens=last, loss=3.0 - last / 10,
+            val_loss=v[last], brown_loss=5.0 + last / 100, tok_per_s=1e6, peak_mem_mib=2048)))
+    table = study.report(out, ["bf16root", "fullbest"], "124m")
+    low = table.split("lowest eval |", 1)[1].splitlines()
+    br = next(ln for ln in low if ln.startswith("| " + study.LABELS["bf16root"] + " |"))
+    fb = next(ln for ln in low if ln.startswith("| " + study.LABELS["fullbest"] + " |"))
+    assert "| 2.0000 @ 4 | 5.0200 @ 2 |" in br and "| 1.9500 @ 10 | 5.0200 @ 2 |" in fb
+    row = next(ln for ln in low if ln.startswith("| **"))
+    assert f"**{100 * (2.05 - 2.0) / 2.0:+.2f} % to step 8**" in row and "**+0.00 % to step 8**" in row
+    # the main table still compares the last common evals (step 8): 2.3 against 2.4
+    main = next(ln for ln in table.splitlines() if ln.startswith("| **"))
+    assert f"**{100 * (2.3 - 2.4) / 2.4:+.2f} % @ 8**" in main
+
+
 def test_report_and_export(study, tmp_path):
     out = tmp_path / "30m"
     rows = {"bf16": 3.00, "quartet2": 3.06, "qroot": 2.94, "bf16root": 2.80}
