@@ -18,7 +18,7 @@
 #   bash bench/ckpt_relay.sh unpack DEST_PARENT    # joins the stashed pieces, checks the sha256, untars the run
 set -euo pipefail
 PIECE=${PIECE:-16700000}
-BUNDLE=${BUNDLE:-58000000}
+BUNDLE=${BUNDLE:-55000000}   # a carried bundle plus the working tree (8.7 MB in session 68) must stay under 64 MiB
 T=${RELAY_TMP:-/tmp/relay}   # the sending machine's staging folder
 IN=${RELAY_IN:-/tmp/relay_in}   # the receiving machine's stash
 case "${1:-}" in

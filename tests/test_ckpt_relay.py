@@ -1,6 +1,6 @@
 """bench/ckpt_relay.sh: a run directory split into pieces, regrouped, joined and checked comes back byte for byte,
 a damaged or missing piece is refused, and a relayed training run resumes bit for bit (small piece sizes stand in
-for the device's 16.7 MB / 58 MB)."""
+for the device's 16.7 MB / 55 MB)."""
 from __future__ import annotations
 
 import os
