@@ -384,6 +384,15 @@ def at_common_step(a: dict, b: dict, key: str, upto: int) -> tuple | None:
     return common[-1], sum(a[key][t] for t in common) / len(common), sum(b[key][t] for t in common) / len(common)
 
 
+def root_arms(s: dict, arms) -> list:
+    """The arms of ``arms`` with a summary in ``s`` that are also compared with BF16 ROOT (when it ran): every
+    ROOT-trained arm (optimizer qroot*). ROOT alone moves the loss more than any precision choice, so their gap to the
+    AdamW BF16 arm says little about NVFP4."""
+    if "bf16root" not in s:
+        return []
+    return [a for a in arms if a in s and a != "bf16root" and ARMS[a]["optimizer"].startswith("qroot")]
+
+
 def lowest(curve: dict, upto: int) -> tuple | None:
     """``(step, value)`` of the lowest point of a :func:`curves` entry at or before step ``upto``; None without one."""
     pts = [(v, t) for t, v in curve.items() if t <= upto]
@@ -413,10 +422,9 @@ def lowest_table(s: dict, pts: dict, arms, size: str) -> list:
         if arm in s:
             lines.append(f"| {LABELS[arm]} | {cell(arm, 'val_loss')} | {cell(arm, 'brown_loss')} | "
                          f"{gap(arm, 'val_loss', 'bf16')} | {gap(arm, 'brown_loss', 'bf16')} |")
-    for arm in arms:
-        if "bf16root" in s and arm in s and arm != "bf16root" and ARMS[arm]["optimizer"].startswith("qroot"):
-            lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | **{gap(arm, 'val_loss', 'bf16root')}** | "
-                         f"**{gap(arm, 'brown_loss', 'bf16root')}** |")
+    for arm in root_arms(s, arms):
+        lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | **{gap(arm, 'val_loss', 'bf16root')}** | "
+                     f"**{gap(arm, 'brown_loss', 'bf16root')}** |")
     return lines
 
 
@@ -457,14 +465,11 @@ def report(out: Path, arms, size: str) -> str:
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | "
                      f"{'—' if r.get('tok_per_s') is None else format(r['tok_per_s'], ',.0f')} | "
                      f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
-    # every ROOT-trained arm (optimizer qroot*) against BF16 trained with the same optimizer: ROOT alone moves the
-    # loss more than any precision choice, so their gap to the AdamW BF16 arm says little about NVFP4
-    matched = s.get("bf16root")
-    for arm in arms:
-        if matched is not None and arm in s and arm != "bf16root" and ARMS[arm]["optimizer"].startswith("qroot"):
-            lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
-                         f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
-                         f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
+    matched = s.get("bf16root")                       # ROOT-trained arms against BF16 with the same optimizer
+    for arm in root_arms(s, arms):
+        lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
+                     f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
+                     f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
     if any(pts[arm].get("val_loss") for arm in s):
         lines += [""] + lowest_table(s, pts, arms, size)
     return "\n".join(lines)
