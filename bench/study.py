@@ -45,7 +45,8 @@ A call trains the arms in order until its time budget is spent, leaving checkpoi
 the next call with the same command resumes where it stopped (the machine must still be warm: checkpoints of
 a 30M model are too large to come back through $OUT). ``--export DIR`` writes the comparison table
 (markdown), the loss-curve PNG and a tar.gz of every arm's metrics.jsonl/summary.json/config.json — 3 files.
-``--report`` only (re)writes the table and plot from what is on disk. ``--print-commands`` shows each arm's
+``--report`` only (re)writes the table and plot from what is on disk (``--matched-steps``: with the gaps at
+every eval step as well). ``--print-commands`` shows each arm's
 equivalent ``fp4compile train`` command. ``--nproc N`` runs each arm on N GPUs (torchrun, DDP, the config's
 global batch split over the ranks; ``bash bench/run_h200.sh study124_x4 ...`` for the 124M study on four GPUs).
 
@@ -373,12 +374,12 @@ def curves(run_dir: Path) -> dict:
     return {"loss": train_losses(recs), **eval_losses(recs)}
 
 
-def at_common_step(a: dict, b: dict, key: str, upto: int) -> tuple | None:
+def at_common_step(a: dict, b: dict, key: str, upto: int, last: int = 10) -> tuple | None:
     """``(step, value of a, value of b)`` at the latest point both :func:`curves` ``a`` and ``b`` logged for ``key``
     at or before step ``upto``: an eval's step for val/Brown; for the train loss the last common log step, with each
-    run's mean over the last 10 common log steps (the summaries' smoothing). None without a common point."""
+    run's mean over the last ``last`` common log steps (10: the summaries' smoothing). None without a common point."""
     common = sorted(set(a[key]) & set(b[key]))
-    common = [t for t in common if t <= upto][-10:] if key == "loss" else [t for t in common if t <= upto][-1:]
+    common = [t for t in common if t <= upto][-last:] if key == "loss" else [t for t in common if t <= upto][-1:]
     if not common:
         return None
     return common[-1], sum(a[key][t] for t in common) / len(common), sum(b[key][t] for t in common) / len(common)
@@ -428,11 +429,37 @@ def lowest_table(s: dict, pts: dict, arms, size: str) -> list:
     return lines
 
 
-def report(out: Path, arms, size: str) -> str:
+def compared_pairs(s: dict, arms) -> list:
+    """``(arm, reference arm)`` pairs the report gives gaps for: each arm against BF16 (when it ran), and each
+    ROOT-trained arm (:func:`root_arms`) against BF16 ROOT as well."""
+    pairs = [(a, "bf16") for a in arms if a in s and a != "bf16" and "bf16" in s]
+    return pairs + [(a, "bf16root") for a in root_arms(s, arms)]
+
+
+def matched_table(s: dict, pts: dict, arms, size: str) -> list:
+    """Markdown lines (``--report --matched-steps``): for each :func:`compared_pairs` pair, the gaps at every step
+    both runs evaluated: val, Brown, and the train loss as each run's mean over the last 100 common log steps up to
+    that step. The end-of-run gap is one point of this curve; on a corpus the schedule repeats, the curve shows where
+    repetition (one arm memorizing faster) starts to move it."""
+    lines = [f"| {size}: arm vs reference | step | reference val | arm val | gap val | gap Brown | gap train |",
+             "|" + "---|" * 7]
+    for arm, ref in compared_pairs(s, arms):
+        a, b = pts[arm], pts[ref]
+        for t in sorted(set(a["val_loss"]) & set(b["val_loss"])):
+            def g(key, last=1):
+                m = at_common_step(a, b, key, t, last)
+                return "—" if m is None or m[0] != t and key != "loss" else f"{100 * (m[1] - m[2]) / m[2]:+.2f} %"
+            lines.append(f"| {LABELS[arm]} vs {LABELS[ref]} | {t} | {b['val_loss'][t]:.4f} | {a['val_loss'][t]:.4f} | "
+                         f"{g('val_loss')} | {g('brown_loss')} | {g('loss', 100)} |")
+    return lines
+
+
+def report(out: Path, arms, size: str, every_step: bool = False) -> str:
     """Markdown table: final train loss, val loss, Brown loss, relative gaps to BF16, tokens/s, memory. Arms that
     stopped at different steps (a study not yet finished) are compared at the latest step both logged (from their
     ``metrics.jsonl``, marked "@ step"), and a val/Brown loss from an eval before the run's last step says so: a
-    summary's val/Brown loss is its last eval's. Below it, :func:`lowest_table`: each arm's lowest eval losses."""
+    summary's val/Brown loss is its last eval's. Below it, :func:`lowest_table`: each arm's lowest eval losses, and
+    with ``every_step`` :func:`matched_table`: the gaps at every eval step."""
     s = summaries(out, arms)
     base = s.get("bf16")
     pts = {arm: curves(out / arm) for arm in s}
@@ -472,14 +499,16 @@ def report(out: Path, arms, size: str) -> str:
                      f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
     if any(pts[arm].get("val_loss") for arm in s):
         lines += [""] + lowest_table(s, pts, arms, size)
+    if every_step:
+        lines += [""] + matched_table(s, pts, arms, size)
     return "\n".join(lines)
 
 
-def export(out: Path, arms, size: str, dest: Path) -> None:
+def export(out: Path, arms, size: str, dest: Path, every_step: bool = False) -> None:
     from fp4compile.train.cli import plot_runs
 
     dest.mkdir(parents=True, exist_ok=True)
-    table = report(out, arms, size)
+    table = report(out, arms, size, every_step)
     (dest / f"study_{size}.md").write_text(table + "\n")
     have = [a for a in arms if (out / a / "metrics.jsonl").is_file()]
     if have:
@@ -507,6 +536,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=540, help="seconds for this call (all arms)")
     ap.add_argument("--export", default=None, help="write table, plot and metrics tarball here (e.g. $OUT)")
     ap.add_argument("--report", action="store_true", help="only write the table/plot from what exists")
+    ap.add_argument("--matched-steps", action="store_true",
+                    help="the report also gives each compared pair's gaps at every step both evaluated")
     ap.add_argument("--print-commands", action="store_true")
     ap.add_argument("--data-only", action="store_true", help="only tokenize the carried shards into DATA_DIR")
     ap.add_argument("--skip-data", action="store_true", help="do not tokenize .data/ (data given in extra flags)")
@@ -654,9 +685,9 @@ def main(argv=None) -> int:
             if not finished(arm, rc, steps) and rc == 0:
                 break
     if args.export:
-        export(out, arms, args.size, Path(args.export))
+        export(out, arms, args.size, Path(args.export), args.matched_steps)
     else:
-        print(report(out, arms, args.size))
+        print(report(out, arms, args.size, args.matched_steps))
     return 0
 
 

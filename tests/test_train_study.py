@@ -173,6 +173,39 @@ def test_report_lowest_eval_table_takes_each_arm_lowest_val_within_the_common_st
     assert f"**{100 * (2.3 - 2.4) / 2.4:+.2f} % @ 8**" in main
 
 
+def test_report_matched_steps_gives_the_gaps_at_every_common_eval_step(study, tmp_path):
+    """--matched-steps: one row per step both runs evaluated (fullbest also evaluated step 3, bf16root did not; only
+    bf16root evaluated Brown at step 6), with the train gap over each run's last 100 common log steps up to the step
+    (fullbest logged every step, bf16root every other step, so the common ones are the even steps)."""
+    out = tmp_path / "124m"
+    evals = {"bf16root": {2: 2.5, 4: 2.0, 6: 2.4}, "fullbest": {2: 2.6, 3: 2.3, 4: 2.1, 6: 2.2}}
+    brown = {"bf16root": {2: 5.0, 4: 4.0, 6: 6.0}, "fullbest": {2: 5.5, 3: 5.0, 4: 4.2}}
+    logs = {"bf16root": range(2, 7, 2), "fullbest": range(1, 7)}
+    loss = {"bf16root": lambda t: 3.0 - t / 10, "fullbest": lambda t: 3.5 - t / 10}
+    for arm in evals:
+        d = out / arm
+        d.mkdir(parents=True)
+        recs = [dict(step=t, tokens=t, loss=loss[arm](t)) for t in logs[arm]]
+        recs += [dict(step=t, tokens=t, val_loss=x) for t, x in evals[arm].items()]
+        recs += [dict(step=t, tokens=t, brown_loss=x) for t, x in brown[arm].items()]
+        d.joinpath("metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        d.joinpath("summary.json").write_text(json.dumps(dict(
+            status="done", step=6, steps=6, tokens=6, loss=loss[arm](6), val_loss=evals[arm][6],
+            brown_loss=brown[arm].get(6), tok_per_s=1e6, peak_mem_mib=2048)))
+    assert "arm vs reference" not in study.report(out, ["bf16root", "fullbest"], "124m")
+    table = study.report(out, ["bf16root", "fullbest"], "124m", every_step=True)
+    rows = [ln.split(" | ")[1:] for ln in table.split("arm vs reference", 1)[1].splitlines()[2:]]
+    assert [r[0] for r in rows] == ["2", "4", "6"]
+    pct = lambda a, b: f"{100 * (a - b) / b:+.2f} %"
+    mean = lambda f, ts: sum(map(f, ts)) / len(ts)
+    for r, t in zip(rows, (2, 4, 6)):
+        ts = [s for s in (2, 4, 6) if s <= t]
+        assert r[1:4] == [f"{evals['bf16root'][t]:.4f}", f"{evals['fullbest'][t]:.4f}",
+                          pct(evals["fullbest"][t], evals["bf16root"][t])]
+        assert r[4] == ("—" if t == 6 else pct(brown["fullbest"][t], brown["bf16root"][t]))
+        assert r[5].rstrip(" |") == pct(mean(loss["fullbest"], ts), mean(loss["bf16root"], ts))
+
+
 def test_report_and_export(study, tmp_path):
     out = tmp_path / "30m"
     rows = {"bf16": 3.00, "quartet2": 3.06, "qroot": 2.94, "bf16root": 2.80}
