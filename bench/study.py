@@ -443,14 +443,17 @@ def matched_table(s: dict, pts: dict, arms, size: str) -> list:
     repetition (one arm memorizing faster) starts to move it."""
     lines = [f"| {size}: arm vs reference | step | reference val | arm val | gap val | gap Brown | gap train |",
              "|" + "---|" * 7]
+    def gap(a, b, key, t):
+        m = at_common_step(a, b, key, t, last=100)   # `last` counts for the train loss only
+        if m is None or (key != "loss" and m[0] != t):  # an eval gap needs both evals at step t itself
+            return "—"
+        return f"{100 * (m[1] - m[2]) / m[2]:+.2f} %"
+
     for arm, ref in compared_pairs(s, arms):
         a, b = pts[arm], pts[ref]
         for t in sorted(set(a["val_loss"]) & set(b["val_loss"])):
-            def g(key, last=1):
-                m = at_common_step(a, b, key, t, last)
-                return "—" if m is None or m[0] != t and key != "loss" else f"{100 * (m[1] - m[2]) / m[2]:+.2f} %"
             lines.append(f"| {LABELS[arm]} vs {LABELS[ref]} | {t} | {b['val_loss'][t]:.4f} | {a['val_loss'][t]:.4f} | "
-                         f"{g('val_loss')} | {g('brown_loss')} | {g('loss', 100)} |")
+                         f"{gap(a, b, 'val_loss', t)} | {gap(a, b, 'brown_loss', t)} | {gap(a, b, 'loss', t)} |")
     return lines
 
 
