@@ -394,6 +394,11 @@ def root_arms(s: dict, arms) -> list:
     return [a for a in arms if a in s and a != "bf16root" and ARMS[a]["optimizer"].startswith("qroot")]
 
 
+def pct(x: float, ref: float) -> str:
+    """The relative gap of ``x`` to ``ref`` as the report prints it: ``+1.23 %``."""
+    return f"{100 * (x - ref) / ref:+.2f} %"
+
+
 def lowest(curve: dict, upto: int) -> tuple | None:
     """``(step, value)`` of the lowest point of a :func:`curves` entry at or before step ``upto``; None without one."""
     pts = [(v, t) for t, v in curve.items() if t <= upto]
@@ -416,7 +421,7 @@ def lowest_table(s: dict, pts: dict, arms, size: str) -> list:
         a, b = lowest(pts[arm].get(key, {}), upto), lowest(pts[ref_arm].get(key, {}), upto)
         if a is None or b is None:
             return "—"
-        return f"{100 * (a[1] - b[1]) / b[1]:+.2f} %" + ("" if s[arm]["step"] == s[ref_arm]["step"] else f" to step {upto}")
+        return pct(a[1], b[1]) + ("" if s[arm]["step"] == s[ref_arm]["step"] else f" to step {upto}")
 
     lines = [f"| arm ({size}): lowest eval | lowest val loss | lowest Brown loss | gap val | gap Brown |", "|" + "---|" * 5]
     for arm in arms:
@@ -447,7 +452,7 @@ def matched_table(s: dict, pts: dict, arms, size: str) -> list:
         m = at_common_step(a, b, key, t, last=100)   # `last` counts for the train loss only
         if m is None or (key != "loss" and m[0] != t):  # an eval gap needs both evals at step t itself
             return "—"
-        return f"{100 * (m[1] - m[2]) / m[2]:+.2f} %"
+        return pct(m[1], m[2])
 
     for arm, ref in compared_pairs(s, arms):
         a, b = pts[arm], pts[ref]
@@ -464,16 +469,16 @@ def report(out: Path, arms, size: str, every_step: bool = False) -> str:
     summary's val/Brown loss is its last eval's. Below it, :func:`lowest_table`: each arm's lowest eval losses, and
     with ``every_step`` :func:`matched_table`: the gaps at every eval step."""
     s = summaries(out, arms)
-    base = s.get("bf16")
     pts = {arm: curves(out / arm) for arm in s}
 
-    def gap(arm, key, ref=base, ref_arm="bf16"):
+    def gap(arm, key, ref_arm="bf16"):
+        ref = s.get(ref_arm)
         if ref is None or arm == ref_arm or s[arm].get(key) is None or ref.get(key) is None:
             return "—"
         if s[arm]["step"] == ref["step"]:
-            return f"{100 * (s[arm][key] - ref[key]) / ref[key]:+.2f} %"
+            return pct(s[arm][key], ref[key])
         m = at_common_step(pts[arm], pts[ref_arm], key, min(s[arm]["step"], ref["step"]))
-        return "—" if m is None else f"{100 * (m[1] - m[2]) / m[2]:+.2f} % @ {m[0]}"
+        return "—" if m is None else f"{pct(m[1], m[2])} @ {m[0]}"
 
     lines = [f"| arm ({size}) | status | tokens | train loss | val loss | Brown loss | gap train | gap val | "
              "gap Brown | tokens/s | peak GiB | compile mode |", "|" + "---|" * 12]
@@ -495,11 +500,10 @@ def report(out: Path, arms, size: str, every_step: bool = False) -> str:
                      f"{gap(arm, 'val_loss')} | {gap(arm, 'brown_loss')} | "
                      f"{'—' if r.get('tok_per_s') is None else format(r['tok_per_s'], ',.0f')} | "
                      f"{r['peak_mem_mib'] / 1024:.1f} | {r.get('compile_mode', 'default')} |")
-    matched = s.get("bf16root")                       # ROOT-trained arms against BF16 with the same optimizer
-    for arm in root_arms(s, arms):
+    for arm in root_arms(s, arms):                    # ROOT-trained arms against BF16 with the same optimizer
         lines.append(f"| **{LABELS[arm]} vs {LABELS['bf16root']}** | | | | | | "
-                     f"**{gap(arm, 'loss', matched, 'bf16root')}** | **{gap(arm, 'val_loss', matched, 'bf16root')}** | "
-                     f"**{gap(arm, 'brown_loss', matched, 'bf16root')}** | | | |")
+                     f"**{gap(arm, 'loss', 'bf16root')}** | **{gap(arm, 'val_loss', 'bf16root')}** | "
+                     f"**{gap(arm, 'brown_loss', 'bf16root')}** | | | |")
     if any(pts[arm].get("val_loss") for arm in s):
         lines += [""] + lowest_table(s, pts, arms, size)
     if every_step:
