@@ -22,6 +22,7 @@ FP4), as fractions of the BF16 ceiling. FLOPs count as ``bench/attention.py`` co
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Dict, Tuple
@@ -71,8 +72,9 @@ def bound_rows(rows, bh: int, copy_bps: float, ceiling_tflops: float) -> list:
             continue
         fl = fwd_flops(bh, T, d)
         qf, qfb = least_traffic_s(bh, T, d, copy_bps)
-        need_f = fl / (sf * 1e-3 - qf) / 1e12
-        need_fb = FB_FACTOR * fl / (sfb * 1e-3 - qfb) / 1e12
+        # traffic alone at or past SDPA's time: no core speed reaches 1.0x
+        need_f = fl / (sf * 1e-3 - qf) / 1e12 if sf * 1e-3 > qf else math.inf
+        need_fb = FB_FACTOR * fl / (sfb * 1e-3 - qfb) / 1e12 if sfb * 1e-3 > qfb else math.inf
         r = dict(T=T, d=d, sdpa_fwd_ms=sf, sdpa_fb_ms=sfb, traffic_fwd_us=qf * 1e6, traffic_fb_us=qfb * 1e6,
                  need_fwd=need_f, need_fb=need_fb, sdpa_fwd=fl / sf / 1e9, sdpa_fb=FB_FACTOR * fl / sfb / 1e9)
         bf = rows.get(("qattn bf16", T, d))

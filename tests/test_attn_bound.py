@@ -65,3 +65,9 @@ def test_unlimited_bandwidth_asks_for_sdpas_own_rate_and_finite_asks_more():
         assert math.isclose(a["need_fb"], a["sdpa_fb"], rel_tol=1e-12)
         assert b["need_fwd"] > a["need_fwd"] and b["need_fb"] > a["need_fb"]
         assert math.isclose(b["need_fb_pct"], 100 * b["need_fb"] / 790.0)
+
+
+def test_traffic_past_sdpas_time_needs_an_infinite_core():
+    rows = {("sdpa", 1024, 64): (0.040, 0.148)}
+    r = B.bound_rows(rows, 64, 1e9, 790.0)[0]  # 1 GB/s: the traffic alone takes milliseconds
+    assert r["need_fwd"] == math.inf and r["need_fb"] == math.inf
