@@ -40,7 +40,14 @@ from fp4compile.passes.attention import qattn_sdpa  # noqa: E402
 from bench.timing import host_us, kernel_table  # noqa: E402
 
 CEILING = 790.0
+#: forward + backward FLOPs over forward FLOPs (the backward counts as 2.5 forwards)
+FB_FACTOR = 3.5
 LOG = []
+
+
+def causal_fwd_flops(bh: int, T: int, d: int) -> float:
+    """FLOPs of a causal attention forward as the tables count them: half of 4·BH·T²·d."""
+    return 2.0 * bh * T * T * d
 
 
 def say(*a):
@@ -385,8 +392,8 @@ def bench(results, quick=False, graphed=False, B=4, H=16):
         for T in Ts:
             q, k, v, do = (torch.randn(B, H, T, D, device=DEV, dtype=torch.bfloat16) for _ in range(4))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            fl_f = 2.0 * B * H * T * T * D  # causal forward
-            fl_fb = fl_f * 3.5
+            fl_f = causal_fwd_flops(B * H, T, D)
+            fl_fb = fl_f * FB_FACTOR
             res = {}
             impls = {
                 "sdpa": lambda *a: F.scaled_dot_product_attention(*a, is_causal=True),

@@ -25,17 +25,21 @@ import argparse
 import math
 import os
 import re
+import sys
 from typing import Dict, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.attention import CEILING, FB_FACTOR, causal_fwd_flops  # noqa: E402  (the tables' FLOP convention)
+from bench.step_bound import IDEAL  # noqa: E402  (codes + E4M3 scales, bytes per element)
+
 #: the log whose CUDA-graph rows the default run reads (session 64, H200, torch 2.11)
 DEFAULT_LOG = os.path.join(ROOT, "docs", "bench_logs", "session64_h200_2026-12-06.txt")
 #: bytes per element of Q or K that the forward must move: the amax read, the encode read, codes + E4M3 scales
-FWD_BYTES = 2 + 2 + 0.5 + 1 / 16
+FWD_BYTES = 2 + 2 + IDEAL
 #: bytes per element of Q or K that the backward must move: the 1x16 copy read, its 16x16 tile copy written
-BWD_BYTES = 2 * (0.5 + 1 / 16)
-#: forward + backward FLOPs over forward FLOPs (backward = 2.5x forward)
-FB_FACTOR = 3.5
+BWD_BYTES = 2 * IDEAL
 
 _ROW = re.compile(r"^\|\s*(sdpa|qattn bf16|qattn paper) \(CUDA graph\)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([\d.]+)\s*\|"
                   r"[^|]*\|[^|]*\|\s*([\d.]+)\s*\|")
@@ -49,11 +53,6 @@ def read_rows(text: str) -> Dict[Tuple[str, int, int], Tuple[float, float]]:
         if m:
             rows[(m.group(1), int(m.group(2)), int(m.group(3)))] = (float(m.group(4)), float(m.group(5)))
     return rows
-
-
-def fwd_flops(bh: int, T: int, d: int) -> float:
-    """Causal attention forward FLOPs, as bench/attention.py counts them."""
-    return 2.0 * bh * T * T * d
 
 
 def least_traffic_s(bh: int, T: int, d: int, copy_bps: float) -> Tuple[float, float]:
@@ -70,21 +69,17 @@ def bound_rows(rows, bh: int, copy_bps: float, ceiling_tflops: float) -> list:
     for (impl, T, d), (sf, sfb) in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1])):
         if impl != "sdpa":
             continue
-        fl = fwd_flops(bh, T, d)
+        fl = causal_fwd_flops(bh, T, d)
         qf, qfb = least_traffic_s(bh, T, d, copy_bps)
         # traffic alone at or past SDPA's time: no core speed reaches 1.0x
-        need_f = fl / (sf * 1e-3 - qf) / 1e12 if sf * 1e-3 > qf else math.inf
-        need_fb = FB_FACTOR * fl / (sfb * 1e-3 - qfb) / 1e12 if sfb * 1e-3 > qfb else math.inf
-        r = dict(T=T, d=d, sdpa_fwd_ms=sf, sdpa_fb_ms=sfb, traffic_fwd_us=qf * 1e6, traffic_fb_us=qfb * 1e6,
-                 need_fwd=need_f, need_fb=need_fb, sdpa_fwd=fl / sf / 1e9, sdpa_fb=FB_FACTOR * fl / sfb / 1e9)
+        rates = dict(need_fwd=fl / (sf * 1e-3 - qf) / 1e12 if sf * 1e-3 > qf else math.inf,
+                     need_fb=FB_FACTOR * fl / (sfb * 1e-3 - qfb) / 1e12 if sfb * 1e-3 > qfb else math.inf,
+                     sdpa_fwd=fl / sf / 1e9, sdpa_fb=FB_FACTOR * fl / sfb / 1e9)
         bf = rows.get(("qattn bf16", T, d))
         if bf:
-            r["bf16_fwd"], r["bf16_fb"] = fl / bf[0] / 1e9, FB_FACTOR * fl / bf[1] / 1e9
-        out.append(r)
-    for r in out:
-        for k in ("need_fwd", "need_fb", "sdpa_fwd", "sdpa_fb", "bf16_fwd", "bf16_fb"):
-            if k in r:
-                r[k + "_pct"] = 100 * r[k] / ceiling_tflops
+            rates.update(bf16_fwd=fl / bf[0] / 1e9, bf16_fb=FB_FACTOR * fl / bf[1] / 1e9)
+        out.append(dict(T=T, d=d, sdpa_fwd_ms=sf, sdpa_fb_ms=sfb, traffic_fwd_us=qf * 1e6, traffic_fb_us=qfb * 1e6,
+                        **rates, **{k + "_pct": 100 * v / ceiling_tflops for k, v in rates.items()}))
     return out
 
 
@@ -93,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=DEFAULT_LOG, help="a log holding bench/attention.py's CUDA-graph table")
     ap.add_argument("--bh", type=int, default=64, help="batch x heads of the benchmark's shapes (issue 4: 64)")
     ap.add_argument("--copy-gbs", type=float, default=4223.0, help="copy bandwidth, GB/s (H200 bf16 copy)")
-    ap.add_argument("--ceiling", type=float, default=790.0, help="BF16 TFLOP/s ceiling (issue 4: 790)")
+    ap.add_argument("--ceiling", type=float, default=CEILING, help="BF16 TFLOP/s ceiling (bench/attention.py's)")
     args = ap.parse_args(argv)
     with open(args.log) as f:
         rows = read_rows(f.read())

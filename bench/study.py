@@ -446,14 +446,14 @@ def matched_table(s: dict, pts: dict, arms, size: str) -> list:
     both runs evaluated: val, Brown, and the train loss as each run's mean over the last 100 common log steps up to
     that step. The end-of-run gap is one point of this curve; on a corpus the schedule repeats, the curve shows where
     repetition (one arm memorizing faster) starts to move it."""
-    lines = [f"| {size}: arm vs reference | step | reference val | arm val | gap val | gap Brown | gap train |",
-             "|" + "---|" * 7]
     def gap(a, b, key, t):
         m = at_common_step(a, b, key, t, last=100)   # `last` counts for the train loss only
         if m is None or (key != "loss" and m[0] != t):  # an eval gap needs both evals at step t itself
             return "—"
         return pct(m[1], m[2])
 
+    lines = [f"| {size}: arm vs reference | step | reference val | arm val | gap val | gap Brown | gap train |",
+             "|" + "---|" * 7]
     for arm, ref in compared_pairs(s, arms):
         a, b = pts[arm], pts[ref]
         for t in sorted(set(a["val_loss"]) & set(b["val_loss"])):

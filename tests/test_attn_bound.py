@@ -35,7 +35,7 @@ def test_flops_match_the_tflops_bench_attention_printed():
         T, d = int(cells[1]), int(cells[2])
         fwd_ms, fwd_tf = float(cells[3]), float(cells[4].split()[0])
         fb_ms, fb_tf = float(cells[6]), float(cells[7].split()[0])
-        fl = B.fwd_flops(64, T, d)
+        fl = B.causal_fwd_flops(64, T, d)
         # ms is printed to 3 decimals, so the ratio is known to +-0.0005 ms in the denominator
         for ms, tf, f in ((fwd_ms, fwd_tf, fl), (fb_ms, fb_tf, B.FB_FACTOR * fl)):
             lo, hi = f / (ms + 0.0005) / 1e9, f / max(ms - 0.0005, 1e-9) / 1e9
