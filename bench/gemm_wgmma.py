@@ -36,11 +36,12 @@ from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
 
 def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
+            + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "")
             + {0: "", 1: " NODEQ", 2: " NOMMA"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
-CHECKED = W.WGMMA_CONFIGS
+CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS
 #: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
 #: words are stored as they are) and without the MMA (NOMMA)
 DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]

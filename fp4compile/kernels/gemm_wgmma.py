@@ -55,20 +55,28 @@ from .launch import cdiv, stable_cache_keys
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from .dequant import _DEQUANT_ASM
 except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton without Gluon
     gluon = None
 
-__all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS"]
+__all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4),
+]
+
+
+#: warp-specialized configurations (``WS``: :func:`_nvfp4_ws_kernel`): the default partition (``num_warps``, the wgmma)
+#: and two decode partitions of ``DECODE_WARPS`` warps at ``DECODE_REGS`` registers, a ring of ``WS_STAGES`` BF16 tiles
+WS_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, WS=True, WS_STAGES=3, DECODE_WARPS=4, DECODE_REGS=96),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, WS=True, WS_STAGES=3, DECODE_WARPS=2, DECODE_REGS=96),
 ]
 
 
@@ -240,6 +248,136 @@ if gluon is not None:
         mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
         gl.store(out_ptr + offs, val, mask=mask)
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Warp-specialized variant (``WS`` configs): decode partitions fill a ring of BF16 operand tiles, the default
+    # partition (one warpgroup) only waits, issues the async wgmma and releases the ring slot it has finished with.
+    @gluon.jit
+    def _ws_decode_partition(c_ptr, s_ptr, bufs, ready, empty, row0, R, num_k, stride_w, stride_s,
+                             ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, nw: gl.constexpr):
+        """Producer of one operand: K-tile ki's code words and scale word loaded from global memory one tile ahead,
+        decoded in registers (:func:`_dequant`), stored into ring slot ki % WS_STAGES once the MMA has released it
+        (``empty``), then fenced (generic -> async proxy) and signalled (``ready``)."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [nw, 1, 1], [2, 1, 0])
+        LS: gl.constexpr = gl.SliceLayout(2, L3)
+        rw = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LC))) % R
+        kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, LC))
+        cp = c_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rw.to(gl.int64), 1) * stride_w + gl.expand_dims(kw, 0)
+        rs = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))) % R
+        sp = s_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rs.to(gl.int64), 1) * stride_s
+        sh = gl.expand_dims(gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, LS)), 0) * 8
+        c = gl.load(cp)
+        sw = gl.load(sp)
+        for ki in range(num_k):
+            kn = (ki + 1) % num_k                      # the next tile (wraps on the last: loaded, never used)
+            c_next = gl.load(cp + kn * (BLOCK_K // 8))
+            sw_next = gl.load(sp + kn)
+            cc = gl.convert_layout(gl.reshape(c, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
+            sb = ((sw.broadcast_to(ROWS, BLOCK_K // 16) >> sh) & 0xFF).to(gl.uint8)
+            words = _dequant(cc, sb, ROWS, BLOCK_K)
+            slot = ki % WS_STAGES
+            mbarrier.wait(empty.index(slot), ((ki // WS_STAGES) & 1) ^ 1)
+            bufs.index(slot).store(words)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(slot), count=1)
+            c = c_next
+            sw = sw_next
+
+    @gluon.jit
+    def _ws_decode_a(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
+                     stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
+        _ws_decode_partition(a_c, a_s, a_wds, ready_a, empty, off_m, M, num_k, stride_aw, stride_as,
+                             BLOCK_M, BLOCK_K, WS_STAGES, DECODE_WARPS)
+
+    @gluon.jit
+    def _ws_decode_b(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
+                     stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
+        _ws_decode_partition(b_c, b_s, b_wds, ready_b, empty, off_n, N, num_k, stride_bw, stride_bs,
+                             BLOCK_N, BLOCK_K, WS_STAGES, DECODE_WARPS)
+
+    @gluon.jit
+    def _ws_mma_partition(a_smem, b_smem, ready_a, ready_b, empty, num_k, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, WS_STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """Consumer: per K-tile wait for both operands, issue the async wgmma, and once the previous tile's wgmma
+        is complete (one left in flight) release that tile's ring slot. Returns the FP32 accumulator."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+        for ki in range(num_k):
+            slot = ki % WS_STAGES
+            ph = (ki // WS_STAGES) & 1
+            mbarrier.wait(ready_a.index(slot), ph)
+            mbarrier.wait(ready_b.index(slot), ph)
+            acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((ki + WS_STAGES - 1) % WS_STAGES), count=1, pred=ki > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return (acc,)  # a partition returns a tuple of tensors
+
+    @gluon.jit
+    def _nvfp4_ws_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
+                         stride_aw, stride_as, stride_bw, stride_bs, stride_om,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, WS_STAGES: gl.constexpr,
+                         DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_nvfp4_wgmma_kernel`'s product with warp specialization: two decode partitions (A and B, each
+        ``DECODE_WARPS`` warps at ``DECODE_REGS`` registers) and the wgmma in the default partition."""
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_pid_n
+        first_m = (pid // group) * GROUP_M
+        gsize = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % gsize
+        pid_n = (pid % group) // gsize
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        num_k = K // BLOCK_K
+
+        a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+        b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [WS_STAGES, BLOCK_M, BLOCK_K], a_sl)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [WS_STAGES, BLOCK_N, BLOCK_K], b_sl)
+        w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        a_wds = a_smem._reinterpret(gl.int32, [WS_STAGES, BLOCK_M, BLOCK_K // 2], w_sl)
+        b_wds = b_smem._reinterpret(gl.int32, [WS_STAGES, BLOCK_N, BLOCK_K // 2], w_sl)
+        ready_a = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(WS_STAGES):
+            mbarrier.init(ready_a.index(i), count=1)
+            mbarrier.init(ready_b.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+
+        # the argument tuples are written out in the call: a tuple assigned to a name first turns its constexprs
+        # into runtime values, which the partitions' layouts cannot take
+        res = gl.warp_specialize([
+            (_ws_mma_partition, (a_smem, b_smem, ready_a, ready_b, empty, num_k, BLOCK_M, BLOCK_N, WS_STAGES,
+                                 num_warps)),
+            (_ws_decode_a, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
+                            stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
+                            DECODE_WARPS)),
+            (_ws_decode_b, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
+                            stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
+                            DECODE_WARPS)),
+        ], [DECODE_WARPS, DECODE_WARPS], [DECODE_REGS, DECODE_REGS])
+        acc = res[0]
+
+        alpha = gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0
+        res = acc * alpha
+        EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
+        if OUT_FP32:
+            val = gl.convert_layout(res, EPI)
+        else:
+            val = gl.convert_layout(res.to(gl.bfloat16), EPI)
+        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, EPI))
+        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPI))
+        offs = gl.expand_dims(rm.to(gl.int64), 1) * stride_om + gl.expand_dims(rn, 0)
+        mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
+        gl.store(out_ptr + offs, val, mask=mask)
+
     @gluon.constexpr_function
     def _epilogue_layout(block_n, out_fp32, num_warps):
         vec = 4 if out_fp32 else 8                      # 16 bytes per thread
@@ -247,8 +385,17 @@ if gluon is not None:
         return gl.BlockedLayout([1, vec], [32 // tn, tn], [num_warps, 1], [1, 0])
 
 
+def _variant_constexprs(cfg: dict, diag: int = 0) -> dict:
+    """The kernel-specific constexprs of a config: the warp-specialized kernel's ring and partitions, or the
+    software-pipelined kernel's timing diagnostic."""
+    if cfg.get("WS"):
+        return dict(WS_STAGES=cfg["WS_STAGES"], DECODE_WARPS=cfg["DECODE_WARPS"], DECODE_REGS=cfg["DECODE_REGS"])
+    return dict(DIAG=diag)
+
+
 def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: int = 0) -> bytes:
-    """The sm_90 cubin of :func:`_nvfp4_wgmma_kernel` for ``config``, compiled on any machine (no GPU needed;
+    """The sm_90 cubin of :func:`_nvfp4_wgmma_kernel` (or, for a ``WS`` config, :func:`_nvfp4_ws_kernel`) for
+    ``config``, compiled on any machine (no GPU needed;
     :func:`fp4compile.kernels.offline.compile_offline`), specialized as a launch on contiguous operands with
     K % 128 == 0 would be (code-row strides of K/8 words divisible by 16). For tests and SASS inspection."""
     from .offline import compile_offline
@@ -258,8 +405,9 @@ def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: i
                out_ptr="*fp32" if out_fp32 else "*bf16", M="i32", N="i32", K="i32", stride_aw="i32",
                stride_as="i32", stride_bw="i32", stride_bs="i32", stride_om="i32")
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
-                 OUT_FP32=out_fp32, DIAG=diag, num_warps=cfg["num_warps"])
-    return compile_offline(_nvfp4_wgmma_kernel, sig, const, cfg["num_warps"], upto="cubin",
+                 OUT_FP32=out_fp32, num_warps=cfg["num_warps"], **_variant_constexprs(cfg, diag))
+    return compile_offline(_nvfp4_ws_kernel if cfg.get("WS") else _nvfp4_wgmma_kernel, sig, const,
+                           cfg["num_warps"], upto="cubin",
                            divisible_by_16=["a_c", "a_s", "b_c", "b_s", "out_ptr", "K", "stride_aw", "stride_bw",
                                             "stride_om"])
 
@@ -267,8 +415,8 @@ def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: i
 def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel` (sm_90 only). Arguments as for
-    :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS`
-    (default the first; ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
+    :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS` or
+    :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
     the timing-only diagnostics of ``bench/gemm_wgmma.py``, whose results are not the product."""
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
@@ -291,12 +439,11 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
-    _nvfp4_wgmma_kernel[grid](a_codes, a_scales, b_codes, b_scales, ag, bg, out, M, N, K,
-                              a_codes.stride(0) // 4, a_scales.stride(0) // 4,
-                              b_codes.stride(0) // 4, b_scales.stride(0) // 4,
-                              out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                              OUT_FP32=out_dtype == torch.float32,
-                              DIAG=cfg.get("DIAG", 0), num_warps=nw)
+    kernel = _nvfp4_ws_kernel if cfg.get("WS") else _nvfp4_wgmma_kernel
+    kernel[grid](a_codes, a_scales, b_codes, b_scales, ag, bg, out, M, N, K,
+                 a_codes.stride(0) // 4, a_scales.stride(0) // 4, b_codes.stride(0) // 4, b_scales.stride(0) // 4,
+                 out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, OUT_FP32=out_dtype == torch.float32,
+                 num_warps=nw, **_variant_constexprs(cfg, cfg.get("DIAG", 0)))
     return out
 
 
