@@ -254,7 +254,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_decode_partition(c_ptr, s_ptr, bufs, ready, empty, row0, R, num_k, stride_w, stride_s,
                              ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, nw: gl.constexpr):
-        """Producer of one operand: K-tile ki's code words and scale word loaded from global memory one tile ahead,
+        """Producer of one operand: K-tile ki's code words and scale word loaded from global memory three tiles ahead,
         decoded in registers (:func:`_dequant`), stored into ring slot ki % WS_STAGES once the MMA has released it
         (``empty``), then fenced (generic -> async proxy) and signalled (``ready``)."""
         LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
@@ -266,22 +266,27 @@ if gluon is not None:
         rs = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))) % R
         sp = s_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rs.to(gl.int64), 1) * stride_s
         sh = gl.expand_dims(gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, LS)), 0) * 8
-        c = gl.load(cp)
-        sw = gl.load(sp)
+        # three K-tiles of code and scale words in flight in registers (global-load latency is ~3 tiles of decode)
+        c0 = gl.load(cp)
+        s0 = gl.load(sp)
+        c1 = gl.load(cp + (1 % num_k) * (BLOCK_K // 8))
+        s1 = gl.load(sp + 1 % num_k)
+        c2 = gl.load(cp + (2 % num_k) * (BLOCK_K // 8))
+        s2 = gl.load(sp + 2 % num_k)
         for ki in range(num_k):
-            kn = (ki + 1) % num_k                      # the next tile (wraps on the last: loaded, never used)
-            c_next = gl.load(cp + kn * (BLOCK_K // 8))
-            sw_next = gl.load(sp + kn)
-            cc = gl.convert_layout(gl.reshape(c, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
-            sb = ((sw.broadcast_to(ROWS, BLOCK_K // 16) >> sh) & 0xFF).to(gl.uint8)
+            kn = (ki + 3) % num_k                      # tiles past the end wrap: loaded, never used
+            c3 = gl.load(cp + kn * (BLOCK_K // 8))
+            s3 = gl.load(sp + kn)
+            cc = gl.convert_layout(gl.reshape(c0, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
+            sb = ((s0.broadcast_to(ROWS, BLOCK_K // 16) >> sh) & 0xFF).to(gl.uint8)
             words = _dequant(cc, sb, ROWS, BLOCK_K)
             slot = ki % WS_STAGES
             mbarrier.wait(empty.index(slot), ((ki // WS_STAGES) & 1) ^ 1)
             bufs.index(slot).store(words)
             fence_async_shared()
             mbarrier.arrive(ready.index(slot), count=1)
-            c = c_next
-            sw = sw_next
+            c0, c1, c2 = c1, c2, c3
+            s0, s1, s2 = s1, s2, s3
 
     @gluon.jit
     def _ws_decode_a(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
