@@ -74,10 +74,27 @@ def test_supports_and_argument_checks():
                            q.codes, q.scales.view(torch.uint8), q.global_scale)
 
 
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.WS_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}ws")
+def test_sm90_sass_of_the_warp_specialized_kernel(cfg):
+    """The warp-specialized variant compiles for sm_90 here: wgmma, mbarrier waits and arrivals, register
+    reallocation between the partitions (setmaxnreg), no spills, and no software-pipelined cp.async staging."""
+    cubin = W.offline_cubin(cfg)
+    n, ops, regs, local = sass_stats(cubin)
+    assert local == 0, f"register spills: {local} bytes of local memory"
+    names = set(ops)
+    assert any(o.startswith("HGMMA") for o in names)
+    assert any(o.startswith("SYNCS") for o in names), "no mbarrier operations"
+    assert any(o.startswith("USETMAXREG") for o in names), "no register reallocation between partitions"
+    assert "LDGSTS" not in names
+    assert sum(v for o, v in ops.items() if o.startswith("HMUL2")) > 0       # the decode
+
+
 @pytest.mark.gpu
 @cuda
 @needs_gluon
-@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}")
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS + W.WS_CONFIGS,
+                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}" + ("ws" if c.get("WS") else ""))
 def test_gpu_exact_decode_and_reference(cfg):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")

@@ -1,10 +1,14 @@
 """NVFP4 x NVFP4 GEMM for sm_90 written in Gluon: dequantization in the main loop, overlapped with async wgmma.
 
 **Status: correct, and slower than the default lowering; kept as ``impl="wgmma"`` (never chosen by ``"auto"``) as
-the measured answer to "what does in-loop dequantization cost on Hopper" and as the base for a warp-specialized
-version.** H200, session 25 (docs/BENCHMARKS.md): 0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the
-4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad shapes, against 0.64-0.95x for ``"dq_triton"`` (dequantize
-each operand once, then a BF16 TMA GEMM).
+the measured answer to "what does in-loop dequantization cost on Hopper".** H200, session 25 (docs/BENCHMARKS.md):
+0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the 4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad
+shapes, against 0.64-0.95x for ``"dq_triton"`` (dequantize each operand once, then a BF16 TMA GEMM). The
+warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100:
+0.48x at 8192^3, 0.43-0.55x on the 124M fprop/dgrad shapes. Its eight decode warps (all the register file leaves
+beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per millisecond on the whole GPU, 30 % of
+what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
+tiles needs 6.2.
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -73,10 +77,12 @@ WGMMA_CONFIGS = [
 
 
 #: warp-specialized configurations (``WS``: :func:`_nvfp4_ws_kernel`): the default partition (``num_warps``, the wgmma)
-#: and two decode partitions of ``DECODE_WARPS`` warps at ``DECODE_REGS`` registers, a ring of ``WS_STAGES`` BF16 tiles
+#: and two decode partitions of ``DECODE_WARPS`` warps at ``DECODE_REGS`` registers, a ring of ``WS_STAGES`` BF16 tiles.
+#: The register file sets the shape: ptxas compiles the whole kernel under one register cap, 65536 / threads, and the
+#: 128 x 128 FP32 accumulator of one warpgroup needs ~154, so 12 warps at most (4 wgmma + 2 x 4 decode). A 128 x 256
+#: tile (8 wgmma warps) leaves room for 2 x 2 decode warps only: 2.3x slower (session 71), not kept.
 WS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, WS=True, WS_STAGES=3, DECODE_WARPS=4, DECODE_REGS=96),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, WS=True, WS_STAGES=3, DECODE_WARPS=2, DECODE_REGS=96),
 ]
 
 
