@@ -19,7 +19,9 @@ layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x1
 (MS-EDEN + RHT-128 quantize of a 16384x8192 BF16 tensor, issue 2's row) and ``rtn`` (RTN quantize of the same,
 which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
 parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
-GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3). ``--summarize`` prints, per
+GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3), ``gemm_inloop`` (the Gluon
+GEMMs that decode NVFP4 in their main loop, warp-specialized and software-pipelined, beside cuBLAS BF16 at 4096^3;
+issue 3). ``--summarize`` prints, per
 profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
 raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
 
@@ -117,6 +119,28 @@ def _gemm():
     return step
 
 
+def _gemm_inloop():
+    """The Gluon in-loop-decode NVFP4 GEMMs at 4096^3 (issue 3; ``kernels/gemm_wgmma.py``): the warp-specialized
+    kernel (``WS_CONFIGS[0]``) and session 25's software-pipelined one (``WGMMA_CONFIGS[0]``), then cuBLAS BF16 on
+    bf16 operands of the same shape, the baseline."""
+    import torch
+
+    from fp4compile.formats import nvfp4
+    from fp4compile.kernels import gemm_wgmma as W
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qa, qb = (nvfp4.quantize(torch.randn(4096, 4096, device="cuda", generator=g)) for _ in range(2))
+    args = (qa.codes, qa.scales.view(torch.uint8), qa.global_scale, qb.codes, qb.scales.view(torch.uint8),
+            qb.global_scale)
+    a16, b16 = qa.dequantize(), qb.dequantize()
+
+    def step():
+        W.nvfp4_gemm_wgmma(*args, config=W.WS_CONFIGS[0])
+        W.nvfp4_gemm_wgmma(*args, config=W.WGMMA_CONFIGS[0])
+        torch.mm(a16, b16.t())
+    return step
+
+
 #: workload name -> a function returning the no-argument callable that is profiled
 WORKLOADS = {
     "attn_paper": lambda: _attn("paper"),
@@ -126,6 +150,7 @@ WORKLOADS = {
     "qadamw": lambda: _optimizer("qadamw"),
     "adamw": lambda: _optimizer("adamw"),
     "gemm124": _gemm,
+    "gemm_inloop": _gemm_inloop,
 }
 
 
