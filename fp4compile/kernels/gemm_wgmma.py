@@ -83,7 +83,6 @@ WGMMA_CONFIGS = [
 #: tile (8 wgmma warps) leaves room for 2 x 2 decode warps only: 2.3x slower (session 71), not kept.
 WS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, WS=True, WS_STAGES=3, DECODE_WARPS=4, DECODE_REGS=96),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, WS=True, WS_STAGES=3, DECODE_WARPS=4, DECODE_REGS=96),
 ]
 
 
@@ -259,41 +258,34 @@ if gluon is not None:
     # Warp-specialized variant (``WS`` configs): decode partitions fill a ring of BF16 operand tiles, the default
     # partition (one warpgroup) only waits, issues the async wgmma and releases the ring slot it has finished with.
     @gluon.jit
-    def _ws_load(cp, sp, kw, ks, t, K, BLOCK_K: gl.constexpr):
-        """K-tile ``t``'s code words [ROWS, BLOCK_K/8] (int32) and E4M3 scale bytes [ROWS, BLOCK_K/16]; words and
-        blocks past K read as zeros (a zero code times any scale is zero)."""
-        w = t * (BLOCK_K // 8) + kw
-        b = t * (BLOCK_K // 16) + ks
-        c = gl.load(cp + t * (BLOCK_K // 8), mask=gl.expand_dims(w < K // 8, 0), other=0)
-        sb = gl.load(sp + t * (BLOCK_K // 16), mask=gl.expand_dims(b < K // 16, 0), other=0)
-        return c, sb
-
-    @gluon.jit
-    def _ws_decode_partition(c_ptr, s_ptr, bufs, ready, empty, row0, R, K, num_k, stride_w, stride_s,
+    def _ws_decode_partition(c_ptr, s_ptr, bufs, ready, empty, row0, R, num_k, stride_w, stride_s,
                              ROWS: gl.constexpr, BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, nw: gl.constexpr):
-        """Producer of one operand: K-tile ki's code words and scale bytes loaded from global memory three tiles
-        ahead, decoded in registers (:func:`_dequant`), stored into ring slot ki % WS_STAGES once the MMA has
-        released it (``empty``), then fenced (generic -> async proxy) and signalled (``ready``). A thread holds 16
-        contiguous code bytes (two scale blocks) of a row; BLOCK_K / 32 threads share a row."""
-        TK: gl.constexpr = BLOCK_K // 32
-        LC: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TK, TK], [nw, 1], [1, 0])
-        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [32 // TK, TK, 1], [nw, 1, 1], [2, 1, 0])
+        """Producer of one operand: K-tile ki's code words and scale word loaded from global memory three tiles ahead,
+        decoded in registers (:func:`_dequant`), stored into ring slot ki % WS_STAGES once the MMA has released it
+        (``empty``), then fenced (generic -> async proxy) and signalled (``ready``)."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [nw, 1, 1], [2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(2, L3)
         rw = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LC))) % R
         kw = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, LC))
         cp = c_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rw.to(gl.int64), 1) * stride_w + gl.expand_dims(kw, 0)
         rs = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))) % R
-        ks = gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, LS))
-        sp = s_ptr + gl.expand_dims(rs.to(gl.int64), 1) * (stride_s * 4) + gl.expand_dims(ks, 0)
-        # three K-tiles in flight in registers (global-load latency is ~3 tiles of decode); tiles past the last
-        # are clamped to it: loaded again, never used
-        c0, s0 = _ws_load(cp, sp, kw, ks, 0, K, BLOCK_K)
-        c1, s1 = _ws_load(cp, sp, kw, ks, gl.minimum(1, num_k - 1), K, BLOCK_K)
-        c2, s2 = _ws_load(cp, sp, kw, ks, gl.minimum(2, num_k - 1), K, BLOCK_K)
+        sp = s_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rs.to(gl.int64), 1) * stride_s
+        sh = gl.expand_dims(gl.arange(0, BLOCK_K // 16, layout=gl.SliceLayout(0, LS)), 0) * 8
+        # three K-tiles of code and scale words in flight in registers (global-load latency is ~3 tiles of decode)
+        c0 = gl.load(cp)
+        s0 = gl.load(sp)
+        c1 = gl.load(cp + (1 % num_k) * (BLOCK_K // 8))
+        s1 = gl.load(sp + 1 % num_k)
+        c2 = gl.load(cp + (2 % num_k) * (BLOCK_K // 8))
+        s2 = gl.load(sp + 2 % num_k)
         for ki in range(num_k):
-            c3, s3 = _ws_load(cp, sp, kw, ks, gl.minimum(ki + 3, num_k - 1), K, BLOCK_K)
+            kn = (ki + 3) % num_k                      # tiles past the end wrap: loaded, never used
+            c3 = gl.load(cp + kn * (BLOCK_K // 8))
+            s3 = gl.load(sp + kn)
             cc = gl.convert_layout(gl.reshape(c0, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
-            words = _dequant(cc, s0, ROWS, BLOCK_K)
+            sb = ((s0.broadcast_to(ROWS, BLOCK_K // 16) >> sh) & 0xFF).to(gl.uint8)
+            words = _dequant(cc, sb, ROWS, BLOCK_K)
             slot = ki % WS_STAGES
             mbarrier.wait(empty.index(slot), ((ki // WS_STAGES) & 1) ^ 1)
             bufs.index(slot).store(words)
@@ -303,17 +295,17 @@ if gluon is not None:
             s0, s1, s2 = s1, s2, s3
 
     @gluon.jit
-    def _ws_decode_a(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, K, num_k,
+    def _ws_decode_a(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
                      stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
-        _ws_decode_partition(a_c, a_s, a_wds, ready_a, empty, off_m, M, K, num_k, stride_aw, stride_as,
+        _ws_decode_partition(a_c, a_s, a_wds, ready_a, empty, off_m, M, num_k, stride_aw, stride_as,
                              BLOCK_M, BLOCK_K, WS_STAGES, DECODE_WARPS)
 
     @gluon.jit
-    def _ws_decode_b(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, K, num_k,
+    def _ws_decode_b(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
                      stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
-        _ws_decode_partition(b_c, b_s, b_wds, ready_b, empty, off_n, N, K, num_k, stride_bw, stride_bs,
+        _ws_decode_partition(b_c, b_s, b_wds, ready_b, empty, off_n, N, num_k, stride_bw, stride_bs,
                              BLOCK_N, BLOCK_K, WS_STAGES, DECODE_WARPS)
 
     @gluon.jit
@@ -353,7 +345,7 @@ if gluon is not None:
         pid_n = (pid % group) // gsize
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        num_k = gl.cdiv(K, BLOCK_K)    # a partial last K-tile reads zeros past K
+        num_k = K // BLOCK_K
 
         a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -375,10 +367,10 @@ if gluon is not None:
         res = gl.warp_specialize([
             (_ws_mma_partition, (a_smem, b_smem, ready_a, ready_b, empty, num_k, BLOCK_M, BLOCK_N, WS_STAGES,
                                  num_warps)),
-            (_ws_decode_a, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, K, num_k,
+            (_ws_decode_a, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
                             stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
                             DECODE_WARPS)),
-            (_ws_decode_b, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, K, num_k,
+            (_ws_decode_b, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
                             stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
                             DECODE_WARPS)),
         ], [DECODE_WARPS, DECODE_WARPS], [DECODE_REGS, DECODE_REGS])
@@ -435,7 +427,7 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel` (sm_90 only). Arguments as for
     :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS` or
-    :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64, or 128 for a WS config). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
+    :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
     the timing-only diagnostics of ``bench/gemm_wgmma.py``, whose results are not the product."""
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
@@ -453,8 +445,8 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
         return out
     cfg = dict(config or WGMMA_CONFIGS[0])
     bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if bk != 64 and not (cfg.get("WS") and bk == 128):
-        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (128 for a WS config), got BLOCK_K={bk}")
+    if bk != 64:
+        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
