@@ -152,11 +152,8 @@ if gluon is not None:
         return gl.reshape(w, (ROWS, BLOCK_K // 2))
 
     @gluon.jit
-    def _nvfp4_wgmma_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
-                            stride_aw, stride_as, stride_bw, stride_bs, stride_om,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                            GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr,
-                            num_warps: gl.constexpr):
+    def _tile_offsets(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(off_m, off_n) of this program's output tile, programs grouped GROUP_M tile rows at a time (L2 reuse)."""
         pid = gl.program_id(0)
         num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -165,8 +162,32 @@ if gluon is not None:
         gsize = gl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (pid % group) % gsize
         pid_n = (pid % group) // gsize
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
+        """The FP32 accumulator times 2^16 * a_global * b_global (the operands' q*S*2^-8), rounded once to the
+        output dtype and stored with coalesced stores (each warp writes whole 16-byte pieces of output rows)."""
+        res = acc * (gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0)
+        EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
+        if OUT_FP32:
+            val = gl.convert_layout(res, EPI)
+        else:
+            val = gl.convert_layout(res.to(gl.bfloat16), EPI)
+        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, EPI))
+        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPI))
+        offs = gl.expand_dims(rm.to(gl.int64), 1) * stride_om + gl.expand_dims(rn, 0)
+        mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
+        gl.store(out_ptr + offs, val, mask=mask)
+
+    @gluon.jit
+    def _nvfp4_wgmma_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
+                            stride_aw, stride_as, stride_bw, stride_bs, stride_om,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                            GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr,
+                            num_warps: gl.constexpr):
+        off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
         # register layout of a code tile: 16 consecutive bytes (two scale blocks) per thread
         L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
@@ -240,19 +261,7 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         async_copy.wait_group(0)
 
-        alpha = gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0
-        res = acc * alpha
-        # coalesced stores: each warp writes whole 16-byte pieces of output rows
-        EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
-        if OUT_FP32:
-            val = gl.convert_layout(res, EPI)
-        else:
-            val = gl.convert_layout(res.to(gl.bfloat16), EPI)
-        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, EPI))
-        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPI))
-        offs = gl.expand_dims(rm.to(gl.int64), 1) * stride_om + gl.expand_dims(rn, 0)
-        mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
-        gl.store(out_ptr + offs, val, mask=mask)
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
 
     # ------------------------------------------------------------------------------------------------------------
     # Warp-specialized variant (``WS`` configs): decode partitions fill a ring of BF16 operand tiles, the default
@@ -295,20 +304,6 @@ if gluon is not None:
             s0, s1, s2 = s1, s2, s3
 
     @gluon.jit
-    def _ws_decode_a(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
-                     stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
-        _ws_decode_partition(a_c, a_s, a_wds, ready_a, empty, off_m, M, num_k, stride_aw, stride_as,
-                             BLOCK_M, BLOCK_K, WS_STAGES, DECODE_WARPS)
-
-    @gluon.jit
-    def _ws_decode_b(a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
-                     stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_K: gl.constexpr, WS_STAGES: gl.constexpr, DECODE_WARPS: gl.constexpr):
-        _ws_decode_partition(b_c, b_s, b_wds, ready_b, empty, off_n, N, num_k, stride_bw, stride_bs,
-                             BLOCK_N, BLOCK_K, WS_STAGES, DECODE_WARPS)
-
-    @gluon.jit
     def _ws_mma_partition(a_smem, b_smem, ready_a, ready_b, empty, num_k, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, WS_STAGES: gl.constexpr, num_warps: gl.constexpr):
         """Consumer: per K-tile wait for both operands, issue the async wgmma, and once the previous tile's wgmma
@@ -335,16 +330,7 @@ if gluon is not None:
                          DECODE_WARPS: gl.constexpr, DECODE_REGS: gl.constexpr, num_warps: gl.constexpr):
         """:func:`_nvfp4_wgmma_kernel`'s product with warp specialization: two decode partitions (A and B, each
         ``DECODE_WARPS`` warps at ``DECODE_REGS`` registers) and the wgmma in the default partition."""
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        group = GROUP_M * num_pid_n
-        first_m = (pid // group) * GROUP_M
-        gsize = gl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % gsize
-        pid_n = (pid % group) // gsize
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         num_k = K // BLOCK_K
 
         a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
@@ -367,27 +353,14 @@ if gluon is not None:
         res = gl.warp_specialize([
             (_ws_mma_partition, (a_smem, b_smem, ready_a, ready_b, empty, num_k, BLOCK_M, BLOCK_N, WS_STAGES,
                                  num_warps)),
-            (_ws_decode_a, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
-                            stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
-                            DECODE_WARPS)),
-            (_ws_decode_b, (a_c, a_s, b_c, b_s, a_wds, b_wds, ready_a, ready_b, empty, off_m, off_n, M, N, num_k,
-                            stride_aw, stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K, WS_STAGES,
-                            DECODE_WARPS)),
+            (_ws_decode_partition, (a_c, a_s, a_wds, ready_a, empty, off_m, M, num_k, stride_aw, stride_as,
+                                    BLOCK_M, BLOCK_K, WS_STAGES, DECODE_WARPS)),
+            (_ws_decode_partition, (b_c, b_s, b_wds, ready_b, empty, off_n, N, num_k, stride_bw, stride_bs,
+                                    BLOCK_N, BLOCK_K, WS_STAGES, DECODE_WARPS)),
         ], [DECODE_WARPS, DECODE_WARPS], [DECODE_REGS, DECODE_REGS])
         acc = res[0]
 
-        alpha = gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0
-        res = acc * alpha
-        EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
-        if OUT_FP32:
-            val = gl.convert_layout(res, EPI)
-        else:
-            val = gl.convert_layout(res.to(gl.bfloat16), EPI)
-        rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, EPI))
-        rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPI))
-        offs = gl.expand_dims(rm.to(gl.int64), 1) * stride_om + gl.expand_dims(rn, 0)
-        mask = (gl.expand_dims(rm, 1) < M) & (gl.expand_dims(rn, 0) < N)
-        gl.store(out_ptr + offs, val, mask=mask)
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
 
     @gluon.constexpr_function
     def _epilogue_layout(block_n, out_fp32, num_warps):
