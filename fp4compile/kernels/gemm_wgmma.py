@@ -398,10 +398,12 @@ def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: i
 
 def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
                      config: Optional[dict] = None):
-    """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel` (sm_90 only). Arguments as for
-    :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of :data:`WGMMA_CONFIGS` or
-    :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives
-    the timing-only diagnostics of ``bench/gemm_wgmma.py``, whose results are not the product."""
+    """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel`, or for a ``WS`` config by
+    :func:`_nvfp4_ws_kernel` (sm_90 only). Arguments as for :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated
+    there); ``config``: one of :data:`WGMMA_CONFIGS` or :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``;
+    ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives the timing-only
+    diagnostics of ``bench/gemm_wgmma.py`` for the software-pipelined kernel, whose results are not the product (a
+    ``WS`` config has none)."""
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
     if not a_codes.is_cuda:
