@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from fp4compile.formats.nvfp4 import E2M1_VALUES  # noqa: E402
+from fp4compile.formats.nvfp4 import _E2M1_SIGNED  # noqa: E402  (code -> value, sign in bit 3)
 from fp4compile.kernels.dequant import _DEQUANT_ASM  # noqa: E402
 
 #: the project's bf16 decode with one scale register ($5) for all four output words
@@ -78,8 +78,9 @@ mul.rn.f16x2 $3, r3, $5;
 """
 
 DECODERS = {"bf16": ASM_BF16, "f16_cvt": ASM_F16_CVT}
-#: the code of each output 16-bit lane, in order (word 0 low, word 0 high, word 1 low, ...)
-LANE_CODES = {"bf16": [0, 2, 4, 6, 1, 3, 5, 7], "f16_cvt": [0, 2, 4, 6, 1, 3, 5, 7]}
+#: the code of each output 16-bit lane, in order (word 0 low, word 0 high, word 1 low, ...); both decoders emit this
+#: order, the one ``kernels.gemm_wgmma`` stores its tiles in
+LANE_CODES = (0, 2, 4, 6, 1, 3, 5, 7)
 #: the power of two each decoder's values carry (q * S * 2^k)
 POW2 = {"bf16": -8, "f16_cvt": -6}
 
@@ -107,9 +108,9 @@ def scale_word(scale_bytes: torch.Tensor, decoder: str) -> torch.Tensor:
 
 def reference(words: torch.Tensor, scale_bytes: torch.Tensor, decoder: str) -> torch.Tensor:
     """float64 [N, 8] values of each output lane (see LANE_CODES) of ``words`` [N] under ``scale_bytes`` [N]."""
-    table = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float64)  # code 8: -0.0
+    table = torch.tensor(_E2M1_SIGNED, dtype=torch.float64)                       # code 8: -0.0
     w = words.to(torch.int64) & 0xFFFFFFFF
-    codes = torch.stack([(w >> (4 * i)) & 0xF for i in LANE_CODES[decoder]], dim=1)
+    codes = torch.stack([(w >> (4 * i)) & 0xF for i in LANE_CODES], dim=1)
     s = scale_bytes.view(torch.float8_e4m3fn).to(torch.float64)
     return table[codes] * s[:, None] * 2.0 ** POW2[decoder]
 

@@ -18,14 +18,20 @@ from fp4compile.formats import nvfp4  # noqa: E402
 SIGNED = np.array(list(nvfp4.E2M1_VALUES) + [-v for v in nvfp4.E2M1_VALUES])
 
 
+def _every_code_byte():
+    """(words, codes): each code byte 0..255 as all four bytes of a uint32 word, and each word's codes in the
+    decoders' lane order [256, 8]."""
+    b = np.arange(256, dtype=np.uint32)
+    words = b | (b << 8) | (b << 16) | (b << 24)
+    return words, np.array([[(int(w) >> (4 * i)) & 0xF for i in D.LANE_CODES] for w in words])
+
+
 def test_e2m1_codes_become_e4m3_bytes_of_the_same_value_times_2_pow_minus_6():
     """Every code byte, as all four bytes of a word: the shifted and masked bytes, read by ml_dtypes as E4M3,
     are the E2M1 values (signed zero included) times 2^-6, in the lane order LANE_CODES gives."""
-    b = np.arange(256, dtype=np.uint32)
-    words = b | (b << 8) | (b << 16) | (b << 24)
+    words, codes = _every_code_byte()
     e4m3 = D.e4m3_bytes_of_codes(words).astype("<u4").view(np.uint8).reshape(256, 8)
     got = e4m3.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    codes = np.array([[(int(w) >> (4 * i)) & 0xF for i in D.LANE_CODES["f16_cvt"]] for w in words])
     want = SIGNED[codes] * 2.0 ** -6
     assert np.array_equal(got, want)
     assert np.array_equal(np.signbit(got), np.signbit(want))   # code 8 is -0.0
@@ -33,11 +39,9 @@ def test_e2m1_codes_become_e4m3_bytes_of_the_same_value_times_2_pow_minus_6():
 
 def test_a_wrong_mask_is_caught():
     """The mapping test can fail: dropping the sign mask's bit changes the negative codes."""
-    b = np.arange(256, dtype=np.uint32)
-    words = b | (b << 8) | (b << 16) | (b << 24)
+    words, codes = _every_code_byte()
     e4m3 = D.e4m3_bytes_of_codes(words) & np.uint32(0x7F7F7F7F)
     got = e4m3.astype("<u4").view(np.uint8).reshape(256, 8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    codes = np.array([[(int(w) >> (4 * i)) & 0xF for i in D.LANE_CODES["f16_cvt"]] for w in words])
     assert not np.array_equal(got, SIGNED[codes] * 2.0 ** -6)
 
 
@@ -54,8 +58,7 @@ def test_reference_is_the_format_librarys_dequantization(decoder):
     codes = torch.cat([codes, torch.zeros_like(codes)], 1)                                # a 16-element block
     t = nvfp4.NVFP4Tensor(codes, sbytes.view(torch.float8_e4m3fn)[:, None], torch.tensor(1.0), (64, 16))
     deq = t.dequantize(torch.float64)[:, :8]                                              # codes 0..7
-    order = D.LANE_CODES[decoder]
-    assert torch.equal(ref, deq[:, order] * 2.0 ** D.POW2[decoder])
+    assert torch.equal(ref, deq[:, list(D.LANE_CODES)] * 2.0 ** D.POW2[decoder])
 
 
 def _rate_kernel_sass_ops(name):

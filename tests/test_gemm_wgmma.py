@@ -21,6 +21,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
 
 
+def _cfg_id(c: dict) -> str:
+    """A config's test id: tile and warps, ``ws`` for a warp-specialized one."""
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}" + ("ws" if c.get("WS") else "")
+
+
 def _main_loop(sass: str) -> list:
     """Opcodes of the main K loop: the instructions from a label to the backward branch that targets it, for the
     first such loop that contains HGMMAs."""
@@ -42,7 +47,7 @@ def _main_loop(sass: str) -> list:
 
 
 @needs_gluon
-@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}")
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS, ids=_cfg_id)
 def test_sm90_sass_structure(cfg):
     cubin = W.offline_cubin(cfg)
     n, ops, regs, local = sass_stats(cubin)
@@ -75,7 +80,7 @@ def test_supports_and_argument_checks():
 
 
 @needs_gluon
-@pytest.mark.parametrize("cfg", W.WS_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}ws")
+@pytest.mark.parametrize("cfg", W.WS_CONFIGS, ids=_cfg_id)
 def test_sm90_sass_of_the_warp_specialized_kernel(cfg):
     """The warp-specialized variant compiles for sm_90 here: wgmma, mbarrier waits and arrivals, register
     reallocation between the partitions (setmaxnreg), no spills, and no software-pipelined cp.async staging."""
@@ -93,8 +98,7 @@ def test_sm90_sass_of_the_warp_specialized_kernel(cfg):
 @pytest.mark.gpu
 @cuda
 @needs_gluon
-@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS + W.WS_CONFIGS,
-                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}" + ("ws" if c.get("WS") else ""))
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS + W.WS_CONFIGS, ids=_cfg_id)
 def test_gpu_exact_decode_and_reference(cfg):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")
