@@ -14,7 +14,7 @@ BF16 time / time. Columns: ``cuBLAS`` (torch.mm on the exact bf16 operands), ``d
 operands, then the TMA GEMM: the default lowering on these shapes), ``wgmma <cfg>`` per config, ``auto``
 (the op as registered). Sums per training step (12 layers x 12 linear GEMMs for GPT-124M, 16 x 12 for ~1B).
 
-    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--json out.json]
+    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,diag] [--json out.json]
 """
 from __future__ import annotations
 
@@ -34,14 +34,19 @@ from fp4compile.kernels import gemm as G  # noqa: E402
 from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
 
 
+def _kind(c):
+    """A config's family: ``sp`` (software-pipelined), ``ws`` (warp-specialized), ``rs`` (A in registers)."""
+    return "ws" if c.get("WS") else "rs" if c.get("RS") else "sp"
+
+
 def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
-            + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "")
+            + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + {0: "", 1: " NODEQ", 2: " NOMMA"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
-CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS
+CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS
 #: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
 #: words are stored as they are) and without the MMA (NOMMA)
 DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
@@ -76,13 +81,18 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--only", default="124M,1B,square")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kinds", default="sp,ws,rs,diag",
+                    help="config families to check and time: sp, ws, rs (see _kind) and diag (the diagnostics)")
     args = ap.parse_args(argv)
+    kinds = set(args.kinds.split(","))
+    checked = [c for c in CHECKED if _kind(c) in kinds]
+    diag = DIAG if "diag" in kinds else []
     BG.CUDAGRAPH = True
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; triton {BG.triton.__version__}; "
           f"do_bench_cudagraph rep={args.rep} ms, median, us; ratio = cuBLAS BF16 / time", flush=True)
     ok = True
-    for cfg in CHECKED:
+    for cfg in checked:
         bad = check_decode_exact(cfg)
         print(f"decode check {_cfg_name(cfg)}: {bad} mismatches", flush=True)
         ok &= bad == 0
@@ -99,8 +109,8 @@ def main(argv=None):
             shapes += [(f"{tag} {n}", m, nn, k) for n, m, nn, k in BG.linear_shapes(d)]
     if "square" in only:
         shapes += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
-    cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in CHECKED] + ["auto"]
-            + [f"diag {_cfg_name(c)}" for c in DIAG])
+    cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in checked] + ["auto"]
+            + [f"diag {_cfg_name(c)}" for c in diag])
     print("| shape | M | N | K | " + " | ".join(cols) + " | best wgmma / cuBLAS | dq_triton / cuBLAS |", flush=True)
     print("|" + "---|" * (len(cols) + 6), flush=True)
     rows = []
@@ -120,7 +130,7 @@ def main(argv=None):
 
         t = {"cuBLAS": us(lambda: torch.mm(a16, b16.t())),
              "dq_triton": us(lambda: G.nvfp4_gemm(*ops, impl="dq_triton"))}
-        for c in CHECKED:
+        for c in checked:
             key = f"wgmma {_cfg_name(c)}"
             if ref is not None:
                 e = BG.rel_err(W.nvfp4_gemm_wgmma(*ops, torch.float32, config=c), ref)
@@ -129,7 +139,7 @@ def main(argv=None):
                     ok = False
             t[key] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
         t["auto"] = us(lambda: torch.ops.fp4compile.gemm(*ops))
-        for c in DIAG:
+        for c in diag:
             t[f"diag {_cfg_name(c)}"] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
         best = min(t[k] for k in t if k.startswith("wgmma"))
         line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)

@@ -66,7 +66,8 @@ try:
 except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton without Gluon
     gluon = None
 
-__all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS"]
+__all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
+           "RS_CONFIGS"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -83,6 +84,13 @@ WGMMA_CONFIGS = [
 #: tile (8 wgmma warps) leaves room for 2 x 2 decode warps only: 2.3x slower (session 71), not kept.
 WS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, WS=True, WS_STAGES=3, DECODE_WARPS=4, DECODE_REGS=96),
+]
+
+#: register-A configurations (``RS``: :func:`_nvfp4_rs_kernel`): BLOCK_M = 16 * num_warps (each warp's 16 rows of
+#: A decoded into its own wgmma fragment)
+RS_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, RS=True),
 ]
 
 
@@ -136,9 +144,9 @@ if gluon is not None:
         return c, ((w >> sh) & 0xFF).to(gl.uint8)
 
     @gluon.jit
-    def _dequant(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
-        """[ROWS, BLOCK_K/16, 2] code words + [ROWS, BLOCK_K/16] E4M3 bytes -> int32 [ROWS, BLOCK_K/2]: bf16x2
-        words of q*S*2^-8, K permuted inside each 8-code word (see _ASM)."""
+    def _dequant_words(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
+        """[ROWS, BLOCK_K/16, 2] code words + [ROWS, BLOCK_K/16] E4M3 bytes -> int32 [ROWS, BLOCK_K/16, 2, 2, 2]:
+        the bf16x2 words of q*S*2^-8 of each code word, its codes in the order (0, 2), (4, 6), (1, 3), (5, 7)."""
         sf = s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 332306998946228968225951765070086144.0
         sh = sf.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         sw = gl.expand_dims(sh | (sh << 16), 2).broadcast_to(ROWS, BLOCK_K // 16, 2)
@@ -148,8 +156,20 @@ if gluon is not None:
             o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
                                                        dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
                                                        is_pure=True, pack=1)
-        w = gl.join(gl.join(o0, o2), gl.join(o1, o3))                  # [ROWS, BLK, 2, 2, 2]: o0 o1 o2 o3
-        return gl.reshape(w, (ROWS, BLOCK_K // 2))
+        return gl.join(gl.join(o0, o2), gl.join(o1, o3))               # [ROWS, BLK, 2, 2, 2]: o0 o1 o2 o3
+
+    @gluon.jit
+    def _dequant(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
+        """[ROWS, BLOCK_K/16, 2] code words + [ROWS, BLOCK_K/16] E4M3 bytes -> int32 [ROWS, BLOCK_K/2]: bf16x2
+        words of q*S*2^-8, K permuted inside each 8-code word (see _ASM)."""
+        return gl.reshape(_dequant_words(c, s, ROWS, BLOCK_K, DIAG), (ROWS, BLOCK_K // 2))
+
+    @gluon.jit
+    def _fragment_order(w, ROWS: gl.constexpr):
+        """:func:`_dequant_words`' [ROWS, 4 (block t), 2 (word), 2, 2] bf16x2 words of a 64-deep K-tile, rearranged to
+        int32 [ROWS, 32] such that word q = 16 word + 8 i1 + 4 i0 + t: each thread of a wgmma A fragment (which holds
+        the bf16 pairs q = t (mod 4) of its rows) then holds exactly the words of one 16-element scale block."""
+        return gl.reshape(gl.permute(w, (0, 2, 4, 3, 1)), (ROWS, 32))
 
     @gluon.jit
     def _tile_offsets(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
@@ -362,6 +382,101 @@ if gluon is not None:
 
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Register-A variant (``RS`` configs): A is decoded straight into the wgmma's register fragment (never stored to
+    # shared memory); only B goes through shared memory. Both operands' K order inside a 64-deep tile is
+    # :func:`_fragment_order`'s, so the product is unchanged.
+    @gluon.constexpr_function
+    def _a_code_layout(num_warps):
+        """int32 [16 * num_warps, 4, 2] code words of an A K-tile: thread (warp w, lane 4 g + t) holds rows
+        16 w + g and 16 w + g + 8, both words of scale block t: the rows and K pairs of its wgmma A fragment."""
+        warps = [[16 << i, 0, 0] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [8, 0, 0]],
+                                          lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[16 * num_warps, 4, 2])
+
+    @gluon.jit
+    def _a_fragment(c_buf, s_buf, a_op: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+        """A K-tile's staged code words and scale bytes -> its bf16 [BLOCK_M, 64] wgmma operand in registers
+        (layout ``a_op``), K in :func:`_fragment_order`."""
+        LA: gl.constexpr = _a_code_layout(num_warps)
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        c = c_buf._reinterpret(gl.int32, [BLOCK_M, 4, 2], plain3).load(LA)
+        s = s_buf._reinterpret(gl.uint8, [BLOCK_M, 4], plain2).load(gl.SliceLayout(2, LA))
+        w = _fragment_order(_dequant_words(c, s, BLOCK_M, 64), BLOCK_M)
+        lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        a = gl.reshape(gl.join(lo, hi), (BLOCK_M, 64))
+        return gl.convert_layout(a, a_op, assert_trivial=True)
+
+    @gluon.jit
+    def _nvfp4_rs_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
+                         stride_aw, stride_as, stride_bw, stride_bs, stride_om,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_nvfp4_wgmma_kernel`'s product with A in registers: the wgmma reads A from the fragment that the
+        decode writes, B from a double-buffered shared-memory tile; codes staged by the same cp.async ring."""
+        off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], b_sl)
+        w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        b_wds = b_smem._reinterpret(gl.int32, [2, BLOCK_N, BLOCK_K // 2], w_sl)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        ac_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, BLOCK_K // 8], plain)
+        bc_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], plain)
+        as_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 1], plain)
+        bs_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 1], plain)
+
+        num_k = K // BLOCK_K
+        for t in gl.static_range(STAGES):
+            kt = (t % num_k) * BLOCK_K
+            _issue_tile(a_c, a_s, ac_buf.index(t), as_buf.index(t), off_m, M, kt, stride_aw, stride_as,
+                        BLOCK_M, BLOCK_K)
+            _issue_tile(b_c, b_s, bc_buf.index(t), bs_buf.index(t), off_n, N, kt, stride_bw, stride_bs,
+                        BLOCK_N, BLOCK_K)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        a_cur = _a_fragment(ac_buf.index(0), as_buf.index(0), a_op, BLOCK_M, num_warps)
+        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3)
+        b_wds.index(0).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+        a_prev = a_cur
+        for ki in range(num_k):
+            buf = ki % 2
+            acc = warpgroup_mma(a_cur, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+            # retire tile ki - 1's wgmma: its A registers and B buffer (1 - buf) are free after this
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            st = (ki + 1) % STAGES
+            a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
+            cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3)
+            b_wds.index(1 - buf).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
+            fence_async_shared()
+            gl.thread_barrier()
+            sl = ki % STAGES
+            kt = ((ki + STAGES) % num_k) * BLOCK_K
+            _issue_tile(a_c, a_s, ac_buf.index(sl), as_buf.index(sl), off_m, M, kt, stride_aw, stride_as,
+                        BLOCK_M, BLOCK_K)
+            _issue_tile(b_c, b_s, bc_buf.index(sl), bs_buf.index(sl), off_n, N, kt, stride_bw, stride_bs,
+                        BLOCK_N, BLOCK_K)
+            async_copy.commit_group()
+            a_prev = a_cur
+            a_cur = a_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev, a_cur))[0]
+        async_copy.wait_group(0)
+
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
+
     @gluon.constexpr_function
     def _epilogue_layout(block_n, out_fp32, num_warps):
         vec = 4 if out_fp32 else 8                      # 16 bytes per thread
@@ -374,7 +489,14 @@ def _variant_constexprs(cfg: dict, diag: int = 0) -> dict:
     software-pipelined kernel's timing diagnostic."""
     if cfg.get("WS"):
         return dict(WS_STAGES=cfg["WS_STAGES"], DECODE_WARPS=cfg["DECODE_WARPS"], DECODE_REGS=cfg["DECODE_REGS"])
+    if cfg.get("RS"):
+        return {}
     return dict(DIAG=diag)
+
+
+def _kernel_of(cfg: dict):
+    """The kernel a config runs."""
+    return _nvfp4_ws_kernel if cfg.get("WS") else _nvfp4_rs_kernel if cfg.get("RS") else _nvfp4_wgmma_kernel
 
 
 def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: int = 0) -> bytes:
@@ -390,7 +512,7 @@ def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: i
                stride_as="i32", stride_bw="i32", stride_bs="i32", stride_om="i32")
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
                  OUT_FP32=out_fp32, num_warps=cfg["num_warps"], **_variant_constexprs(cfg, diag))
-    return compile_offline(_nvfp4_ws_kernel if cfg.get("WS") else _nvfp4_wgmma_kernel, sig, const,
+    return compile_offline(_kernel_of(cfg), sig, const,
                            cfg["num_warps"], upto="cubin",
                            divisible_by_16=["a_c", "a_s", "b_c", "b_s", "out_ptr", "K", "stride_aw", "stride_bw",
                                             "stride_om"])
@@ -425,7 +547,7 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
-    kernel = _nvfp4_ws_kernel if cfg.get("WS") else _nvfp4_wgmma_kernel
+    kernel = _kernel_of(cfg)
     kernel[grid](a_codes, a_scales, b_codes, b_scales, ag, bg, out, M, N, K,
                  a_codes.stride(0) // 4, a_scales.stride(0) // 4, b_codes.stride(0) // 4, b_scales.stride(0) // 4,
                  out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, OUT_FP32=out_dtype == torch.float32,
