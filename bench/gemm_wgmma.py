@@ -42,7 +42,7 @@ def _kind(c):
 def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
-            + {0: "", 1: " NODEQ", 2: " NOMMA"}[c.get("DIAG", 0)])
+            + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
@@ -50,6 +50,8 @@ CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS
 #: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
 #: words are stored as they are) and without the MMA (NOMMA)
 DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
+#: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4)
+DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4)]
 
 
 def check_decode_exact(cfg) -> int:
@@ -82,11 +84,11 @@ def main(argv=None):
     ap.add_argument("--only", default="124M,1B,square")
     ap.add_argument("--json", default=None)
     ap.add_argument("--kinds", default="sp,ws,rs,diag",
-                    help="config families to check and time: sp, ws, rs (see _kind) and diag (the diagnostics)")
+                    help="config families to check and time: sp, ws, rs (see _kind); diag, diag_rs: the diagnostics")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
     checked = [c for c in CHECKED if _kind(c) in kinds]
-    diag = DIAG if "diag" in kinds else []
+    diag = (DIAG if "diag" in kinds else []) + (DIAG_RS if "diag_rs" in kinds else [])
     BG.CUDAGRAPH = True
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; triton {BG.triton.__version__}; "

@@ -20,7 +20,7 @@ layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x1
 which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
 parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
 GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3), ``gemm_inloop`` (the Gluon
-GEMMs that decode NVFP4 in their main loop, warp-specialized and software-pipelined, beside cuBLAS BF16 at 4096^3;
+GEMMs that decode NVFP4 in their main loop, warp-specialized, software-pipelined and register-A, beside cuBLAS BF16 at 4096^3;
 issue 3). ``--summarize`` prints, per
 profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
 raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
@@ -121,7 +121,8 @@ def _gemm():
 
 def _gemm_inloop():
     """The Gluon in-loop-decode NVFP4 GEMMs at 4096^3 (issue 3; ``kernels/gemm_wgmma.py``): the warp-specialized
-    kernel (``WS_CONFIGS[0]``) and session 25's software-pipelined one (``WGMMA_CONFIGS[0]``), then cuBLAS BF16 on
+    kernel (``WS_CONFIGS[0]``), session 25's software-pipelined one (``WGMMA_CONFIGS[0]``), the register-A ones
+    (``RS_CONFIGS``), then cuBLAS BF16 on
     bf16 operands of the same shape, the baseline."""
     import torch
 
@@ -137,6 +138,8 @@ def _gemm_inloop():
     def step():
         W.nvfp4_gemm_wgmma(*args, config=W.WS_CONFIGS[0])
         W.nvfp4_gemm_wgmma(*args, config=W.WGMMA_CONFIGS[0])
+        for cfg in W.RS_CONFIGS:
+            W.nvfp4_gemm_wgmma(*args, config=cfg)
         torch.mm(a16, b16.t())
     return step
 

@@ -90,7 +90,7 @@ WS_CONFIGS = [
 #: A decoded into its own wgmma fragment)
 RS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, RS=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True, B_ROW_THREAD=True),
 ]
 
 
@@ -133,9 +133,14 @@ if gluon is not None:
             s_buf, sp + gl.expand_dims(rs.to(gl.int64), 1) * stride_s + (k0 // 64 + gl.expand_dims(ks, 0)))
 
     @gluon.jit
-    def _read_tile(c_buf, s_buf, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, L3: gl.constexpr):
-        """The staged code words as [ROWS, BLOCK_K/16, 2] in L3 and scale bytes [ROWS, BLOCK_K/16] in its slice."""
-        LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
+    def _read_tile(c_buf, s_buf, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, L3: gl.constexpr,
+                   ROW_THREAD: gl.constexpr = False):
+        """The staged code words as [ROWS, BLOCK_K/16, 2] in L3 and scale bytes [ROWS, BLOCK_K/16] in its slice
+        (``ROW_THREAD``: L3 gives each thread a whole row of the tile, else half a row)."""
+        if ROW_THREAD:
+            LC: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [gl.num_warps(), 1], [1, 0])
+        else:
+            LC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
         c = c_buf.load(LC)
         c = gl.convert_layout(gl.reshape(c, (ROWS, BLOCK_K // 16, 2)), L3, assert_trivial=True)
         LS: gl.constexpr = gl.SliceLayout(2, L3)
@@ -414,11 +419,15 @@ if gluon is not None:
     def _nvfp4_rs_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
                          stride_aw, stride_as, stride_bw, stride_bs, stride_om,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
+                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_ROW_THREAD: gl.constexpr,
+                         DIAG: gl.constexpr, num_warps: gl.constexpr):
         """:func:`_nvfp4_wgmma_kernel`'s product with A in registers: the wgmma reads A from the fragment that the
         decode writes, B from a double-buffered shared-memory tile; codes staged by the same cp.async ring."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
+        if B_ROW_THREAD:   # a whole B row per thread: 16-byte shared-memory stores of the decoded words
+            L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [32, 1, 1], [num_warps, 1, 1], [2, 1, 0])
+        else:
+            L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -443,7 +452,7 @@ if gluon is not None:
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
         a_cur = _a_fragment(ac_buf.index(0), as_buf.index(0), a_op, BLOCK_M, num_warps)
-        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3)
+        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
         b_wds.index(0).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
         fence_async_shared()
         gl.thread_barrier()
@@ -452,16 +461,19 @@ if gluon is not None:
         a_prev = a_cur
         for ki in range(num_k):
             buf = ki % 2
-            acc = warpgroup_mma(a_cur, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
+            if DIAG != 2:  # timing diagnostics (results invalid): 2 no MMA, 3 no proxy fence, 4 no B decode/store
+                acc = warpgroup_mma(a_cur, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
             # retire tile ki - 1's wgmma: its A registers and B buffer (1 - buf) are free after this
             acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             st = (ki + 1) % STAGES
             a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
-            cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3)
-            b_wds.index(1 - buf).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
-            fence_async_shared()
+            if DIAG != 4:
+                cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
+                b_wds.index(1 - buf).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
+            if DIAG != 3:
+                fence_async_shared()
             gl.thread_barrier()
             sl = ki % STAGES
             kt = ((ki + STAGES) % num_k) * BLOCK_K
@@ -490,7 +502,7 @@ def _variant_constexprs(cfg: dict, diag: int = 0) -> dict:
     if cfg.get("WS"):
         return dict(WS_STAGES=cfg["WS_STAGES"], DECODE_WARPS=cfg["DECODE_WARPS"], DECODE_REGS=cfg["DECODE_REGS"])
     if cfg.get("RS"):
-        return {}
+        return dict(B_ROW_THREAD=cfg.get("B_ROW_THREAD", False), DIAG=diag)
     return dict(DIAG=diag)
 
 
