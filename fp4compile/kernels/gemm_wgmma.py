@@ -459,6 +459,10 @@ if gluon is not None:
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         a_prev = a_cur
+        # ring slot of tile ki and the tile index refilled into it, carried instead of computed with % (no division)
+        ki_zero = num_k * 0
+        sl = ki_zero
+        kn = STAGES % num_k
         for ki in range(num_k):
             buf = ki % 2
             if DIAG != 2:  # timing diagnostics (results invalid): 2 no MMA, 3 no proxy fence, 4 no B decode/store
@@ -467,7 +471,7 @@ if gluon is not None:
             acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
-            st = (ki + 1) % STAGES
+            st = gl.where(sl == STAGES - 1, ki_zero, sl + 1)
             a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
             if DIAG != 4:
                 cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
@@ -475,13 +479,14 @@ if gluon is not None:
             if DIAG != 3:
                 fence_async_shared()
             gl.thread_barrier()
-            sl = ki % STAGES
-            kt = ((ki + STAGES) % num_k) * BLOCK_K
+            kt = kn * BLOCK_K
             _issue_tile(a_c, a_s, ac_buf.index(sl), as_buf.index(sl), off_m, M, kt, stride_aw, stride_as,
                         BLOCK_M, BLOCK_K)
             _issue_tile(b_c, b_s, bc_buf.index(sl), bs_buf.index(sl), off_n, N, kt, stride_bw, stride_bs,
                         BLOCK_N, BLOCK_K)
             async_copy.commit_group()
+            sl = st
+            kn = gl.where(kn == num_k - 1, ki_zero, kn + 1)
             a_prev = a_cur
             a_cur = a_next
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev, a_cur))[0]
