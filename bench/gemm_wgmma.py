@@ -43,7 +43,7 @@ def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" rowB" if c.get("B_ROW_THREAD") else "")
-            + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB"}[c.get("DIAG", 0)])
+            + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
@@ -51,8 +51,9 @@ CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS
 #: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
 #: words are stored as they are) and without the MMA (NOMMA)
 DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
-#: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4)
-DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4)]
+#: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4),
+#: no decode at all (5: the wgmmas, the code staging and the synchronization only)
+DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
 
 
 def check_decode_exact(cfg) -> int:

@@ -465,15 +465,19 @@ if gluon is not None:
         kn = STAGES % num_k
         for ki in range(num_k):
             buf = ki % 2
-            if DIAG != 2:  # timing diagnostics (results invalid): 2 no MMA, 3 no proxy fence, 4 no B decode/store
+            # timing diagnostics (results invalid): 2 no MMA, 3 no proxy fence, 4 no B decode/store, 5 no decode at all
+            if DIAG != 2:
                 acc = warpgroup_mma(a_cur, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
             # retire tile ki - 1's wgmma: its A registers and B buffer (1 - buf) are free after this
             acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             st = gl.where(sl == STAGES - 1, ki_zero, sl + 1)
-            a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
-            if DIAG != 4:
+            if DIAG == 5:
+                a_next = a_cur
+            else:
+                a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
+            if DIAG < 4:
                 cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
                 b_wds.index(1 - buf).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
             if DIAG != 3:
