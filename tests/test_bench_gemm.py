@@ -63,3 +63,13 @@ def test_tma_configs_table_finds_a_slower_pick(monkeypatch, capsys):
     assert set(r["times"]) == {n for n, _ in cands}
     assert r["stored"] == fast and r["stored_us"] == 80.0
     assert "| 124M fc1.fprop | 32 | 48 | 16 | 100.0 | 128x128x64 w4 s4 | 100.0 | " + fast in capsys.readouterr().out
+
+
+def test_gemm_wgmma_columns_are_distinct():
+    """bench/gemm_wgmma.py keys its timings by config name: two configs with one name would overwrite each other's
+    times (session 72's first RS table did)."""
+    from bench import gemm_wgmma as BW
+
+    names = [BW._cfg_name(c) for c in BW.CHECKED + BW.DIAG + BW.DIAG_RS]
+    assert len(names) == len(set(names)), names
+    assert {BW._kind(c) for c in BW.CHECKED} == {"sp", "ws", "rs"}

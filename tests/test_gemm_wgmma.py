@@ -77,6 +77,11 @@ def test_supports_and_argument_checks():
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_wgmma(q.codes, q.scales.view(torch.uint8), q.global_scale,
                            q.codes, q.scales.view(torch.uint8), q.global_scale)
+    args = (q.codes, q.scales.view(torch.uint8), q.global_scale) * 2
+    with pytest.raises(ValueError, match="16 \\* num_warps"):
+        W.nvfp4_gemm_wgmma(*args, config=dict(W.RS_CONFIGS[0], num_warps=4))
+    with pytest.raises(ValueError, match="64 deep"):
+        W.nvfp4_gemm_wgmma(*args, config=dict(W.RS_CONFIGS[0], BLOCK_K=128))
 
 
 @needs_gluon
@@ -93,6 +98,32 @@ def test_sm90_sass_of_the_warp_specialized_kernel(cfg):
     assert any(o.startswith("USETMAXREG") for o in names), "no register reallocation between partitions"
     assert "LDGSTS" not in names
     assert sum(v for o, v in ops.items() if o.startswith("HMUL2")) > 0       # the decode
+
+
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.RS_CONFIGS, ids=_cfg_id)
+def test_sm90_sass_of_the_register_a_kernel(cfg):
+    """The register-A variant: every HGMMA takes A from registers (``HGMMA ... Rd, Ra, gdesc``, not two
+    descriptors), the decode of the next tile follows the tile's last HGMMA, B's decoded words go to shared memory
+    in 16-byte stores, no spills, and the main loop holds one proxy fence and no integer division (ring slots are
+    carried counters)."""
+    cubin = W.offline_cubin(cfg)
+    n, ops, regs, local = sass_stats(cubin)
+    assert local == 0, f"register spills: {local} bytes of local memory"
+    sass = disassemble(cubin)
+    hgmma = re.findall(r"HGMMA\.\S+ (R\d+), (\S+), (\S+)", sass)
+    assert hgmma and all(re.fullmatch(r"R\d+", a) and b.startswith("gdesc") for _, a, b in hgmma), hgmma
+    body = _main_loop(sass)
+    hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
+    assert len(hg) == cfg["BLOCK_K"] // 16
+    hm = [i for i, o in enumerate(body) if o.startswith("HMUL2")]
+    assert hm and min(hm) > max(hg), "ptxas interleaved the decode with the HGMMAs"
+    # one bf16x2 multiply per two decoded elements: A (BLOCK_M x 64) and B (BLOCK_N x 64) over the CTA's threads
+    threads = 32 * cfg["num_warps"]
+    assert len(hm) == (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] // 2 // threads
+    assert "STS.128" in body and "STS.64" not in body
+    assert body.count("MEMBAR.ALL.CTA") == 1
+    assert not any(o.startswith(("I2F", "MUFU")) for o in body), "an integer division in the main loop"
 
 
 @pytest.mark.gpu

@@ -8,7 +8,12 @@ warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 
 0.48x at 8192^3, 0.40-0.47x on the 124M fprop/dgrad shapes. Its eight decode warps (all the register file leaves
 beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per millisecond on the whole GPU, 30 % of
 what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
-tiles needs 6.2.
+tiles needs 6.2. The register-A variant (:data:`RS_CONFIGS`, :func:`_nvfp4_rs_kernel`, session 72) decodes A straight
+into the wgmma's register fragment, so only B crosses shared memory: 0.53-0.64x cuBLAS on an H100 at 4096^3 /
+8192^3 and 0.54-0.60x on the 124M fprop/dgrad shapes, 5-15 % faster than the software-pipelined kernel in the same
+runs. Nsight Compute: 40 % tensor-pipe use at 36 % issue; its 8 warps issue once per 5.6 cycles each (latency-bound
+decode chains at 249 registers). Its timing diagnostics bound the design: with no decode at all (the wgmmas, the
+code staging and the synchronization only) it reaches 0.79-0.94x, and with A's decode but not B's 0.70-0.82x.
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -45,8 +50,16 @@ codes go through the cp.async ring; ``tests/test_gemm_wgmma.py`` checks the seco
 Shapes: K % 64 == 0 (whole 64-wide K-tiles, :func:`supports`); M, N any (row tails wrap in the loads and are
 masked in the store). No BF16 copy of either operand exists in global memory.
 
+Register-A variant: a wgmma may read A from registers (only B must be in shared memory). Each thread of a warpgroup
+holds, for its rows g and g + 8, the K pairs 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4) of every 16-deep step; the
+kernel loads each thread the two code words of scale block t of its rows (8 bytes per row from the cp.async ring)
+and, by :func:`_fragment_order`, fills the fragment's slots with exactly those 16 elements. K is thereby permuted
+inside the 64-deep tile, and B's decoded tile is stored to shared memory with the same permutation (the exact-decode
+check against an identity B proves both agree). Every operation from the loaded code words to the fragment is a
+register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at compile time).
+
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
-:data:`WGMMA_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
+:data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
 
@@ -87,10 +100,10 @@ WS_CONFIGS = [
 ]
 
 #: register-A configurations (``RS``: :func:`_nvfp4_rs_kernel`): BLOCK_M = 16 * num_warps (each warp's 16 rows of
-#: A decoded into its own wgmma fragment)
+#: A decoded into its own wgmma fragment). A 128 x 128 tile ran at 0.74-0.82x of this one's speed on the square and
+#: 124M fprop/dgrad shapes (faster on two 124M wgrad shapes, still under 0.4x cuBLAS there; session 72), not kept.
 RS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True, B_ROW_THREAD=True),
 ]
 
 
@@ -419,15 +432,14 @@ if gluon is not None:
     def _nvfp4_rs_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
                          stride_aw, stride_as, stride_bw, stride_bs, stride_om,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_ROW_THREAD: gl.constexpr,
-                         DIAG: gl.constexpr, num_warps: gl.constexpr):
+                         GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr,
+                         num_warps: gl.constexpr):
         """:func:`_nvfp4_wgmma_kernel`'s product with A in registers: the wgmma reads A from the fragment that the
         decode writes, B from a double-buffered shared-memory tile; codes staged by the same cp.async ring."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        if B_ROW_THREAD:   # a whole B row per thread: 16-byte shared-memory stores of the decoded words
-            L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [32, 1, 1], [num_warps, 1, 1], [2, 1, 0])
-        else:
-            L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [16, 2, 1], [num_warps, 1, 1], [2, 1, 0])
+        # a whole B row per thread: 16-byte shared-memory stores of the decoded words (half a row per thread, with
+        # 8-byte stores, measured ~5 % slower in session 72)
+        L3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [32, 1, 1], [num_warps, 1, 1], [2, 1, 0])
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -452,7 +464,7 @@ if gluon is not None:
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
         a_cur = _a_fragment(ac_buf.index(0), as_buf.index(0), a_op, BLOCK_M, num_warps)
-        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
+        cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3, True)
         b_wds.index(0).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
         fence_async_shared()
         gl.thread_barrier()
@@ -478,7 +490,7 @@ if gluon is not None:
             else:
                 a_next = _a_fragment(ac_buf.index(st), as_buf.index(st), a_op, BLOCK_M, num_warps)
             if DIAG < 4:
-                cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3, B_ROW_THREAD)
+                cb, sb = _read_tile(bc_buf.index(st), bs_buf.index(st), BLOCK_N, BLOCK_K, L3, True)
                 b_wds.index(1 - buf).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
             if DIAG != 3:
                 fence_async_shared()
@@ -511,7 +523,7 @@ def _variant_constexprs(cfg: dict, diag: int = 0) -> dict:
     if cfg.get("WS"):
         return dict(WS_STAGES=cfg["WS_STAGES"], DECODE_WARPS=cfg["DECODE_WARPS"], DECODE_REGS=cfg["DECODE_REGS"])
     if cfg.get("RS"):
-        return dict(B_ROW_THREAD=cfg.get("B_ROW_THREAD", False), DIAG=diag)
+        return dict(DIAG=diag)
     return dict(DIAG=diag)
 
 
@@ -543,12 +555,20 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel`, or for a ``WS`` config by
     :func:`_nvfp4_ws_kernel` (sm_90 only). Arguments as for :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated
-    there); ``config``: one of :data:`WGMMA_CONFIGS` or :data:`WS_CONFIGS` (default the first of ``WGMMA_CONFIGS``;
-    ``BLOCK_K`` must be 64). A ``"DIAG"`` key of 1 (no decode ALU work) or 2 (no MMA) gives the timing-only
-    diagnostics of ``bench/gemm_wgmma.py`` for the software-pipelined kernel, whose results are not the product (a
-    ``WS`` config has none)."""
+    there); ``config``: one of :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS` or :data:`RS_CONFIGS` (default the first of
+    ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64). A ``"DIAG"`` key gives the timing-only diagnostics of
+    ``bench/gemm_wgmma.py``, whose results are not the product: for the software-pipelined kernel 1 (no decode ALU
+    work) or 2 (no MMA); for an ``RS`` config 2 (no MMA), 3 (no proxy fence), 4 (no B decode) or 5 (no decode); a
+    ``WS`` config has none."""
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
+    cfg = dict(config or WGMMA_CONFIGS[0])
+    bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if bk != 64:
+        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
+    if cfg.get("RS") and bm != 16 * nw:
+        raise ValueError(f"a register-A (RS) config needs BLOCK_M = 16 * num_warps (16 rows per warp), got {bm} rows "
+                         f"and {nw} warps")
     if not a_codes.is_cuda:
         raise RuntimeError("impl='wgmma' runs on CUDA (sm_90) only")
     M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
@@ -561,10 +581,6 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
     out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
-    cfg = dict(config or WGMMA_CONFIGS[0])
-    bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if bk != 64:
-        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
