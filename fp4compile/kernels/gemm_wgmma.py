@@ -10,10 +10,10 @@ beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per mi
 what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
 tiles needs 6.2. The register-A variant (:data:`RS_CONFIGS`, :func:`_nvfp4_rs_kernel`, session 72) decodes A straight
 into the wgmma's register fragment, so only B crosses shared memory: 0.53-0.64x cuBLAS on an H100 at 4096^3 /
-8192^3 and 0.54-0.60x on the 124M fprop/dgrad shapes, 5-15 % faster than the software-pipelined kernel in the same
-runs. Nsight Compute: 40 % tensor-pipe use at 36 % issue; its 8 warps issue once per 5.6 cycles each (latency-bound
-decode chains at 249 registers). Its timing diagnostics bound the design: with no decode at all (the wgmmas, the
-code staging and the synchronization only) it reaches 0.79-0.94x, and with A's decode but not B's 0.70-0.82x.
+8192^3 and 0.53-0.61x on the 124M fprop/dgrad shapes, 5-14 % faster than the software-pipelined kernel in the same
+runs. Nsight Compute: 39-40 % tensor-pipe use at 34-36 % issue; each of its 8 warps issues once per 5.6-5.9 cycles
+(latency-bound decode chains at 248-255 registers). Its timing diagnostics bound the design: with no decode at all (the wgmmas, the
+code staging and the synchronization only) it reaches 0.77-0.94x, and with A's decode but not B's 0.72-0.84x.
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
