@@ -36,17 +36,17 @@ from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
 
 def _kind(c):
     """A config's family: ``sp`` (software-pipelined), ``ws`` (warp-specialized), ``rs`` (A in registers)."""
-    return "ws" if c.get("WS") else "rs" if c.get("RS") else "sp"
+    return "ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "sp"
 
 
 def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
-            + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
+            + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "") + (" mixed" if c.get("MIXED") else "")
             + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
-CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS
+CHECKED = W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS + W.MIXED_CONFIGS
 #: timing-only diagnostics (results not valid): the default config without the decode ALU work (NODEQ: the code
 #: words are stored as they are) and without the MMA (NOMMA)
 DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
@@ -84,8 +84,9 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--only", default="124M,1B,square")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kinds", default="sp,ws,rs,diag",
-                    help="config families to check and time: sp, ws, rs (see _kind); diag, diag_rs: the diagnostics")
+    ap.add_argument("--kinds", default="sp,ws,rs,mixed,diag",
+                    help="config families to check and time: sp, ws, rs, mixed (see _kind); diag, diag_rs: the "
+                         "diagnostics")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
     checked = [c for c in CHECKED if _kind(c) in kinds]
@@ -112,8 +113,10 @@ def main(argv=None):
             shapes += [(f"{tag} {n}", m, nn, k) for n, m, nn, k in BG.linear_shapes(d)]
     if "square" in only:
         shapes += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
+    mixed = [c for c in checked if c.get("MIXED")]
     cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in checked] + ["auto"]
-            + [f"diag {_cfg_name(c)}" for c in diag])
+            + [f"diag {_cfg_name(c)}" for c in diag] + [f"kernel only {_cfg_name(c)}" for c in mixed]
+            + (["prepare_b"] if mixed else []))
     print("| shape | M | N | K | " + " | ".join(cols) + " | best wgmma / cuBLAS | dq_triton / cuBLAS |", flush=True)
     print("|" + "---|" * (len(cols) + 6), flush=True)
     rows = []
@@ -144,6 +147,12 @@ def main(argv=None):
         t["auto"] = us(lambda: torch.ops.fp4compile.gemm(*ops))
         for c in diag:
             t[f"diag {_cfg_name(c)}"] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
+        if mixed:   # the mixed GEMM without its B preparation (a weight's would be made once per step), and that alone
+            b16p = W.prepare_b(ops[3], ops[4])
+            for c in mixed:
+                t[f"kernel only {_cfg_name(c)}"] = us(
+                    lambda c=c: W.nvfp4_gemm_mixed(ops[0], ops[1], ops[2], b16p, ops[5], config=c))
+            t["prepare_b"] = us(lambda: W.prepare_b(ops[3], ops[4]))
         best = min(t[k] for k in t if k.startswith("wgmma"))
         line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)
                 + f" | {t['cuBLAS'] / best:.2f} | {t['cuBLAS'] / t['dq_triton']:.2f} |")

@@ -72,4 +72,4 @@ def test_gemm_wgmma_columns_are_distinct():
 
     names = [BW._cfg_name(c) for c in BW.CHECKED + BW.DIAG + BW.DIAG_RS]
     assert len(names) == len(set(names)), names
-    assert {BW._kind(c) for c in BW.CHECKED} == {"sp", "ws", "rs"}
+    assert {BW._kind(c) for c in BW.CHECKED} == {"sp", "ws", "rs", "mixed"}

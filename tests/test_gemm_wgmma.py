@@ -23,7 +23,8 @@ needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon
 
 def _cfg_id(c: dict) -> str:
     """A config's test id: tile and warps, ``ws`` for a warp-specialized one."""
-    return f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}" + ("ws" if c.get("WS") else "rs" if c.get("RS") else "")
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
+            + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -129,7 +130,7 @@ def test_sm90_sass_of_the_register_a_kernel(cfg):
 @pytest.mark.gpu
 @cuda
 @needs_gluon
-@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS, ids=_cfg_id)
+@pytest.mark.parametrize("cfg", W.WGMMA_CONFIGS + W.WS_CONFIGS + W.RS_CONFIGS + W.MIXED_CONFIGS, ids=_cfg_id)
 def test_gpu_exact_decode_and_reference(cfg):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 only")

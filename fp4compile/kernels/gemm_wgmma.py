@@ -72,7 +72,8 @@ from .launch import cdiv, stable_cache_keys
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from .dequant import _DEQUANT_ASM
@@ -80,7 +81,7 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
     gluon = None
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
-           "RS_CONFIGS"]
+           "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -104,6 +105,14 @@ WS_CONFIGS = [
 #: 124M fprop/dgrad shapes (faster on two 124M wgrad shapes, still under 0.4x cuBLAS there; session 72), not kept.
 RS_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, RS=True),
+]
+
+
+#: mixed configurations (:func:`nvfp4_gemm_mixed`, :func:`_nvfp4_mixed_kernel`): A decoded into registers by
+#: ``num_warps`` wgmma warps (BLOCK_M = 16 * num_warps), B a bf16 TMA ring of ``B_STAGES`` tiles fed by one loader warp
+MIXED_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
 ]
 
 
@@ -204,10 +213,12 @@ if gluon is not None:
 
     @gluon.jit
     def _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
-        """The FP32 accumulator times 2^16 * a_global * b_global (the operands' q*S*2^-8), rounded once to the
-        output dtype and stored with coalesced stores (each warp writes whole 16-byte pieces of output rows)."""
-        res = acc * (gl.load(ag_ptr) * gl.load(bg_ptr) * 65536.0)
+                  BLOCK_N: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr,
+                  UNSCALE: gl.constexpr = 65536.0):
+        """The FP32 accumulator times ``UNSCALE`` * a_global * b_global (2^16 undoes both operands' q*S*2^-8),
+        rounded once to the output dtype and stored with coalesced stores (each warp writes whole 16-byte pieces of
+        output rows)."""
+        res = acc * (gl.load(ag_ptr) * gl.load(bg_ptr) * UNSCALE)
         EPI: gl.constexpr = _epilogue_layout(BLOCK_N, OUT_FP32, num_warps)
         if OUT_FP32:
             val = gl.convert_layout(res, EPI)
@@ -422,6 +433,12 @@ if gluon is not None:
         plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         c = c_buf._reinterpret(gl.int32, [BLOCK_M, 4, 2], plain3).load(LA)
         s = s_buf._reinterpret(gl.uint8, [BLOCK_M, 4], plain2).load(gl.SliceLayout(2, LA))
+        return _a_decode(c, s, a_op, BLOCK_M)
+
+    @gluon.jit
+    def _a_decode(c, s, a_op: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Code words [BLOCK_M, 4, 2] (layout :func:`_a_code_layout`) and scale bytes [BLOCK_M, 4] (its slice) of a
+        64-deep A tile -> the bf16 wgmma operand in registers (layout ``a_op``), K in :func:`_fragment_order`."""
         w = _fragment_order(_dequant_words(c, s, BLOCK_M, 64), BLOCK_M)
         lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
         hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
@@ -510,6 +527,97 @@ if gluon is not None:
 
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Mixed variant (``MIXED`` configs): A (NVFP4) decoded into the wgmma's register fragment as in the RS kernel, its
+    # code words loaded from global memory straight into registers three K-tiles ahead; B already BF16 in global
+    # memory (dequantized once, K in :func:`_fragment_order`: :func:`prepare_b`), brought in by TMA from a one-warp
+    # loader partition through an mbarrier ring. No shared-memory store, no proxy fence and no CTA-wide barrier.
+    @gluon.jit
+    def _mixed_load_partition(b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K: gl.constexpr,
+                              B_STAGES: gl.constexpr):
+        """TMA loader: B's K-tile ki into ring slot ki % B_STAGES once the MMA partition has released it."""
+        for ki in range(num_k):
+            s = ki % B_STAGES
+            mbarrier.wait(empty.index(s), ((ki // B_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_smem.index(s))
+
+    @gluon.jit
+    def _mixed_mma_partition(a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, retire the
+        previous tile's wgmma (its A registers and B slot), release that slot, decode the next A tile from code words
+        loaded three tiles ahead. Returns the FP32 accumulator."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        LA: gl.constexpr = _a_code_layout(num_warps)
+        LS: gl.constexpr = gl.SliceLayout(2, LA)
+        # code-word pointers [BLOCK_M, 4 (block t), 2 (word)] of tile 0 (rows past M wrap: loaded, never stored)
+        rows = (off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LS))) % M
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, LS))
+        jj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
+        row_w = gl.expand_dims(gl.expand_dims(rows.to(gl.int64) * stride_aw, 1), 2)
+        word = gl.expand_dims(gl.expand_dims(t, 0), 2) * 2 + gl.expand_dims(gl.expand_dims(jj, 0), 1)
+        cp = a_c.to(gl.pointer_type(gl.int32)) + row_w + word
+        sp = a_s + gl.expand_dims(rows.to(gl.int64) * stride_as, 1) + gl.expand_dims(t, 0)
+        c0 = gl.load(cp)
+        s0 = gl.load(sp)
+        c1 = gl.load(cp + (1 % num_k) * 8)
+        s1 = gl.load(sp + (1 % num_k) * 4)
+        c2 = gl.load(cp + (2 % num_k) * 8)
+        s2 = gl.load(sp + (2 % num_k) * 4)
+        a_cur = _a_decode(c0, s0, a_op, BLOCK_M)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+        a_prev = a_cur
+        zero = num_k * 0
+        kn = 3 % num_k                      # the tile whose codes this iteration loads (wrapping past the end)
+        for ki in range(num_k):
+            c3 = gl.load(cp + kn * 8)
+            s3 = gl.load(sp + kn * 4)
+            s = ki % B_STAGES
+            mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
+            acc = warpgroup_mma(a_cur, b_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+            gl.thread_barrier()             # every warpgroup has retired tile ki - 1: its B slot is free
+            mbarrier.arrive(empty.index((ki + B_STAGES - 1) % B_STAGES), count=1, pred=ki > 0)
+            a_next = _a_decode(c1, s1, a_op, BLOCK_M)
+            c1 = c2
+            s1 = s2
+            c2 = c3
+            s2 = s3
+            kn = gl.where(kn == num_k - 1, zero, kn + 1)
+            a_prev = a_cur
+            a_cur = a_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev, a_cur))[0]
+        return (acc,)
+
+    @gluon.jit
+    def _nvfp4_mixed_kernel(a_c, a_s, b_desc, ag_ptr, bg_ptr, out_ptr, M, N, K, stride_aw, stride_as, stride_om,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                            GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
+        bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor."""
+        off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        num_k = K // BLOCK_K
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [B_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(B_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        res = gl.warp_specialize([
+            (_mixed_mma_partition, (a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
+                                    BLOCK_M, BLOCK_N, B_STAGES, num_warps)),
+            (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
+        ], [1], [40])
+        acc = res[0]
+        # A's values are q * S * 2^-8, B's q * S: 2^8 undoes the one power of two
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps,
+                  256.0)
+
     @gluon.constexpr_function
     def _epilogue_layout(block_n, out_fp32, num_warps):
         vec = 4 if out_fp32 else 8                      # 16 bytes per thread
@@ -571,6 +679,9 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
                          f"and {nw} warps")
     if not a_codes.is_cuda:
         raise RuntimeError("impl='wgmma' runs on CUDA (sm_90) only")
+    if cfg.get("MIXED"):
+        return nvfp4_gemm_mixed(a_codes, a_scales, a_global, prepare_b(b_codes, b_scales), b_global, out_dtype,
+                                config=cfg)
     M, N, K = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
     if not supports(M, N, K):
         raise ValueError(f"impl='wgmma' needs K % 64 == 0 (whole 64-wide K-tiles), got K={K}")
@@ -590,6 +701,84 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
                  out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, OUT_FP32=out_dtype == torch.float32,
                  num_warps=nw, **_variant_constexprs(cfg, cfg.get("DIAG", 0)))
     return out
+
+
+def fragment_permutation() -> torch.Tensor:
+    """The K order of a 64-deep tile in the register-A kernels: entry p is the logical K index (0..63) that position p
+    holds. Position p = 2 q + e is element e of bf16x2 word q = 16 j + 8 i1 + 4 i0 + t (:func:`_fragment_order`),
+    which holds codes ``pairs[2 i0 + i1][e]`` of code word j of scale block t (:func:`_dequant_words`' order)."""
+    pairs = ((0, 2), (4, 6), (1, 3), (5, 7))
+    perm = []
+    for p in range(64):
+        q, e = divmod(p, 2)
+        j, i1, i0, t = q // 16, (q // 8) % 2, (q // 4) % 2, q % 4
+        perm.append(16 * t + 8 * j + pairs[2 * i0 + i1][e])
+    return torch.tensor(perm, dtype=torch.long)
+
+
+def prepare_b(b_codes, b_scales) -> torch.Tensor:
+    """B for :func:`nvfp4_gemm_mixed`: the exact bf16 values ``q * S`` of NVFP4 codes ``[N, K/2]`` and E4M3 scale
+    bytes ``[N, K/16]`` (no global scale), K permuted inside every 64-deep tile by :func:`fragment_permutation` (the
+    order the kernel gives A's register fragment). One dequantize pass and one gather; K % 64 == 0."""
+    from .gemm import dequantize_bf16
+
+    N, K = b_codes.shape[0], 2 * b_codes.shape[1]
+    if K % 64:
+        raise ValueError(f"prepare_b needs K % 64 == 0, got K={K}")
+    b = dequantize_bf16(b_codes, b_scales)
+    idx = fragment_permutation().to(b.device)
+    return b.view(N, K // 64, 64).index_select(2, idx).view(N, K)
+
+
+def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
+                     config: Optional[dict] = None):
+    """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 (codes ``[M, K/2]``, E4M3 bytes ``[M, K/16]``) decoded
+    in registers and B given as :func:`prepare_b`'s bf16 ``[N, K]`` (sm_90 only; K % 64 == 0). ``config``: one of
+    :data:`MIXED_CONFIGS` (default the first)."""
+    if gluon is None:
+        raise RuntimeError("the mixed GEMM needs Triton's Gluon (triton.experimental.gluon)")
+    cfg = dict(config or MIXED_CONFIGS[0])
+    bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    if bk != 64 or bm != 16 * nw:
+        raise ValueError(f"a mixed config needs BLOCK_K = 64 and BLOCK_M = 16 * num_warps, got {cfg}")
+    if not a_codes.is_cuda:
+        raise RuntimeError("the mixed GEMM runs on CUDA (sm_90) only")
+    M, N, K = a_codes.shape[0], b16.shape[0], 2 * a_codes.shape[1]
+    if b16.dtype != torch.bfloat16 or b16.shape[1] != K or not b16.is_contiguous():
+        raise ValueError(f"B must be prepare_b's contiguous bf16 [N, {K}], got {b16.dtype} {tuple(b16.shape)}")
+    if not supports(M, N, K):
+        raise ValueError(f"the mixed GEMM needs K % 64 == 0, got K={K}")
+    if a_codes.stride(-1) != 1 or a_codes.stride(0) % 4 or a_codes.data_ptr() % 16 or a_scales.stride(-1) != 1:
+        raise ValueError("the mixed GEMM needs contiguous A rows of whole 4-byte words, 16-byte aligned")
+    out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+    b_desc = TensorDescriptor(b16, [N, K], [K, 1], [bn, bk], layout)
+    ag = a_global.reshape(1).to(torch.float32)
+    bg = b_global.reshape(1).to(torch.float32)
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    _nvfp4_mixed_kernel[grid](a_codes, a_scales, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
+                              a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                              OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"], num_warps=nw)
+    return out
+
+
+def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -> bytes:
+    """The sm_90 cubin of :func:`_nvfp4_mixed_kernel` for ``config`` (default the first of :data:`MIXED_CONFIGS`),
+    compiled on any machine, specialized as :func:`offline_cubin`'s kernels are."""
+    from .offline import compile_offline
+
+    cfg = dict(config or MIXED_CONFIGS[0])
+    layout = gl.NVMMASharedLayout.get_default_for([cfg["BLOCK_N"], cfg["BLOCK_K"]], gl.bfloat16)
+    desc = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}],{layout!r}>"
+    sig = dict(a_c="*u8", a_s="*u8", b_desc=desc, ag_ptr="*fp32", bg_ptr="*fp32",
+               out_ptr="*fp32" if out_fp32 else "*bf16", M="i32", N="i32", K="i32", stride_aw="i32", stride_as="i32",
+               stride_om="i32")
+    const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
+                 OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], num_warps=cfg["num_warps"])
+    return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
+                           divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"])
 
 
 stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
