@@ -579,7 +579,9 @@ if gluon is not None:
             s = ki % B_STAGES
             mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
             acc = warpgroup_mma(a_cur, b_smem.index(s).permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+            # the next tile's code words pass through the wait too: the decode that reads them then cannot be
+            # scheduled between this tile's HGMMAs (ptxas moves register-only work there, delaying their issue)
+            acc, a_prev, c1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev, c1))
             gl.thread_barrier()             # every warpgroup has retired tile ki - 1: its B slot is free
             mbarrier.arrive(empty.index((ki + B_STAGES - 1) % B_STAGES), count=1, pred=ki > 0)
             a_next = _a_decode(c1, s1, a_op, BLOCK_M)
