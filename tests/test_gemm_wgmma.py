@@ -127,6 +127,37 @@ def test_sm90_sass_of_the_register_a_kernel(cfg):
     assert not any(o.startswith(("I2F", "MUFU")) for o in body), "an integer division in the main loop"
 
 
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.MIXED_CONFIGS, ids=_cfg_id)
+def test_sm90_sass_of_the_mixed_kernel(cfg):
+    """The mixed variant: A from registers in every HGMMA, B by TMA (UTMALDG) behind mbarriers, A's code words by
+    8-byte global loads in the main loop, one A decode (one bf16x2 multiply per two elements of the warp's rows)
+    per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
+    cubin = W.offline_cubin_mixed(cfg)
+    n, ops, regs, local = sass_stats(cubin)
+    assert local == 0, f"register spills: {local} bytes of local memory"
+    sass = disassemble(cubin)
+    hgmma = re.findall(r"HGMMA\.\S+ (R\d+), (\S+), (\S+)", sass)
+    assert hgmma and all(re.fullmatch(r"R\d+", a) and b.startswith("gdesc") for _, a, b in hgmma), hgmma
+    assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
+    body = _main_loop(sass)
+    assert body.count("HGMMA.64") == cfg["BLOCK_K"] // 16
+    assert sum(o.startswith("HMUL2") for o in body) == cfg["BLOCK_M"] * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
+    assert "LDG.E.64" in body
+    assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
+
+
+def test_fragment_permutation_keeps_each_thread_in_one_scale_block():
+    """The K order of the register-A kernels (an independent statement of the wgmma A-fragment layout): position p
+    of a 64-deep tile belongs to fragment lane t = (p mod 8) // 2 of 16-deep step p // 16; every lane t's 16
+    positions must hold all of scale block t (logical K 16 t .. 16 t + 15), so a thread decodes exactly one block."""
+    perm = W.fragment_permutation().tolist()
+    assert sorted(perm) == list(range(64))
+    for t in range(4):
+        held = {perm[p] for p in range(64) if (p % 8) // 2 == t}
+        assert held == set(range(16 * t, 16 * t + 16))
+
+
 @pytest.mark.gpu
 @cuda
 @needs_gluon
