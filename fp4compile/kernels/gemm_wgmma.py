@@ -546,9 +546,9 @@ if gluon is not None:
     def _mixed_mma_partition(a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
                              num_warps: gl.constexpr):
-        """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, retire the
-        previous tile's wgmma (its A registers and B slot), release that slot, decode the next A tile from code words
-        loaded three tiles ahead. Returns the FP32 accumulator."""
+        """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
+        A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
+        accumulator."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -570,7 +570,6 @@ if gluon is not None:
         s2 = gl.load(sp + (2 % num_k) * 4)
         a_cur = _a_decode(c0, s0, a_op, BLOCK_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-        a_prev = a_cur
         zero = num_k * 0
         kn = 3 % num_k                      # the tile whose codes this iteration loads (wrapping past the end)
         for ki in range(num_k):
@@ -579,20 +578,22 @@ if gluon is not None:
             s = ki % B_STAGES
             mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
             acc = warpgroup_mma(a_cur, b_smem.index(s).permute((1, 0)), acc, is_async=True)
-            # the next tile's code words pass through the wait too: the decode that reads them then cannot be
-            # scheduled between this tile's HGMMAs (ptxas moves register-only work there, delaying their issue)
-            acc, a_prev, c1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev, c1))
-            gl.thread_barrier()             # every warpgroup has retired tile ki - 1: its B slot is free
-            mbarrier.arrive(empty.index((ki + B_STAGES - 1) % B_STAGES), count=1, pred=ki > 0)
-            a_next = _a_decode(c1, s1, a_op, BLOCK_M)
+            a_next = _a_decode(c1, s1, a_op, BLOCK_M)     # overlaps the wgmma
+            # retire this tile's wgmma before the loop turns: ptxas copies the carried A fragment into the HGMMA's
+            # operand registers at the top of the loop, so those registers must not be in use by a wgmma then
+            # (with one wgmma left in flight, as in the RS kernel, 128 x 256 tiles lost 1,752 of 65,024 exact-check
+            # values on an H100, session 72). a_next in the deps keeps its decode above the wait; a_cur keeps the
+            # registers the wgmma reads live until it is done, so the decode cannot reuse them (ptxas would then
+            # serialize the HGMMAs: "non wgmma instructions defining input registers of a wgmma").
+            acc, a_next, a_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_next, a_cur))
+            gl.thread_barrier()             # every warpgroup has retired tile ki: its B slot is free
+            mbarrier.arrive(empty.index(s), count=1)
             c1 = c2
             s1 = s2
             c2 = c3
             s2 = s3
             kn = gl.where(kn == num_k - 1, zero, kn + 1)
-            a_prev = a_cur
             a_cur = a_next
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev, a_cur))[0]
         return (acc,)
 
     @gluon.jit
@@ -718,6 +719,9 @@ def fragment_permutation() -> torch.Tensor:
     return torch.tensor(perm, dtype=torch.long)
 
 
+_PERM_ON: dict = {}   # device -> fragment_permutation() on it
+
+
 def prepare_b(b_codes, b_scales) -> torch.Tensor:
     """B for :func:`nvfp4_gemm_mixed`: the exact bf16 values ``q * S`` of NVFP4 codes ``[N, K/2]`` and E4M3 scale
     bytes ``[N, K/16]`` (no global scale), K permuted inside every 64-deep tile by :func:`fragment_permutation` (the
@@ -728,7 +732,9 @@ def prepare_b(b_codes, b_scales) -> torch.Tensor:
     if K % 64:
         raise ValueError(f"prepare_b needs K % 64 == 0, got K={K}")
     b = dequantize_bf16(b_codes, b_scales)
-    idx = fragment_permutation().to(b.device)
+    idx = _PERM_ON.get(b.device)
+    if idx is None:                 # made once per device, outside any CUDA-graph capture that calls this later
+        idx = _PERM_ON[b.device] = fragment_permutation().to(b.device)
     return b.view(N, K // 64, 64).index_select(2, idx).view(N, K)
 
 
