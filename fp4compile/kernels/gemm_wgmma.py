@@ -487,7 +487,6 @@ if gluon is not None:
         gl.thread_barrier()
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-        a_prev = a_cur
         # ring slot of tile ki and the tile index refilled into it, carried instead of computed with % (no division)
         ki_zero = num_k * 0
         sl = ki_zero
@@ -497,8 +496,6 @@ if gluon is not None:
             # timing diagnostics (results invalid): 2 no MMA, 3 no proxy fence, 4 no B decode/store, 5 no decode at all
             if DIAG != 2:
                 acc = warpgroup_mma(a_cur, b_smem.index(buf).permute((1, 0)), acc, is_async=True)
-            # retire tile ki - 1's wgmma: its A registers and B buffer (1 - buf) are free after this
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             st = gl.where(sl == STAGES - 1, ki_zero, sl + 1)
@@ -518,11 +515,14 @@ if gluon is not None:
             _issue_tile(b_c, b_s, bc_buf.index(sl), bs_buf.index(sl), off_n, N, kt, stride_bw, stride_bs,
                         BLOCK_N, BLOCK_K)
             async_copy.commit_group()
+            # retire tile ki's wgmma before the loop turns (see _mixed_mma_partition: ptxas copies the carried A
+            # fragment into the HGMMA's operand registers at the loop top); B buffer 1 - buf, written above, was last
+            # read by tile ki - 1's wgmma, retired at the end of the previous iteration by every warpgroup before
+            # the barrier that follows the ring wait
+            acc, a_next, a_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_next, a_cur))
             sl = st
             kn = gl.where(kn == num_k - 1, ki_zero, kn + 1)
-            a_prev = a_cur
             a_cur = a_next
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev, a_cur))[0]
         async_copy.wait_group(0)
 
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps)
