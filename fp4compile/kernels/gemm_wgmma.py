@@ -9,11 +9,24 @@ warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 
 beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per millisecond on the whole GPU, 30 % of
 what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
 tiles needs 6.2. The register-A variant (:data:`RS_CONFIGS`, :func:`_nvfp4_rs_kernel`, session 72) decodes A straight
-into the wgmma's register fragment, so only B crosses shared memory: 0.53-0.64x cuBLAS on an H100 at 4096^3 /
-8192^3 and 0.53-0.61x on the 124M fprop/dgrad shapes, 5-14 % faster than the software-pipelined kernel in the same
-runs. Nsight Compute: 39-40 % tensor-pipe use at 34-36 % issue; each of its 8 warps issues once per 5.6-5.9 cycles
-(latency-bound decode chains at 248-255 registers). Its timing diagnostics bound the design: with no decode at all (the wgmmas, the
-code staging and the synchronization only) it reaches 0.77-0.94x, and with A's decode but not B's 0.72-0.84x.
+into the wgmma's register fragment, so only B crosses shared memory: 0.54-0.63x cuBLAS on an H100 on the squares and
+the 124M fprop/dgrad shapes, 7-15 % faster than the software-pipelined kernel in the same runs. Nsight Compute:
+39-40 % tensor-pipe use at 34-36 % issue; each of its 8 warps issues once per 5.6-5.9 cycles (latency-bound decode
+chains at 248-255 registers). Its timing diagnostics bound the design: with no decode at all (the wgmmas, the code
+staging and the synchronization only) it reaches 0.79-0.89x, with A's decode but not B's 0.72-0.85x. The mixed
+variant (:data:`MIXED_CONFIGS`, :func:`nvfp4_gemm_mixed`, session 72) keeps A's register decode and takes B as bf16
+(:func:`prepare_b`: dequantized once) through TMA: no shared-memory store, proxy fence or CTA-wide barrier. Its kernel
+reaches 0.71-0.81x on those shapes, 0.60-0.72x with B's preparation; ``"auto"`` stays faster except on the dgrad
+shapes, where the mixed GEMM is 2-3 % faster.
+
+Register operands of an async wgmma (both register-A kernels): ptxas copies the loop-carried A fragment into the
+HGMMA's operand registers at the top of the loop and treats that copy as dead once the HGMMA is issued. A wgmma left
+in flight across the loop's back edge (``warpgroup_mma_wait(1)``, the usual pipelining) can then have its operand
+overwritten by the next iteration's copy: the mixed kernel at 128 x 256 lost 1,752 of 65,024 exact-check values on an
+H100 that way (the RS kernel's long decode hid it). Both kernels therefore retire each tile's wgmma before the loop
+turns, with the fragment being read and the one being decoded in the wait's ``deps`` (without the first, ptxas
+reuses its registers for the decode and serializes the HGMMAs: "non wgmma instructions defining input registers of
+a wgmma"). That costs the mixed kernel 8-17 % of its time against the racy form.
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -59,7 +72,8 @@ check against an identity B proves both agree). Every operation from the loaded 
 register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at compile time).
 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
-:data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
+:data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
+:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
 
@@ -81,7 +95,7 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
     gluon = None
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
-           "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation"]
+           "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation", "offline_cubin_mixed"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -109,7 +123,8 @@ RS_CONFIGS = [
 
 
 #: mixed configurations (:func:`nvfp4_gemm_mixed`, :func:`_nvfp4_mixed_kernel`): A decoded into registers by
-#: ``num_warps`` wgmma warps (BLOCK_M = 16 * num_warps), B a bf16 TMA ring of ``B_STAGES`` tiles fed by one loader warp
+#: ``num_warps`` wgmma warps (BLOCK_M = 16 * num_warps), B a bf16 TMA ring of ``B_STAGES`` tiles fed by one loader warp.
+#: The 128 x 128 tile is slower than the 128 x 256 one except on the 124M wgrad shapes (session 72).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
