@@ -101,20 +101,25 @@ def test_sm90_sass_of_the_warp_specialized_kernel(cfg):
     assert sum(v for o, v in ops.items() if o.startswith("HMUL2")) > 0       # the decode
 
 
-@needs_gluon
-@pytest.mark.parametrize("cfg", W.RS_CONFIGS, ids=_cfg_id)
-def test_sm90_sass_of_the_register_a_kernel(cfg):
-    """The register-A variant: every HGMMA takes A from registers (``HGMMA ... Rd, Ra, gdesc``, not two
-    descriptors), the decode of the next tile follows the tile's last HGMMA, B's decoded words go to shared memory
-    in 16-byte stores, no spills, and the main loop holds one proxy fence and no integer division (ring slots are
-    carried counters)."""
-    cubin = W.offline_cubin(cfg)
+def _register_a_kernel(cubin: bytes):
+    """(opcode counts, main-loop opcodes) of a register-A kernel's cubin, after checking it has no spills and that
+    every HGMMA reads A from registers (``HGMMA ... Rd, Ra, gdesc``, not two descriptors)."""
     n, ops, regs, local = sass_stats(cubin)
     assert local == 0, f"register spills: {local} bytes of local memory"
     sass = disassemble(cubin)
     hgmma = re.findall(r"HGMMA\.\S+ (R\d+), (\S+), (\S+)", sass)
     assert hgmma and all(re.fullmatch(r"R\d+", a) and b.startswith("gdesc") for _, a, b in hgmma), hgmma
-    body = _main_loop(sass)
+    return ops, _main_loop(sass)
+
+
+@needs_gluon
+@pytest.mark.parametrize("cfg", W.RS_CONFIGS, ids=_cfg_id)
+def test_sm90_sass_of_the_register_a_kernel(cfg):
+    """The register-A variant: every HGMMA takes A from registers, the decode of the next tile follows the tile's
+    last HGMMA, B's decoded words go to shared memory
+    in 16-byte stores, no spills, and the main loop holds one proxy fence and no integer division (ring slots are
+    carried counters)."""
+    ops, body = _register_a_kernel(W.offline_cubin(cfg))
     hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
     assert len(hg) == cfg["BLOCK_K"] // 16
     hm = [i for i, o in enumerate(body) if o.startswith("HMUL2")]
@@ -133,14 +138,8 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     """The mixed variant: A from registers in every HGMMA, B by TMA (UTMALDG) behind mbarriers, A's code words by
     8-byte global loads in the main loop, one A decode (one bf16x2 multiply per two elements of the warp's rows)
     per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
-    cubin = W.offline_cubin_mixed(cfg)
-    n, ops, regs, local = sass_stats(cubin)
-    assert local == 0, f"register spills: {local} bytes of local memory"
-    sass = disassemble(cubin)
-    hgmma = re.findall(r"HGMMA\.\S+ (R\d+), (\S+), (\S+)", sass)
-    assert hgmma and all(re.fullmatch(r"R\d+", a) and b.startswith("gdesc") for _, a, b in hgmma), hgmma
+    ops, body = _register_a_kernel(W.offline_cubin_mixed(cfg))
     assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
-    body = _main_loop(sass)
     assert body.count("HGMMA.64") == cfg["BLOCK_K"] // 16
     assert sum(o.startswith("HMUL2") for o in body) == cfg["BLOCK_M"] * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
     assert "LDG.E.64" in body

@@ -170,6 +170,28 @@ if gluon is not None:
             s_buf, sp + gl.expand_dims(rs.to(gl.int64), 1) * stride_s + (k0 // 64 + gl.expand_dims(ks, 0)))
 
     @gluon.jit
+    def _code_ring(a_c, a_s, b_c, b_s, off_m, off_n, M, N, num_k, stride_aw, stride_as, stride_bw, stride_bs,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The NVFP4 staging ring (cp.async) of both operands, STAGES K-tiles of code words and scale words, with
+        tiles 0 .. STAGES-1 issued and tile 0 arrived (tile indices past the end wrap to valid ones whose values are
+        never read: no branch in the loops). Returns (A codes, B codes, A scales, B scales)."""
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        ac_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, BLOCK_K // 8], plain)
+        bc_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], plain)
+        as_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 1], plain)
+        bs_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 1], plain)
+        for t in gl.static_range(STAGES):
+            kt = (t % num_k) * BLOCK_K
+            _issue_tile(a_c, a_s, ac_buf.index(t), as_buf.index(t), off_m, M, kt, stride_aw, stride_as,
+                        BLOCK_M, BLOCK_K)
+            _issue_tile(b_c, b_s, bc_buf.index(t), bs_buf.index(t), off_n, N, kt, stride_bw, stride_bs,
+                        BLOCK_N, BLOCK_K)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        return ac_buf, bc_buf, as_buf, bs_buf
+
+    @gluon.jit
     def _read_tile(c_buf, s_buf, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, L3: gl.constexpr,
                    ROW_THREAD: gl.constexpr = False):
         """The staged code words as [ROWS, BLOCK_K/16, 2] in L3 and scale bytes [ROWS, BLOCK_K/16] in its slice
@@ -266,24 +288,9 @@ if gluon is not None:
         w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         a_wds = a_smem._reinterpret(gl.int32, [2, BLOCK_M, BLOCK_K // 2], w_sl)
         b_wds = b_smem._reinterpret(gl.int32, [2, BLOCK_N, BLOCK_K // 2], w_sl)
-        # NVFP4 staging ring (cp.async), STAGES K-tiles of codes and scales
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        ac_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, BLOCK_K // 8], plain)
-        bc_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], plain)
-        as_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 1], plain)
-        bs_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 1], plain)
-
         num_k = K // BLOCK_K
-        # tile indices past the end wrap to valid ones (their values are never read): no branch in the loop
-        for t in gl.static_range(STAGES):
-            kt = (t % num_k) * BLOCK_K
-            _issue_tile(a_c, a_s, ac_buf.index(t), as_buf.index(t), off_m, M, kt, stride_aw, stride_as,
-                        BLOCK_M, BLOCK_K)
-            _issue_tile(b_c, b_s, bc_buf.index(t), bs_buf.index(t), off_n, N, kt, stride_bw, stride_bs,
-                        BLOCK_N, BLOCK_K)
-            async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
+        ac_buf, bc_buf, as_buf, bs_buf = _code_ring(a_c, a_s, b_c, b_s, off_m, off_n, M, N, num_k, stride_aw,
+                                                    stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K)
         ca, sa = _read_tile(ac_buf.index(0), as_buf.index(0), BLOCK_M, BLOCK_K, L3)
         cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3)
         a_wds.index(0).store(_dequant(ca, sa, BLOCK_M, BLOCK_K, DIAG))
@@ -479,22 +486,9 @@ if gluon is not None:
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], b_sl)
         w_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         b_wds = b_smem._reinterpret(gl.int32, [2, BLOCK_N, BLOCK_K // 2], w_sl)
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        ac_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, BLOCK_K // 8], plain)
-        bc_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, BLOCK_K // 8], plain)
-        as_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, 1], plain)
-        bs_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 1], plain)
-
         num_k = K // BLOCK_K
-        for t in gl.static_range(STAGES):
-            kt = (t % num_k) * BLOCK_K
-            _issue_tile(a_c, a_s, ac_buf.index(t), as_buf.index(t), off_m, M, kt, stride_aw, stride_as,
-                        BLOCK_M, BLOCK_K)
-            _issue_tile(b_c, b_s, bc_buf.index(t), bs_buf.index(t), off_n, N, kt, stride_bw, stride_bs,
-                        BLOCK_N, BLOCK_K)
-            async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
+        ac_buf, bc_buf, as_buf, bs_buf = _code_ring(a_c, a_s, b_c, b_s, off_m, off_n, M, N, num_k, stride_aw,
+                                                    stride_as, stride_bw, stride_bs, BLOCK_M, BLOCK_N, BLOCK_K)
         a_cur = _a_fragment(ac_buf.index(0), as_buf.index(0), a_op, BLOCK_M, num_warps)
         cb, sb = _read_tile(bc_buf.index(0), bs_buf.index(0), BLOCK_N, BLOCK_K, L3, True)
         b_wds.index(0).store(_fragment_order(_dequant_words(cb, sb, BLOCK_N, BLOCK_K), BLOCK_N))
