@@ -83,6 +83,11 @@ def test_supports_and_argument_checks():
         W.nvfp4_gemm_wgmma(*args, config=dict(W.RS_CONFIGS[0], num_warps=4))
     with pytest.raises(ValueError, match="64 deep"):
         W.nvfp4_gemm_wgmma(*args, config=dict(W.RS_CONFIGS[0], BLOCK_K=128))
+    with pytest.raises(ValueError, match="16 \\* num_warps"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(W.MIXED_CONFIGS[0], num_warps=4))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
 
 
 @needs_gluon

@@ -73,7 +73,8 @@ register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at 
 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
 :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
-:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`. Imports cleanly without CUDA or without Gluon (:func:`available` is then False).
+:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`. Imports cleanly without CUDA or
+without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
     gluon = None
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
-           "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation", "offline_cubin_mixed"]
+           "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation",
+           "offline_cubin_mixed"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -590,10 +592,11 @@ if gluon is not None:
             a_next = _a_decode(c1, s1, a_op, BLOCK_M)     # overlaps the wgmma
             # retire this tile's wgmma before the loop turns: ptxas copies the carried A fragment into the HGMMA's
             # operand registers at the top of the loop, so those registers must not be in use by a wgmma then
-            # (with one wgmma left in flight, as in the RS kernel, 128 x 256 tiles lost 1,752 of 65,024 exact-check
-            # values on an H100, session 72). a_next in the deps keeps its decode above the wait; a_cur keeps the
-            # registers the wgmma reads live until it is done, so the decode cannot reuse them (ptxas would then
-            # serialize the HGMMAs: "non wgmma instructions defining input registers of a wgmma").
+            # (with one wgmma left in flight across the back edge, this kernel's first form, 128 x 256 tiles lost
+            # 1,752 of 65,024 exact-check values on an H100, session 72). a_next in the deps keeps its decode above
+            # the wait; a_cur keeps the registers the wgmma reads live until it is done, so the decode cannot reuse
+            # them (ptxas would then serialize the HGMMAs: "non wgmma instructions defining input registers of a
+            # wgmma").
             acc, a_next, a_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_next, a_cur))
             gl.thread_barrier()             # every warpgroup has retired tile ki: its B slot is free
             mbarrier.arrive(empty.index(s), count=1)
