@@ -14,7 +14,8 @@ BF16 time / time. Columns: ``cuBLAS`` (torch.mm on the exact bf16 operands), ``d
 operands, then the TMA GEMM: the default lowering on these shapes), ``wgmma <cfg>`` per config, ``auto``
 (the op as registered). Sums per training step (12 layers x 12 linear GEMMs for GPT-124M, 16 x 12 for ~1B).
 
-    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,diag] [--json out.json]
+    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
 
 
 def _kind(c):
-    """A config's family: ``sp`` (software-pipelined), ``ws`` (warp-specialized), ``rs`` (A in registers)."""
+    """A config's family: ``sp`` (software-pipelined), ``ws`` (warp-specialized), ``rs`` (A in registers), ``mixed``
+    (A in registers, B bf16 by TMA: timed with its B preparation, and without as ``kernel only``)."""
     return "ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "sp"
 
 

@@ -20,8 +20,8 @@ layer's shape B, H, T, D = 16, 12, 1024, 64, the paper's split with Q, K in 16x1
 which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw`` (one Q-AdamW step on GPT-124M's
 parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
 GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3), ``gemm_inloop`` (the Gluon
-GEMMs that decode NVFP4 in their main loop, warp-specialized, software-pipelined and register-A, beside cuBLAS BF16 at 4096^3;
-issue 3). ``--summarize`` prints, per
+GEMMs that decode NVFP4 in their main loop, warp-specialized, software-pipelined and register-A, beside cuBLAS BF16
+at 4096^3; issue 3). ``--summarize`` prints, per
 profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
 raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
 

@@ -22,7 +22,7 @@ needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon
 
 
 def _cfg_id(c: dict) -> str:
-    """A config's test id: tile and warps, ``ws`` for a warp-specialized one."""
+    """A config's test id: tile and warps, then ``ws`` (warp-specialized), ``rs`` (register-A) or ``mixed``."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else ""))
 
@@ -121,9 +121,8 @@ def _register_a_kernel(cubin: bytes):
 @pytest.mark.parametrize("cfg", W.RS_CONFIGS, ids=_cfg_id)
 def test_sm90_sass_of_the_register_a_kernel(cfg):
     """The register-A variant: every HGMMA takes A from registers, the decode of the next tile follows the tile's
-    last HGMMA, B's decoded words go to shared memory
-    in 16-byte stores, no spills, and the main loop holds one proxy fence and no integer division (ring slots are
-    carried counters)."""
+    last HGMMA, B's decoded words go to shared memory in 16-byte stores, no spills, and the main loop holds one proxy
+    fence and no integer division (ring slots are carried counters)."""
     ops, body = _register_a_kernel(W.offline_cubin(cfg))
     hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
     assert len(hg) == cfg["BLOCK_K"] // 16
