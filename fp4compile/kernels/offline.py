@@ -3,8 +3,9 @@
 Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin, the cubin with the ptxas bundled in the Triton wheel)
 run on any machine, so the code a kernel becomes on the H200 (sm_90) can be inspected on the CPU: instruction
 counts (:func:`sass_stats`, on the text of :func:`disassemble`; ``bench/qadamw_sass.py``,
-``bench/quantize_sass.py``), or the order of memory operations and synchronization
-(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``).
+``bench/quantize_sass.py``), the order of memory operations and synchronization
+(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``), or writes to the registers an
+in-flight register-A wgmma reads (:func:`loop_lines`, :func:`wgmma_register_hazards`; ``tests/test_gemm_wgmma.py``).
 Built on Triton 3.6's compiler internals (``ASTSource``, the CUDA backend's stages): a tool for benchmarks and
 tests, not for the runtime path.
 """
@@ -93,3 +94,70 @@ def sass_stats(cubin: bytes):
     regs = re.search(r"REG:(\d+)", res)
     local = re.search(r"LOCAL:(\d+)", res)
     return sum(ops.values()), ops, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
+
+
+_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+
+
+def loop_lines(sass: str, containing: str = "HGMMA") -> list:
+    """The instruction lines (text) of the first loop in ``sass`` (:func:`disassemble`'s text) whose body holds an
+    opcode starting with ``containing``: from a label to the backward branch that targets it."""
+    body = {}  # label -> instruction lines since it
+    for ln in sass.splitlines():
+        label = re.match(r"(\.L_x_\d+):", ln)
+        if label:
+            body[label.group(1)] = []
+            continue
+        m = _INSTR.match(ln)
+        if not m:
+            continue
+        for lines in body.values():
+            lines.append(ln)
+        target = re.search(r"BRA `?\((\.L_x_\d+)\)", ln)
+        if target and target.group(1) in body and any(
+                _INSTR.match(x).group(2).startswith(containing) for x in body[target.group(1)]):
+            return body[target.group(1)]
+    raise ValueError(f"no loop containing {containing} found")
+
+
+def _written_registers(opcode: str, operands: str) -> list:
+    """General registers an instruction writes: its first operand when that is one (stores, branches, barriers and
+    predicate-only results write none), 2 or 4 of them for 64-/128-bit and wide results."""
+    m = re.fullmatch(r"R(\d+)", operands.split(",")[0].strip())
+    if not m:
+        return []
+    width = 1
+    if ".128" in opcode or re.fullmatch(r"LDSM\..*\.4", opcode):
+        width = 4
+    elif ".64" in opcode or ".WIDE" in opcode or re.fullmatch(r"LDSM\..*\.2", opcode):
+        width = 2
+    r = int(m.group(1))
+    return list(range(r, r + width))
+
+
+def wgmma_register_hazards(lines: list) -> list:
+    """Instructions of a loop body (:func:`loop_lines`) that write an A-operand register of a register-A HGMMA
+    while that HGMMA may still read it. An HGMMA ``Rd, Ra, gdesc...`` reads Ra .. Ra+3 (a 64 x 16 bf16 A fragment per
+    thread) asynchronously; its group is committed by the ``gsb0`` HGMMA and retired by ``WARPGROUP.DEPBAR.LE gsb0,
+    N`` (at most N groups left in flight). The body is walked twice, so a write after the loop's back edge to the
+    registers of a wgmma still in flight from the previous iteration is found. Returns the offending lines."""
+    groups, open_group, hazards = [], set(), []
+    for walk in range(2):
+        for ln in lines:
+            m = _INSTR.match(ln)
+            opcode, operands = m.group(2), m.group(3)
+            if opcode.startswith("HGMMA"):
+                a = operands.split(",")[1].strip()
+                if re.fullmatch(r"R\d+", a):
+                    open_group |= set(range(int(a[1:]), int(a[1:]) + 4))
+                if "gsb0" in operands:
+                    groups.append(open_group)
+                    open_group = set()
+                continue
+            if opcode.startswith("WARPGROUP.DEPBAR"):
+                left = int(re.search(r"0x([0-9a-f]+)", operands).group(1), 16)
+                groups = groups[len(groups) - left:] if left else []
+                continue
+            if any(r in open_group or any(r in g for g in groups) for r in _written_registers(opcode, operands)):
+                hazards.append(ln.strip())
+    return hazards
