@@ -15,7 +15,7 @@ import torch
 
 from fp4compile.formats import nvfp4
 from fp4compile.kernels import gemm_wgmma as W
-from fp4compile.kernels.offline import _INSTR, disassemble, loop_lines, sass_stats, wgmma_register_hazards
+from fp4compile.kernels.offline import disassemble, loop_lines, opcode, sass_stats, wgmma_register_hazards
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
@@ -29,7 +29,7 @@ def _cfg_id(c: dict) -> str:
 
 def _main_loop(sass: str) -> list:
     """Opcodes of the main K loop: the first loop that contains HGMMAs (:func:`offline.loop_lines`)."""
-    return [_INSTR.match(ln).group(2) for ln in loop_lines(sass)]
+    return [opcode(ln) for ln in loop_lines(sass)]
 
 
 @needs_gluon
@@ -71,6 +71,9 @@ def test_supports_and_argument_checks():
     with pytest.raises(ValueError, match="16 \\* num_warps"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
                            config=dict(W.MIXED_CONFIGS[0], num_warps=4))
+    with pytest.raises(ValueError, match="MIXED_CONFIGS"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=W.RS_CONFIGS[0])
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
 
@@ -118,7 +121,7 @@ def test_wgmma_register_hazard_checker():
                  "HGMMA.64x256x16.F32.BF16 R24, R152, gdesc[UR4], R24, gsb0",
                  "WARPGROUP.DEPBAR.LE gsb0, 0x1", "HMUL2.BF16_V2 R172, R180, R21")
     lines = loop_lines(racy)
-    assert len(lines) == 6 and _INSTR.match(lines[-1]).group(2) == "BRA"
+    assert len(lines) == 6 and opcode(lines[-1]) == "BRA"
     # the copy at the loop top overwrites R152 while the previous iteration's wgmma may still read it
     found = [h.split(None, 1)[1].rstrip(" ;") for h in wgmma_register_hazards(lines)]
     assert found == ["IMAD.MOV.U32 R152, RZ, RZ, R172"]

@@ -642,12 +642,21 @@ if gluon is not None:
 
 def _variant_constexprs(cfg: dict, diag: int = 0) -> dict:
     """The kernel-specific constexprs of a config: the warp-specialized kernel's ring and partitions, or the
-    software-pipelined kernel's timing diagnostic."""
+    software-pipelined and register-A kernels' timing diagnostic."""
     if cfg.get("WS"):
         return dict(WS_STAGES=cfg["WS_STAGES"], DECODE_WARPS=cfg["DECODE_WARPS"], DECODE_REGS=cfg["DECODE_REGS"])
-    if cfg.get("RS"):
-        return dict(DIAG=diag)
     return dict(DIAG=diag)
+
+
+def _check_config(cfg: dict) -> None:
+    """A config's tile: 64 deep in K (one scale word per row and tile); a register-A kernel (``RS`` or ``MIXED``)
+    gives each warp 16 rows of A, so BLOCK_M = 16 * num_warps."""
+    bm, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]
+    if bk != 64:
+        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
+    if (cfg.get("RS") or cfg.get("MIXED")) and bm != 16 * nw:
+        raise ValueError(f"a register-A config needs BLOCK_M = 16 * num_warps (16 rows per warp), got {bm} rows "
+                         f"and {nw} warps")
 
 
 def _kernel_of(cfg: dict):
@@ -656,8 +665,9 @@ def _kernel_of(cfg: dict):
 
 
 def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: int = 0) -> bytes:
-    """The sm_90 cubin of :func:`_nvfp4_wgmma_kernel` (or, for a ``WS`` config, :func:`_nvfp4_ws_kernel`) for
-    ``config``, compiled on any machine (no GPU needed;
+    """The sm_90 cubin of :func:`_nvfp4_wgmma_kernel` (or, for a ``WS`` config, :func:`_nvfp4_ws_kernel`; for an
+    ``RS`` config, :func:`_nvfp4_rs_kernel`; a ``MIXED`` one: :func:`offline_cubin_mixed`) for ``config``, compiled
+    on any machine (no GPU needed;
     :func:`fp4compile.kernels.offline.compile_offline`), specialized as a launch on contiguous operands with
     K % 128 == 0 would be (code-row strides of K/8 words divisible by 16). For tests and SASS inspection."""
     from .offline import compile_offline
@@ -676,9 +686,10 @@ def offline_cubin(config: Optional[dict] = None, out_fp32: bool = False, diag: i
 
 def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype=torch.bfloat16, *,
                      config: Optional[dict] = None):
-    """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel`, or for a ``WS`` config by
-    :func:`_nvfp4_ws_kernel` (sm_90 only). Arguments as for :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated
-    there); ``config``: one of :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS` or :data:`RS_CONFIGS` (default the first of
+    """``C = (A @ B^T) * a_global * b_global`` by :func:`_nvfp4_wgmma_kernel`, or by the kernel of a ``WS`` or
+    ``RS`` config, or for a ``MIXED`` config by :func:`prepare_b` then :func:`nvfp4_gemm_mixed` (sm_90 only).
+    Arguments as for :func:`fp4compile.kernels.gemm.nvfp4_gemm` (validated there); ``config``: one of
+    :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS` or :data:`MIXED_CONFIGS` (default the first of
     ``WGMMA_CONFIGS``; ``BLOCK_K`` must be 64). A ``"DIAG"`` key gives the timing-only diagnostics of
     ``bench/gemm_wgmma.py``, whose results are not the product: for the software-pipelined kernel 1 (no decode ALU
     work) or 2 (no MMA); for an ``RS`` config 2 (no MMA), 3 (no proxy fence), 4 (no B decode) or 5 (no decode); a
@@ -686,12 +697,8 @@ def nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, o
     if gluon is None:
         raise RuntimeError("impl='wgmma' needs Triton's Gluon (triton.experimental.gluon)")
     cfg = dict(config or WGMMA_CONFIGS[0])
+    _check_config(cfg)
     bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if bk != 64:
-        raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
-    if cfg.get("RS") and bm != 16 * nw:
-        raise ValueError(f"a register-A (RS) config needs BLOCK_M = 16 * num_warps (16 rows per warp), got {bm} rows "
-                         f"and {nw} warps")
     if not a_codes.is_cuda:
         raise RuntimeError("impl='wgmma' runs on CUDA (sm_90) only")
     if cfg.get("MIXED"):
@@ -758,9 +765,10 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     if gluon is None:
         raise RuntimeError("the mixed GEMM needs Triton's Gluon (triton.experimental.gluon)")
     cfg = dict(config or MIXED_CONFIGS[0])
+    if not cfg.get("MIXED"):
+        raise ValueError(f"nvfp4_gemm_mixed takes one of MIXED_CONFIGS, got {cfg}")
+    _check_config(cfg)
     bm, bn, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    if bk != 64 or bm != 16 * nw:
-        raise ValueError(f"a mixed config needs BLOCK_K = 64 and BLOCK_M = 16 * num_warps, got {cfg}")
     if not a_codes.is_cuda:
         raise RuntimeError("the mixed GEMM runs on CUDA (sm_90) only")
     M, N, K = a_codes.shape[0], b16.shape[0], 2 * a_codes.shape[1]

@@ -81,22 +81,26 @@ def disassemble(cubin: bytes) -> str:
     return _run_on_cubin(cubin, "nvdisasm", "-c")
 
 
+#: one SASS instruction line of :func:`disassemble`'s text: (predicate, opcode with its modifiers, operands)
+_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+
+
+def opcode(line: str) -> str:
+    """The opcode of a SASS instruction line, with its modifiers (``HMUL2.BF16_V2``)."""
+    return _INSTR.match(line).group(2)
+
+
 def sass_stats(cubin: bytes):
     """(SASS instruction count, ``Counter`` of opcodes, registers per thread, local-memory bytes) of a cubin, read
     with the ``nvdisasm`` and ``cuobjdump`` bundled in the Triton wheel."""
     sass = disassemble(cubin)
     res = _run_on_cubin(cubin, "cuobjdump", "-res-usage")
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(2)] += 1
+    ops = collections.Counter(opcode(line).split(".")[0] for line in sass.splitlines() if _INSTR.match(line))
     regs = re.search(r"REG:(\d+)", res)
     local = re.search(r"LOCAL:(\d+)", res)
     return sum(ops.values()), ops, int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
 
 
-_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
 
 
 def loop_lines(sass: str, containing: str = "HGMMA") -> list:
@@ -114,8 +118,7 @@ def loop_lines(sass: str, containing: str = "HGMMA") -> list:
         for lines in body.values():
             lines.append(ln)
         target = re.search(r"BRA `?\((\.L_x_\d+)\)", ln)
-        if target and target.group(1) in body and any(
-                _INSTR.match(x).group(2).startswith(containing) for x in body[target.group(1)]):
+        if target and target.group(1) in body and any(opcode(x).startswith(containing) for x in body[target.group(1)]):
             return body[target.group(1)]
     raise ValueError(f"no loop containing {containing} found")
 
