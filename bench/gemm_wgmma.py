@@ -44,7 +44,7 @@ def _kind(c):
 def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
-            + (" mixed" if c.get("MIXED") else "")
+            + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
             + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"}[c.get("DIAG", 0)])
 
 
@@ -119,7 +119,7 @@ def main(argv=None):
     mixed = [c for c in checked if c.get("MIXED")]
     cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in checked] + ["auto"]
             + [f"diag {_cfg_name(c)}" for c in diag] + [f"kernel only {_cfg_name(c)}" for c in mixed]
-            + (["prepare_b"] if mixed else []))
+            + (["prepare_b", "prepare_b gather"] if mixed else []))
     print("| shape | M | N | K | " + " | ".join(cols) + " | best wgmma / cuBLAS | dq_triton / cuBLAS |", flush=True)
     print("|" + "---|" * (len(cols) + 6), flush=True)
     rows = []
@@ -152,10 +152,14 @@ def main(argv=None):
             t[f"diag {_cfg_name(c)}"] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
         if mixed:   # the mixed GEMM without its B preparation (a weight's would be made once per step), and that alone
             b16p = W.prepare_b(ops[3], ops[4])
+            if not torch.equal(b16p, W.prepare_b(ops[3], ops[4], fused=False)):
+                print(f"  WRONG {name}: prepare_b's fused pass differs from dequantize + gather", flush=True)
+                ok = False
             for c in mixed:
                 t[f"kernel only {_cfg_name(c)}"] = us(
                     lambda c=c: W.nvfp4_gemm_mixed(ops[0], ops[1], ops[2], b16p, ops[5], config=c))
             t["prepare_b"] = us(lambda: W.prepare_b(ops[3], ops[4]))
+            t["prepare_b gather"] = us(lambda: W.prepare_b(ops[3], ops[4], fused=False))
         best = min(t[k] for k in t if k.startswith("wgmma"))
         line = (f"| {name} | {M} | {N} | {K} | " + " | ".join(f"{t[c]:.0f}" for c in cols)
                 + f" | {t['cuBLAS'] / best:.2f} | {t['cuBLAS'] / t['dq_triton']:.2f} |")

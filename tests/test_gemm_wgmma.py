@@ -24,7 +24,8 @@ needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon
 def _cfg_id(c: dict) -> str:
     """A config's test id: tile and warps, then ``ws`` (warp-specialized), ``rs`` (register-A) or ``mixed``."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
-            + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else ""))
+            + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
+            + ("halves" if c.get("HALVES") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -166,6 +167,64 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     assert sum(o.startswith("HMUL2") for o in body) == cfg["BLOCK_M"] * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
     assert "LDG.E.64" in body
     assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
+    waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
+             if "WARPGROUP.DEPBAR" in ln]
+    if cfg.get("HALVES"):
+        # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
+        assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
+    else:
+        assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], waits
+
+
+_PREPARE_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, {root!r})
+import torch
+from fp4compile.kernels import gemm_wgmma as W
+g = torch.Generator().manual_seed(3)
+for N, K in [(37, 128), (64, 64), (5, 192)]:
+    codes = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (N, K // 16), generator=g, dtype=torch.uint8)   # every finite E4M3 byte >= 0
+    torch.save(dict(codes=codes, scales=scales, fused=W.prepare_b(codes, scales),
+                    gather=W.prepare_b(codes, scales, fused=False)), os.path.join({tmp!r}, f"prep{{N}}x{{K}}.pt"))
+print("ok")
+"""
+
+
+def test_prepare_b_fused_pass_under_interpreter(tmp_path):
+    """:func:`prepare_b`'s one-pass Triton kernel (run under TRITON_INTERPRET=1) equals, bit for bit, both the
+    dequantize-then-gather form and an oracle written here: E2M1 values from a table, E4M3 scales by torch's own
+    float8 cast, product in float64 (exact), positions by :func:`fragment_permutation`."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _PREPARE_SCRIPT.format(root=root, tmp=str(tmp_path))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    perm = W.fragment_permutation()
+    for N, K in [(37, 128), (64, 64), (5, 192)]:
+        d = torch.load(tmp_path / f"prep{N}x{K}.pt")
+        c = d["codes"].long()
+        q = e2m1[torch.stack([c & 0xF, c >> 4], -1).reshape(N, K)]
+        sc = d["scales"].view(torch.float8_e4m3fn).double().repeat_interleave(16, 1)
+        ref = (q * sc).view(N, K // 64, 64)[:, :, perm].reshape(N, K)
+        assert d["fused"].dtype == torch.bfloat16 and d["fused"].shape == (N, K)
+        assert torch.equal(d["fused"].double(), ref), (N, K)
+        assert torch.equal(d["fused"], d["gather"]), (N, K)
+
+
+def test_prepare_b_argument_checks():
+    codes = torch.zeros(4, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="K % 64"):
+        W.prepare_b(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8 codes"):
+        W.prepare_b(codes.float(), torch.zeros(4, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[N, K/16\]"):
+        W.prepare_b(codes, torch.zeros(4, 3, dtype=torch.uint8))
 
 
 def test_fragment_permutation_keeps_each_thread_in_one_scale_block():

@@ -82,7 +82,14 @@ from typing import Optional
 
 import torch
 
-from .launch import cdiv, stable_cache_keys
+from .launch import cdiv, launch, stable_cache_keys
+
+try:
+    import triton
+    import triton.language as tl
+    from .dequant import _dequant_tile
+except ImportError:  # pragma: no cover - CPU wheels without Triton
+    triton = None
 
 try:
     from triton.experimental import gluon
@@ -130,6 +137,8 @@ RS_CONFIGS = [
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4, HALVES=True),
 ]
 
 
@@ -470,6 +479,24 @@ if gluon is not None:
         return gl.convert_layout(a, a_op, assert_trivial=True)
 
     @gluon.jit
+    def _a_decode_half(c, s, a_op: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Code word j [BLOCK_M, 4] of each scale block (a slice of :func:`_a_code_layout`) and its scale bytes
+        [BLOCK_M, 4] -> the bf16 [BLOCK_M, 32] wgmma operand of K half j of a 64-deep tile (layout ``a_op`` of a
+        32-deep product): in :func:`_fragment_order`, word j of every block fills exactly 16-deep steps 2 j, 2 j + 1,
+        so half j of the fragment is :func:`_a_decode`'s fragment sliced at K 32 j."""
+        sf = s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 332306998946228968225951765070086144.0
+        sh = sf.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sh | (sh << 16)],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        w = gl.join(gl.join(o0, o2), gl.join(o1, o3))                    # [BLOCK_M, 4 (t), 2 (i0), 2 (i1)]
+        w = gl.reshape(gl.permute(w, (0, 3, 2, 1)), (BLOCK_M, 16))     # word q = 8 i1 + 4 i0 + t
+        lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        a = gl.reshape(gl.join(lo, hi), (BLOCK_M, 32))
+        return gl.convert_layout(a, a_op, assert_trivial=True)
+
+    @gluon.jit
     def _nvfp4_rs_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
                          stride_aw, stride_as, stride_bw, stride_bs, stride_om,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -556,7 +583,7 @@ if gluon is not None:
     @gluon.jit
     def _mixed_mma_partition(a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             HALVES: gl.constexpr, num_warps: gl.constexpr):
         """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
         accumulator."""
@@ -579,10 +606,48 @@ if gluon is not None:
         s1 = gl.load(sp + (1 % num_k) * 4)
         c2 = gl.load(cp + (2 % num_k) * 8)
         s2 = gl.load(sp + (2 % num_k) * 4)
-        a_cur = _a_decode(c0, s0, a_op, BLOCK_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         zero = num_k * 0
         kn = 3 % num_k                      # the tile whose codes this iteration loads (wrapping past the end)
+        if HALVES:
+            # each K-tile as two 32-deep wgmmas on two fragments, one always in flight while the other half is
+            # decoded: the decode of a half waits only for the wgmma that last read that half's registers
+            a_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+            w0, w1 = gl.split(c0)
+            a0 = _a_decode_half(w0, s0, a_h, BLOCK_M)
+            a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
+            hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
+            hs = s0
+            for ki in range(num_k):
+                c3 = gl.load(cp + kn * 8)
+                s3 = gl.load(sp + kn * 4)
+                s = ki % B_STAGES
+                mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
+                b_t = b_smem.index(s)
+                acc = warpgroup_mma(a0, b_t.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+                # retires the previous tile's second wgmma: a1's registers and that tile's B slot are free
+                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+                gl.thread_barrier()
+                sp_prev = (ki + B_STAGES - 1) % B_STAGES
+                mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
+                a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
+                acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+                # retires this tile's first wgmma: a0's registers are free for the next tile's first half
+                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+                n0, n1 = gl.split(c1)
+                a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
+                hi = n1
+                hs = s1
+                c1 = c2
+                s1 = s2
+                c2 = c3
+                s2 = s3
+                kn = gl.where(kn == num_k - 1, zero, kn + 1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
+            return (acc,)
+        a_cur = _a_decode(c0, s0, a_op, BLOCK_M)
         for ki in range(num_k):
             c3 = gl.load(cp + kn * 8)
             s3 = gl.load(sp + kn * 4)
@@ -612,7 +677,7 @@ if gluon is not None:
     def _nvfp4_mixed_kernel(a_c, a_s, b_desc, ag_ptr, bg_ptr, out_ptr, M, N, K, stride_aw, stride_as, stride_om,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            HALVES: gl.constexpr, num_warps: gl.constexpr):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -625,7 +690,7 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         res = gl.warp_specialize([
             (_mixed_mma_partition, (a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
-                                    BLOCK_M, BLOCK_N, B_STAGES, num_warps)),
+                                    BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps)),
             (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
         ], [1], [40])
         acc = res[0]
@@ -741,20 +806,54 @@ def fragment_permutation() -> torch.Tensor:
 _PERM_ON: dict = {}   # device -> fragment_permutation() on it
 
 
-def prepare_b(b_codes, b_scales) -> torch.Tensor:
+if triton is not None:
+    @triton.jit
+    def _prepare_b_kernel(c_ptr, s_ptr, o_ptr, R, KH, BLOCK_R: tl.constexpr, DEQUANT_ASM: tl.constexpr):
+        """One [BLOCK_R, 64] tile of :func:`prepare_b`: the exact bf16 ``q * S`` of the codes (the dequantize pass's
+        own tile math), K permuted in registers into :func:`fragment_permutation`'s order and stored contiguously."""
+        rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        kb = tl.program_id(1) * 32 + tl.arange(0, 32)
+        ks = tl.program_id(1) * 4 + tl.arange(0, 4)
+        rmask = rr[:, None] < R
+        row = rr.to(tl.int64)[:, None]
+        codes = tl.load(c_ptr + row * KH + kb[None, :], mask=rmask, other=0)
+        scales = tl.load(s_ptr + row * (KH // 8) + ks[None, :], mask=rmask, other=0)
+        v = _dequant_tile(codes, scales, BLOCK_R, 64, DEQUANT_ASM).to(tl.float32) * 256.0
+        # logical k = 16 t + 8 j + 4 i1 + 2 e + i0 goes to position p = 32 j + 16 i1 + 8 i0 + 2 t + e
+        v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_R, 4, 2, 2, 2, 2)), (0, 2, 3, 5, 1, 4)), (BLOCK_R, 64))
+        ko = tl.program_id(1) * 64 + tl.arange(0, 64)
+        tl.store(o_ptr + row * (2 * KH) + ko[None, :], v.to(tl.bfloat16), mask=rmask)
+
+
+def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
     """B for :func:`nvfp4_gemm_mixed`: the exact bf16 values ``q * S`` of NVFP4 codes ``[N, K/2]`` and E4M3 scale
     bytes ``[N, K/16]`` (no global scale), K permuted inside every 64-deep tile by :func:`fragment_permutation` (the
-    order the kernel gives A's register fragment). One dequantize pass and one gather; K % 64 == 0."""
-    from .gemm import dequantize_bf16
+    order the kernel gives A's register fragment); K % 64 == 0. ``fused`` (default): one Triton pass that dequantizes
+    and permutes in registers; ``fused=False``: the dequantize pass, then a gather (session 72's form, the tests'
+    second statement of the same result)."""
+    from .gemm import DEFAULT_DEQUANT, dequantize_bf16
 
     N, K = b_codes.shape[0], 2 * b_codes.shape[1]
     if K % 64:
         raise ValueError(f"prepare_b needs K % 64 == 0, got K={K}")
-    b = dequantize_bf16(b_codes, b_scales)
-    idx = _PERM_ON.get(b.device)
-    if idx is None:                 # made once per device, outside any CUDA-graph capture that calls this later
-        idx = _PERM_ON[b.device] = fragment_permutation().to(b.device)
-    return b.view(N, K // 64, 64).index_select(2, idx).view(N, K)
+    if b_codes.dtype != torch.uint8 or b_scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"prepare_b takes uint8 codes and E4M3 scale bytes, got {b_codes.dtype}, {b_scales.dtype}")
+    if b_scales.shape != (N, K // 16):
+        raise ValueError(f"scales must be [N, K/16] = {(N, K // 16)}, got {tuple(b_scales.shape)}")
+    if not fused:
+        b = dequantize_bf16(b_codes, b_scales)
+        idx = _PERM_ON.get(b.device)
+        if idx is None:             # made once per device, outside any CUDA-graph capture that calls this later
+            idx = _PERM_ON[b.device] = fragment_permutation().to(b.device)
+        return b.view(N, K // 64, 64).index_select(2, idx).view(N, K)
+    codes = b_codes.contiguous()
+    scales = b_scales.contiguous().view(torch.uint8)
+    out = torch.empty((N, K), device=b_codes.device, dtype=torch.bfloat16)
+    br = 64 if b_codes.is_cuda else 16
+    asm = b_codes.is_cuda and DEFAULT_DEQUANT == "asm"
+    launch(_prepare_b_kernel, (cdiv(N, br), K // 64), codes, scales, out, N, K // 2, BLOCK_R=br, DEQUANT_ASM=asm,
+           num_warps=4)
+    return out
 
 
 def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
@@ -788,7 +887,8 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     grid = (cdiv(M, bm) * cdiv(N, bn),)
     _nvfp4_mixed_kernel[grid](a_codes, a_scales, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
                               a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                              OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"], num_warps=nw)
+                              OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
+                              HALVES=bool(cfg.get("HALVES")), num_warps=nw)
     return out
 
 
@@ -804,7 +904,8 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
                out_ptr="*fp32" if out_fp32 else "*bf16", M="i32", N="i32", K="i32", stride_aw="i32", stride_as="i32",
                stride_om="i32")
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
-                 OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], num_warps=cfg["num_warps"])
+                 OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], HALVES=bool(cfg.get("HALVES")),
+                 num_warps=cfg["num_warps"])
     return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
                            divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"])
 
