@@ -139,6 +139,8 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4, HALVES=True),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, maxnreg=168),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, maxnreg=128),
 ]
 
 
@@ -888,7 +890,8 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     _nvfp4_mixed_kernel[grid](a_codes, a_scales, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
                               a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                               OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
-                              HALVES=bool(cfg.get("HALVES")), num_warps=nw)
+                              HALVES=bool(cfg.get("HALVES")), num_warps=nw,
+                              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return out
 
 
@@ -906,8 +909,10 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
                  OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], HALVES=bool(cfg.get("HALVES")),
                  num_warps=cfg["num_warps"])
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
-                           divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"])
+                           divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"],
+                           **extra)
 
 
 stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
