@@ -41,6 +41,10 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
   dequantized in the main loop into double-buffered shared memory while the tensor cores run the previous
   K-tile's async wgmma; no bf16 copy in global memory. K % 64 == 0. Measured slower than ``"dq_triton"``
   (0.15-0.55x cuBLAS vs 0.3-0.95x, session 25): never picked by ``"auto"``; the module says why.
+* ``"mixed"`` (:func:`fp4compile.kernels.gemm_wgmma.nvfp4_gemm_mixed`, Gluon): B dequantized once to bf16 in the
+  wgmma's K order (:func:`~fp4compile.kernels.gemm_wgmma.prepare_b`), A decoded in the main loop straight into
+  the wgmma's register fragment, one 32-deep wgmma always in flight (:data:`MIXED_DEFAULT`'s config unless
+  ``config`` names one of ``MIXED_CONFIGS``). CUDA, K % 64 == 0.
 * ``"auto"``: one of the above per shape (:func:`choose_impl`).
 * ``"tuned"``: the fastest of :data:`TUNED_CANDIDATES`, timed on the first call of each shape (a
   measurement tool; choices in :data:`TUNED_CHOICES`).
@@ -77,7 +81,7 @@ import torch
 from .. import determinism
 from .. import ops as _ops  # noqa: F401  (defines fp4compile::gemm before we register against it)
 from .dequant import DEFAULT_DEQUANT, _dequant_rows, _dequant_tile  # noqa: F401  (jitted helpers the kernels call)
-from .gemm_wgmma import nvfp4_gemm_wgmma
+from .gemm_wgmma import MIXED_CONFIGS, nvfp4_gemm_wgmma
 from .launch import cdiv, launch, placeholder, stable_cache_keys
 
 try:
@@ -101,7 +105,7 @@ __all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16
 #: pre-dequantized, cuBLAS), "dq_triton" / "dq_splitk" (both pre-dequantized, Triton TMA GEMM with the scaled
 #: epilogue; split-K for long K on small outputs). See docs/BENCHMARKS.md for the measurements.
 DEFAULT_IMPL = os.environ.get("FP4COMPILE_GEMM_IMPL", "auto")
-IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk", "wgmma")
+IMPLS = ("auto", "tuned", "half", "half_rega", "full", "dequant_cublas", "dq_triton", "dq_splitk", "wgmma", "mixed")
 #: the implementations that dequantize both operands to exact bf16 and then run a bf16 GEMM: the ones that
 #: :func:`gemm_dequantized` (``fp4compile::gemm_dequantized``) does from operands dequantized already
 DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
@@ -112,7 +116,9 @@ DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
 #: ``FP4COMPILE_SCALE_CAST=0`` turns it off at import.
 SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "1") != "0"
 #: candidates that ``impl="tuned"`` times on the first call of each shape
-TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk")
+TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk", "mixed")
+#: the tile ``impl="mixed"`` uses unless given one (one of :data:`~fp4compile.kernels.gemm_wgmma.MIXED_CONFIGS`)
+MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("HALVES"))
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
 TUNED_CHOICES: dict = {}
 
@@ -952,9 +958,11 @@ def nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dty
         out = nvfp4_gemm(a_codes, a_scales, a_global, b_codes, b_scales, b_global, torch.float32, impl=impl,
                          config=config, dequant=dequant)
         return _add_bias(out, bias, out_dtype)
-    if impl == "wgmma":
+    if impl in ("wgmma", "mixed"):
         if not on_cuda:
-            raise RuntimeError("impl='wgmma' (Gluon, sm_90) runs on CUDA only")
+            raise RuntimeError(f"impl={impl!r} (Gluon, sm_90) runs on CUDA only")
+        if impl == "mixed" and config is None:
+            config = MIXED_DEFAULT
         return nvfp4_gemm_wgmma(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype, config=config)
     out, done = _output(M, N, K, a_codes.device, out_dtype)
     if done:
