@@ -28,6 +28,14 @@ turns, with the fragment being read and the one being decoded in the wait's ``de
 reuses its registers for the decode and serializes the HGMMAs: "non wgmma instructions defining input registers of
 a wgmma"). That costs the mixed kernel 8-17 % of its time against the racy form.
 
+The ``HALVES`` mixed configs (session 73) keep a wgmma in flight without that race: each K-tile is two 32-deep
+wgmmas on two separate A fragments (in :func:`_fragment_order`, word j of every scale block fills exactly the 16-deep
+steps 2 j and 2 j + 1, so half j is decoded from word j alone, :func:`_a_decode_half`). Each wait retires the wgmma
+that last read the half about to be decoded and leaves the other in flight; ptxas's loop-top copy then writes only
+the registers of a retired wgmma (``offline.wgmma_register_hazards`` passes, two ``DEPBAR.LE gsb0, 1`` per tile).
+The 64-row ``HALVES`` configs run one warpgroup per CTA under a register cap (``maxnreg``) so that two or three CTAs
+share an SM, and no CTA-wide barrier couples two warpgroups.
+
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
 same exact BF16 operand values ``q * S * 2^-8`` (the shift/mask PTX of :mod:`fp4compile.kernels.dequant`), so the
@@ -133,7 +141,9 @@ RS_CONFIGS = [
 
 #: mixed configurations (:func:`nvfp4_gemm_mixed`, :func:`_nvfp4_mixed_kernel`): A decoded into registers by
 #: ``num_warps`` wgmma warps (BLOCK_M = 16 * num_warps), B a bf16 TMA ring of ``B_STAGES`` tiles fed by one loader warp.
-#: The 128 x 128 tile is slower than the 128 x 256 one except on the 124M wgrad shapes (session 72).
+#: The 128 x 128 tile is slower than the 128 x 256 one except on the 124M wgrad shapes (session 72). ``HALVES``: two
+#: 32-deep wgmmas per K-tile with one always in flight (see the module docstring; session 73); ``maxnreg``: the
+#: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
