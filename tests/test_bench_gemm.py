@@ -2,10 +2,13 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import gemm as B  # noqa: E402
 from fp4compile.kernels import gemm as G  # noqa: E402
+from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
 
 
 def test_candidates_are_every_tile_plain_and_flattened_once():
@@ -73,3 +76,18 @@ def test_gemm_wgmma_columns_are_distinct():
     names = [BW._cfg_name(c) for c in BW.CHECKED + BW.DIAG + BW.DIAG_RS]
     assert len(names) == len(set(names)), names
     assert {BW._kind(c) for c in BW.CHECKED} == {"sp", "ws", "rs", "mixed"}
+
+
+@pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
+def test_gemm_wgmma_sass_table(capsys):
+    """``bench/gemm_wgmma_sass.py`` prints one row per register-A config, none with spills or hazards, and the
+    HALVES configs wait with one wgmma group left in flight."""
+    from bench import gemm_wgmma_sass as S
+
+    assert S.main() == 0
+    rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == len(W.RS_CONFIGS) + len(W.MIXED_CONFIGS)
+    for cells, c in zip(rows, W.RS_CONFIGS + W.MIXED_CONFIGS):
+        label, regs, local, instructions, hgmma, waits, bars, hazards = (x.strip() for x in cells)
+        assert label == S.name(c) and local == "0" and hazards == "0" and hgmma == "4"
+        assert waits == ("1,1" if c.get("HALVES") else "0")

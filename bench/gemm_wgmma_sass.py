@@ -1,0 +1,54 @@
+"""Static sm_90 SASS of the register-A Gluon GEMMs' main loops, on a machine without a GPU.
+
+For every config of ``RS_CONFIGS`` and ``MIXED_CONFIGS`` (``fp4compile.kernels.gemm_wgmma``): registers per thread,
+local-memory bytes (spills), the main loop's instructions per warp and K-tile, its HGMMAs, the wgmma waits
+(``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight), its CTA barriers (``BAR.SYNC``), and the writes to
+an in-flight register-A wgmma's operand registers (``offline.wgmma_register_hazards``: must be 0).
+
+    python bench/gemm_wgmma_sass.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
+from fp4compile.kernels.offline import (disassemble, loop_lines, opcode, sass_stats,  # noqa: E402
+                                        wgmma_register_hazards)
+
+
+def name(c: dict) -> str:
+    """A config's label: tile, warps, family and options."""
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}" + (" rs" if c.get("RS") else " mixed")
+            + (" halves" if c.get("HALVES") else "") + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
+
+
+def loop_row(cubin: bytes) -> dict:
+    """The static facts of one cubin's main loop (the first loop holding HGMMAs)."""
+    _, _, regs, local = sass_stats(cubin)
+    body = loop_lines(disassemble(cubin))
+    ops = [opcode(ln) for ln in body]
+    waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln]
+    return dict(regs=regs, local=local, instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in ops),
+                waits=",".join(str(int(w, 16)) for w in waits), bars=sum(o.startswith("BAR.SYNC") for o in ops),
+                hazards=len(wgmma_register_hazards(body)))
+
+
+def main() -> int:
+    if not W.available():
+        print("needs Triton's Gluon (triton.experimental.gluon)")
+        return 1
+    print("| config | registers | local bytes | loop instructions per warp and K-tile | HGMMA | waits (groups left "
+          "in flight) | BAR.SYNC | hazards |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in W.RS_CONFIGS + W.MIXED_CONFIGS:
+        r = loop_row(W.offline_cubin_mixed(c) if c.get("MIXED") else W.offline_cubin(c))
+        print(f"| {name(c)} | {r['regs']} | {r['local']} | {r['instructions']} | {r['hgmma']} | {r['waits']} | "
+              f"{r['bars']} | {r['hazards']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
