@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import functools
 import os
 import warnings
 from typing import Optional
@@ -117,6 +118,8 @@ DQ_IMPLS = ("dequant_cublas", "dq_triton", "dq_splitk")
 SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "1") != "0"
 #: candidates that ``impl="tuned"`` times on the first call of each shape
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk", "mixed")
+#: ``impl="auto"`` picks ``"mixed"`` for the shapes :func:`mixed_wins` names (``FP4COMPILE_GEMM_MIXED=0``: never)
+MIXED_AUTO = os.environ.get("FP4COMPILE_GEMM_MIXED", "1") != "0"
 #: the tile ``impl="mixed"`` uses unless given one (one of :data:`~fp4compile.kernels.gemm_wgmma.MIXED_CONFIGS`)
 MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("HALVES"))
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
@@ -141,6 +144,8 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
     """
     if min(M, N) <= 256:
         return "full"
+    if MIXED_AUTO and mixed_wins(M, N, K):
+        return "mixed"
     if not tma_ok(M, N, K, out_dtype):
         if K >= 4096 and M * N >= 8 * 2 ** 20:
             return "dequant_cublas"
@@ -150,6 +155,24 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
     if K >= 8192 and M * N < 2 ** 22:
         return "dequant_cublas"
     return "dq_triton"
+
+
+def mixed_wins(M: int, N: int, K: int) -> bool:
+    """Where ``"mixed"`` beat ``"dq_triton"`` (the op as registered, B's preparation included; H100, session 73): many
+    rows, a narrow output and K of 768-3072 (the 124M dgrad shapes and the attention projection: 103-133 against
+    120-161 us), where dequantizing A costs ``"dq_triton"`` more than the in-loop decode costs the mixed kernel; it lost
+    on the wide outputs (qkv / fc1 fprop 112-147 against 100-130 us), the squares and the long-K wgrads. Needs Gluon
+    and an sm_90 GPU."""
+    if not (M >= 8192 and N <= 1024 and 768 <= K <= 4096 and K % 64 == 0):
+        return False
+    return _mixed_runs()
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed_runs() -> bool:
+    from .gemm_wgmma import available
+
+    return available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def _check_inputs(a_codes, a_scales, a_global, b_codes, b_scales, b_global, out_dtype):
