@@ -633,3 +633,23 @@ def test_tma_autotune_space_has_one_flattened_tile_and_its_choice_round_trips(tm
     assert G._load_tuned(key) == flattened
     G._store_tuned(key, dict(G.TMA_CONFIGS[2], FLATTEN=True))  # a flattened copy of another tile
     assert G._load_tuned(key) is None
+
+
+def test_auto_picks_the_mixed_gemm_only_where_it_was_measured_faster(monkeypatch):
+    """``choose_impl``'s ``"mixed"`` rule: many rows, an output at most 1,024 wide, K of 768-4,096 in whole 64-wide
+    tiles, and only where the kernel can run (sm_90 + Gluon: :func:`_mixed_runs`) and ``MIXED_AUTO`` is on."""
+    from fp4compile.kernels import gemm as G
+
+    monkeypatch.setattr(G, "_mixed_runs", lambda: True)
+    for M, N, K in [(16384, 768, 768), (16384, 768, 2304), (16384, 768, 3072), (8192, 1024, 4096)]:
+        assert G.mixed_wins(M, N, K) and G.choose_impl(M, N, K) == "mixed", (M, N, K)
+    for M, N, K in [(16384, 2304, 768), (16384, 3072, 768), (4096, 4096, 4096), (768, 768, 16384),
+                    (4096, 768, 768), (16384, 768, 512), (16384, 768, 8192), (16384, 768, 800)]:
+        assert not G.mixed_wins(M, N, K), (M, N, K)
+        assert G.choose_impl(M, N, K) != "mixed", (M, N, K)
+    assert G.choose_impl(16384, 200, 768) == "full"                # skinny problems keep their rule
+    monkeypatch.setattr(G, "MIXED_AUTO", False)
+    assert G.choose_impl(16384, 768, 3072) == "dq_triton"
+    monkeypatch.setattr(G, "MIXED_AUTO", True)
+    monkeypatch.setattr(G, "_mixed_runs", lambda: False)         # no sm_90 GPU or no Gluon: never
+    assert G.choose_impl(16384, 768, 3072) == "dq_triton"
