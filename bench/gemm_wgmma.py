@@ -11,8 +11,11 @@ Checks (each must pass before any time is printed for the kernel):
 
 Timing: ``triton.testing.do_bench_cudagraph`` (GPU time, no launch cost), median, microseconds; ratio = cuBLAS
 BF16 time / time. Columns: ``cuBLAS`` (torch.mm on the exact bf16 operands), ``dq_triton`` (dequantize both
-operands, then the TMA GEMM: the default lowering on these shapes), ``wgmma <cfg>`` per config, ``auto``
-(the op as registered). Sums per training step (12 layers x 12 linear GEMMs for GPT-124M, 16 x 12 for ~1B).
+operands, then the TMA GEMM), ``wgmma <cfg>`` per config, ``auto`` (the op as registered: since session 73 it runs
+the mixed GEMM on the shapes ``kernels.gemm.mixed_wins`` names), and for the mixed configs ``kernel only <cfg>``
+(without B's preparation), ``prepare_b`` (the fused pass) and ``prepare_b gather`` (dequantize, then a gather; the
+benchmark also checks that both give the same bits). Sums per training step (12 layers x 12 linear GEMMs for
+GPT-124M, 16 x 12 for ~1B).
 
     python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs]
         [--json out.json]

@@ -94,7 +94,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on GPU mac
     tl = None
     TensorDescriptor = None
 
-__all__ = ["nvfp4_gemm", "choose_impl", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas",
+__all__ = ["nvfp4_gemm", "choose_impl", "mixed_wins", "dequantize_bf16", "dequantize_pair_bf16", "gemm_dequant_cublas",
            "gemm_dequantized", "gemm_dequant_triton", "bf16_gemm_scaled", "deterministic_configs", "first_that_fits",
            "bf16_gemm_splitk", "splitk_factor",
            "tma_ok", "GEMM_CONFIGS", "HALF_CONFIGS", "HALF_REGA_CONFIGS", "TMA_CONFIGS", "SPLITK_CONFIG",
@@ -139,6 +139,8 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
       (``"dequant_cublas"`` for long K on large outputs, else ``"full"`` / ``"half"``);
     * long contractions on small outputs (K >= 8192 and M*N < 2^22: the wgrad GEMMs of d <= 1024 models,
       K = tokens): ``"dequant_cublas"`` (cuBLAS splits K; 60-165 us vs 103-202 for dq_triton on the 124M wgrads);
+    * many rows and a narrow output (:func:`mixed_wins`, sm_90 with Gluon, :data:`MIXED_AUTO`): ``"mixed"``
+      (the 124M dgrad shapes: 103-133 us against dq_triton's 120-161 on an H100, session 73);
     * otherwise ``"dq_triton"`` (124M fprop/dgrad: 0.67-0.81x cuBLAS BF16 GPU time, vs 0.44-0.49x for
       ``"full"``; 1B linears 0.65-0.82x per call incl. launch cost).
     """

@@ -1,7 +1,9 @@
 """NVFP4 x NVFP4 GEMM for sm_90 written in Gluon: dequantization in the main loop, overlapped with async wgmma.
 
-**Status: correct, and slower than the default lowering; kept as ``impl="wgmma"`` (never chosen by ``"auto"``) as
-the measured answer to "what does in-loop dequantization cost on Hopper".** H200, session 25 (docs/BENCHMARKS.md):
+**Status: correct. The kernels that decode both operands in the loop are slower than the default lowering and are
+kept as ``impl="wgmma"`` (never chosen by ``"auto"``) as the measured answer to "what does in-loop dequantization cost
+on Hopper". The mixed kernel's ``HALVES`` tile is ``impl="mixed"``, which ``"auto"`` runs on many-row, narrow-output
+shapes (``kernels.gemm.mixed_wins``; session 73).** H200, session 25 (docs/BENCHMARKS.md):
 0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the 4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad
 shapes, against 0.64-0.95x for ``"dq_triton"`` (dequantize each operand once, then a BF16 TMA GEMM). The
 warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100:
