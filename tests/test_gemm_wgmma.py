@@ -3,7 +3,9 @@
 CPU: the kernel compiles for sm_90 on this machine (Triton's own ptxas), and its SASS has the structure the design
 relies on: HGMMA (wgmma) instructions, no register spills, and in the main loop the four HGMMAs of a K-tile issued
 before any of the next tile's decode work (HMUL2) -- the property whose absence halved the speed of the first
-version (docs/BENCHMARKS.md, session 25). The argument checks. GPU: exact decode of every code byte x every E4M3
+version (docs/BENCHMARKS.md, session 25); for the register-A kernels, no write to an in-flight wgmma's operand
+registers and the wgmma waits each loop form needs. ``prepare_b``'s fused pass under the interpreter against an
+oracle written here. The argument checks. GPU: exact decode of every code byte x every E4M3
 scale byte through the GEMM, and float64-reference agreement on ragged shapes, for every config.
 """
 from __future__ import annotations
