@@ -97,7 +97,7 @@ from .launch import cdiv, launch, stable_cache_keys
 try:
     import triton
     import triton.language as tl
-    from .dequant import _dequant_tile
+    from .dequant import DEFAULT_DEQUANT, _dequant_tile
 except ImportError:  # pragma: no cover - CPU wheels without Triton
     triton = None
 
@@ -236,16 +236,35 @@ if gluon is not None:
     def _dequant_words(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
         """[ROWS, BLOCK_K/16, 2] code words + [ROWS, BLOCK_K/16] E4M3 bytes -> int32 [ROWS, BLOCK_K/16, 2, 2, 2]:
         the bf16x2 words of q*S*2^-8 of each code word, its codes in the order (0, 2), (4, 6), (1, 3), (5, 7)."""
+        sw = gl.expand_dims(_scale_word(s), 2).broadcast_to(ROWS, BLOCK_K // 16, 2)
+        if DIAG == 1:  # timing diagnostic: no decode ALU work (the code words themselves are stored)
+            return gl.join(gl.join(c, c | sw), gl.join(c, c))
+        return _decode_words(c, sw)                                     # [ROWS, BLK, 2, 2, 2]
+
+    @gluon.jit
+    def _scale_word(s):
+        """E4M3 scale bytes -> int32 words holding bf16(S * 2^118) twice: the bf16x2 multiplier that turns the decode
+        PTX's bit-placed codes (each value times a fixed power of two, see _ASM) into q * S * 2^-8."""
         sf = s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 332306998946228968225951765070086144.0
         sh = sf.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        sw = gl.expand_dims(sh | (sh << 16), 2).broadcast_to(ROWS, BLOCK_K // 16, 2)
-        if DIAG == 1:  # timing diagnostic: no decode ALU work (the code words themselves are stored)
-            o0, o1, o2, o3 = c, c, c | sw, c
-        else:
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
-                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
-        return gl.join(gl.join(o0, o2), gl.join(o1, o3))               # [ROWS, BLK, 2, 2, 2]: o0 o1 o2 o3
+        return sh | (sh << 16)
+
+    @gluon.jit
+    def _decode_words(c, sw):
+        """Code words (8 codes each) and their scale words (:func:`_scale_word`, same shape) -> the bf16x2 words of
+        q * S * 2^-8, as ``c.shape + [2, 2]``: its codes in the order (0, 2), (4, 6), (1, 3), (5, 7)."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        return gl.join(gl.join(o0, o2), gl.join(o1, o3))
+
+    @gluon.jit
+    def _bf16_operand(w, a_op: gl.constexpr, ROWS: gl.constexpr, K: gl.constexpr):
+        """int32 [ROWS, K/2] bf16x2 words -> the bf16 [ROWS, K] wgmma register operand (layout ``a_op``), each word's
+        low half first; the layouts line up, so no data moves."""
+        lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return gl.convert_layout(gl.reshape(gl.join(lo, hi), (ROWS, K)), a_op, assert_trivial=True)
 
     @gluon.jit
     def _dequant(c, s, ROWS: gl.constexpr, BLOCK_K: gl.constexpr, DIAG: gl.constexpr = 0):
@@ -486,11 +505,7 @@ if gluon is not None:
     def _a_decode(c, s, a_op: gl.constexpr, BLOCK_M: gl.constexpr):
         """Code words [BLOCK_M, 4, 2] (layout :func:`_a_code_layout`) and scale bytes [BLOCK_M, 4] (its slice) of a
         64-deep A tile -> the bf16 wgmma operand in registers (layout ``a_op``), K in :func:`_fragment_order`."""
-        w = _fragment_order(_dequant_words(c, s, BLOCK_M, 64), BLOCK_M)
-        lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        a = gl.reshape(gl.join(lo, hi), (BLOCK_M, 64))
-        return gl.convert_layout(a, a_op, assert_trivial=True)
+        return _bf16_operand(_fragment_order(_dequant_words(c, s, BLOCK_M, 64), BLOCK_M), a_op, BLOCK_M, 64)
 
     @gluon.jit
     def _a_decode_half(c, s, a_op: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -498,17 +513,9 @@ if gluon is not None:
         [BLOCK_M, 4] -> the bf16 [BLOCK_M, 32] wgmma operand of K half j of a 64-deep tile (layout ``a_op`` of a
         32-deep product): in :func:`_fragment_order`, word j of every block fills exactly 16-deep steps 2 j, 2 j + 1,
         so half j of the fragment is :func:`_a_decode`'s fragment sliced at K 32 j."""
-        sf = s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 332306998946228968225951765070086144.0
-        sh = sf.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sh | (sh << 16)],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
-        w = gl.join(gl.join(o0, o2), gl.join(o1, o3))                    # [BLOCK_M, 4 (t), 2 (i0), 2 (i1)]
+        w = _decode_words(c, _scale_word(s))                             # [BLOCK_M, 4 (t), 2 (i0), 2 (i1)]
         w = gl.reshape(gl.permute(w, (0, 3, 2, 1)), (BLOCK_M, 16))     # word q = 8 i1 + 4 i0 + t
-        lo = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        hi = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-        a = gl.reshape(gl.join(lo, hi), (BLOCK_M, 32))
-        return gl.convert_layout(a, a_op, assert_trivial=True)
+        return _bf16_operand(w, a_op, BLOCK_M, 32)
 
     @gluon.jit
     def _nvfp4_rs_kernel(a_c, a_s, b_c, b_s, ag_ptr, bg_ptr, out_ptr, M, N, K,
@@ -845,7 +852,7 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
     order the kernel gives A's register fragment); K % 64 == 0. ``fused`` (default): one Triton pass that dequantizes
     and permutes in registers; ``fused=False``: the dequantize pass, then a gather (session 72's form, the tests'
     second statement of the same result)."""
-    from .gemm import DEFAULT_DEQUANT, dequantize_bf16
+    from .gemm import dequantize_bf16
 
     N, K = b_codes.shape[0], 2 * b_codes.shape[1]
     if K % 64:
