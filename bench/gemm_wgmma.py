@@ -17,7 +17,7 @@ the mixed GEMM on the shapes ``kernels.gemm.mixed_wins`` names), and for the mix
 benchmark also checks that both give the same bits). Sums per training step (12 layers x 12 linear GEMMs for
 GPT-124M, 16 x 12 for ~1B).
 
-    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs]
+    python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs,diag_mixed]
         [--json out.json]
 """
 from __future__ import annotations
@@ -48,8 +48,9 @@ def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
-            + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
-            + {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"}[c.get("DIAG", 0)])
+            + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
+            + {0: "", 1: " NODEC" if c.get("MIXED") else " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB",
+               5: " NODEC"}[c.get("DIAG", 0)])
 
 
 #: checked and timed
@@ -60,6 +61,10 @@ DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
 #: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4),
 #: no decode at all (5: the wgmmas, the code staging and the synchronization only)
 DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
+#: the mixed kernel (default HALVES tile and the first SPLIT one) without A's decode in the loop (1: the wgmmas, A's
+#: code loads, the B ring and the synchronization only), timed as "kernel only"
+DIAG_MIXED = [dict(c, DIAG=1) for c in W.MIXED_CONFIGS if c.get("HALVES") and c["BLOCK_N"] == 256
+              and c["BLOCK_M"] == 128][:2]
 
 
 def check_decode_exact(cfg) -> int:
@@ -92,8 +97,8 @@ def main(argv=None):
     ap.add_argument("--only", default="124M,1B,square")
     ap.add_argument("--json", default=None)
     ap.add_argument("--kinds", default="sp,ws,rs,mixed,diag",
-                    help="config families to check and time: sp, ws, rs, mixed (see _kind); diag, diag_rs: the "
-                         "diagnostics")
+                    help="config families to check and time: sp, ws, rs, mixed (see _kind); diag, diag_rs, "
+                         "diag_mixed: the diagnostics")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
     checked = [c for c in CHECKED if _kind(c) in kinds]
@@ -120,10 +125,11 @@ def main(argv=None):
             shapes += [(f"{tag} {n}", m, nn, k) for n, m, nn, k in BG.linear_shapes(d)]
     if "square" in only:
         shapes += [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192)]
-    mixed = [c for c in checked if c.get("MIXED")]
+    mixed = [c for c in checked if c.get("MIXED")] + (DIAG_MIXED if "diag_mixed" in kinds else [])
     cols = (["cuBLAS", "dq_triton"] + [f"wgmma {_cfg_name(c)}" for c in checked] + ["auto"]
             + [f"diag {_cfg_name(c)}" for c in diag] + [f"kernel only {_cfg_name(c)}" for c in mixed]
             + (["prepare_b", "prepare_b gather"] if mixed else []))
+    assert len(set(cols)) == len(cols), cols
     print("| shape | M | N | K | " + " | ".join(cols) + " | best wgmma / cuBLAS | dq_triton / cuBLAS |", flush=True)
     print("|" + "---|" * (len(cols) + 6), flush=True)
     rows = []
@@ -154,7 +160,8 @@ def main(argv=None):
         t["auto"] = us(lambda: torch.ops.fp4compile.gemm(*ops))
         for c in diag:
             t[f"diag {_cfg_name(c)}"] = us(lambda c=c: W.nvfp4_gemm_wgmma(*ops, config=c))
-        if mixed:   # the mixed GEMM without its B preparation (a weight's would be made once per step), and that alone
+        if mixed:   # the mixed GEMM without its B preparation (a weight's would be made once per step), and that alone;
+            # with the diag_mixed configs (results not checked)
             b16p = W.prepare_b(ops[3], ops[4])
             if not torch.equal(b16p, W.prepare_b(ops[3], ops[4], fused=False)):
                 print(f"  WRONG {name}: prepare_b's fused pass differs from dequantize + gather", flush=True)

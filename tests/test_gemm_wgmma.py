@@ -17,7 +17,8 @@ import torch
 
 from fp4compile.formats import nvfp4
 from fp4compile.kernels import gemm_wgmma as W
-from fp4compile.kernels.offline import disassemble, loop_lines, opcode, sass_stats, wgmma_register_hazards
+from fp4compile.kernels.offline import (all_loop_lines, disassemble, loop_lines, opcode, sass_stats,
+                                        wgmma_register_hazards)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
@@ -27,7 +28,8 @@ def _cfg_id(c: dict) -> str:
     """A config's test id: tile and warps, then ``ws`` (warp-specialized), ``rs`` (register-A) or ``mixed``."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
-            + ("halves" if c.get("HALVES") else ""))
+            + ("halves" if c.get("HALVES") else "") + ("split" if c.get("SPLIT") else "")
+            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -163,19 +165,31 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     """The mixed variant: A from registers in every HGMMA, B by TMA (UTMALDG) behind mbarriers, A's code words by
     8-byte global loads in the main loop, one A decode (one bf16x2 multiply per two elements of the warp's rows)
     per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
-    ops, body = _register_a_kernel(W.offline_cubin_mixed(cfg))
+    ops, _ = _register_a_kernel(W.offline_cubin_mixed(cfg))
     assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
-    assert body.count("HGMMA.64") == cfg["BLOCK_K"] // 16
-    assert sum(o.startswith("HMUL2") for o in body) == cfg["BLOCK_M"] * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
-    assert "LDG.E.64" in body
-    assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
-    waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
-             if "WARPGROUP.DEPBAR" in ln]
-    if cfg.get("HALVES"):
-        # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
-        assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
-    else:
-        assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], waits
+    # one main loop, or with SPLIT one per warpgroup partition (the first of which also issues B's TMA loads)
+    loops = all_loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
+    parts = 2 if cfg.get("SPLIT") else 1
+    assert len(loops) == parts
+    rows = cfg["BLOCK_M"] // parts
+    for lines in loops:
+        body = [opcode(ln) for ln in lines]
+        assert wgmma_register_hazards(lines) == []
+        assert body.count("HGMMA.64") == cfg["BLOCK_K"] // 16
+        assert (sum(o.startswith("HMUL2") for o in body)
+                == rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"]))
+        assert "LDG.E.64" in body
+        assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
+        waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
+        if cfg.get("HALVES"):
+            # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
+            assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
+        else:
+            assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], waits
+        if cfg.get("SPLIT"):
+            # no barrier spans both warpgroups: only 128-thread named barriers in the loops
+            bars = [ln.split("BAR.SYNC.DEFER_BLOCKING", 1)[1].strip(" ;") for ln in lines if "BAR.SYNC" in ln]
+            assert bars and all(b.endswith("0x80") for b in bars), bars
 
 
 _PREPARE_SCRIPT = r"""

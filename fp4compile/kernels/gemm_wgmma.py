@@ -153,6 +153,9 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4, HALVES=True),
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, maxnreg=168),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, maxnreg=128),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
 ]
 
 
@@ -602,9 +605,10 @@ if gluon is not None:
             tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_smem.index(s))
 
     @gluon.jit
-    def _mixed_mma_partition(a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
+    def _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
-                             HALVES: gl.constexpr, num_warps: gl.constexpr):
+                             HALVES: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
+                             PRODUCE: gl.constexpr = False):
         """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
         accumulator."""
@@ -639,6 +643,11 @@ if gluon is not None:
             a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
             hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
             hs = s0
+            if PRODUCE:                     # this partition also loads B: the ring's first tiles
+                for i in gl.static_range(B_STAGES):
+                    mbarrier.expect(ready.index(i), b_desc.block_type.nbytes, pred=i < num_k)
+                    tma.async_copy_global_to_shared(b_desc, [off_n, i * 64], ready.index(i), b_smem.index(i),
+                                                    pred=i < num_k)
             for ki in range(num_k):
                 c3 = gl.load(cp + kn * 8)
                 s3 = gl.load(sp + kn * 4)
@@ -651,12 +660,22 @@ if gluon is not None:
                 gl.thread_barrier()
                 sp_prev = (ki + B_STAGES - 1) % B_STAGES
                 mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
-                a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
+                if DIAG != 1:                # timing diagnostic 1 (results invalid): no decode in the loop
+                    a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
                 acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
                 # retires this tile's first wgmma: a0's registers are free for the next tile's first half
                 acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
                 n0, n1 = gl.split(c1)
-                a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
+                if DIAG != 1:
+                    a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
+                if PRODUCE:
+                    # refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released it
+                    # (each arrived above; the other one normally did so while this one decoded)
+                    refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
+                    mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
+                    mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
+                    tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
+                                                    b_smem.index(sp_prev), pred=refill)
                 hi = n1
                 hs = s1
                 c1 = c2
@@ -695,12 +714,26 @@ if gluon is not None:
         return (acc,)
 
     @gluon.jit
+    def _mixed_consumer(a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m, off_n, M, N, num_k,
+                        stride_aw, stride_as, stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
+        """One warpgroup's ``ROWS`` x ``BLOCK_N`` part of a ``SPLIT`` tile: its K loop on the shared B ring
+        (:func:`_mixed_mma_partition`, ``HALVES``) and its own epilogue."""
+        acc = _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
+                                   stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG)[0]
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32, num_warps,
+                  256.0)
+
+    @gluon.jit
     def _nvfp4_mixed_kernel(a_c, a_s, b_desc, ag_ptr, bg_ptr, out_ptr, M, N, K, stride_aw, stride_as, stride_om,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
-                            HALVES: gl.constexpr, num_warps: gl.constexpr):
+                            HALVES: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = False,
+                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
-        bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor."""
+        bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
+        halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
+        release its slots independently (``empty`` counts two arrivals), so no barrier spans both warpgroups."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         num_k = K // BLOCK_K
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [B_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -708,16 +741,28 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(B_STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        res = gl.warp_specialize([
-            (_mixed_mma_partition, (a_c, a_s, b_smem, ready, empty, off_m, M, num_k, stride_aw, stride_as,
-                                    BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps)),
-            (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
-        ], [1], [40])
-        acc = res[0]
-        # A's values are q * S * 2^-8, B's q * S: 2^8 undoes the one power of two
-        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32, num_warps,
-                  256.0)
+            mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
+        if SPLIT:
+            ROWS: gl.constexpr = BLOCK_M // 2
+            res = gl.warp_specialize([
+                (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
+                                        stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, True)),
+                (_mixed_consumer, (a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m + ROWS,
+                                   off_n, M, N, num_k, stride_aw, stride_as, stride_om, ROWS, BLOCK_N, B_STAGES,
+                                   OUT_FP32, DIAG, num_warps)),
+            ], [num_warps], [CONSUMER_REGS])
+            _epilogue(res[0], ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
+                      num_warps, 256.0)
+        else:
+            res = gl.warp_specialize([
+                (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
+                                        stride_as, BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps, DIAG)),
+                (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
+            ], [1], [40])
+            acc = res[0]
+            # A's values are q * S * 2^-8, B's q * S: 2^8 undoes the one power of two
+            _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, BLOCK_M, BLOCK_N, OUT_FP32,
+                      num_warps, 256.0)
 
     @gluon.constexpr_function
     def _epilogue_layout(block_n, out_fp32, num_warps):
@@ -740,9 +785,12 @@ def _check_config(cfg: dict) -> None:
     bm, bk, nw = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["num_warps"]
     if bk != 64:
         raise ValueError(f"impl='wgmma' tiles are 64 deep in K (one scale word per row and tile), got BLOCK_K={bk}")
-    if (cfg.get("RS") or cfg.get("MIXED")) and bm != 16 * nw:
-        raise ValueError(f"a register-A config needs BLOCK_M = 16 * num_warps (16 rows per warp), got {bm} rows "
-                         f"and {nw} warps")
+    parts = 2 if cfg.get("SPLIT") else 1
+    if (cfg.get("RS") or cfg.get("MIXED")) and bm != 16 * nw * parts:
+        raise ValueError(f"a register-A config needs BLOCK_M = 16 * num_warps (16 rows per warp; twice that for "
+                         f"SPLIT), got {bm} rows and {nw} warps")
+    if cfg.get("SPLIT") and not (cfg.get("MIXED") and cfg.get("HALVES")):
+        raise ValueError("SPLIT is an option of the MIXED HALVES configs")
 
 
 def _kernel_of(cfg: dict):
@@ -877,6 +925,12 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
     return out
 
 
+def _mixed_constexprs(cfg: dict) -> dict:
+    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count) and the
+    timing diagnostic ``DIAG``."""
+    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0))
+
+
 def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 (codes ``[M, K/2]``, E4M3 bytes ``[M, K/16]``) decoded
@@ -909,7 +963,7 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     _nvfp4_mixed_kernel[grid](a_codes, a_scales, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
                               a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                               OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
-                              HALVES=bool(cfg.get("HALVES")), num_warps=nw,
+                              HALVES=bool(cfg.get("HALVES")), num_warps=nw, **_mixed_constexprs(cfg),
                               **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return out
 
@@ -927,7 +981,7 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
                stride_om="i32")
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
                  OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], HALVES=bool(cfg.get("HALVES")),
-                 num_warps=cfg["num_warps"])
+                 num_warps=cfg["num_warps"], **_mixed_constexprs(cfg))
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
                            divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"],

@@ -123,6 +123,19 @@ def loop_lines(sass: str, containing: str = "HGMMA") -> list:
     raise ValueError(f"no loop containing {containing} found")
 
 
+def all_loop_lines(sass: str, containing: str = "HGMMA") -> list:
+    """:func:`loop_lines` of every loop in ``sass`` holding an opcode starting with ``containing``, in code order: each
+    search starts after the previous loop's backward branch (e.g. one main loop per warp-specialized partition)."""
+    loops, rest = [], sass
+    while True:
+        try:
+            body = loop_lines(rest, containing)
+        except ValueError:
+            return loops
+        loops.append(body)
+        rest = rest[rest.index(body[-1]) + len(body[-1]):]
+
+
 def _written_registers(opcode: str, operands: str) -> list:
     """General registers an instruction writes: its first operand when that is one (stores, branches, barriers and
     predicate-only results write none), 2 or 4 of them for 64-/128-bit and wide results."""
