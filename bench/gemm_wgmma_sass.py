@@ -2,7 +2,7 @@
 
 For every config of ``RS_CONFIGS`` and ``MIXED_CONFIGS`` (``fp4compile.kernels.gemm_wgmma``): registers per thread,
 local-memory bytes (spills), the main loop's instructions per warp and K-tile, its HGMMAs, the wgmma waits
-(``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight), its CTA barriers (``BAR.SYNC``), and the writes to
+(``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight), its CTA barriers (``BAR.SYNC``; with ``SPLIT``, 128-thread named barriers of one warpgroup), and the writes to
 an in-flight register-A wgmma's operand registers (``offline.wgmma_register_hazards``: must be 0).
 
     python bench/gemm_wgmma_sass.py
@@ -15,25 +15,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4compile.kernels import gemm_wgmma as W  # noqa: E402
-from fp4compile.kernels.offline import (disassemble, loop_lines, opcode, sass_stats,  # noqa: E402
+from fp4compile.kernels.offline import (all_loop_lines, disassemble, opcode, sass_stats,  # noqa: E402
                                         wgmma_register_hazards)
 
 
 def name(c: dict) -> str:
     """A config's label: tile, warps, family and options."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}" + (" rs" if c.get("RS") else " mixed")
-            + (" halves" if c.get("HALVES") else "") + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
+            + (" halves" if c.get("HALVES") else "") + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "")
+            + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
 
 
-def loop_row(cubin: bytes) -> dict:
-    """The static facts of one cubin's main loop (the first loop holding HGMMAs)."""
+def loop_rows(cubin: bytes) -> list:
+    """The static facts of each main loop of one cubin (every loop holding HGMMAs: one, or one per partition of a
+    ``SPLIT`` config, the first of which also issues B's TMA loads)."""
     _, _, regs, local = sass_stats(cubin)
-    body = loop_lines(disassemble(cubin))
-    ops = [opcode(ln) for ln in body]
-    waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln]
-    return dict(regs=regs, local=local, instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in ops),
-                waits=",".join(str(int(w, 16)) for w in waits), bars=sum(o.startswith("BAR.SYNC") for o in ops),
-                hazards=len(wgmma_register_hazards(body)))
+    rows = []
+    for body in all_loop_lines(disassemble(cubin)):
+        ops = [opcode(ln) for ln in body]
+        waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln]
+        rows.append(dict(regs=regs, local=local, instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in ops),
+                         waits=",".join(str(int(w, 16)) for w in waits),
+                         bars=sum(o.startswith("BAR.SYNC") for o in ops), hazards=len(wgmma_register_hazards(body)),
+                         tma=any(o.startswith("UTMALDG") for o in ops)))
+    return rows
 
 
 def main() -> int:
@@ -44,9 +49,11 @@ def main() -> int:
           "in flight) | BAR.SYNC | hazards |")
     print("|---|---|---|---|---|---|---|---|")
     for c in W.RS_CONFIGS + W.MIXED_CONFIGS:
-        r = loop_row(W.offline_cubin_mixed(c) if c.get("MIXED") else W.offline_cubin(c))
-        print(f"| {name(c)} | {r['regs']} | {r['local']} | {r['instructions']} | {r['hgmma']} | {r['waits']} | "
-              f"{r['bars']} | {r['hazards']} |", flush=True)
+        rows = loop_rows(W.offline_cubin_mixed(c) if c.get("MIXED") else W.offline_cubin(c))
+        for r in rows:
+            part = (" (with B's TMA loads)" if r["tma"] else " (the other warpgroup)") if len(rows) > 1 else ""
+            print(f"| {name(c)}{part} | {r['regs']} | {r['local']} | {r['instructions']} | {r['hgmma']} | "
+                  f"{r['waits']} | {r['bars']} | {r['hazards']} |", flush=True)
     return 0
 
 

@@ -86,8 +86,12 @@ def test_gemm_wgmma_sass_table(capsys):
 
     assert S.main() == 0
     rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines()[2:]]
-    assert len(rows) == len(W.RS_CONFIGS) + len(W.MIXED_CONFIGS)
-    for cells, c in zip(rows, W.RS_CONFIGS + W.MIXED_CONFIGS):
+    # one row per main loop: a SPLIT config has one per warpgroup partition, one of which issues B's TMA loads
+    expected = [(c, part) for c in W.RS_CONFIGS + W.MIXED_CONFIGS
+                for part in ((" (the other warpgroup)", " (with B's TMA loads)") if c.get("SPLIT") else ("",))]
+    assert len(rows) == len(expected)
+    assert sorted(r[0].strip() for r in rows) == sorted(S.name(c) + part for c, part in expected)
+    for cells, (c, _) in zip(rows, expected):
         label, regs, local, instructions, hgmma, waits, bars, hazards = (x.strip() for x in cells)
-        assert label == S.name(c) and local == "0" and hazards == "0" and hgmma == "4"
+        assert label.startswith(S.name(c)) and local == "0" and hazards == "0" and hgmma == "4"
         assert waits == ("1,1" if c.get("HALVES") else "0")
