@@ -38,6 +38,16 @@ the registers of a retired wgmma (``offline.wgmma_register_hazards`` passes, two
 The 64-row ``HALVES`` configs run one warpgroup per CTA under a register cap (``maxnreg``) so that two or three CTAs
 share an SM, and no CTA-wide barrier couples two warpgroups.
 
+The ``SPLIT`` configs (session 74) keep the 128-row tile (one B ring for both warpgroups, so B crosses L2 once per
+tile) but make each warpgroup its own warp-specialized partition: each releases a B slot by its own arrival on the
+slot's ``empty`` barrier (initialized to count two), so the loop has no CTA-wide barrier (the default form has three
+per K-tile: the one before the release and two that Triton's shared-memory analysis puts around the mbarrier
+operations), only 128-thread named barriers inside each warpgroup. The first partition also issues B's TMA loads (a
+slot is refilled once both warpgroups have released it) instead of a separate loader warp: with a loader warp the
+kernel has 384 threads (the loader's warp is padded to a warpgroup), ptxas compiles it under 65,536 / 384 = 168
+registers, and an epilogue inside a partition then makes ptxas serialize the wgmmas ("insufficient register
+resources"); with two partitions of 128 threads it compiles under 256 (255 used, no spills).
+
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
 same exact BF16 operand values ``q * S * 2^-8`` (the shift/mask PTX of :mod:`fp4compile.kernels.dequant`), so the
@@ -145,7 +155,9 @@ RS_CONFIGS = [
 #: ``num_warps`` wgmma warps (BLOCK_M = 16 * num_warps), B a bf16 TMA ring of ``B_STAGES`` tiles fed by one loader warp.
 #: The 128 x 128 tile is slower than the 128 x 256 one except on the 124M wgrad shapes (session 72). ``HALVES``: two
 #: 32-deep wgmmas per K-tile with one always in flight (see the module docstring; session 73); ``maxnreg``: the
-#: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM).
+#: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM). ``SPLIT``
+#: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
+#: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -611,7 +623,9 @@ if gluon is not None:
                              PRODUCE: gl.constexpr = False):
         """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
-        accumulator."""
+        accumulator. ``PRODUCE`` (``SPLIT``): this partition also loads B by TMA (K-tiles 64 deep), the ring's first
+        ``B_STAGES`` tiles before the loop and, in iteration ki, tile ki - 1 + B_STAGES into tile ki - 1's slot once
+        every partition has released it. ``DIAG`` 1: timing only, no A decode in the loop (results invalid)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
