@@ -79,6 +79,13 @@ def test_supports_and_argument_checks():
     with pytest.raises(ValueError, match="MIXED_CONFIGS"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
                            config=W.RS_CONFIGS[0])
+    split = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT"))
+    with pytest.raises(ValueError, match="twice that for SPLIT"):     # two warpgroups of 64 rows: 128 at 4 warps
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(split, num_warps=8))
+    with pytest.raises(ValueError, match="SPLIT is an option of the MIXED HALVES"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(split, HALVES=False))
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
 
