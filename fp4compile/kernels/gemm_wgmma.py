@@ -161,7 +161,7 @@ RS_CONFIGS = [
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4, HALVES=True),
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, maxnreg=168),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, maxnreg=128),
