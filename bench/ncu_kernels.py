@@ -21,7 +21,8 @@ which reaches 0.88 of copy bandwidth: the reference point), ``qadamw`` / ``adamw
 parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (the 124M step's fc1 and fc2 forward
 GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3), ``gemm_inloop`` (the Gluon
 GEMMs that decode NVFP4 in their main loop, warp-specialized, software-pipelined and register-A, beside cuBLAS BF16
-at 4096^3; issue 3). ``--summarize`` prints, per
+at 4096^3; issue 3), ``gemm_mixed`` (the mixed GEMM's kernel with and without A's decode, and cuBLAS, at the 124M
+qkv.dgrad shape; issue 3). ``--summarize`` prints, per
 profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
 raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
 
@@ -144,6 +145,31 @@ def _gemm_inloop():
     return step
 
 
+def _gemm_mixed():
+    """The mixed GEMM's kernel alone (A decoded in registers, B prepared bf16) at the 124M qkv.dgrad shape
+    (16384, 768, 2304; issue 3): the default ``HALVES`` tile, the same without A's decode (``DIAG`` 1, timing only),
+    the first ``SPLIT`` tile, then cuBLAS BF16 on bf16 operands of the same shape, the baseline."""
+    import torch
+
+    from fp4compile.formats import nvfp4
+    from fp4compile.kernels import gemm_wgmma as W
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qa = nvfp4.quantize(torch.randn(16384, 2304, device="cuda", generator=g))
+    qb = nvfp4.quantize(torch.randn(768, 2304, device="cuda", generator=g))
+    b16p = W.prepare_b(qb.codes, qb.scales.view(torch.uint8))
+    a16, b16 = qa.dequantize(), qb.dequantize()
+    halves = next(c for c in W.MIXED_CONFIGS if c.get("HALVES"))
+    split = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT"))
+
+    def step():
+        for cfg in (halves, dict(halves, DIAG=1), split):
+            W.nvfp4_gemm_mixed(qa.codes, qa.scales.view(torch.uint8), qa.global_scale, b16p, qb.global_scale,
+                               config=cfg)
+        torch.mm(a16, b16.t())
+    return step
+
+
 #: workload name -> a function returning the no-argument callable that is profiled
 WORKLOADS = {
     "attn_paper": lambda: _attn("paper"),
@@ -154,6 +180,7 @@ WORKLOADS = {
     "adamw": lambda: _optimizer("adamw"),
     "gemm124": _gemm,
     "gemm_inloop": _gemm_inloop,
+    "gemm_mixed": _gemm_mixed,
 }
 
 
