@@ -617,6 +617,50 @@ if gluon is not None:
             tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_smem.index(s))
 
     @gluon.jit
+    def _halves_tile(ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
+                     num_k, a_h: gl.constexpr, BLOCK_M: gl.constexpr, B_STAGES: gl.constexpr, DIAG: gl.constexpr,
+                     PRODUCE: gl.constexpr):
+        """K-tile ``ki`` of the ``HALVES`` loop of :func:`_mixed_mma_partition`: its two 32-deep wgmmas on ``a0``,
+        ``a1`` (one always in flight), the decode of its half 1 and of the next tile's half 0 (from ``c1``), the
+        release of the previous tile's B slot (and with ``PRODUCE`` its refill), and the load of tile ``kn``'s code
+        words. Returns the carried state, code words moved down one tile."""
+        s = ki % B_STAGES
+        mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
+        b_t = b_smem.index(s)
+        acc = warpgroup_mma(a0, b_t.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+        # retires the previous tile's second wgmma: a1's registers and that tile's B slot are free
+        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+        gl.thread_barrier()
+        sp_prev = (ki + B_STAGES - 1) % B_STAGES
+        mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
+        if DIAG != 1:                # timing diagnostic 1 (results invalid): no decode in the loop
+            a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
+        acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+        # retires this tile's first wgmma: a0's registers are free for the next tile's first half
+        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+        n0, n1 = gl.split(c1)
+        if DIAG != 1:
+            a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
+        if PRODUCE:
+            # refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released it
+            # (each arrived above; the other one normally did so while this one decoded)
+            refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
+            mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
+            mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
+            tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
+                                            b_smem.index(sp_prev), pred=refill)
+        hi = n1
+        hs = s1
+        c1 = c2
+        s1 = s2
+        c2 = c3
+        s2 = s3
+        c3 = gl.load(cp + kn * 8)
+        s3 = gl.load(sp + kn * 4)
+        kn = gl.where(kn == num_k - 1, 0, kn + 1)
+        return acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn
+
+    @gluon.jit
     def _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
                              HALVES: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
@@ -657,46 +701,28 @@ if gluon is not None:
             a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
             hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
             hs = s0
+            # the code words of tile 3 too: each iteration loads its tile ki + 4 last, after the carried words have
+            # moved down (c1 <- c2 <- c3), so that ptxas can load straight into c3's registers; a load at the top of
+            # the loop left moves at its bottom that waited for that same load (long-scoreboard stalls, ncu)
+            c3 = gl.load(cp + (3 % num_k) * 8)
+            s3 = gl.load(sp + (3 % num_k) * 4)
+            kn = 4 % num_k
             if PRODUCE:                     # this partition also loads B: the ring's first tiles
                 for i in gl.static_range(B_STAGES):
                     mbarrier.expect(ready.index(i), b_desc.block_type.nbytes, pred=i < num_k)
                     tma.async_copy_global_to_shared(b_desc, [off_n, i * 64], ready.index(i), b_smem.index(i),
                                                     pred=i < num_k)
-            for ki in range(num_k):
-                c3 = gl.load(cp + kn * 8)
-                s3 = gl.load(sp + kn * 4)
-                s = ki % B_STAGES
-                mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
-                b_t = b_smem.index(s)
-                acc = warpgroup_mma(a0, b_t.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
-                # retires the previous tile's second wgmma: a1's registers and that tile's B slot are free
-                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
-                gl.thread_barrier()
-                sp_prev = (ki + B_STAGES - 1) % B_STAGES
-                mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
-                if DIAG != 1:                # timing diagnostic 1 (results invalid): no decode in the loop
-                    a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
-                acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
-                # retires this tile's first wgmma: a0's registers are free for the next tile's first half
-                acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
-                n0, n1 = gl.split(c1)
-                if DIAG != 1:
-                    a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
-                if PRODUCE:
-                    # refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released it
-                    # (each arrived above; the other one normally did so while this one decoded)
-                    refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
-                    mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
-                    mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
-                    tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
-                                                    b_smem.index(sp_prev), pred=refill)
-                hi = n1
-                hs = s1
-                c1 = c2
-                s1 = s2
-                c2 = c3
-                s2 = s3
-                kn = gl.where(kn == num_k - 1, zero, kn + 1)
+            # unrolled by 3, the code words' prefetch depth: c1 <- c2 <- c3 <- load is then a renaming, not moves
+            # that ptxas put after a hoisted load and that waited for it (long-scoreboard stalls, session 74)
+            for kb in range(num_k // 3):
+                for u in gl.static_range(3):
+                    acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn = _halves_tile(
+                        kb * 3 + u, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready,
+                        empty, off_n, num_k, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
+            for ki in range(num_k // 3 * 3, num_k):
+                acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn = _halves_tile(
+                    ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
+                    num_k, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
             gl.thread_barrier()
             mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
