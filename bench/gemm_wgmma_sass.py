@@ -33,8 +33,10 @@ def loop_rows(cubin: bytes) -> list:
     rows = []
     for body in all_loop_lines(disassemble(cubin)):
         ops = [opcode(ln) for ln in body]
-        waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln]
-        rows.append(dict(regs=regs, local=local, instructions=len(body), hgmma=sum(o.startswith("HGMMA") for o in ops),
+        waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln][:2]
+        hgmma = sum(o.startswith("HGMMA") for o in ops)
+        tiles = max(1, hgmma // 4)            # 64-deep K-tiles per loop trip (a HALVES loop is unrolled by 3)
+        rows.append(dict(regs=regs, local=local, instructions=len(body) // tiles, hgmma=hgmma // tiles, tiles=tiles,
                          waits=",".join(str(int(w, 16)) for w in waits),
                          bars=sum(o.startswith("BAR.SYNC") for o in ops), hazards=len(wgmma_register_hazards(body)),
                          tma=any(o.startswith("UTMALDG") for o in ops)))
@@ -51,9 +53,10 @@ def main() -> int:
     for c in W.RS_CONFIGS + W.MIXED_CONFIGS:
         rows = loop_rows(W.offline_cubin_mixed(c) if c.get("MIXED") else W.offline_cubin(c))
         for r in rows:
-            part = (" (with B's TMA loads)" if r["tma"] else " (the other warpgroup)") if len(rows) > 1 else ""
+            part = ((" (with B's TMA loads)" if r["tma"] else " (the other warpgroup)") if c.get("SPLIT") else "")
+            part += f", {r['tiles']} K-tiles a trip" if c.get("HALVES") else ""
             print(f"| {name(c)}{part} | {r['regs']} | {r['local']} | {r['instructions']} | {r['hgmma']} | "
-                  f"{r['waits']} | {r['bars']} | {r['hazards']} |", flush=True)
+                  f"{r['waits']} | {r['bars'] / r['tiles']:g} | {r['hazards']} |", flush=True)
     return 0
 
 

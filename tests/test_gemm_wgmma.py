@@ -174,29 +174,34 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
     ops, _ = _register_a_kernel(W.offline_cubin_mixed(cfg))
     assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
-    # one main loop, or with SPLIT one per warpgroup partition (the first of which also issues B's TMA loads)
+    # one main loop per warpgroup partition (two with SPLIT, the first of which also issues B's TMA loads); a HALVES
+    # loop is unrolled by 3 K-tiles (the code words' prefetch depth) and followed by a remainder loop of one K-tile
     loops = all_loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
     parts = 2 if cfg.get("SPLIT") else 1
-    assert len(loops) == parts
+    unroll = 3 if cfg.get("HALVES") else 1
+    assert len(loops) == parts * (2 if cfg.get("HALVES") else 1)
     rows = cfg["BLOCK_M"] // parts
+    tile_counts = []
     for lines in loops:
         body = [opcode(ln) for ln in lines]
         assert wgmma_register_hazards(lines) == []
-        assert body.count("HGMMA.64") == cfg["BLOCK_K"] // 16
-        assert (sum(o.startswith("HMUL2") for o in body)
-                == rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"]))
+        tiles = body.count("HGMMA.64") // (cfg["BLOCK_K"] // 16)
+        tile_counts.append(tiles)
+        assert body.count("HGMMA.64") == tiles * cfg["BLOCK_K"] // 16
+        assert sum(o.startswith("HMUL2") for o in body) == tiles * rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
         assert "LDG.E.64" in body
         assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
         waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
         if cfg.get("HALVES"):
             # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
-            assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
+            assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2 * tiles, waits
         else:
             assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], waits
         if cfg.get("SPLIT"):
             # no barrier spans both warpgroups: only 128-thread named barriers in the loops
             bars = [ln.split("BAR.SYNC.DEFER_BLOCKING", 1)[1].strip(" ;") for ln in lines if "BAR.SYNC" in ln]
             assert bars and all(b.endswith("0x80") for b in bars), bars
+    assert sorted(tile_counts) == sorted([unroll, 1] * parts if unroll > 1 else [1] * parts)
 
 
 _PREPARE_SCRIPT = r"""
