@@ -2,8 +2,10 @@
 
 For every config of ``RS_CONFIGS`` and ``MIXED_CONFIGS`` (``fp4compile.kernels.gemm_wgmma``): registers per thread,
 local-memory bytes (spills), the main loop's instructions per warp and K-tile, its HGMMAs, the wgmma waits
-(``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight), its CTA barriers (``BAR.SYNC``; with ``SPLIT``, 128-thread named barriers of one warpgroup), and the writes to
-an in-flight register-A wgmma's operand registers (``offline.wgmma_register_hazards``: must be 0).
+(``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight), its barriers per K-tile (``BAR.SYNC``: CTA-wide,
+or with ``SPLIT`` 128-thread named barriers of one warpgroup), and the writes to an in-flight register-A wgmma's
+operand registers (``offline.wgmma_register_hazards``: must be 0). One row per main loop: a ``HALVES`` loop is
+unrolled by three K-tiles and followed by a one-tile remainder loop, and a ``SPLIT`` config has both per partition.
 
     python bench/gemm_wgmma_sass.py
 """

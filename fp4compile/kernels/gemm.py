@@ -43,8 +43,8 @@ SASS analysis of each are in docs/BENCHMARKS.md ## GEMM):
   (0.15-0.55x cuBLAS vs 0.3-0.95x, session 25): never picked by ``"auto"``; the module says why.
 * ``"mixed"`` (:func:`fp4compile.kernels.gemm_wgmma.nvfp4_gemm_mixed`, Gluon): B dequantized once to bf16 in the
   wgmma's K order (:func:`~fp4compile.kernels.gemm_wgmma.prepare_b`), A decoded in the main loop straight into
-  the wgmma's register fragment, one 32-deep wgmma always in flight (:data:`MIXED_DEFAULT`'s config unless
-  ``config`` names one of ``MIXED_CONFIGS``). CUDA, K % 64 == 0.
+  the wgmma's register fragment, one 32-deep wgmma always in flight, the tile's two warpgroups as two
+  partitions (:data:`MIXED_DEFAULT`'s config unless ``config`` names one of ``MIXED_CONFIGS``). CUDA, K % 64 == 0.
 * ``"auto"``: one of the above per shape (:func:`choose_impl`).
 * ``"tuned"``: the fastest of :data:`TUNED_CANDIDATES`, timed on the first call of each shape (a
   measurement tool; choices in :data:`TUNED_CHOICES`).
@@ -120,8 +120,10 @@ SCALE_CAST = os.environ.get("FP4COMPILE_SCALE_CAST", "1") != "0"
 TUNED_CANDIDATES = ("full", "dequant_cublas", "dq_triton", "dq_splitk", "mixed")
 #: ``impl="auto"`` picks ``"mixed"`` for the shapes :func:`mixed_wins` names (``FP4COMPILE_GEMM_MIXED=0``: never)
 MIXED_AUTO = os.environ.get("FP4COMPILE_GEMM_MIXED", "1") != "0"
-#: the tile ``impl="mixed"`` uses unless given one (one of :data:`~fp4compile.kernels.gemm_wgmma.MIXED_CONFIGS`)
-MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("HALVES"))
+#: the tile ``impl="mixed"`` uses unless given one (one of :data:`~fp4compile.kernels.gemm_wgmma.MIXED_CONFIGS`): the
+#: 128 x 256 ``SPLIT`` tile with a 4-slot B ring, on the 124M dgrad shapes that ``auto`` sends here 2-5 % faster than
+#: the one-partition ``HALVES`` tile in two runs (H100, session 74)
+MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4)
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
 TUNED_CHOICES: dict = {}
 
@@ -162,9 +164,9 @@ def choose_impl(M: int, N: int, K: int, out_dtype=torch.bfloat16) -> str:
 def mixed_wins(M: int, N: int, K: int) -> bool:
     """Where ``"mixed"`` beat ``"dq_triton"`` (the op as registered, B's preparation included; H100, session 73): many
     rows, a narrow output and K of 768-3072 (the 124M dgrad shapes and the attention projection: 103-133 against
-    120-161 us), where dequantizing A costs ``"dq_triton"`` more than the in-loop decode costs the mixed kernel; it lost
-    on the wide outputs (qkv / fc1 fprop 112-147 against 100-130 us), the squares and the long-K wgrads. Needs Gluon
-    and an sm_90 GPU."""
+    120-161 us; with session 74's default tile 94, 38 and 123 us against 121, 45 and 159), where dequantizing A costs
+    ``"dq_triton"`` more than the in-loop decode costs the mixed kernel; it lost on the wide outputs (qkv / fc1 fprop
+    112-147 against 100-130 us), the squares and the long-K wgrads. Needs Gluon and an sm_90 GPU."""
     if not (M >= 8192 and N <= 1024 and 768 <= K <= 4096 and K % 64 == 0):
         return False
     return _mixed_runs()

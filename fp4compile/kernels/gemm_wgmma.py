@@ -2,11 +2,11 @@
 
 **Status: correct. The kernels that decode both operands in the loop are slower than the default lowering and are
 kept as ``impl="wgmma"`` (never chosen by ``"auto"``) as the measured answer to "what does in-loop dequantization cost
-on Hopper". The mixed kernel's ``HALVES`` tile is ``impl="mixed"``, which ``"auto"`` runs on many-row, narrow-output
-shapes (``kernels.gemm.mixed_wins``; session 73).** H200, session 25 (docs/BENCHMARKS.md):
-0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the 4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad
-shapes, against 0.64-0.95x for ``"dq_triton"`` (dequantize each operand once, then a BF16 TMA GEMM). The
-warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100:
+on Hopper". The mixed kernel's 128 x 256 ``SPLIT`` tile (its ``HALVES`` loop in two partitions) is
+``impl="mixed"``, which ``"auto"`` runs on many-row, narrow-output shapes (``kernels.gemm.mixed_wins``; sessions 73,
+74).** H200, session 25 (docs/BENCHMARKS.md): 0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the
+4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad shapes, against 0.64-0.95x for ``"dq_triton"``
+(dequantize each operand once, then a BF16 TMA GEMM). The warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100:
 0.48x at 8192^3, 0.40-0.47x on the 124M fprop/dgrad shapes. Its eight decode warps (all the register file leaves
 beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per millisecond on the whole GPU, 30 % of
 what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
@@ -47,6 +47,15 @@ slot is refilled once both warpgroups have released it) instead of a separate lo
 kernel has 384 threads (the loader's warp is padded to a warpgroup), ptxas compiles it under 65,536 / 384 = 168
 registers, and an epilogue inside a partition then makes ptxas serialize the wgmmas ("insufficient register
 resources"); with two partitions of 128 threads it compiles under 256 (255 used, no spills).
+
+What the in-loop decode costs (session 74, H100): the same kernels with A's decode taken out of the loop (timing
+diagnostic ``DIAG`` 1) run at 0.85-1.06x cuBLAS BF16 on the 124M fprop/dgrad shapes and the squares, so the loop's
+structure (TMA ring, mbarriers, waits, barriers) is not what separates this kernel from cuBLAS; A's decode is. Nsight
+Compute put long-scoreboard waits first among the stalls: ptxas hoisted each K-tile's code-word loads and then had to
+move the loaded registers down the three-tile prefetch chain at the bottom of the same trip, waiting for the load.
+The ``HALVES`` loop is therefore unrolled by three K-tiles (:func:`_halves_tile` called three times, so the chain is
+a renaming; a one-tile loop takes the remainder): 140 instead of 195 instructions per K-tile and warp, and 2-6 % off
+the dgrad shapes' time.
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -161,7 +170,7 @@ RS_CONFIGS = [
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=False),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4, HALVES=True),
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, maxnreg=168),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, maxnreg=128),
