@@ -6,8 +6,9 @@ on Hopper". The mixed kernel's 128 x 256 ``SPLIT`` tile (its ``HALVES`` loop in 
 ``impl="mixed"``, which ``"auto"`` runs on many-row, narrow-output shapes (``kernels.gemm.mixed_wins``; sessions 73,
 74).** H200, session 25 (docs/BENCHMARKS.md): 0.47-0.55x cuBLAS BF16 on the 124M fprop/dgrad shapes and the
 4096^3 / 8192^3 squares, 0.15-0.37x on the 124M wgrad shapes, against 0.64-0.95x for ``"dq_triton"``
-(dequantize each operand once, then a BF16 TMA GEMM). The warp-specialized variant (:data:`WS_CONFIGS`, :func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100:
-0.48x at 8192^3, 0.40-0.47x on the 124M fprop/dgrad shapes. Its eight decode warps (all the register file leaves
+(dequantize each operand once, then a BF16 TMA GEMM). The warp-specialized variant (:data:`WS_CONFIGS`,
+:func:`_nvfp4_ws_kernel`, session 71) measured the same on an H100: 0.48x at 8192^3, 0.40-0.47x on the 124M
+fprop/dgrad shapes. Its eight decode warps (all the register file leaves
 beside the wgmma warpgroup's 128 x 128 accumulator) decode 2.8 G elements per millisecond on the whole GPU, 30 % of
 what the SM's issue rate allows at full occupancy (``bench/decode_rate.py``: 9.1), where full speed at 128 x 128
 tiles needs 6.2. The register-A variant (:data:`RS_CONFIGS`, :func:`_nvfp4_rs_kernel`, session 72) decodes A straight
