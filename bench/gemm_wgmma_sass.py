@@ -56,9 +56,9 @@ def main() -> int:
         rows = loop_rows(W.offline_cubin_mixed(c) if c.get("MIXED") else W.offline_cubin(c))
         for r in rows:
             part = ((" (with B's TMA loads)" if r["tma"] else " (the other warpgroup)") if c.get("SPLIT") else "")
-            part += f", {r['tiles']} K-tiles a trip" if c.get("HALVES") else ""
+            part += (f", {r['tiles']} K-tile{'s' if r['tiles'] > 1 else ''} a trip") if c.get("HALVES") else ""
             print(f"| {name(c)}{part} | {r['regs']} | {r['local']} | {r['instructions']} | {r['hgmma']} | "
-                  f"{r['waits']} | {r['bars'] / r['tiles']:g} | {r['hazards']} |", flush=True)
+                  f"{r['waits']} | {r['bars'] / r['tiles']:.3g} | {r['hazards']} |", flush=True)
     return 0
 
 
