@@ -50,13 +50,13 @@ registers, and an epilogue inside a partition then makes ptxas serialize the wgm
 resources"); with two partitions of 128 threads it compiles under 256 (255 used, no spills).
 
 What the in-loop decode costs (session 74, H100): the same kernels with A's decode taken out of the loop (timing
-diagnostic ``DIAG`` 1) run at 0.85-1.06x cuBLAS BF16 on the 124M fprop/dgrad shapes and the squares, so the loop's
+diagnostic ``DIAG`` 1) run at 0.83-1.08x cuBLAS BF16 on the 124M fprop/dgrad shapes and the squares, so the loop's
 structure (TMA ring, mbarriers, waits, barriers) is not what separates this kernel from cuBLAS; A's decode is. Nsight
 Compute put long-scoreboard waits first among the stalls: ptxas hoisted each K-tile's code-word loads and then had to
 move the loaded registers down the three-tile prefetch chain at the bottom of the same trip, waiting for the load.
 The ``HALVES`` loop is therefore unrolled by three K-tiles (:func:`_halves_tile` called three times, so the chain is
-a renaming; a one-tile loop takes the remainder): 140 instead of 195 instructions per K-tile and warp, and 2-6 % off
-the dgrad shapes' time.
+a renaming; a one-tile loop takes the remainder): 140 instead of 195 instructions per K-tile and warp, and 4-9 % off
+the two long-K dgrad shapes' time (two runs).
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -679,7 +679,8 @@ if gluon is not None:
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
         accumulator. ``PRODUCE`` (``SPLIT``): this partition also loads B by TMA (K-tiles 64 deep), the ring's first
         ``B_STAGES`` tiles before the loop and, in iteration ki, tile ki - 1 + B_STAGES into tile ki - 1's slot once
-        every partition has released it. ``DIAG`` 1: timing only, no A decode in the loop (results invalid)."""
+        every partition has released it. ``DIAG`` 1 (``HALVES`` only): timing only, no A decode in the loop (results
+        invalid)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -711,9 +712,7 @@ if gluon is not None:
             a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
             hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
             hs = s0
-            # the code words of tile 3 too: each iteration loads its tile ki + 4 last, after the carried words have
-            # moved down (c1 <- c2 <- c3), so that ptxas can load straight into c3's registers; a load at the top of
-            # the loop left moves at its bottom that waited for that same load (long-scoreboard stalls, ncu)
+            # tiles 1-3's code words in flight; each K-tile loads tile ki + 4's after its words moved down one tile
             c3 = gl.load(cp + (3 % num_k) * 8)
             s3 = gl.load(sp + (3 % num_k) * 4)
             kn = 4 % num_k
@@ -985,7 +984,8 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 (codes ``[M, K/2]``, E4M3 bytes ``[M, K/16]``) decoded
     in registers and B given as :func:`prepare_b`'s bf16 ``[N, K]`` (sm_90 only; K % 64 == 0). ``config``: one of
-    :data:`MIXED_CONFIGS` (default the first)."""
+    :data:`MIXED_CONFIGS` (default the first); a ``"DIAG"`` key 1 on a ``HALVES`` config times the kernel without A's
+    decode in the loop (``bench/gemm_wgmma.py``'s ``diag_mixed``; the result is not the product)."""
     if gluon is None:
         raise RuntimeError("the mixed GEMM needs Triton's Gluon (triton.experimental.gluon)")
     cfg = dict(config or MIXED_CONFIGS[0])
