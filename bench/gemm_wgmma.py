@@ -61,7 +61,7 @@ DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
 #: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4),
 #: no decode at all (5: the wgmmas, the code staging and the synchronization only)
 DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
-#: the mixed kernel (default HALVES tile and the first SPLIT one) without A's decode in the loop (1: the wgmmas, A's
+#: the mixed kernel (the 128 x 256 HALVES tile and the first SPLIT one) without A's decode in the loop (1: the wgmmas, A's
 #: code loads, the B ring and the synchronization only), timed as "kernel only"
 DIAG_MIXED = [dict(c, DIAG=1) for c in W.MIXED_CONFIGS if c.get("HALVES") and c["BLOCK_N"] == 256
               and c["BLOCK_M"] == 128][:2]

@@ -147,7 +147,7 @@ def _gemm_inloop():
 
 def _gemm_mixed():
     """The mixed GEMM's kernel alone (A decoded in registers, B prepared bf16) at the 124M qkv.dgrad shape
-    (16384, 768, 2304; issue 3): the default ``HALVES`` tile, the same without A's decode (``DIAG`` 1, timing only),
+    (16384, 768, 2304; issue 3): the 128 x 256 ``HALVES`` tile, the same without A's decode (``DIAG`` 1, timing only),
     the first ``SPLIT`` tile, then cuBLAS BF16 on bf16 operands of the same shape, the baseline."""
     import torch
 
