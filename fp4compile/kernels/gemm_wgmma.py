@@ -701,8 +701,6 @@ if gluon is not None:
         c2 = gl.load(cp + (2 % num_k) * 8)
         s2 = gl.load(sp + (2 % num_k) * 4)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-        zero = num_k * 0
-        kn = 3 % num_k                      # the tile whose codes this iteration loads (wrapping past the end)
         if HALVES:
             # each K-tile as two 32-deep wgmmas on two fragments, one always in flight while the other half is
             # decoded: the decode of a half waits only for the wgmma that last read that half's registers
@@ -736,6 +734,8 @@ if gluon is not None:
             gl.thread_barrier()
             mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
             return (acc,)
+        zero = num_k * 0
+        kn = 3 % num_k                      # the tile whose codes this iteration loads (wrapping past the end)
         a_cur = _a_decode(c0, s0, a_op, BLOCK_M)
         for ki in range(num_k):
             c3 = gl.load(cp + kn * 8)
