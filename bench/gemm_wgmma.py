@@ -49,8 +49,8 @@ def _cfg_name(c):
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
             + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
-            + {0: "", 1: " NODEC" if c.get("MIXED") else " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB",
-               5: " NODEC"}[c.get("DIAG", 0)])
+            + ({0: "", 1: " NOLOAD NODEC", 2: " DEC OFFPATH", 3: " LOADS ONLY"} if c.get("MIXED") else
+               {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"})[c.get("DIAG", 0)])
 
 
 #: checked and timed
@@ -61,10 +61,11 @@ DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
 #: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4),
 #: no decode at all (5: the wgmmas, the code staging and the synchronization only)
 DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
-#: the mixed kernel (the 128 x 256 HALVES tile and the first SPLIT one) without A's decode in the loop (1: the wgmmas, A's
-#: code loads, the B ring and the synchronization only), timed as "kernel only"
-DIAG_MIXED = [dict(c, DIAG=1) for c in W.MIXED_CONFIGS if c.get("HALVES") and c["BLOCK_N"] == 256
-              and c["BLOCK_M"] == 128][:2]
+#: the mixed kernel's HALVES loop (the one-partition 128 x 256 tile and impl="mixed"'s default SPLIT tile) timed as
+#: "kernel only" without A's decode feeding the wgmmas: 1 with neither the decode nor A's code loads (the wgmmas, the B
+#: ring and the synchronization only; the compiler drops the unused loads), 2 with both (the decode off the wgmmas'
+#: path), 3 with the loads only
+DIAG_MIXED = [dict(c, DIAG=d) for c in (W.MIXED_CONFIGS[2], G.MIXED_DEFAULT) for d in (1, 2, 3)]
 
 
 def check_decode_exact(cfg) -> int:

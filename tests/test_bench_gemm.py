@@ -74,7 +74,7 @@ def test_gemm_wgmma_columns_are_distinct():
     times (session 72's first RS table did)."""
     from bench import gemm_wgmma as BW
 
-    names = [BW._cfg_name(c) for c in BW.CHECKED + BW.DIAG + BW.DIAG_RS]
+    names = [BW._cfg_name(c) for c in BW.CHECKED + BW.DIAG + BW.DIAG_RS + BW.DIAG_MIXED]
     assert len(names) == len(set(names)), names
     assert {BW._kind(c) for c in BW.CHECKED} == {"sp", "ws", "rs", "mixed"}
 

@@ -204,6 +204,39 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     assert sorted(tile_counts) == sorted([unroll, 1] * parts if unroll > 1 else [1] * parts)
 
 
+@needs_gluon
+@pytest.mark.parametrize("diag", [1, 2, 3])
+def test_sm90_sass_of_the_mixed_timing_diagnostics(diag):
+    """What each timing diagnostic of the mixed kernel's HALVES loop keeps (impl="mixed"'s default tile): the wgmmas
+    and their waits as in the kernel (one left in flight, never serialized) in every one; 1 without A's code loads
+    (the compiler drops them once no decode reads them) or decode; 2 with both (the same bf16x2 multiplies per K-tile
+    as the kernel) but off the wgmmas' path; 3 with the loads only."""
+    from fp4compile.kernels.gemm import MIXED_DEFAULT
+
+    loops = all_loop_lines(disassemble(W.offline_cubin_mixed(dict(MIXED_DEFAULT, DIAG=diag))))
+    real = all_loop_lines(disassemble(W.offline_cubin_mixed(MIXED_DEFAULT)))
+    assert len(loops) == len(real) == 4                      # two partitions: unrolled loop and remainder each
+    for lines, ref in zip(loops, real):
+        body, ref_body = [opcode(ln) for ln in lines], [opcode(ln) for ln in ref]
+        tiles = body.count("HGMMA.64") // 4
+        assert body.count("HGMMA.64") == ref_body.count("HGMMA.64")
+        waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
+        assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2 * tiles, waits
+        hmul = sum(o.startswith("HMUL2") for o in body)
+        loads = sum(o.startswith("LDG") for o in body)
+        assert loads == (0 if diag == 1 else sum(o.startswith("LDG") for o in ref_body))
+        assert hmul == (sum(o.startswith("HMUL2") for o in ref_body) if diag == 2 else 0)
+        # the kept words' never-taken stores: one per half-tile and each of a thread's two rows
+        assert sum(o.startswith("STG") for o in body) == (0 if diag == 1 else 4 * tiles)
+    q = nvfp4.quantize(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="DIAG 1, 2, 3 of a HALVES config"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(MIXED_DEFAULT, DIAG=4))
+    with pytest.raises(ValueError, match="DIAG 1, 2, 3 of a HALVES config"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(W.MIXED_CONFIGS[0], DIAG=1))
+
+
 _PREPARE_SCRIPT = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"

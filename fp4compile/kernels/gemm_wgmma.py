@@ -627,13 +627,31 @@ if gluon is not None:
             tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_smem.index(s))
 
     @gluon.jit
+    def _keep(c, s, cp, M, DIAG: gl.constexpr):
+        """Timing diagnostics 2 and 3 of the ``HALVES`` loop: one code word of each scale block of a K-tile (``c``) and
+        its scale bytes, decoded (2: :func:`_decode_words`, the four outputs XOR-folded) or not (3), stored under a
+        mask the compiler cannot decide (``M < 0``: never; a bound of the trip count would be decided), so the
+        decode's instructions, or only the loads, stay in the loop without feeding the wgmmas and without a
+        loop-carried value (an XOR-folded one made ptxas serialize the wgmmas)."""
+        if DIAG == 2:
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, _scale_word(s)],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+            x = o0 ^ o1 ^ o2 ^ o3
+        else:
+            x = c ^ s.to(gl.int32)
+        gl.store(gl.split(cp)[0], x, mask=M < 0)
+
+    @gluon.jit
     def _halves_tile(ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
-                     num_k, a_h: gl.constexpr, BLOCK_M: gl.constexpr, B_STAGES: gl.constexpr, DIAG: gl.constexpr,
+                     num_k, M, a_h: gl.constexpr, BLOCK_M: gl.constexpr, B_STAGES: gl.constexpr, DIAG: gl.constexpr,
                      PRODUCE: gl.constexpr):
         """K-tile ``ki`` of the ``HALVES`` loop of :func:`_mixed_mma_partition`: its two 32-deep wgmmas on ``a0``,
         ``a1`` (one always in flight), the decode of its half 1 and of the next tile's half 0 (from ``c1``), the
         release of the previous tile's B slot (and with ``PRODUCE`` its refill), and the load of tile ``kn``'s code
-        words. Returns the carried state, code words moved down one tile."""
+        words. Returns the carried state, code words moved down one tile. Timing diagnostics (results invalid): with
+        ``DIAG`` 1 no decode feeds the wgmmas and the code words' loads are dead (the compiler drops them); 2 decodes
+        the same words off the wgmmas' path and 3 only keeps their loads (:func:`_keep`)."""
         s = ki % B_STAGES
         mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
         b_t = b_smem.index(s)
@@ -643,14 +661,18 @@ if gluon is not None:
         gl.thread_barrier()
         sp_prev = (ki + B_STAGES - 1) % B_STAGES
         mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
-        if DIAG != 1:                # timing diagnostic 1 (results invalid): no decode in the loop
+        if DIAG == 0:
             a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
+        if DIAG >= 2:
+            _keep(hi, hs, cp, M, DIAG)
         acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
         # retires this tile's first wgmma: a0's registers are free for the next tile's first half
         acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
         n0, n1 = gl.split(c1)
-        if DIAG != 1:
+        if DIAG == 0:
             a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
+        if DIAG >= 2:
+            _keep(n0, s1, cp, M, DIAG)
         if PRODUCE:
             # refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released it
             # (each arrived above; the other one normally did so while this one decoded)
@@ -725,11 +747,11 @@ if gluon is not None:
                 for u in gl.static_range(3):
                     acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn = _halves_tile(
                         kb * 3 + u, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready,
-                        empty, off_n, num_k, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
+                        empty, off_n, num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
             for ki in range(num_k // 3 * 3, num_k):
                 acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn = _halves_tile(
                     ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
-                    num_k, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
+                    num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
             gl.thread_barrier()
             mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
@@ -840,6 +862,8 @@ def _check_config(cfg: dict) -> None:
                          f"SPLIT), got {bm} rows and {nw} warps")
     if cfg.get("SPLIT") and not (cfg.get("MIXED") and cfg.get("HALVES")):
         raise ValueError("SPLIT is an option of the MIXED HALVES configs")
+    if cfg.get("MIXED") and cfg.get("DIAG", 0) and not (cfg.get("HALVES") and cfg["DIAG"] in (1, 2, 3)):
+        raise ValueError(f"the mixed kernel's timing diagnostics are DIAG 1, 2, 3 of a HALVES config, got {cfg}")
 
 
 def _kernel_of(cfg: dict):
@@ -984,8 +1008,9 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
                      config: Optional[dict] = None):
     """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 (codes ``[M, K/2]``, E4M3 bytes ``[M, K/16]``) decoded
     in registers and B given as :func:`prepare_b`'s bf16 ``[N, K]`` (sm_90 only; K % 64 == 0). ``config``: one of
-    :data:`MIXED_CONFIGS` (default the first); a ``"DIAG"`` key 1 on a ``HALVES`` config times the kernel without A's
-    decode in the loop (``bench/gemm_wgmma.py``'s ``diag_mixed``; the result is not the product)."""
+    :data:`MIXED_CONFIGS` (default the first); a ``"DIAG"`` key on a ``HALVES`` config times the kernel with no decode
+    feeding the wgmmas (``bench/gemm_wgmma.py``'s ``diag_mixed``; the result is not the product): 1 without A's decode
+    and code loads, 2 with both off the wgmmas' path, 3 with the loads only (:func:`_halves_tile`)."""
     if gluon is None:
         raise RuntimeError("the mixed GEMM needs Triton's Gluon (triton.experimental.gluon)")
     cfg = dict(config or MIXED_CONFIGS[0])
