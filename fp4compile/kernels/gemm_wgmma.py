@@ -178,6 +178,9 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True, WORDS=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
+         WORDS=True),
 ]
 
 
@@ -643,6 +646,44 @@ if gluon is not None:
         gl.store(gl.split(cp)[0], x, mask=M < 0)
 
     @gluon.jit
+    def _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES: gl.constexpr):
+        """``PRODUCE``: the TMA loads of B's first ``B_STAGES`` K-tiles (64 deep) into the ring."""
+        for i in gl.static_range(B_STAGES):
+            mbarrier.expect(ready.index(i), b_desc.block_type.nbytes, pred=i < num_k)
+            tma.async_copy_global_to_shared(b_desc, [off_n, i * 64], ready.index(i), b_smem.index(i), pred=i < num_k)
+
+    @gluon.jit
+    def _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES: gl.constexpr):
+        """The start of K-tile ``ki`` of a ``HALVES`` loop: wait for B's tile, issue its first 32-deep wgmma on ``a0``,
+        retire the previous tile's second one (``a1``'s registers and that tile's B slot are then free) and release
+        that slot."""
+        s = ki % B_STAGES
+        mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
+        acc = warpgroup_mma(a0, b_smem.index(s).slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((ki + B_STAGES - 1) % B_STAGES), count=1, pred=ki > 0)
+        return acc, a0, a1
+
+    @gluon.jit
+    def _halves_second(ki, acc, a0, a1, b_smem, B_STAGES: gl.constexpr):
+        """K-tile ``ki``'s second 32-deep wgmma on ``a1``; retires its first one (``a0``'s registers are then free for
+        the next tile's first half)."""
+        acc = warpgroup_mma(a1, b_smem.index(ki % B_STAGES).slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+
+    @gluon.jit
+    def _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES: gl.constexpr):
+        """With ``PRODUCE``: refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released
+        it (each arrived in :func:`_halves_first`; the other one normally did so while this one decoded)."""
+        sp_prev = (ki + B_STAGES - 1) % B_STAGES
+        refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
+        mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
+        mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
+        tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
+                                        b_smem.index(sp_prev), pred=refill)
+
+    @gluon.jit
     def _halves_tile(ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
                      num_k, M, a_h: gl.constexpr, BLOCK_M: gl.constexpr, B_STAGES: gl.constexpr, DIAG: gl.constexpr,
                      PRODUCE: gl.constexpr):
@@ -652,35 +693,19 @@ if gluon is not None:
         words. Returns the carried state, code words moved down one tile. Timing diagnostics (results invalid): with
         ``DIAG`` 1 no decode feeds the wgmmas and the code words' loads are dead (the compiler drops them); 2 decodes
         the same words off the wgmmas' path and 3 only keeps their loads (:func:`_keep`)."""
-        s = ki % B_STAGES
-        mbarrier.wait(ready.index(s), (ki // B_STAGES) & 1)
-        b_t = b_smem.index(s)
-        acc = warpgroup_mma(a0, b_t.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
-        # retires the previous tile's second wgmma: a1's registers and that tile's B slot are free
-        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
-        gl.thread_barrier()
-        sp_prev = (ki + B_STAGES - 1) % B_STAGES
-        mbarrier.arrive(empty.index(sp_prev), count=1, pred=ki > 0)
+        acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
         if DIAG == 0:
             a1 = _a_decode_half(hi, hs, a_h, BLOCK_M)
         if DIAG >= 2:
             _keep(hi, hs, cp, M, DIAG)
-        acc = warpgroup_mma(a1, b_t.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
-        # retires this tile's first wgmma: a0's registers are free for the next tile's first half
-        acc, a0, a1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
+        acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
         n0, n1 = gl.split(c1)
         if DIAG == 0:
             a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
         if DIAG >= 2:
             _keep(n0, s1, cp, M, DIAG)
         if PRODUCE:
-            # refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released it
-            # (each arrived above; the other one normally did so while this one decoded)
-            refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
-            mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
-            mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
-            tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
-                                            b_smem.index(sp_prev), pred=refill)
+            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES)
         hi = n1
         hs = s1
         c1 = c2
@@ -693,10 +718,46 @@ if gluon is not None:
         return acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn
 
     @gluon.jit
+    def _halves_words_tile(ki, acc, a0, a1, h0, hs0, h1, hs1, h2, hs2, l1, l2, l3, kn, kn3, cp, sp, b_desc, b_smem,
+                           ready, empty, off_n, num_k, M, a_h: gl.constexpr, BLOCK_M: gl.constexpr,
+                           B_STAGES: gl.constexpr, DIAG: gl.constexpr, PRODUCE: gl.constexpr):
+        """:func:`_halves_tile` with each code word loaded into the registers its tile slot frees (``WORDS``): word 1
+        (``h0``, ``h1``, ``h2``: tiles ki .. ki + 2) and the scale bytes (``hs0`` ..) are loaded three tiles ahead,
+        word 0 (``l1`` .. ``l3``: tiles ki + 1 .. ki + 3) four, each after the decode that last reads its slot. With
+        the loop unrolled by 3 every load's register is then the one its tile's value is carried in, so no copy of a
+        just-loaded register waits for the load at the end of a trip (the single 8-byte load of both words could
+        not be placed so: word 1 is still live when word 0's slot frees)."""
+        acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
+        if DIAG == 0:
+            a1 = _a_decode_half(h0, hs0, a_h, BLOCK_M)
+        if DIAG >= 2:
+            _keep(h0, hs0, cp, M, DIAG)
+        acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
+        if DIAG == 0:
+            a0 = _a_decode_half(l1, hs1, a_h, BLOCK_M)
+        if DIAG >= 2:
+            _keep(l1, hs1, cp, M, DIAG)
+        if PRODUCE:
+            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES)
+        c0p, c1p = gl.split(cp)
+        h0 = h1
+        hs0 = hs1
+        h1 = h2
+        hs1 = hs2
+        h2 = gl.load(c1p + kn3 * 8)         # tile ki + 3's word 1 and scales, into the slot of tile ki's
+        hs2 = gl.load(sp + kn3 * 4)
+        l1 = l2
+        l2 = l3
+        l3 = gl.load(c0p + kn * 8)          # tile ki + 4's word 0, into the slot of tile ki + 1's
+        kn3 = kn
+        kn = gl.where(kn == num_k - 1, 0, kn + 1)
+        return acc, a0, a1, h0, hs0, h1, hs1, h2, hs2, l1, l2, l3, kn, kn3
+
+    @gluon.jit
     def _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
                              HALVES: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
-                             PRODUCE: gl.constexpr = False):
+                             PRODUCE: gl.constexpr = False, WORDS: gl.constexpr = False):
         """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
         accumulator. ``PRODUCE`` (``SPLIT``): this partition also loads B by TMA (K-tiles 64 deep), the ring's first
@@ -730,6 +791,28 @@ if gluon is not None:
             w0, w1 = gl.split(c0)
             a0 = _a_decode_half(w0, s0, a_h, BLOCK_M)
             a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
+            if WORDS:
+                l1, h1 = gl.split(c1)
+                l2, h2 = gl.split(c2)
+                l3 = gl.load(gl.split(cp)[0] + (3 % num_k) * 8)
+                h0 = w1
+                kn = 4 % num_k
+                kn3 = 3 % num_k
+                if PRODUCE:
+                    _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES)
+                for kb in range(num_k // 3):
+                    for u in gl.static_range(3):
+                        acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3 = _halves_words_tile(
+                            kb * 3 + u, acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3, cp, sp, b_desc,
+                            b_smem, ready, empty, off_n, num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
+                for ki in range(num_k // 3 * 3, num_k):
+                    acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3 = _halves_words_tile(
+                        ki, acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3, cp, sp, b_desc, b_smem, ready,
+                        empty, off_n, num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
+                return (acc,)
             hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
             hs = s0
             # tiles 1-3's code words in flight; each K-tile loads tile ki + 4's after its words moved down one tile
@@ -737,10 +820,7 @@ if gluon is not None:
             s3 = gl.load(sp + (3 % num_k) * 4)
             kn = 4 % num_k
             if PRODUCE:                     # this partition also loads B: the ring's first tiles
-                for i in gl.static_range(B_STAGES):
-                    mbarrier.expect(ready.index(i), b_desc.block_type.nbytes, pred=i < num_k)
-                    tma.async_copy_global_to_shared(b_desc, [off_n, i * 64], ready.index(i), b_smem.index(i),
-                                                    pred=i < num_k)
+                _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES)
             # unrolled by 3, the code words' prefetch depth: c1 <- c2 <- c3 <- load is then a renaming, not moves
             # that ptxas put after a hoisted load and that waited for it (long-scoreboard stalls, session 74)
             for kb in range(num_k // 3):
@@ -787,11 +867,12 @@ if gluon is not None:
     @gluon.jit
     def _mixed_consumer(a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m, off_n, M, N, num_k,
                         stride_aw, stride_as, stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                        B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
+                        B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
+                        WORDS: gl.constexpr):
         """One warpgroup's ``ROWS`` x ``BLOCK_N`` part of a ``SPLIT`` tile: its K loop on the shared B ring
         (:func:`_mixed_mma_partition`, ``HALVES``) and its own epilogue."""
         acc = _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                   stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG)[0]
+                                   stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, False, WORDS)[0]
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32, num_warps,
                   256.0)
 
@@ -800,7 +881,7 @@ if gluon is not None:
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
                             HALVES: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = False,
-                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0):
+                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0, WORDS: gl.constexpr = False):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
         halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
@@ -817,17 +898,18 @@ if gluon is not None:
             ROWS: gl.constexpr = BLOCK_M // 2
             res = gl.warp_specialize([
                 (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                        stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, True)),
+                                        stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, True, WORDS)),
                 (_mixed_consumer, (a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m + ROWS,
                                    off_n, M, N, num_k, stride_aw, stride_as, stride_om, ROWS, BLOCK_N, B_STAGES,
-                                   OUT_FP32, DIAG, num_warps)),
+                                   OUT_FP32, DIAG, num_warps, WORDS)),
             ], [num_warps], [CONSUMER_REGS])
             _epilogue(res[0], ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
                       num_warps, 256.0)
         else:
             res = gl.warp_specialize([
                 (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                        stride_as, BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps, DIAG)),
+                                        stride_as, BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps, DIAG, False,
+                                        WORDS)),
                 (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
             ], [1], [40])
             acc = res[0]
@@ -862,6 +944,8 @@ def _check_config(cfg: dict) -> None:
                          f"SPLIT), got {bm} rows and {nw} warps")
     if cfg.get("SPLIT") and not (cfg.get("MIXED") and cfg.get("HALVES")):
         raise ValueError("SPLIT is an option of the MIXED HALVES configs")
+    if cfg.get("WORDS") and not (cfg.get("MIXED") and cfg.get("HALVES")):
+        raise ValueError("WORDS is an option of the MIXED HALVES configs")
     if cfg.get("MIXED") and cfg.get("DIAG", 0) and not (cfg.get("HALVES") and cfg["DIAG"] in (1, 2, 3)):
         raise ValueError(f"the mixed kernel's timing diagnostics are DIAG 1, 2, 3 of a HALVES config, got {cfg}")
 
@@ -999,9 +1083,10 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
 
 
 def _mixed_constexprs(cfg: dict) -> dict:
-    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count) and the
-    timing diagnostic ``DIAG``."""
-    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0))
+    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count), ``WORDS``
+    and the timing diagnostic ``DIAG``."""
+    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
+                WORDS=bool(cfg.get("WORDS")))
 
 
 def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
