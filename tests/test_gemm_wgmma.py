@@ -29,7 +29,8 @@ def _cfg_id(c: dict) -> str:
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
             + ("halves" if c.get("HALVES") else "") + ("split" if c.get("SPLIT") else "")
-            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("words" if c.get("WORDS") else ""))
+            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("words" if c.get("WORDS") else "")
+            + (f"a{c['A_STAGES']}" if c.get("A_STAGES") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -86,6 +87,15 @@ def test_supports_and_argument_checks():
     with pytest.raises(ValueError, match="SPLIT is an option of the MIXED HALVES"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
                            config=dict(split, HALVES=False))
+    for bad in (dict(W.MIXED_CONFIGS[0], WORDS=True), dict(W.MIXED_CONFIGS[0], A_STAGES=4)):
+        with pytest.raises(ValueError, match="options of the MIXED HALVES"):
+            W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                               config=bad)
+    staged = next(c for c in W.MIXED_CONFIGS if c.get("A_STAGES"))
+    for bad in (dict(staged, WORDS=True), dict(staged, DIAG=1), dict(staged, A_STAGES=1)):
+        with pytest.raises(ValueError, match="A_STAGES .a ring of >= 2 K-tiles."):
+            W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                               config=bad)
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
 
@@ -178,8 +188,9 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     # loop is unrolled by 3 K-tiles (the code words' prefetch depth) and followed by a remainder loop of one K-tile
     loops = all_loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
     parts = 2 if cfg.get("SPLIT") else 1
-    unroll = 3 if cfg.get("HALVES") else 1
-    assert len(loops) == parts * (2 if cfg.get("HALVES") else 1)
+    staged = cfg.get("A_STAGES", 0) > 0          # A's code words through a cp.async ring: one loop, not unrolled
+    unroll = 3 if cfg.get("HALVES") and not staged else 1
+    assert len(loops) == parts * (2 if unroll > 1 else 1)
     rows = cfg["BLOCK_M"] // parts
     tile_counts = []
     for lines in loops:
@@ -189,9 +200,14 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
         tile_counts.append(tiles)
         assert body.count("HGMMA.64") == tiles * cfg["BLOCK_K"] // 16
         assert sum(o.startswith("HMUL2") for o in body) == tiles * rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
-        # A's code words by 8-byte loads (both words of a row's scale block), with WORDS one 4-byte load per word
-        assert ("LDG.E" if cfg.get("WORDS") else "LDG.E.64") in body
-        assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
+        # A's code words by 8-byte loads (both words of a row's scale block), with WORDS one 4-byte load per word;
+        # with STAGE by 8-byte cp.async into shared memory (and no load into registers)
+        if staged:
+            assert body.count("LDGSTS.E.64") == 2 and not any(o.startswith("LDG.") for o in body), sorted(set(body))
+        else:
+            assert ("LDG.E" if cfg.get("WORDS") else "LDG.E.64") in body
+        assert not any(o.startswith(("STS", "MEMBAR", "FENCE")) for o in body), sorted(set(body))
+        assert staged or "LDGSTS" not in body
         waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
         if cfg.get("HALVES"):
             # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
