@@ -48,9 +48,7 @@ def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
-            + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (" words" if c.get("WORDS") else "")
-            + (f" stage a{c['A_STAGES']}" if c.get("A_STAGES") else "")
-            + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
+            + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
             + ({0: "", 1: " NOLOAD NODEC", 2: " DEC OFFPATH", 3: " LOADS ONLY"} if c.get("MIXED") else
                {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"})[c.get("DIAG", 0)])
 

@@ -25,7 +25,6 @@ def name(c: dict) -> str:
     """A config's label: tile, warps, family and options."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}" + (" rs" if c.get("RS") else " mixed")
             + (" halves" if c.get("HALVES") else "") + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "")
-            + (" words" if c.get("WORDS") else "") + (f" stage a{c['A_STAGES']}" if c.get("A_STAGES") else "")
             + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
 
 

@@ -29,8 +29,7 @@ def _cfg_id(c: dict) -> str:
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
             + ("halves" if c.get("HALVES") else "") + ("split" if c.get("SPLIT") else "")
-            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("words" if c.get("WORDS") else "")
-            + (f"a{c['A_STAGES']}" if c.get("A_STAGES") else ""))
+            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -87,15 +86,6 @@ def test_supports_and_argument_checks():
     with pytest.raises(ValueError, match="SPLIT is an option of the MIXED HALVES"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
                            config=dict(split, HALVES=False))
-    for bad in (dict(W.MIXED_CONFIGS[0], WORDS=True), dict(W.MIXED_CONFIGS[0], A_STAGES=4)):
-        with pytest.raises(ValueError, match="options of the MIXED HALVES"):
-            W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
-                               config=bad)
-    staged = next(c for c in W.MIXED_CONFIGS if c.get("A_STAGES"))
-    for bad in (dict(staged, WORDS=True), dict(staged, DIAG=1), dict(staged, A_STAGES=1)):
-        with pytest.raises(ValueError, match="A_STAGES .a ring of >= 2 K-tiles."):
-            W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
-                               config=bad)
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
 
@@ -180,7 +170,7 @@ def test_sm90_sass_of_the_register_a_kernel(cfg):
 @pytest.mark.parametrize("cfg", W.MIXED_CONFIGS, ids=_cfg_id)
 def test_sm90_sass_of_the_mixed_kernel(cfg):
     """The mixed variant: A from registers in every HGMMA, B by TMA (UTMALDG) behind mbarriers, A's code words by
-    global loads in the main loop (with ``WORDS`` each lands in the register its tile is carried in: checked below), one A decode (one bf16x2 multiply per two elements of the warp's rows)
+    8-byte global loads in the main loop, one A decode (one bf16x2 multiply per two elements of the warp's rows)
     per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
     ops, _ = _register_a_kernel(W.offline_cubin_mixed(cfg))
     assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
@@ -188,9 +178,8 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     # loop is unrolled by 3 K-tiles (the code words' prefetch depth) and followed by a remainder loop of one K-tile
     loops = all_loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
     parts = 2 if cfg.get("SPLIT") else 1
-    staged = cfg.get("A_STAGES", 0) > 0          # A's code words through a cp.async ring: one loop, not unrolled
-    unroll = 3 if cfg.get("HALVES") and not staged else 1
-    assert len(loops) == parts * (2 if unroll > 1 else 1)
+    unroll = 3 if cfg.get("HALVES") else 1
+    assert len(loops) == parts * (2 if cfg.get("HALVES") else 1)
     rows = cfg["BLOCK_M"] // parts
     tile_counts = []
     for lines in loops:
@@ -200,50 +189,19 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
         tile_counts.append(tiles)
         assert body.count("HGMMA.64") == tiles * cfg["BLOCK_K"] // 16
         assert sum(o.startswith("HMUL2") for o in body) == tiles * rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
-        # A's code words by 8-byte loads (both words of a row's scale block), with WORDS one 4-byte load per word;
-        # with STAGE by 8-byte cp.async into shared memory (and no load into registers)
-        if staged:
-            assert body.count("LDGSTS.E.64") == 2 and not any(o.startswith("LDG.") for o in body), sorted(set(body))
-        else:
-            assert ("LDG.E" if cfg.get("WORDS") else "LDG.E.64") in body
-        assert not any(o.startswith(("STS", "MEMBAR", "FENCE")) for o in body), sorted(set(body))
-        assert staged or "LDGSTS" not in body
+        assert "LDG.E.64" in body
+        assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
         waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
         if cfg.get("HALVES"):
             # two 32-deep wgmmas per K-tile, each wait leaving the other in flight (and no hazard, checked above)
             assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2 * tiles, waits
         else:
             assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], waits
-        if cfg.get("WORDS") and tiles == unroll:
-            # no copy of a just-loaded register: every load's first reader comes more than one K-tile later
-            assert min(_first_use_distances(lines)) > len(lines) // tiles, _first_use_distances(lines)
         if cfg.get("SPLIT"):
             # no barrier spans both warpgroups: only 128-thread named barriers in the loops
             bars = [ln.split("BAR.SYNC.DEFER_BLOCKING", 1)[1].strip(" ;") for ln in lines if "BAR.SYNC" in ln]
             assert bars and all(b.endswith("0x80") for b in bars), bars
     assert sorted(tile_counts) == sorted([unroll, 1] * parts if unroll > 1 else [1] * parts)
-
-
-def _first_use_distances(lines) -> list:
-    """For each global load (``LDG``) of a loop body's SASS lines: how many instructions later, going around the back
-    edge, an instruction first reads its destination register."""
-    def regs(ln):
-        ins = ln.split("*/", 1)[1] if "*/" in ln else ln
-        op = opcode(ln)
-        found = re.findall(r"\bR(\d+)\b", ins)
-        return op, found if op.startswith(("STG", "HGMMA")) else found[1:], found[:1]
-
-    out = []
-    n = len(lines)
-    for k, ln in enumerate(lines):
-        op, _, dst = regs(ln)
-        if not op.startswith("LDG"):
-            continue
-        for d in range(1, 2 * n):
-            if dst[0] in regs(lines[(k + d) % n])[1]:
-                out.append(d)
-                break
-    return out
 
 
 @needs_gluon

@@ -167,10 +167,7 @@ RS_CONFIGS = [
 #: 32-deep wgmmas per K-tile with one always in flight (see the module docstring; session 73); ``maxnreg``: the
 #: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM). ``SPLIT``
 #: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
-#: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74). ``WORDS`` (session 75):
-#: each code word loaded into the register its tile slot frees (:func:`_halves_words_tile`). ``A_STAGES`` (session 75):
-#: A's code and scale words staged in a shared-memory ring of that many K-tiles by cp.async
-#: (:func:`_halves_stage_tile`) instead of loaded into registers.
+#: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -181,12 +178,6 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True, WORDS=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
-         WORDS=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3, HALVES=True, A_STAGES=4),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
-         A_STAGES=4),
 ]
 
 
@@ -724,86 +715,10 @@ if gluon is not None:
         return acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn
 
     @gluon.jit
-    def _halves_words_tile(ki, acc, a0, a1, h0, hs0, h1, hs1, h2, hs2, l1, l2, l3, kn, kn3, cp, sp, b_desc, b_smem,
-                           ready, empty, off_n, num_k, M, a_h: gl.constexpr, BLOCK_M: gl.constexpr,
-                           B_STAGES: gl.constexpr, DIAG: gl.constexpr, PRODUCE: gl.constexpr):
-        """:func:`_halves_tile` with each code word loaded into the registers its tile slot frees (``WORDS``): word 1
-        (``h0``, ``h1``, ``h2``: tiles ki .. ki + 2) and the scale bytes (``hs0`` ..) are loaded three tiles ahead,
-        word 0 (``l1`` .. ``l3``: tiles ki + 1 .. ki + 3) four, each after the decode that last reads its slot. With
-        the loop unrolled by 3 every load's register is then the one its tile's value is carried in, so no copy of a
-        just-loaded register waits for the load at the end of a trip (the single 8-byte load of both words could
-        not be placed so: word 1 is still live when word 0's slot frees)."""
-        acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
-        if DIAG == 0:
-            a1 = _a_decode_half(h0, hs0, a_h, BLOCK_M)
-        if DIAG >= 2:
-            _keep(h0, hs0, cp, M, DIAG)
-        acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
-        if DIAG == 0:
-            a0 = _a_decode_half(l1, hs1, a_h, BLOCK_M)
-        if DIAG >= 2:
-            _keep(l1, hs1, cp, M, DIAG)
-        if PRODUCE:
-            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES)
-        c0p, c1p = gl.split(cp)
-        h0 = h1
-        hs0 = hs1
-        h1 = h2
-        hs1 = hs2
-        h2 = gl.load(c1p + kn3 * 8)         # tile ki + 3's word 1 and scales, into the slot of tile ki's
-        hs2 = gl.load(sp + kn3 * 4)
-        l1 = l2
-        l2 = l3
-        l3 = gl.load(c0p + kn * 8)          # tile ki + 4's word 0, into the slot of tile ki + 1's
-        kn3 = kn
-        kn = gl.where(kn == num_k - 1, 0, kn + 1)
-        return acc, a0, a1, h0, hs0, h1, hs1, h2, hs2, l1, l2, l3, kn, kn3
-
-    @gluon.jit
-    def _stage_a(cp, swp, c_dst, s_dst, k):
-        """``STAGE``: cp.async of K-tile ``k``'s A code words (each thread its own rows' words of its scale block,
-        8 bytes a row) and of each row's scale word (the tile's 4 E4M3 bytes; every thread of the row its own copy)
-        into one slot of the ring, as one commit group. Each thread later reads exactly what it copied."""
-        async_copy.async_copy_global_to_shared(c_dst, cp + k * 8)
-        async_copy.async_copy_global_to_shared(s_dst, swp + k)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _staged_words(a_ring, s_ring, slot, sh, LA: gl.constexpr):
-        """``STAGE``: K-tile words [ROWS, 4, 2] and scale bytes [ROWS, 4] of ring slot ``slot`` (``sh``: 8 t, the
-        shift of the thread's block t byte in its row's scale word)."""
-        c = a_ring.index(slot).load(LA)
-        w = s_ring.index(slot).load(gl.SliceLayout(2, LA))
-        return c, ((w >> sh) & 0xFF).to(gl.uint8)
-
-    @gluon.jit
-    def _halves_stage_tile(ki, acc, a0, a1, h, hs, kn, cp, swp, sh, a_ring, s_ring, b_desc, b_smem, ready, empty,
-                           off_n, num_k, a_h: gl.constexpr, LA: gl.constexpr, BLOCK_M: gl.constexpr,
-                           B_STAGES: gl.constexpr, A_STAGES: gl.constexpr, PRODUCE: gl.constexpr):
-        """:func:`_halves_tile` with A's code words staged in shared memory by cp.async (``STAGE``) instead of loaded
-        into registers: ``h``, ``hs`` are tile ki's word 1 and scale bytes; tile ki + 1's words are read from its
-        ring slot once its copy group has landed (no register holds a global load in flight, so no wait on a
-        register scoreboard that younger loads share), and the slot is refilled with tile ``kn`` = ki + 1 + A_STAGES
-        (wrapped past the end: loaded, never read)."""
-        acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
-        a1 = _a_decode_half(h, hs, a_h, BLOCK_M)
-        acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
-        slot = (ki + 1) % A_STAGES
-        async_copy.wait_group(A_STAGES - 1)           # tile ki + 1's group; the A_STAGES - 1 younger ones may fly
-        c, s1 = _staged_words(a_ring, s_ring, slot, sh, LA)
-        n0, n1 = gl.split(c)
-        a0 = _a_decode_half(n0, s1, a_h, BLOCK_M)
-        if PRODUCE:
-            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES)
-        _stage_a(cp, swp, a_ring.index(slot), s_ring.index(slot), kn)
-        return acc, a0, a1, n1, s1, gl.where(kn == num_k - 1, 0, kn + 1)
-
-    @gluon.jit
     def _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw, stride_as,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
                              HALVES: gl.constexpr, num_warps: gl.constexpr, DIAG: gl.constexpr = 0,
-                             PRODUCE: gl.constexpr = False, WORDS: gl.constexpr = False, a_ring=None, s_ring=None,
-                             A_STAGES: gl.constexpr = 0):
+                             PRODUCE: gl.constexpr = False):
         """A's decode and the wgmma: per K-tile wait for B, issue the wgmma on the decoded A fragment, decode the next
         A tile (code words loaded three tiles ahead) while it runs, retire it and release its B slot. Returns the FP32
         accumulator. ``PRODUCE`` (``SPLIT``): this partition also loads B by TMA (K-tiles 64 deep), the ring's first
@@ -823,41 +738,13 @@ if gluon is not None:
         word = gl.expand_dims(gl.expand_dims(t, 0), 2) * 2 + gl.expand_dims(gl.expand_dims(jj, 0), 1)
         cp = a_c.to(gl.pointer_type(gl.int32)) + row_w + word
         sp = a_s + gl.expand_dims(rows.to(gl.int64) * stride_as, 1) + gl.expand_dims(t, 0)
-        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
-        if A_STAGES > 0:
-            # STAGE: A's code words through a shared-memory ring of A_STAGES K-tiles filled by cp.async
-            a_h2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-            swp = (a_s.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rows.to(gl.int64) * (stride_as // 4), 1)
-                   + gl.expand_dims(t * 0, 0))
-            sh = gl.expand_dims(t, 0) * 8
-            for i in gl.static_range(A_STAGES):
-                _stage_a(cp, swp, a_ring.index(i), s_ring.index(i), i % num_k)
-            if PRODUCE:
-                _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES)
-            async_copy.wait_group(A_STAGES - 1)
-            c0, s0 = _staged_words(a_ring, s_ring, 0, sh, LA)
-            w0, w1 = gl.split(c0)
-            a0 = _a_decode_half(w0, s0, a_h2, BLOCK_M)
-            a1 = _a_decode_half(w1, s0, a_h2, BLOCK_M)
-            _stage_a(cp, swp, a_ring.index(0), s_ring.index(0), A_STAGES % num_k)
-            h = w1
-            hs = s0
-            kn = (A_STAGES + 1) % num_k
-            for ki in range(num_k):
-                acc, a0, a1, h, hs, kn = _halves_stage_tile(ki, acc, a0, a1, h, hs, kn, cp, swp, sh, a_ring, s_ring,
-                                                            b_desc, b_smem, ready, empty, off_n, num_k, a_h2, LA,
-                                                            BLOCK_M, B_STAGES, A_STAGES, PRODUCE)
-            async_copy.wait_group(0)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
-            return (acc,)
         c0 = gl.load(cp)
         s0 = gl.load(sp)
         c1 = gl.load(cp + (1 % num_k) * 8)
         s1 = gl.load(sp + (1 % num_k) * 4)
         c2 = gl.load(cp + (2 % num_k) * 8)
         s2 = gl.load(sp + (2 % num_k) * 4)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         if HALVES:
             # each K-tile as two 32-deep wgmmas on two fragments, one always in flight while the other half is
             # decoded: the decode of a half waits only for the wgmma that last read that half's registers
@@ -865,28 +752,6 @@ if gluon is not None:
             w0, w1 = gl.split(c0)
             a0 = _a_decode_half(w0, s0, a_h, BLOCK_M)
             a1 = _a_decode_half(w1, s0, a_h, BLOCK_M)
-            if WORDS:
-                l1, h1 = gl.split(c1)
-                l2, h2 = gl.split(c2)
-                l3 = gl.load(gl.split(cp)[0] + (3 % num_k) * 8)
-                h0 = w1
-                kn = 4 % num_k
-                kn3 = 3 % num_k
-                if PRODUCE:
-                    _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES)
-                for kb in range(num_k // 3):
-                    for u in gl.static_range(3):
-                        acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3 = _halves_words_tile(
-                            kb * 3 + u, acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3, cp, sp, b_desc,
-                            b_smem, ready, empty, off_n, num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
-                for ki in range(num_k // 3 * 3, num_k):
-                    acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3 = _halves_words_tile(
-                        ki, acc, a0, a1, h0, s0, h1, s1, h2, s2, l1, l2, l3, kn, kn3, cp, sp, b_desc, b_smem, ready,
-                        empty, off_n, num_k, M, a_h, BLOCK_M, B_STAGES, DIAG, PRODUCE)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index((num_k - 1) % B_STAGES), count=1)
-                return (acc,)
             hi = w1                         # word 1 of the current tile (its half 1 is decoded in the loop)
             hs = s0
             # tiles 1-3's code words in flight; each K-tile loads tile ki + 4's after its words moved down one tile
@@ -941,13 +806,11 @@ if gluon is not None:
     @gluon.jit
     def _mixed_consumer(a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m, off_n, M, N, num_k,
                         stride_aw, stride_as, stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                        B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr,
-                        WORDS: gl.constexpr, a_ring, s_ring, A_STAGES: gl.constexpr):
+                        B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
         """One warpgroup's ``ROWS`` x ``BLOCK_N`` part of a ``SPLIT`` tile: its K loop on the shared B ring
         (:func:`_mixed_mma_partition`, ``HALVES``) and its own epilogue."""
         acc = _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                   stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, False, WORDS, a_ring,
-                                   s_ring, A_STAGES)[0]
+                                   stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG)[0]
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32, num_warps,
                   256.0)
 
@@ -956,8 +819,7 @@ if gluon is not None:
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
                             HALVES: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = False,
-                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0, WORDS: gl.constexpr = False,
-                            A_STAGES: gl.constexpr = 0):
+                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
         halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
@@ -970,37 +832,21 @@ if gluon is not None:
         for i in gl.static_range(B_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
-        # STAGE (A_STAGES > 0): each warpgroup's ring of A's code words and scale words (cp.async, see _stage_a)
-        RING_ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M
-        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])   # of one slot (the ring's dim leads)
-        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        a_ring0 = b_smem    # placeholders without STAGE (never read: the partitions' A_STAGES branch is not compiled)
-        s_ring0 = b_smem
-        a_ring1 = b_smem
-        s_ring1 = b_smem
-        if A_STAGES > 0:
-            a_ring0 = gl.allocate_shared_memory(gl.int32, [A_STAGES, RING_ROWS, 4, 2], plain3)
-            s_ring0 = gl.allocate_shared_memory(gl.int32, [A_STAGES, RING_ROWS, 4], plain2)
-            if SPLIT:
-                a_ring1 = gl.allocate_shared_memory(gl.int32, [A_STAGES, RING_ROWS, 4, 2], plain3)
-                s_ring1 = gl.allocate_shared_memory(gl.int32, [A_STAGES, RING_ROWS, 4], plain2)
         if SPLIT:
             ROWS: gl.constexpr = BLOCK_M // 2
             res = gl.warp_specialize([
                 (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                        stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, True, WORDS,
-                                        a_ring0, s_ring0, A_STAGES)),
+                                        stride_as, ROWS, BLOCK_N, B_STAGES, True, num_warps, DIAG, True)),
                 (_mixed_consumer, (a_c, a_s, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m + ROWS,
                                    off_n, M, N, num_k, stride_aw, stride_as, stride_om, ROWS, BLOCK_N, B_STAGES,
-                                   OUT_FP32, DIAG, num_warps, WORDS, a_ring1, s_ring1, A_STAGES)),
+                                   OUT_FP32, DIAG, num_warps)),
             ], [num_warps], [CONSUMER_REGS])
             _epilogue(res[0], ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
                       num_warps, 256.0)
         else:
             res = gl.warp_specialize([
                 (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
-                                        stride_as, BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps, DIAG, False,
-                                        WORDS, a_ring0, s_ring0, A_STAGES)),
+                                        stride_as, BLOCK_M, BLOCK_N, B_STAGES, HALVES, num_warps, DIAG)),
                 (_mixed_load_partition, (b_desc, b_smem, ready, empty, off_n, num_k, BLOCK_K, B_STAGES)),
             ], [1], [40])
             acc = res[0]
@@ -1035,10 +881,6 @@ def _check_config(cfg: dict) -> None:
                          f"SPLIT), got {bm} rows and {nw} warps")
     if cfg.get("SPLIT") and not (cfg.get("MIXED") and cfg.get("HALVES")):
         raise ValueError("SPLIT is an option of the MIXED HALVES configs")
-    if (cfg.get("WORDS") or cfg.get("A_STAGES")) and not (cfg.get("MIXED") and cfg.get("HALVES")):
-        raise ValueError("WORDS and A_STAGES are options of the MIXED HALVES configs")
-    if cfg.get("A_STAGES") and (cfg.get("WORDS") or cfg.get("DIAG") or cfg["A_STAGES"] < 2):
-        raise ValueError(f"A_STAGES (a ring of >= 2 K-tiles) takes neither WORDS nor a DIAG, got {cfg}")
     if cfg.get("MIXED") and cfg.get("DIAG", 0) and not (cfg.get("HALVES") and cfg["DIAG"] in (1, 2, 3)):
         raise ValueError(f"the mixed kernel's timing diagnostics are DIAG 1, 2, 3 of a HALVES config, got {cfg}")
 
@@ -1176,10 +1018,9 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
 
 
 def _mixed_constexprs(cfg: dict) -> dict:
-    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count), ``WORDS``
-    and the timing diagnostic ``DIAG``."""
-    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
-                WORDS=bool(cfg.get("WORDS")), A_STAGES=cfg.get("A_STAGES", 0))
+    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count) and the
+    timing diagnostic ``DIAG``."""
+    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0))
 
 
 def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
@@ -1205,8 +1046,6 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
         raise ValueError(f"the mixed GEMM needs K % 64 == 0, got K={K}")
     if a_codes.stride(-1) != 1 or a_codes.stride(0) % 4 or a_codes.data_ptr() % 16 or a_scales.stride(-1) != 1:
         raise ValueError("the mixed GEMM needs contiguous A rows of whole 4-byte words, 16-byte aligned")
-    if cfg.get("A_STAGES") and (a_scales.stride(0) % 4 or a_scales.data_ptr() % 4):
-        raise ValueError("A_STAGES copies A's scale rows in 4-byte words: they must start 4-byte aligned")
     out = torch.empty((M, N), device=a_codes.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
