@@ -49,14 +49,24 @@ kernel has 384 threads (the loader's warp is padded to a warpgroup), ptxas compi
 registers, and an epilogue inside a partition then makes ptxas serialize the wgmmas ("insufficient register
 resources"); with two partitions of 128 threads it compiles under 256 (255 used, no spills).
 
-What the in-loop decode costs (session 74, H100): the same kernels with A's decode taken out of the loop (timing
+What the in-loop decode costs (sessions 74-75, H100): the same kernels with A's decode taken out of the loop (timing
 diagnostic ``DIAG`` 1) run at 0.83-1.08x cuBLAS BF16 on the 124M fprop/dgrad shapes and the squares, so the loop's
-structure (TMA ring, mbarriers, waits, barriers) is not what separates this kernel from cuBLAS; A's decode is. Nsight
-Compute put long-scoreboard waits first among the stalls: ptxas hoisted each K-tile's code-word loads and then had to
-move the loaded registers down the three-tile prefetch chain at the bottom of the same trip, waiting for the load.
-The ``HALVES`` loop is therefore unrolled by three K-tiles (:func:`_halves_tile` called three times, so the chain is
-a renaming; a one-tile loop takes the remainder): 140 instead of 195 instructions per K-tile and warp, and 4-9 % off
+structure (TMA ring, mbarriers, waits, barriers) is not what separates this kernel from cuBLAS. Nsight Compute put
+long-scoreboard waits first among the stalls: ptxas hoisted each K-tile's code-word loads and then had to move the
+loaded registers down the three-tile prefetch chain at the bottom of the same trip, waiting for the load. The
+``HALVES`` loop is therefore unrolled by three K-tiles (:func:`_halves_tile` called three times, so the chain is a
+renaming; a one-tile loop takes the remainder): 140 instead of 195 instructions per K-tile and warp, and 4-9 % off
 the two long-K dgrad shapes' time (two runs).
+
+Session 75 found that ``DIAG`` 1 also drops A's code loads (nothing reads them, so the compiler removes them: no
+``LDG`` in its loop) and split the gap with two more diagnostics (:func:`_keep`): the decode done off the wgmmas'
+path (2) and the code loads alone (3). Over the 144 GEMMs of a 124M step (kernel only, two runs) the ``SPLIT`` tile
+takes 17.9-18.2 ms, 2 17.8-17.9, 3 17.6, 1 16.0-16.1 (cuBLAS 12.3): the code words' global loads in the loop make
+75-96 % of the gap to ``DIAG`` 1 (the one-partition tile's too), the decode's arithmetic the rest. Two ways to take the loads off the path were timed
+and dropped (``docs/bench_logs/session75_words_stage_probe.diff.txt``): each word loaded into the register its tile
+slot frees, so no copy of a just-loaded register waits (no gain; by its SASS ptxas still puts loads of different
+ages on one scoreboard, so a consumer can wait for the youngest), and the words staged in a shared-memory ring by cp.async (17 %
+slower: its loop is not unrolled and holds two more barriers).
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
