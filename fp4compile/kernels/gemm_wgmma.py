@@ -62,11 +62,12 @@ Session 75 found that ``DIAG`` 1 also drops A's code loads (nothing reads them, 
 ``LDG`` in its loop) and split the gap with two more diagnostics (:func:`_keep`): the decode done off the wgmmas'
 path (2) and the code loads alone (3). Over the 144 GEMMs of a 124M step (kernel only, two runs) the ``SPLIT`` tile
 takes 17.9-18.2 ms, 2 17.8-17.9, 3 17.6, 1 16.0-16.1 (cuBLAS 12.3): the code words' global loads in the loop make
-75-96 % of the gap to ``DIAG`` 1 (the one-partition tile's too), the decode's arithmetic the rest. Two ways to take the loads off the path were timed
-and dropped (``docs/bench_logs/session75_words_stage_probe.diff.txt``): each word loaded into the register its tile
-slot frees, so no copy of a just-loaded register waits (no gain; by its SASS ptxas still puts loads of different
-ages on one scoreboard, so a consumer can wait for the youngest), and the words staged in a shared-memory ring by cp.async (17 %
-slower: its loop is not unrolled and holds two more barriers).
+75-96 % of the gap to ``DIAG`` 1 (in the one-partition tile too), the decode's arithmetic the rest. Two ways to take
+the loads off the path were timed and dropped (``docs/bench_logs/session75_words_stage_probe.diff.txt``): each word
+loaded into the register its tile slot frees, so no copy of a just-loaded register waits (no gain for the default
+tile; by its SASS ptxas still puts loads of different ages on one scoreboard, so a reader can wait for the youngest),
+and the words staged in a shared-memory ring by cp.async (17 % slower: its loop is not unrolled and holds one or two
+more barriers per K-tile).
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
