@@ -22,8 +22,7 @@ parameters, issue 5, and torch's fused AdamW step, its baseline), ``gemm124`` (t
 GEMMs as the step runs them, each beside cuBLAS BF16 on the same operands; issue 3), ``gemm_inloop`` (the Gluon
 GEMMs that decode NVFP4 in their main loop, warp-specialized, software-pipelined and register-A, beside cuBLAS BF16
 at 4096^3; issue 3), ``gemm_mixed`` (the mixed GEMM's kernel with and without A's decode, and cuBLAS, at the 124M
-qkv.dgrad shape; issue 3), ``gemm_mixed_loads`` (``impl="mixed"``'s default tile there, with its A code loads but no
-decode and with neither, and cuBLAS; issue 3). ``--summarize`` prints, per
+qkv.dgrad shape; issue 3). ``--summarize`` prints, per
 profiled kernel, the duration, throughputs, occupancy, issue activity and the largest stall reasons found in ncu's
 raw CSV page (metric names as ncu 2025 writes them; any that a version does not write print as "-").
 
@@ -150,17 +149,6 @@ def _gemm_mixed():
     """The mixed GEMM's kernel alone (A decoded in registers, B prepared bf16) at the 124M qkv.dgrad shape
     (16384, 768, 2304; issue 3): the 128 x 256 ``HALVES`` tile, the same without A's decode (``DIAG`` 1, timing only),
     the first ``SPLIT`` tile, then cuBLAS BF16 on bf16 operands of the same shape, the baseline."""
-    from fp4compile.kernels import gemm_wgmma as W
-
-    halves = next(c for c in W.MIXED_CONFIGS if c.get("HALVES"))
-    split = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT"))
-
-    return _mixed_step((halves, dict(halves, DIAG=1), split))
-
-
-def _mixed_step(configs):
-    """One launch of the mixed GEMM's kernel per config at the 124M qkv.dgrad shape (16384, 768, 2304), B prepared
-    beforehand, then cuBLAS BF16 on bf16 operands of the same shape, the baseline."""
     import torch
 
     from fp4compile.formats import nvfp4
@@ -171,21 +159,15 @@ def _mixed_step(configs):
     qb = nvfp4.quantize(torch.randn(768, 2304, device="cuda", generator=g))
     b16p = W.prepare_b(qb.codes, qb.scales.view(torch.uint8))
     a16, b16 = qa.dequantize(), qb.dequantize()
+    halves = next(c for c in W.MIXED_CONFIGS if c.get("HALVES"))
+    split = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT"))
 
     def step():
-        for cfg in configs:
+        for cfg in (halves, dict(halves, DIAG=1), split):
             W.nvfp4_gemm_mixed(qa.codes, qa.scales.view(torch.uint8), qa.global_scale, b16p, qb.global_scale,
                                config=cfg)
         torch.mm(a16, b16.t())
     return step
-
-
-def _gemm_mixed_loads():
-    """``impl="mixed"``'s default tile (``SPLIT`` 128 x 256) at the 124M qkv.dgrad shape as it runs, with A's code
-    loads but no decode (``DIAG`` 3) and with neither (``DIAG`` 1; timing only), then cuBLAS BF16 (session 75)."""
-    from fp4compile.kernels.gemm import MIXED_DEFAULT
-
-    return _mixed_step((MIXED_DEFAULT, dict(MIXED_DEFAULT, DIAG=3), dict(MIXED_DEFAULT, DIAG=1)))
 
 
 #: workload name -> a function returning the no-argument callable that is profiled
@@ -199,7 +181,6 @@ WORKLOADS = {
     "gemm124": _gemm,
     "gemm_inloop": _gemm_inloop,
     "gemm_mixed": _gemm_mixed,
-    "gemm_mixed_loads": _gemm_mixed_loads,
 }
 
 
