@@ -98,7 +98,8 @@ def test_gemm_wgmma_sass_table(capsys):
                             for c in W.RS_CONFIGS + W.MIXED_CONFIGS)
     by_label = {S.name(c): c for c in W.RS_CONFIGS + W.MIXED_CONFIGS}
     for cells in rows:
-        label, regs, local, instructions, hgmma, waits, bars, hazards = (x.strip() for x in cells)
+        label, regs, local, instructions, hgmma, waits, bars, hazards, load_waits, fewest = (x.strip() for x in cells)
+        assert re.fullmatch(r"\d+ \(\d+\)", load_waits) and (fewest == "-" or int(fewest) > 0)
         c = by_label[re.split(r" \(|,", label)[0]]
         assert local == "0" and hazards == "0" and hgmma == "4"
         assert waits == ("1,1" if c.get("HALVES") else "0")

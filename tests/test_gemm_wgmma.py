@@ -237,6 +237,45 @@ def test_sm90_sass_of_the_mixed_timing_diagnostics(diag):
                            config=dict(W.MIXED_CONFIGS[0], DIAG=1))
 
 
+@needs_gluon
+def test_control_bits_and_load_scoreboard_waits():
+    """The scheduling bits read from the cubin are the ones the hardware acts on: every global load in the mixed
+    kernel's loops releases a write scoreboard, and an instruction at or before the load's first reader (going round
+    the back edge) waits for that scoreboard. ``load_scoreboard_waits`` then finds waits for loads in the real loop,
+    none without loads (``DIAG`` 1), and never more aliased waits than waits."""
+    from fp4compile.kernels.gemm import MIXED_DEFAULT
+    from fp4compile.kernels.offline import _INSTR, _written_registers, control_bits, load_scoreboard_waits
+
+    cubin = W.offline_cubin_mixed(MIXED_DEFAULT)
+    control = control_bits(cubin)
+    loops = all_loop_lines(disassemble(cubin))
+    checked = 0
+    for lines in loops:
+        recs = []
+        for ln in lines:
+            m = _INSTR.match(ln)
+            recs.append((m.group(2), m.group(3), control[int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16)]))
+        n = len(recs)
+        for i, (op, operands, (_, wb, _, _)) in enumerate(recs):
+            if not op.startswith("LDG"):
+                continue
+            assert wb is not None, (op, operands)
+            dst = set(_written_registers(op, operands))
+            for d in range(1, n + 1):
+                op2, operands2, (_, _, _, wait2) = recs[(i + d) % n]
+                if wb in wait2:
+                    break
+                reads = {int(r) for r in re.findall(r"\bR(\d+)\b", operands2)} - set(_written_registers(op2, operands2))
+                assert not (reads & dst), f"{op2} {operands2} reads {op}'s result without waiting for scoreboard {wb}"
+            checked += 1
+        report = load_scoreboard_waits(lines, control)
+        assert report["waits"] > 0 and 0 <= report["aliased"] <= report["waits"] and report["min_distance"] > 0
+    assert checked > 0
+    diag = W.offline_cubin_mixed(dict(MIXED_DEFAULT, DIAG=1))
+    for lines in all_loop_lines(disassemble(diag)):
+        assert load_scoreboard_waits(lines, control_bits(diag)) == dict(waits=0, aliased=0, min_distance=None)
+
+
 _PREPARE_SCRIPT = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"

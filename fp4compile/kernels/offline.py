@@ -151,6 +151,68 @@ def _written_registers(opcode: str, operands: str) -> list:
     return list(range(r, r + width))
 
 
+def control_bits(cubin: bytes) -> dict:
+    """{instruction address: (stall cycles, written scoreboard, read scoreboard, waited scoreboards)} of a cubin, from
+    the scheduling bits of each 128-bit sm_90 instruction (``nvdisasm -hex``'s second word, bits 41-61 of it = bits
+    105-125 of the instruction): 105-108 the stall count, 110-112 the dependency scoreboard its variable-latency
+    result releases when written (None: 7, no scoreboard), 113-115 the one released once its sources are read,
+    116-121 the mask of scoreboards it waits for before it issues (a set of indices 0-5)."""
+    text = _run_on_cubin(cubin, "nvdisasm", "-hex", "-c").splitlines()
+    out = {}
+    for i, ln in enumerate(text[:-1]):
+        m = re.search(r"/\*([0-9a-f]+)\*/.*;\s*/\*\s*0x[0-9a-f]+\s*\*/", ln)
+        hi = re.fullmatch(r"\s*/\*\s*(0x[0-9a-f]+)\s*\*/", text[i + 1])
+        if not (m and hi):
+            continue
+        c = int(hi.group(1), 16) >> 41
+        wb, rb = (c >> 5) & 7, (c >> 8) & 7
+        out[int(m.group(1), 16)] = (c & 0xF, None if wb == 7 else wb, None if rb == 7 else rb,
+                                    {b for b in range(6) if (c >> 11) >> b & 1})
+    return out
+
+
+def load_scoreboard_waits(lines: list, control: dict) -> dict:
+    """How a loop body (:func:`loop_lines`, with :func:`control_bits` of its cubin) waits for its global loads
+    (``LDG``), walked twice so that waits across the back edge count once each: ``waits``, the instructions that wait
+    for a scoreboard whose latest setter is a load; ``aliased``, those among them whose loaded source register came
+    from an older load than that latest one, so they wait for a younger load than their own (a scoreboard counts
+    every load on it); ``min_distance``, the fewest instructions from a waited-for load to the wait (None: no
+    wait)."""
+    recs = []
+    for ln in lines:
+        m = _INSTR.match(ln)
+        addr = int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16)
+        recs.append((m.group(2), m.group(3), control[addr]))
+    setter, loaded = {}, {}          # scoreboard -> (position, is a load's result); register -> loading position
+    waits = aliased = 0
+    dist = []
+    n = len(recs)
+    for p in range(2 * n):
+        op, operands, (_, wb, rb, wait) = recs[p % n]
+        written = _written_registers(op, operands)
+        sources = {int(r) for r in re.findall(r"\bR(\d+)\b", operands)} - set(written)
+        if p >= n:
+            for b in wait:
+                pos, is_load = setter.get(b, (None, False))
+                if not is_load:
+                    continue
+                waits += 1
+                dist.append(p - pos)
+                mine = [loaded[r] for r in sources if r in loaded]
+                if mine and max(mine) < pos:
+                    aliased += 1
+        for r in written:
+            if op.startswith("LDG"):
+                loaded[r] = p
+            else:
+                loaded.pop(r, None)
+        if rb is not None:
+            setter[rb] = (p, False)
+        if wb is not None:
+            setter[wb] = (p, op.startswith("LDG"))
+    return dict(waits=waits, aliased=aliased, min_distance=min(dist) if dist else None)
+
+
 def wgmma_register_hazards(lines: list) -> list:
     """Instructions of a loop body (:func:`loop_lines`) that write an A-operand register of a register-A HGMMA
     while that HGMMA may still read it. An HGMMA ``Rd, Ra, gdesc...`` reads Ra .. Ra+3 (a 64 x 16 bf16 A fragment per
