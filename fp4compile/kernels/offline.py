@@ -4,8 +4,10 @@ Triton's own stages (ttir -> ttgir -> llir -> ptx -> cubin, the cubin with the p
 run on any machine, so the code a kernel becomes on the H200 (sm_90) can be inspected on the CPU: instruction
 counts (:func:`sass_stats`, on the text of :func:`disassemble`; ``bench/qadamw_sass.py``,
 ``bench/quantize_sass.py``), the order of memory operations and synchronization
-(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``), or writes to the registers an
-in-flight register-A wgmma reads (:func:`loop_lines`, :func:`wgmma_register_hazards`; ``tests/test_gemm_wgmma.py``).
+(``tests/test_quantize_kernels.py``: the PDL variant's ``griddepcontrol.wait``), writes to the registers an
+in-flight register-A wgmma reads (:func:`loop_lines`, :func:`wgmma_register_hazards`; ``tests/test_gemm_wgmma.py``),
+or the scheduling bits that make an instruction wait for a load (:func:`control_bits`,
+:func:`load_scoreboard_waits`; ``bench/gemm_wgmma_sass.py``).
 Built on Triton 3.6's compiler internals (``ASTSource``, the CUDA backend's stages): a tool for benchmarks and
 tests, not for the runtime path.
 """
