@@ -65,7 +65,9 @@ DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
 #: "kernel only" without A's decode feeding the wgmmas: 1 with neither the decode nor A's code loads (the wgmmas, the B
 #: ring and the synchronization only; the compiler drops the unused loads), 2 with both (the decode off the wgmmas'
 #: path), 3 with the loads only
-DIAG_MIXED = [dict(c, DIAG=d) for c in (W.MIXED_CONFIGS[2], G.MIXED_DEFAULT) for d in (1, 2, 3)]
+_HALVES_256 = next(c for c in W.MIXED_CONFIGS if c.get("HALVES") and not c.get("SPLIT") and c["BLOCK_M"] == 128
+                   and c["BLOCK_N"] == 256)
+DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, G.MIXED_DEFAULT) for d in (1, 2, 3)]
 
 
 def check_decode_exact(cfg) -> int:

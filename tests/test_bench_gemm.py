@@ -90,12 +90,15 @@ def test_gemm_wgmma_sass_table(capsys):
     # one row per main loop: a SPLIT config has one per warpgroup partition (one of which issues B's TMA loads), a
     # HALVES config an unrolled loop of 3 K-tiles and a remainder loop of one per partition
     labels = [r[0].strip() for r in rows]
+
+    def loops(c):
+        return (2 if c.get("SPLIT") else 1) * (2 if c.get("HALVES") else 1)
+
     for c in W.RS_CONFIGS + W.MIXED_CONFIGS:
         mine = [lb for lb in labels if lb == S.name(c) or lb.startswith(S.name(c) + " (") or
                 lb.startswith(S.name(c) + ",")]
-        assert len(mine) == (2 if c.get("SPLIT") else 1) * (2 if c.get("HALVES") else 1), (S.name(c), mine)
-    assert len(rows) == sum((2 if c.get("SPLIT") else 1) * (2 if c.get("HALVES") else 1)
-                            for c in W.RS_CONFIGS + W.MIXED_CONFIGS)
+        assert len(mine) == loops(c), (S.name(c), mine)
+    assert len(rows) == sum(loops(c) for c in W.RS_CONFIGS + W.MIXED_CONFIGS)
     by_label = {S.name(c): c for c in W.RS_CONFIGS + W.MIXED_CONFIGS}
     for cells in rows:
         label, regs, local, instructions, hgmma, waits, bars, hazards, load_waits, fewest = (x.strip() for x in cells)

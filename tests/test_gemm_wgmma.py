@@ -172,11 +172,12 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     """The mixed variant: A from registers in every HGMMA, B by TMA (UTMALDG) behind mbarriers, A's code words by
     8-byte global loads in the main loop, one A decode (one bf16x2 multiply per two elements of the warp's rows)
     per K-tile, and in the main loop no shared-memory store, no proxy fence, no spills."""
-    ops, _ = _register_a_kernel(W.offline_cubin_mixed(cfg))
+    cubin = W.offline_cubin_mixed(cfg)
+    ops, _ = _register_a_kernel(cubin)
     assert "UTMALDG" in "".join(ops) and any(o.startswith("SYNCS") for o in ops)
     # one main loop per warpgroup partition (two with SPLIT, the first of which also issues B's TMA loads); a HALVES
     # loop is unrolled by 3 K-tiles (the code words' prefetch depth) and followed by a remainder loop of one K-tile
-    loops = all_loop_lines(disassemble(W.offline_cubin_mixed(cfg)))
+    loops = all_loop_lines(disassemble(cubin))
     parts = 2 if cfg.get("SPLIT") else 1
     unroll = 3 if cfg.get("HALVES") else 1
     assert len(loops) == parts * (2 if cfg.get("HALVES") else 1)
@@ -244,29 +245,25 @@ def test_control_bits_and_load_scoreboard_waits():
     the back edge) waits for that scoreboard. ``load_scoreboard_waits`` then finds waits for loads in the real loop,
     none without loads (``DIAG`` 1), and never more aliased waits than waits."""
     from fp4compile.kernels.gemm import MIXED_DEFAULT
-    from fp4compile.kernels.offline import _INSTR, _written_registers, control_bits, load_scoreboard_waits
+    from fp4compile.kernels.offline import control_bits, instruction_records, load_scoreboard_waits
 
     cubin = W.offline_cubin_mixed(MIXED_DEFAULT)
     control = control_bits(cubin)
     loops = all_loop_lines(disassemble(cubin))
     checked = 0
     for lines in loops:
-        recs = []
-        for ln in lines:
-            m = _INSTR.match(ln)
-            recs.append((m.group(2), m.group(3), control[int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16)]))
+        recs = instruction_records(lines, control)
         n = len(recs)
-        for i, (op, operands, (_, wb, _, _)) in enumerate(recs):
+        for i, (op, operands, (_, wb, _, _), dst, _) in enumerate(recs):
             if not op.startswith("LDG"):
                 continue
             assert wb is not None, (op, operands)
-            dst = set(_written_registers(op, operands))
             for d in range(1, n + 1):
-                op2, operands2, (_, _, _, wait2) = recs[(i + d) % n]
+                op2, operands2, (_, _, _, wait2), _, reads = recs[(i + d) % n]
                 if wb in wait2:
                     break
-                reads = {int(r) for r in re.findall(r"\bR(\d+)\b", operands2)} - set(_written_registers(op2, operands2))
-                assert not (reads & dst), f"{op2} {operands2} reads {op}'s result without waiting for scoreboard {wb}"
+                assert not (reads & set(dst)), \
+                    f"{op2} {operands2} reads {op}'s result without waiting for scoreboard {wb}"
             checked += 1
         report = load_scoreboard_waits(lines, control)
         assert report["waits"] > 0 and 0 <= report["aliased"] <= report["waits"] and report["min_distance"] > 0

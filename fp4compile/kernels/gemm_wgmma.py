@@ -286,12 +286,18 @@ if gluon is not None:
         return sh | (sh << 16)
 
     @gluon.jit
+    def _decode_parts(c, sw):
+        """Code words (8 codes each) and their scale words (:func:`_scale_word`, same shape) -> the four bf16x2 words
+        of q * S * 2^-8 of each code word, each of ``c``'s shape: codes (0, 2), (4, 6), (1, 3), (5, 7) in that order
+        after :func:`_decode_words`' joins (the decode PTX's outputs $0, $2, $1, $3)."""
+        return gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
+                                         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
     def _decode_words(c, sw):
         """Code words (8 codes each) and their scale words (:func:`_scale_word`, same shape) -> the bf16x2 words of
         q * S * 2^-8, as ``c.shape + [2, 2]``: its codes in the order (0, 2), (4, 6), (1, 3), (5, 7)."""
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, sw],
-                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                   is_pure=True, pack=1)
+        o0, o1, o2, o3 = _decode_parts(c, sw)
         return gl.join(gl.join(o0, o2), gl.join(o1, o3))
 
     @gluon.jit
@@ -645,9 +651,7 @@ if gluon is not None:
         decode's instructions, or only the loads, stay in the loop without feeding the wgmmas and without a
         loop-carried value (an XOR-folded one made ptxas serialize the wgmmas)."""
         if DIAG == 2:
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r", [c, _scale_word(s)],
-                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
+            o0, o1, o2, o3 = _decode_parts(c, _scale_word(s))
             x = o0 ^ o1 ^ o2 ^ o3
         else:
             x = c ^ s.to(gl.int32)

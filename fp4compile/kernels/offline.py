@@ -173,6 +173,19 @@ def control_bits(cubin: bytes) -> dict:
     return out
 
 
+def instruction_records(lines: list, control: dict) -> list:
+    """(opcode, operands, :func:`control_bits` entry, registers written, registers read) of each instruction line of a
+    loop body (:func:`loop_lines`), ``control`` being :func:`control_bits` of its cubin."""
+    recs = []
+    for ln in lines:
+        m = _INSTR.match(ln)
+        op, operands = m.group(2), m.group(3)
+        written = _written_registers(op, operands)
+        read = {int(r) for r in re.findall(r"\bR(\d+)\b", operands)} - set(written)
+        recs.append((op, operands, control[int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16)], written, read))
+    return recs
+
+
 def load_scoreboard_waits(lines: list, control: dict) -> dict:
     """How a loop body (:func:`loop_lines`, with :func:`control_bits` of its cubin) waits for its global loads
     (``LDG``), walked twice so that waits across the back edge count once each: ``waits``, the instructions that wait
@@ -180,19 +193,13 @@ def load_scoreboard_waits(lines: list, control: dict) -> dict:
     from an older load than that latest one, so they wait for a younger load than their own (a scoreboard counts
     every load on it); ``min_distance``, the fewest instructions from a waited-for load to the wait (None: no
     wait)."""
-    recs = []
-    for ln in lines:
-        m = _INSTR.match(ln)
-        addr = int(re.match(r"\s*/\*([0-9a-f]+)\*/", ln).group(1), 16)
-        recs.append((m.group(2), m.group(3), control[addr]))
+    recs = instruction_records(lines, control)
     setter, loaded = {}, {}          # scoreboard -> (position, is a load's result); register -> loading position
     waits = aliased = 0
     dist = []
     n = len(recs)
     for p in range(2 * n):
-        op, operands, (_, wb, rb, wait) = recs[p % n]
-        written = _written_registers(op, operands)
-        sources = {int(r) for r in re.findall(r"\bR(\d+)\b", operands)} - set(written)
+        op, _, (_, wb, rb, wait), written, sources = recs[p % n]
         if p >= n:
             for b in wait:
                 pos, is_load = setter.get(b, (None, False))
