@@ -18,13 +18,14 @@ benchmark also checks that both give the same bits). Sums per training step (12 
 GPT-124M, 16 x 12 for ~1B).
 
     python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs,diag_mixed]
-        [--json out.json]
+        [--match REGEX] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -48,7 +49,8 @@ def _cfg_name(c):
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}w{c['num_warps']}"
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
-            + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
+            + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (" atma" if c.get("A_TMA") else "")
+            + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
             + ({0: "", 1: " NOLOAD NODEC", 2: " DEC OFFPATH", 3: " LOADS ONLY"} if c.get("MIXED") else
                {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"})[c.get("DIAG", 0)])
 
@@ -102,9 +104,11 @@ def main(argv=None):
     ap.add_argument("--kinds", default="sp,ws,rs,mixed,diag",
                     help="config families to check and time: sp, ws, rs, mixed (see _kind); diag, diag_rs, "
                          "diag_mixed: the diagnostics")
+    ap.add_argument("--match", default=None,
+                    help="keep only the configs whose name (as printed) matches this regular expression")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
-    checked = [c for c in CHECKED if _kind(c) in kinds]
+    checked = [c for c in CHECKED if _kind(c) in kinds and (args.match is None or re.search(args.match, _cfg_name(c)))]
     diag = (DIAG if "diag" in kinds else []) + (DIAG_RS if "diag_rs" in kinds else [])
     BG.CUDAGRAPH = True
     dev = torch.cuda.get_device_name()

@@ -29,7 +29,7 @@ def _cfg_id(c: dict) -> str:
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
             + ("halves" if c.get("HALVES") else "") + ("split" if c.get("SPLIT") else "")
-            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else ""))
+            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("atma" if c.get("A_TMA") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -179,7 +179,7 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
     # loop is unrolled by 3 K-tiles (the code words' prefetch depth) and followed by a remainder loop of one K-tile
     loops = all_loop_lines(disassemble(cubin))
     parts = 2 if cfg.get("SPLIT") else 1
-    unroll = 3 if cfg.get("HALVES") else 1
+    unroll = 4 if cfg.get("A_TMA") else 3 if cfg.get("HALVES") else 1
     assert len(loops) == parts * (2 if cfg.get("HALVES") else 1)
     rows = cfg["BLOCK_M"] // parts
     tile_counts = []
@@ -190,7 +190,19 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
         tile_counts.append(tiles)
         assert body.count("HGMMA.64") == tiles * cfg["BLOCK_K"] // 16
         assert sum(o.startswith("HMUL2") for o in body) == tiles * rows * cfg["BLOCK_K"] // 2 // (32 * cfg["num_warps"])
-        assert "LDG.E.64" in body
+        if cfg.get("A_TMA"):
+            # A's code words and scale bytes come from the ring slot B's tile shares (the producer partition issues
+            # all three TMA loads of a slot): shared-memory reads, no global load in the loop
+            assert "LDS.64" in body and not any(o.startswith("LDG") for o in body), sorted(set(body))
+            produce = body.count("UTMALDG.2D") == 3 * tiles
+            assert produce or "UTMALDG.2D" not in body
+            # Triton fences the async proxy before each refill (the slot was read by LDS): one membar and one proxy
+            # fence per K-tile, in the producing partition only
+            fences = tiles if produce else 0
+            assert body.count("MEMBAR.ALL.CTA") == fences and body.count("FENCE.VIEW.ASYNC.S") == fences
+            body = [o for o in body if o not in ("MEMBAR.ALL.CTA", "FENCE.VIEW.ASYNC.S")]
+        else:
+            assert "LDG.E.64" in body
         assert not any(o.startswith(("STS", "MEMBAR", "FENCE", "LDGSTS")) for o in body), sorted(set(body))
         waits = [ln.split(None, 1)[1].rstrip(" ;") for ln in lines if "WARPGROUP.DEPBAR" in ln]
         if cfg.get("HALVES"):

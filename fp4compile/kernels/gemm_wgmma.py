@@ -189,6 +189,8 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
+         A_TMA=True),
 ]
 
 
@@ -532,6 +534,16 @@ if gluon is not None:
                                           lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
                                           warp_bases=warps, block_bases=[], shape=[16 * num_warps, 4, 2])
 
+    @gluon.constexpr_function
+    def _a_scale_word_layout(num_warps):
+        """int32 [16 * num_warps, 4] scale words (four K-tiles) of an A row block: thread (warp w, lane 4 g + t) holds
+        all four words of rows 16 w + g and 16 w + g + 8 (the rows of :func:`_a_code_layout`; the four threads of a
+        row read the same words)."""
+        warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                          lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[16 * num_warps, 4])
+
     @gluon.jit
     def _a_fragment(c_buf, s_buf, a_op: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
         """A K-tile's staged code words and scale bytes -> its bf16 [BLOCK_M, 64] wgmma operand in registers
@@ -658,11 +670,30 @@ if gluon is not None:
         gl.store(gl.split(cp)[0], x, mask=M < 0)
 
     @gluon.jit
-    def _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES: gl.constexpr):
-        """``PRODUCE``: the TMA loads of B's first ``B_STAGES`` K-tiles (64 deep) into the ring."""
+    def _ring_load(kt, slot, b_desc, b_smem, ready, off_n, pred, a_ring, off_m, A_TMA: gl.constexpr):
+        """The TMA loads of K-tile ``kt`` (64 deep) into ring slot ``slot``, all counted on ``ready[slot]``: B's tile
+        and, with ``A_TMA`` (``a_ring`` = A's code and scale descriptors and their rings), A's code bytes of the whole
+        row block and 16 scale bytes of each row from tile ``kt``'s first (four tiles' worth; TMA boxes have whole
+        16-byte rows: the tile's own 4 bytes are read, the rest is unused or zero-filled past K)."""
+        if A_TMA:
+            a_desc, s_desc, a_smem, s_smem = a_ring
+            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes + a_desc.block_type.nbytes
+                            + s_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kt * 32], ready.index(slot), a_smem.index(slot),
+                                            pred=pred)
+            # a box must start 16-byte aligned in its row (an unaligned start is an illegal instruction on an H100)
+            tma.async_copy_global_to_shared(s_desc, [off_m, kt // 4 * 4], ready.index(slot), s_smem.index(slot),
+                                            pred=pred)
+        else:
+            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [off_n, kt * 64], ready.index(slot), b_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _b_ring_start(b_desc, b_smem, ready, off_n, num_k, a_ring, off_m, B_STAGES: gl.constexpr,
+                      A_TMA: gl.constexpr):
+        """``PRODUCE``: the TMA loads of the first ``B_STAGES`` K-tiles (64 deep) into the ring (:func:`_ring_load`)."""
         for i in gl.static_range(B_STAGES):
-            mbarrier.expect(ready.index(i), b_desc.block_type.nbytes, pred=i < num_k)
-            tma.async_copy_global_to_shared(b_desc, [off_n, i * 64], ready.index(i), b_smem.index(i), pred=i < num_k)
+            _ring_load(i, i, b_desc, b_smem, ready, off_n, i < num_k, a_ring, off_m, A_TMA)
 
     @gluon.jit
     def _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES: gl.constexpr):
@@ -685,15 +716,14 @@ if gluon is not None:
         return warpgroup_mma_wait(num_outstanding=1, deps=(acc, a0, a1))
 
     @gluon.jit
-    def _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES: gl.constexpr):
+    def _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, a_ring, off_m, B_STAGES: gl.constexpr,
+                       A_TMA: gl.constexpr = False):
         """With ``PRODUCE``: refill the slot of tile ki - 1 with tile ki - 1 + B_STAGES once both warpgroups released
         it (each arrived in :func:`_halves_first`; the other one normally did so while this one decoded)."""
         sp_prev = (ki + B_STAGES - 1) % B_STAGES
         refill = (ki > 0) & (ki - 1 + B_STAGES < num_k)
         mbarrier.wait(empty.index(sp_prev), ((ki - 1) // B_STAGES) & 1, pred=refill)
-        mbarrier.expect(ready.index(sp_prev), b_desc.block_type.nbytes, pred=refill)
-        tma.async_copy_global_to_shared(b_desc, [off_n, (ki - 1 + B_STAGES) * 64], ready.index(sp_prev),
-                                        b_smem.index(sp_prev), pred=refill)
+        _ring_load(ki - 1 + B_STAGES, sp_prev, b_desc, b_smem, ready, off_n, refill, a_ring, off_m, A_TMA)
 
     @gluon.jit
     def _halves_tile(ki, acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn, cp, sp, b_desc, b_smem, ready, empty, off_n,
@@ -717,7 +747,7 @@ if gluon is not None:
         if DIAG >= 2:
             _keep(n0, s1, cp, M, DIAG)
         if PRODUCE:
-            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, B_STAGES)
+            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, None, 0, B_STAGES)
         hi = n1
         hs = s1
         c1 = c2
@@ -728,6 +758,94 @@ if gluon is not None:
         s3 = gl.load(sp + kn * 4)
         kn = gl.where(kn == num_k - 1, 0, kn + 1)
         return acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn
+
+    @gluon.jit
+    def _a_tile_smem(kt, a_words, s_bytes, ready, num_k, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                     B_STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """``A_TMA``: wait for K-tile ``kt``'s ring slot (not past the last tile), then read this warpgroup's code
+        words [ROWS, 4, 2] (:func:`_a_code_layout`) and scale bytes [ROWS, 4] of it from shared memory."""
+        slot = kt % B_STAGES
+        mbarrier.wait(ready.index(slot), (kt // B_STAGES) & 1, pred=kt < num_k)
+        LA: gl.constexpr = _a_code_layout(num_warps)
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        words = a_words.index(slot)._reinterpret(gl.int32, [2 * ROWS, 4, 2], plain3)
+        c = words.slice(ROW0, ROWS, dim=0).load(LA)
+        # the slot holds 16 scale bytes a row from tile kt // 4 * 4 on (a TMA box starts 16-byte aligned): every
+        # thread reads its rows' four words (LDS.128) and keeps word kt % 4, byte t
+        LW: gl.constexpr = _a_scale_word_layout(num_warps)
+        LS: gl.constexpr = gl.SliceLayout(2, LA)
+        w4 = s_bytes.index(slot).slice(ROW0, ROWS, dim=0).load(LW)
+        col = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
+        w = gl.sum(gl.where(gl.expand_dims(col, 0) == kt % 4, w4, 0), axis=1)
+        w = gl.convert_layout(w, gl.SliceLayout(1, LS), assert_trivial=True)
+        shift = gl.arange(0, 4, layout=gl.SliceLayout(0, LS)) * 8
+        s = ((gl.expand_dims(w, 1) >> gl.expand_dims(shift, 0)) & 0xFF).to(gl.uint8)
+        return c, s
+
+    @gluon.jit
+    def _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring, b_desc, b_smem, ready, empty, off_m,
+                         off_n, num_k, a_h: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+                         B_STAGES: gl.constexpr, PRODUCE: gl.constexpr, num_warps: gl.constexpr):
+        """K-tile ``ki`` of the ``A_TMA`` loop (:func:`_mixed_tma_partition`): :func:`_halves_tile`'s wgmmas, waits
+        and decodes, with the next tile's code words and scales read from its ring slot (brought by TMA with B's tile)
+        instead of carried in registers from global loads."""
+        acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
+        a1 = _a_decode_half(hi, hs, a_h, ROWS)
+        acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
+        c, s = _a_tile_smem(ki + 1, a_words, s_bytes, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
+        n0, n1 = gl.split(c)
+        a0 = _a_decode_half(n0, s, a_h, ROWS)
+        if PRODUCE:
+            _halves_refill(ki, b_desc, b_smem, ready, empty, off_n, num_k, a_ring, off_m, B_STAGES, True)
+        return acc, a0, a1, n1, s
+
+    @gluon.jit
+    def _mixed_tma_partition(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
+                             ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
+                             num_warps: gl.constexpr, PRODUCE: gl.constexpr):
+        """One warpgroup of an ``A_TMA`` ``SPLIT`` tile (rows ``ROW0`` to ``ROW0 + ROWS`` of the block at ``off_m``):
+        the ``HALVES`` loop of :func:`_mixed_mma_partition` with A's code bytes and scale bytes in the ring slots
+        beside B's tile (:func:`_ring_load`; the first partition, ``PRODUCE``, issues all of a slot's loads), so
+        the ring's mbarrier tracks their arrival and no global load sits in the loop. Returns the FP32
+        accumulator."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        a_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        a_words = a_smem
+        s_bytes = s_smem
+        a_ring = (a_desc, s_desc, a_smem, s_smem)
+        if PRODUCE:
+            _b_ring_start(b_desc, b_smem, ready, off_n, num_k, a_ring, off_m, B_STAGES, True)
+        c0, s0 = _a_tile_smem(0, a_words, s_bytes, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
+        w0, w1 = gl.split(c0)
+        a0 = _a_decode_half(w0, s0, a_h, ROWS)
+        a1 = _a_decode_half(w1, s0, a_h, ROWS)
+        hi = w1
+        hs = s0
+        acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma)
+        # unrolled by 4 K-tiles: a slot's scale words then come from a known column (kt % 4 is the unrolled step)
+        for kb in range(num_k // 4):
+            for u in gl.static_range(4):
+                acc, a0, a1, hi, hs = _halves_tile_tma(kb * 4 + u, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring,
+                                                       b_desc, b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0,
+                                                       ROWS, B_STAGES, PRODUCE, num_warps)
+        for ki in range(num_k // 4 * 4, num_k):
+            acc, a0, a1, hi, hs = _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring, b_desc,
+                                                   b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0, ROWS,
+                                                   B_STAGES, PRODUCE, num_warps)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
+        return (acc,)
+
+    @gluon.jit
+    def _mixed_tma_consumer(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr,
+                            off_m, off_n, M, N, num_k, stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                            B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
+        """The second warpgroup of an ``A_TMA`` tile: its K loop (rows ``ROWS`` on) and its own epilogue."""
+        acc = _mixed_tma_partition(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
+                                   ROWS, ROWS, BLOCK_N, B_STAGES, num_warps, False)[0]
+        _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m + ROWS, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
+                  num_warps, 256.0)
 
     @gluon.jit
     def _mixed_mma_partition(a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw, stride_as,
@@ -774,7 +892,7 @@ if gluon is not None:
             s3 = gl.load(sp + (3 % num_k) * 4)
             kn = 4 % num_k
             if PRODUCE:                     # this partition also loads B: the ring's first tiles
-                _b_ring_start(b_desc, b_smem, ready, off_n, num_k, B_STAGES)
+                _b_ring_start(b_desc, b_smem, ready, off_n, num_k, None, 0, B_STAGES, False)
             # unrolled by 3, the code words' prefetch depth: c1 <- c2 <- c3 <- load is then a renaming, not moves
             # that ptxas put after a hoisted load and that waited for it (long-scoreboard stalls, session 74)
             for kb in range(num_k // 3):
@@ -834,7 +952,7 @@ if gluon is not None:
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
                             HALVES: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = False,
-                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0):
+                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0, A_TMA: gl.constexpr = False):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
         halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
@@ -847,7 +965,21 @@ if gluon is not None:
         for i in gl.static_range(B_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
-        if SPLIT:
+        if A_TMA:
+            # A's code bytes [BLOCK_M, 32] and 16 scale bytes a row (4 used) per ring slot, beside B's tile
+            ROWS: gl.constexpr = BLOCK_M // 2
+            a_smem = gl.allocate_shared_memory(gl.uint8, [B_STAGES, BLOCK_M, 32], a_c.layout)
+            s_smem = gl.allocate_shared_memory(gl.int32, [B_STAGES, BLOCK_M, 4], a_s.layout)
+            res = gl.warp_specialize([
+                (_mixed_tma_partition, (a_c, a_s, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
+                                        0, ROWS, BLOCK_N, B_STAGES, num_warps, True)),
+                (_mixed_tma_consumer, (a_c, a_s, a_smem, s_smem, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr,
+                                       out_ptr, off_m, off_n, M, N, num_k, stride_om, ROWS, BLOCK_N, B_STAGES,
+                                       OUT_FP32, num_warps)),
+            ], [num_warps], [CONSUMER_REGS])
+            _epilogue(res[0], ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
+                      num_warps, 256.0)
+        elif SPLIT:
             ROWS: gl.constexpr = BLOCK_M // 2
             res = gl.warp_specialize([
                 (_mixed_mma_partition, (a_c, a_s, b_desc, b_smem, ready, empty, off_m, off_n, M, num_k, stride_aw,
@@ -896,6 +1028,8 @@ def _check_config(cfg: dict) -> None:
                          f"SPLIT), got {bm} rows and {nw} warps")
     if cfg.get("SPLIT") and not (cfg.get("MIXED") and cfg.get("HALVES")):
         raise ValueError("SPLIT is an option of the MIXED HALVES configs")
+    if cfg.get("A_TMA") and (cfg.get("DIAG", 0) or not cfg.get("SPLIT")):
+        raise ValueError(f"A_TMA is an option of the SPLIT configs, without timing diagnostics, got {cfg}")
     if cfg.get("MIXED") and cfg.get("DIAG", 0) and not (cfg.get("HALVES") and cfg["DIAG"] in (1, 2, 3)):
         raise ValueError(f"the mixed kernel's timing diagnostics are DIAG 1, 2, 3 of a HALVES config, got {cfg}")
 
@@ -1035,7 +1169,23 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
 def _mixed_constexprs(cfg: dict) -> dict:
     """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count) and the
     timing diagnostic ``DIAG``."""
-    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0))
+    return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
+                A_TMA=bool(cfg.get("A_TMA")))
+
+
+def _a_tma_layouts():
+    """The unswizzled shared layouts of an ``A_TMA`` ring slot: code bytes [BLOCK_M, 32] and scale words
+    [BLOCK_M, 4] (int32)."""
+    return (gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def a_tma_ok(a_codes, a_scales) -> bool:
+    """Whether an ``A_TMA`` config can take A by TMA: 16-byte aligned bases and rows of whole 16-byte pieces (codes
+    K/2 bytes, scales K/16 bytes a row: K % 256 == 0 for contiguous operands); otherwise :func:`nvfp4_gemm_mixed`
+    runs the same tile with A's words loaded into registers."""
+    return (a_codes.data_ptr() % 16 == 0 and a_scales.data_ptr() % 16 == 0 and a_codes.stride(0) % 16 == 0
+            and a_scales.stride(0) % 16 == 0 and a_codes.stride(-1) == 1 and a_scales.stride(-1) == 1)
 
 
 def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch.bfloat16, *,
@@ -1069,7 +1219,16 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     ag = a_global.reshape(1).to(torch.float32)
     bg = b_global.reshape(1).to(torch.float32)
     grid = (cdiv(M, bm) * cdiv(N, bn),)
-    _nvfp4_mixed_kernel[grid](a_codes, a_scales, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
+    a_arg, s_arg = a_codes, a_scales
+    if cfg.get("A_TMA"):
+        if a_tma_ok(a_codes, a_scales):
+            la, ls = _a_tma_layouts()
+            a_arg = TensorDescriptor(a_codes, [M, K // 2], [a_codes.stride(0), 1], [bm, 32], la)
+            s_arg = TensorDescriptor(a_scales.view(torch.int32), [M, K // 64], [a_scales.stride(0) // 4, 1], [bm, 4],
+                                     ls)
+        else:
+            cfg.pop("A_TMA")
+    _nvfp4_mixed_kernel[grid](a_arg, s_arg, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
                               a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                               OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
                               HALVES=bool(cfg.get("HALVES")), num_warps=nw, **_mixed_constexprs(cfg),
@@ -1085,7 +1244,12 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
     cfg = dict(config or MIXED_CONFIGS[0])
     layout = gl.NVMMASharedLayout.get_default_for([cfg["BLOCK_N"], cfg["BLOCK_K"]], gl.bfloat16)
     desc = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}],{layout!r}>"
-    sig = dict(a_c="*u8", a_s="*u8", b_desc=desc, ag_ptr="*fp32", bg_ptr="*fp32",
+    a_c, a_s = "*u8", "*u8"
+    if cfg.get("A_TMA"):
+        la, ls = _a_tma_layouts()
+        a_c = f"tensordesc<u8[{cfg['BLOCK_M']}, 32],{la!r}>"
+        a_s = f"tensordesc<i32[{cfg['BLOCK_M']}, 4],{ls!r}>"
+    sig = dict(a_c=a_c, a_s=a_s, b_desc=desc, ag_ptr="*fp32", bg_ptr="*fp32",
                out_ptr="*fp32" if out_fp32 else "*bf16", M="i32", N="i32", K="i32", stride_aw="i32", stride_as="i32",
                stride_om="i32")
     const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=8,
@@ -1093,7 +1257,8 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
                  num_warps=cfg["num_warps"], **_mixed_constexprs(cfg))
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
-                           divisible_by_16=["a_c", "a_s", "out_ptr", "K", "stride_aw", "stride_as", "stride_om"],
+                           divisible_by_16=(["out_ptr"] if cfg.get("A_TMA") else ["a_c", "a_s", "out_ptr"])
+                           + ["K", "stride_aw", "stride_as", "stride_om"],
                            **extra)
 
 
