@@ -88,6 +88,17 @@ def test_supports_and_argument_checks():
                            config=dict(split, HALVES=False))
     with pytest.raises(RuntimeError, match="CUDA"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale)
+    atma = next(c for c in W.MIXED_CONFIGS if c.get("A_TMA"))
+    with pytest.raises(ValueError, match="A_TMA is an option of the SPLIT"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(atma, DIAG=1))
+    # A by TMA needs rows of whole 16-byte pieces: scale rows of K/16 bytes, so K % 256 == 0 (or padded rows)
+    for k, ok in ((512, True), (768, True), (832, False), (64, False)):
+        qk = nvfp4.quantize(torch.randn(8, k))
+        assert W.a_tma_ok(qk.codes, qk.scales.view(torch.uint8)) == ok
+        moved = torch.zeros(qk.codes.numel() + 4, dtype=torch.uint8)[4:].view(qk.codes.shape)   # base 16 k + 4
+        moved.copy_(qk.codes)
+        assert not W.a_tma_ok(moved, qk.scales.view(torch.uint8))
 
 
 @needs_gluon
@@ -368,11 +379,17 @@ def test_gpu_exact_decode_and_reference(cfg):
     ref = nvfp4.dequantize_codes(a_codes, a_scales.view(torch.float8_e4m3fn), one)
     assert torch.equal(got, ref)
     g = torch.Generator(device=dev).manual_seed(0)
-    for M, N, K in [(300, 200, 832), (1000, 1000, 64), (129, 257, 4096), (2304, 768, 2048)]:
+    for M, N, K, pad in [(300, 200, 832, 0), (1000, 1000, 64, 0), (129, 257, 4096, 0), (2304, 768, 2048, 0),
+                         (200, 136, 832, 12)]:
         qa = nvfp4.quantize(torch.randn(M, K, device=dev, generator=g))
         qb = nvfp4.quantize(torch.randn(N, K, device=dev, generator=g))
-        args = (qa.codes, qa.scales.view(torch.uint8), qa.global_scale,
-                qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
+        sa = qa.scales.view(torch.uint8)
+        if pad:     # A's scale rows padded to 64 bytes: an A_TMA config takes them by TMA, 13 K-tiles (not 4 k)
+            sa = torch.zeros(M, K // 16 + pad, dtype=torch.uint8, device=dev)[:, :K // 16]
+            sa.copy_(qa.scales.view(torch.uint8))
+        if cfg.get("A_TMA"):    # which path the A_TMA config takes (by TMA, or the same tile with global loads)
+            assert W.a_tma_ok(qa.codes, sa) == (K % 256 == 0 or pad > 0)
+        args = (qa.codes, sa, qa.global_scale, qb.codes, qb.scales.view(torch.uint8), qb.global_scale)
         ref = (qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t())
         out = W.nvfp4_gemm_wgmma(*args, torch.float32, config=cfg).double()
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
