@@ -16,5 +16,5 @@ cat $OUT/win.txt
 left=$((585 - SECONDS))
 echo "seconds left for the step A/B: $left"
 if grep -q win $OUT/win.txt && [ $left -gt 200 ]; then
-  timeout $left python bench/step_ab.py --policy quartet2 --rounds 6 --arm base --arm 'atma:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=true' 2>&1 | tee $OUT/ab.txt | tail -12
+  timeout $left python bench/step_ab.py --policy quartet2 --rounds 6 --arm atma --arm 'ldg:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=false' 2>&1 | tee $OUT/ab.txt | tail -12
 fi

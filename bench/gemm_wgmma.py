@@ -63,13 +63,15 @@ DIAG = [dict(W.WGMMA_CONFIGS[0], DIAG=1), dict(W.WGMMA_CONFIGS[0], DIAG=2)]
 #: the same for the first register-A config: no MMA (2), no generic -> async proxy fence (3), no B decode/store (4),
 #: no decode at all (5: the wgmmas, the code staging and the synchronization only)
 DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
-#: the mixed kernel's HALVES loop (the one-partition 128 x 256 tile and impl="mixed"'s default SPLIT tile) timed as
+#: the mixed kernel's HALVES loop (the one-partition 128 x 256 tile and the SPLIT tile with A's global loads) timed as
 #: "kernel only" without A's decode feeding the wgmmas: 1 with neither the decode nor A's code loads (the wgmmas, the B
 #: ring and the synchronization only; the compiler drops the unused loads), 2 with both (the decode off the wgmmas'
 #: path), 3 with the loads only
 _HALVES_256 = next(c for c in W.MIXED_CONFIGS if c.get("HALVES") and not c.get("SPLIT") and c["BLOCK_M"] == 128
                    and c["BLOCK_N"] == 256)
-DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, G.MIXED_DEFAULT) for d in (1, 2, 3)]
+_SPLIT_LDG = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
+                  and not c.get("A_TMA"))
+DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, _SPLIT_LDG) for d in (1, 2, 3)]
 
 
 def check_decode_exact(cfg) -> int:
