@@ -13,7 +13,7 @@ a = float(re.search(r"kernel only 128x256x64w4 mixed halves split b4 atma ([\d.]
 print("win" if a < d else "lose", d, a)
 P
 cat $OUT/win.txt
-left=$((585 - SECONDS))
+left=$((${STEP_AB_UNTIL:-585} - SECONDS))
 echo "seconds left for the step A/B: $left"
 if grep -q win $OUT/win.txt && [ $left -gt 200 ]; then
   timeout $left python bench/step_ab.py --policy quartet2 --rounds 6 --arm atma --arm 'ldg:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=false' 2>&1 | tee $OUT/ab.txt | tail -12
