@@ -7,9 +7,9 @@ or with ``SPLIT`` 128-thread named barriers of one warpgroup), and the writes to
 operand registers (``offline.wgmma_register_hazards``: must be 0), and how the loop waits for A's code-word loads
 (``offline.load_scoreboard_waits``, from the instructions' scheduling bits): the waits per trip on a scoreboard a load
 set, how many of them wait for a younger load than the one their register came from (scoreboards are shared), and
-the fewest instructions between a waited-for load and its wait (session 75). One row per main loop: a ``HALVES`` loop
-is unrolled by three K-tiles and followed by a one-tile remainder loop, and a ``SPLIT`` config has both per
-partition.
+the fewest instructions between a waited-for load and its wait (session 75; an ``A_TMA`` loop has no global load: A
+comes through the ring's shared memory). One row per main loop: a ``HALVES`` loop is unrolled by three K-tiles (four
+with ``A_TMA``) and followed by a one-tile remainder loop, and a ``SPLIT`` config has both per partition.
 
     python bench/gemm_wgmma_sass.py
 """
@@ -29,7 +29,7 @@ def name(c: dict) -> str:
     """A config's label: tile, warps, family and options."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}" + (" rs" if c.get("RS") else " mixed")
             + (" halves" if c.get("HALVES") else "") + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "")
-            + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
+            + (" atma" if c.get("A_TMA") else "") + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
 
 
 def loop_rows(cubin: bytes) -> list:
@@ -42,7 +42,7 @@ def loop_rows(cubin: bytes) -> list:
         ops = [opcode(ln) for ln in body]
         waits = [ln.split("gsb0,")[1].strip(" ;") for ln in body if "WARPGROUP.DEPBAR" in ln][:2]
         hgmma = sum(o.startswith("HGMMA") for o in ops)
-        tiles = max(1, hgmma // 4)            # 64-deep K-tiles per loop trip (a HALVES loop is unrolled by 3)
+        tiles = max(1, hgmma // 4)            # 64-deep K-tiles per loop trip (a HALVES loop is unrolled by 3 or 4)
         rows.append(dict(regs=regs, local=local, instructions=len(body) // tiles, hgmma=hgmma // tiles, tiles=tiles,
                          waits=",".join(str(int(w, 16)) for w in waits),
                          bars=sum(o.startswith("BAR.SYNC") for o in ops), hazards=len(wgmma_register_hazards(body)),

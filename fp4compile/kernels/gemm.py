@@ -123,8 +123,7 @@ MIXED_AUTO = os.environ.get("FP4COMPILE_GEMM_MIXED", "1") != "0"
 #: the tile ``impl="mixed"`` uses unless given one (one of :data:`~fp4compile.kernels.gemm_wgmma.MIXED_CONFIGS`): the
 #: 128 x 256 ``SPLIT`` tile with a 4-slot B ring, on the 124M dgrad shapes that ``auto`` sends here 2-5 % faster than
 #: the one-partition ``HALVES`` tile in two runs (H100, session 74)
-MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
-                     and c.get("A_TMA"))
+MIXED_DEFAULT = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4)
 #: ``impl="tuned"``'s choices so far: (M, N, K, out dtype, device index) -> (impl, {impl: ms})
 TUNED_CHOICES: dict = {}
 

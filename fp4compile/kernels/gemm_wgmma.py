@@ -69,6 +69,20 @@ tile; by its SASS ptxas still puts loads of different ages on one scoreboard, so
 and the words staged in a shared-memory ring by cp.async (17 % slower: its loop is not unrolled and holds one or two
 more barriers per K-tile).
 
+Session 76 built the third way, **not yet measured** (``A_TMA``, :func:`_mixed_tma_partition`; opt-in, never chosen
+by ``impl="mixed"`` or ``"auto"``): A's code bytes ([128, 32] a K-tile) and scale words arrive by TMA in the same ring
+slot as B's tile, counted on the slot's ``ready`` mbarrier, so their arrival is tracked exactly and the loop holds no
+global load (each warpgroup reads its rows by ``LDS.64`` after the slot's wait). A TMA box row must be a whole
+16-byte piece and, found on an H100, must start 16-byte aligned (an unaligned innermost coordinate is an illegal
+instruction): each slot therefore gets the row's 16 scale bytes of the four K-tiles from ``kt // 4 * 4`` on, the loop
+is unrolled by four so that the word to keep (``kt % 4``) is known at compile time, and A takes this path only when its
+rows are whole 16-byte pieces (:func:`a_tma_ok`: K % 256 == 0 for contiguous operands; otherwise the same tile runs
+with global loads). Static SASS: 129 instructions per K-tile and warp in the second warpgroup's loop (157 with global
+loads), 178 in the first (185), which also gets one ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S`` per K-tile (Triton
+fences the async proxy before a TMA write into a slot that was read by ``LDS``) and 7 instead of 4 named barriers.
+The version that ran on the GPU had the unaligned scale box; the fixed one compiled and passes the SASS tests but has
+not run on a GPU (device starts failed for the rest of the session).
+
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
 same exact BF16 operand values ``q * S * 2^-8`` (the shift/mask PTX of :mod:`fp4compile.kernels.dequant`), so the
@@ -114,7 +128,7 @@ register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at 
 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
 :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
-:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`. Imports cleanly without CUDA or
+:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :func:`a_tma_ok`. Imports cleanly without CUDA or
 without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
@@ -145,7 +159,7 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
            "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation",
-           "offline_cubin_mixed"]
+           "offline_cubin_mixed", "a_tma_ok"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -178,7 +192,8 @@ RS_CONFIGS = [
 #: 32-deep wgmmas per K-tile with one always in flight (see the module docstring; session 73); ``maxnreg``: the
 #: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM). ``SPLIT``
 #: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
-#: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74).
+#: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74). ``A_TMA`` (``SPLIT``
+#: only): A's code bytes and scale words come by TMA in B's ring slots (session 76; not yet run on a GPU in this form).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -190,8 +205,6 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
-         A_TMA=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=5, HALVES=True, SPLIT=True,
          A_TMA=True),
 ]
 
@@ -1196,7 +1209,9 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
     in registers and B given as :func:`prepare_b`'s bf16 ``[N, K]`` (sm_90 only; K % 64 == 0). ``config``: one of
     :data:`MIXED_CONFIGS` (default the first); a ``"DIAG"`` key on a ``HALVES`` config times the kernel with no decode
     feeding the wgmmas (``bench/gemm_wgmma.py``'s ``diag_mixed``; the result is not the product): 1 without A's decode
-    and code loads, 2 with both off the wgmmas' path, 3 with the loads only (:func:`_halves_tile`)."""
+    and code loads, 2 with both off the wgmmas' path, 3 with the loads only (:func:`_halves_tile`). An ``A_TMA``
+    config takes A by TMA when :func:`a_tma_ok` allows, else runs the same tile with A's words loaded by each
+    thread."""
     if gluon is None:
         raise RuntimeError("the mixed GEMM needs Triton's Gluon (triton.experimental.gluon)")
     cfg = dict(config or MIXED_CONFIGS[0])
