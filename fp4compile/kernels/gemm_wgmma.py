@@ -128,8 +128,8 @@ register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at 
 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
 :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
-:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :func:`a_tma_ok`. Imports cleanly without CUDA or
-without Gluon (:func:`available` is then False).
+:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :func:`a_tma_ok`. Imports
+cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
 
@@ -688,8 +688,8 @@ if gluon is not None:
     def _ring_load(kt, slot, b_desc, b_smem, ready, off_n, pred, a_ring, off_m, A_TMA: gl.constexpr):
         """The TMA loads of K-tile ``kt`` (64 deep) into ring slot ``slot``, all counted on ``ready[slot]``: B's tile
         and, with ``A_TMA`` (``a_ring`` = A's code and scale descriptors and their rings), A's code bytes of the whole
-        row block and 16 scale bytes of each row from tile ``kt``'s first (four tiles' worth; TMA boxes have whole
-        16-byte rows: the tile's own 4 bytes are read, the rest is unused or zero-filled past K)."""
+        row block and each row's 16 scale bytes of the four tiles from ``kt // 4 * 4`` on (a TMA box row is a whole
+        16-byte piece starting 16-byte aligned; the reader keeps tile ``kt``'s 4 bytes, zeros past K)."""
         if A_TMA:
             a_desc, s_desc, a_smem, s_smem = a_ring
             mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes + a_desc.block_type.nbytes
@@ -783,11 +783,11 @@ if gluon is not None:
         mbarrier.wait(ready.index(slot), (kt // B_STAGES) & 1, pred=kt < num_k)
         LA: gl.constexpr = _a_code_layout(num_warps)
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         words = a_words.index(slot)._reinterpret(gl.int32, [2 * ROWS, 4, 2], plain3)
         c = words.slice(ROW0, ROWS, dim=0).load(LA)
         # the slot holds 16 scale bytes a row from tile kt // 4 * 4 on (a TMA box starts 16-byte aligned): every
-        # thread reads its rows' four words (LDS.128) and keeps word kt % 4, byte t
+        # thread keeps word kt % 4 of its rows (one LDS where the unrolled loop knows kt % 4, else LDS.128 and a
+        # select), byte t
         LW: gl.constexpr = _a_scale_word_layout(num_warps)
         LS: gl.constexpr = gl.SliceLayout(2, LA)
         w4 = s_bytes.index(slot).slice(ROW0, ROWS, dim=0).load(LW)
@@ -827,12 +827,10 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        a_words = a_smem
-        s_bytes = s_smem
         a_ring = (a_desc, s_desc, a_smem, s_smem)
         if PRODUCE:
             _b_ring_start(b_desc, b_smem, ready, off_n, num_k, a_ring, off_m, B_STAGES, True)
-        c0, s0 = _a_tile_smem(0, a_words, s_bytes, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
+        c0, s0 = _a_tile_smem(0, a_smem, s_smem, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
         w0, w1 = gl.split(c0)
         a0 = _a_decode_half(w0, s0, a_h, ROWS)
         a1 = _a_decode_half(w1, s0, a_h, ROWS)
@@ -842,11 +840,11 @@ if gluon is not None:
         # unrolled by 4 K-tiles: a slot's scale words then come from a known column (kt % 4 is the unrolled step)
         for kb in range(num_k // 4):
             for u in gl.static_range(4):
-                acc, a0, a1, hi, hs = _halves_tile_tma(kb * 4 + u, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring,
+                acc, a0, a1, hi, hs = _halves_tile_tma(kb * 4 + u, acc, a0, a1, hi, hs, a_smem, s_smem, a_ring,
                                                        b_desc, b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0,
                                                        ROWS, B_STAGES, PRODUCE, num_warps)
         for ki in range(num_k // 4 * 4, num_k):
-            acc, a0, a1, hi, hs = _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring, b_desc,
+            acc, a0, a1, hi, hs = _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_smem, s_smem, a_ring, b_desc,
                                                    b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0, ROWS,
                                                    B_STAGES, PRODUCE, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
@@ -1182,8 +1180,8 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
 
 
 def _mixed_constexprs(cfg: dict) -> dict:
-    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count) and the
-    timing diagnostic ``DIAG``."""
+    """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count), the
+    timing diagnostic ``DIAG`` and ``A_TMA``."""
     return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
                 A_TMA=bool(cfg.get("A_TMA")))
 
