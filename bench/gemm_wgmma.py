@@ -69,9 +69,7 @@ DIAG_RS = [dict(W.RS_CONFIGS[0], DIAG=d) for d in (2, 3, 4, 5)]
 #: path), 3 with the loads only
 _HALVES_256 = next(c for c in W.MIXED_CONFIGS if c.get("HALVES") and not c.get("SPLIT") and c["BLOCK_M"] == 128
                    and c["BLOCK_N"] == 256)
-_SPLIT_LDG = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
-                  and not c.get("A_TMA"))
-DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, _SPLIT_LDG) for d in (1, 2, 3)]
+DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, W.MIXED_SPLIT_LDG) for d in (1, 2, 3)]
 
 
 def check_decode_exact(cfg) -> int:

@@ -24,12 +24,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_gluon = pytest.mark.skipif(not W.available(), reason="needs Triton's Gluon")
 
 
-#: the 128 x 256 SPLIT tile with A's code words by global loads (impl="mixed"'s default until session 76), whose loop
-#: the timing diagnostics and the scheduling-bit checks examine
-_SPLIT_LDG = next(c for c in W.MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
-                  and not c.get("A_TMA"))
-
-
 def _cfg_id(c: dict) -> str:
     """A config's test id: tile and warps, then ``ws`` (warp-specialized), ``rs`` (register-A) or ``mixed``."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
@@ -242,8 +236,8 @@ def test_sm90_sass_of_the_mixed_timing_diagnostics(diag):
     (the compiler drops them once no decode reads them) or decode; 2 with both (the same bf16x2 multiplies per K-tile
     as the kernel) but off the wgmmas' path; 3 with the loads only."""
 
-    loops = all_loop_lines(disassemble(W.offline_cubin_mixed(dict(_SPLIT_LDG, DIAG=diag))))
-    real = all_loop_lines(disassemble(W.offline_cubin_mixed(_SPLIT_LDG)))
+    loops = all_loop_lines(disassemble(W.offline_cubin_mixed(dict(W.MIXED_SPLIT_LDG, DIAG=diag))))
+    real = all_loop_lines(disassemble(W.offline_cubin_mixed(W.MIXED_SPLIT_LDG)))
     assert len(loops) == len(real) == 4                      # two partitions: unrolled loop and remainder each
     for lines, ref in zip(loops, real):
         body, ref_body = [opcode(ln) for ln in lines], [opcode(ln) for ln in ref]
@@ -260,7 +254,7 @@ def test_sm90_sass_of_the_mixed_timing_diagnostics(diag):
     q = nvfp4.quantize(torch.randn(32, 128))
     with pytest.raises(ValueError, match="DIAG 1, 2, 3 of a HALVES config"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
-                           config=dict(_SPLIT_LDG, DIAG=4))
+                           config=dict(W.MIXED_SPLIT_LDG, DIAG=4))
     with pytest.raises(ValueError, match="DIAG 1, 2, 3 of a HALVES config"):
         W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
                            config=dict(W.MIXED_CONFIGS[0], DIAG=1))
@@ -274,7 +268,7 @@ def test_control_bits_and_load_scoreboard_waits():
     none without loads (``DIAG`` 1), and never more aliased waits than waits."""
     from fp4compile.kernels.offline import control_bits, instruction_records, load_scoreboard_waits
 
-    cubin = W.offline_cubin_mixed(_SPLIT_LDG)
+    cubin = W.offline_cubin_mixed(W.MIXED_SPLIT_LDG)
     control = control_bits(cubin)
     loops = all_loop_lines(disassemble(cubin))
     checked = 0
@@ -295,7 +289,7 @@ def test_control_bits_and_load_scoreboard_waits():
         report = load_scoreboard_waits(lines, control)
         assert report["waits"] > 0 and 0 <= report["aliased"] <= report["waits"] and report["min_distance"] > 0
     assert checked > 0
-    diag = W.offline_cubin_mixed(dict(_SPLIT_LDG, DIAG=1))
+    diag = W.offline_cubin_mixed(dict(W.MIXED_SPLIT_LDG, DIAG=1))
     for lines in all_loop_lines(disassemble(diag)):
         assert load_scoreboard_waits(lines, control_bits(diag)) == dict(waits=0, aliased=0, min_distance=None)
 

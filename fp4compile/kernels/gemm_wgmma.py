@@ -128,7 +128,8 @@ register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at 
 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
 :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
-:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :func:`a_tma_ok`. Imports
+:func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :data:`MIXED_SPLIT_LDG`,
+:func:`a_tma_ok`. Imports
 cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
@@ -159,7 +160,7 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
            "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation",
-           "offline_cubin_mixed", "a_tma_ok"]
+           "offline_cubin_mixed", "a_tma_ok", "MIXED_SPLIT_LDG"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -207,6 +208,10 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
          A_TMA=True),
 ]
+#: the 128 x 256 ``SPLIT`` tile with a 4-slot B ring and A's code words by global loads: ``impl="mixed"``'s tile
+#: (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) and the one the timing diagnostics and scheduling checks examine
+MIXED_SPLIT_LDG = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
+                       and not c.get("A_TMA"))
 
 
 def supports(M: int, N: int, K: int) -> bool:
