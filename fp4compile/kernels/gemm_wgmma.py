@@ -203,13 +203,16 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, maxnreg=168),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, maxnreg=128),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=3, HALVES=True, SPLIT=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
+         A_TMA=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
          A_TMA=True),
 ]
 #: the 128 x 256 ``SPLIT`` tile with a 4-slot B ring and A's code words by global loads: ``impl="mixed"``'s tile
-#: (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) and the one the timing diagnostics and scheduling checks examine
+#: (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) and the one the timing diagnostics and scheduling checks examine.
+#: Its ``A_TMA`` key is written out (False) so that an A/B can switch it in place, e.g. ``bench/step_ab.py --arm
+#: 'atma:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=true'``.
 MIXED_SPLIT_LDG = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
                        and not c.get("A_TMA"))
 
