@@ -211,6 +211,10 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
             # fence per K-tile, in the producing partition only
             fences = tiles if produce else 0
             assert body.count("MEMBAR.ALL.CTA") == fences and body.count("FENCE.VIEW.ASYNC.S") == fences
+            # A's codes, A's scales and B each on their own mbarrier: Triton then puts one warpgroup barrier before a
+            # slot's TMA loads instead of one between every two (5 per K-tile in the producing loop, 7 with one
+            # mbarrier for all three; 2 in the other, 3 before)
+            assert sum(o.startswith("BAR.SYNC") for o in body) == (5 if produce else 2) * tiles
             body = [o for o in body if o not in ("MEMBAR.ALL.CTA", "FENCE.VIEW.ASYNC.S")]
         else:
             assert "LDG.E.64" in body

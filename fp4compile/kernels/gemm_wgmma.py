@@ -71,17 +71,24 @@ more barriers per K-tile).
 
 Session 76 built the third way, **not yet measured** (``A_TMA``, :func:`_mixed_tma_partition`; opt-in, never chosen
 by ``impl="mixed"`` or ``"auto"``): A's code bytes ([128, 32] a K-tile) and scale words arrive by TMA in the same ring
-slot as B's tile, counted on the slot's ``ready`` mbarrier, so their arrival is tracked exactly and the loop holds no
-global load (each warpgroup reads its rows by ``LDS.64`` after the slot's wait). A TMA box row must be a whole
+slot as B's tile, each of the three loads counted on its own mbarrier (session 77: one mbarrier for all three made
+Triton put a warpgroup barrier between every two of them), so their arrival is tracked exactly and the loop holds no
+global load (each warpgroup reads its rows by ``LDS.64`` after the slot's waits). A TMA box row must be a whole
 16-byte piece and, found on an H100, must start 16-byte aligned (an unaligned innermost coordinate is an illegal
 instruction): each slot therefore gets the row's 16 scale bytes of the four K-tiles from ``kt // 4 * 4`` on, the loop
 is unrolled by four so that the word to keep (``kt % 4``) is known at compile time, and A takes this path only when its
 rows are whole 16-byte pieces (:func:`a_tma_ok`: K % 256 == 0 for contiguous operands; otherwise the same tile runs
-with global loads). Static SASS: 129 instructions per K-tile and warp in the second warpgroup's loop (157 with global
-loads), 178 in the first (185), which also gets one ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S`` per K-tile (Triton
-fences the async proxy before a TMA write into a slot that was read by ``LDS``) and 7 instead of 4 named barriers.
-The version that ran on the GPU had the unaligned scale box; the fixed one compiled and passes the SASS tests but has
-not run on a GPU (device starts failed for the rest of the session).
+with global loads). Static SASS, per K-tile and warp: the second warpgroup's loop 131 instructions and 2 named
+barriers (157 and 2 with global loads; 129 and 3 with one mbarrier), the first's 183 and 5 (185 and 4; 178 and 7),
+which also gets one ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S`` per K-tile (Triton fences the async proxy before a
+TMA write into a slot that was read by ``LDS``). The version that ran on the GPU had the unaligned scale box; the fixed one compiled and
+passes the SASS tests but has not run on a GPU (device starts failed for the rest of sessions 76 and 77).
+
+A one-warp loader partition issuing every slot's loads, so that both warpgroups only consume, does not fit Triton
+3.6: the CTA then has three warpgroups (384 threads), ptxas compiles every partition under 65536 / 384 = 168
+registers despite the consumers' ``setmaxnreg`` of 232 (also with ``.maxntid`` and ``.minnctapersm 1`` instead of
+``.maxnreg`` in the PTX), and at 168 registers it retires every wgmma at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0``;
+session 77, ``docs/bench_logs/session77_loader_probe.diff.txt``).
 
 Same product as :func:`fp4compile.kernels.gemm.nvfp4_gemm` (``C = (A @ B^T) * a_global * b_global``, TN, codes
 ``[R, K/2]``, E4M3 scale bytes ``[R, K/16]``, one FP32 accumulation, one rounding to the output dtype), with the
@@ -694,18 +701,21 @@ if gluon is not None:
 
     @gluon.jit
     def _ring_load(kt, slot, b_desc, b_smem, ready, off_n, pred, a_ring, off_m, A_TMA: gl.constexpr):
-        """The TMA loads of K-tile ``kt`` (64 deep) into ring slot ``slot``, all counted on ``ready[slot]``: B's tile
-        and, with ``A_TMA`` (``a_ring`` = A's code and scale descriptors and their rings), A's code bytes of the whole
-        row block and each row's 16 scale bytes of the four tiles from ``kt // 4 * 4`` on (a TMA box row is a whole
-        16-byte piece starting 16-byte aligned; the reader keeps tile ``kt``'s 4 bytes, zeros past K)."""
+        """The TMA loads of K-tile ``kt`` (64 deep) into ring slot ``slot``: B's tile, counted on ``ready[slot]``, and,
+        with ``A_TMA`` (``a_ring`` = A's code and scale descriptors, their rings and their mbarriers), A's code bytes
+        of the whole row block and each row's 16 scale bytes of the four tiles from ``kt // 4 * 4`` on (a TMA box row
+        is a whole 16-byte piece starting 16-byte aligned; the reader keeps tile ``kt``'s 4 bytes, zeros past K),
+        each counted on its own mbarrier: Triton's shared-memory analysis puts a barrier of the warpgroup between
+        two TMA loads counted on one."""
         if A_TMA:
-            a_desc, s_desc, a_smem, s_smem = a_ring
-            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes + a_desc.block_type.nbytes
-                            + s_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(a_desc, [off_m, kt * 32], ready.index(slot), a_smem.index(slot),
+            a_desc, s_desc, a_smem, s_smem, ready_a, ready_s = a_ring
+            mbarrier.expect(ready_a.index(slot), a_desc.block_type.nbytes, pred=pred)
+            mbarrier.expect(ready_s.index(slot), s_desc.block_type.nbytes, pred=pred)
+            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kt * 32], ready_a.index(slot), a_smem.index(slot),
                                             pred=pred)
             # a box must start 16-byte aligned in its row (an unaligned start is an illegal instruction on an H100)
-            tma.async_copy_global_to_shared(s_desc, [off_m, kt // 4 * 4], ready.index(slot), s_smem.index(slot),
+            tma.async_copy_global_to_shared(s_desc, [off_m, kt // 4 * 4], ready_s.index(slot), s_smem.index(slot),
                                             pred=pred)
         else:
             mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
@@ -783,12 +793,15 @@ if gluon is not None:
         return acc, a0, a1, hi, hs, c1, s1, c2, s2, c3, s3, kn
 
     @gluon.jit
-    def _a_tile_smem(kt, a_words, s_bytes, ready, num_k, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                     B_STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """``A_TMA``: wait for K-tile ``kt``'s ring slot (not past the last tile), then read this warpgroup's code
-        words [ROWS, 4, 2] (:func:`_a_code_layout`) and scale bytes [ROWS, 4] of it from shared memory."""
+    def _a_tile_smem(kt, a_ring, num_k, ROW0: gl.constexpr, ROWS: gl.constexpr, B_STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """``A_TMA``: wait for K-tile ``kt``'s A code bytes and scale words in their ring slot (not past the last
+        tile), then read this warpgroup's code words [ROWS, 4, 2] (:func:`_a_code_layout`) and scale bytes [ROWS, 4]
+        of it from shared memory."""
+        _, _, a_words, s_bytes, ready_a, ready_s = a_ring
         slot = kt % B_STAGES
-        mbarrier.wait(ready.index(slot), (kt // B_STAGES) & 1, pred=kt < num_k)
+        mbarrier.wait(ready_a.index(slot), (kt // B_STAGES) & 1, pred=kt < num_k)
+        mbarrier.wait(ready_s.index(slot), (kt // B_STAGES) & 1, pred=kt < num_k)
         LA: gl.constexpr = _a_code_layout(num_warps)
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         words = a_words.index(slot)._reinterpret(gl.int32, [2 * ROWS, 4, 2], plain3)
@@ -807,8 +820,8 @@ if gluon is not None:
         return c, s
 
     @gluon.jit
-    def _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_words, s_bytes, a_ring, b_desc, b_smem, ready, empty, off_m,
-                         off_n, num_k, a_h: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
+    def _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_ring, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
+                         a_h: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
                          B_STAGES: gl.constexpr, PRODUCE: gl.constexpr, num_warps: gl.constexpr):
         """K-tile ``ki`` of the ``A_TMA`` loop (:func:`_mixed_tma_partition`): :func:`_halves_tile`'s wgmmas, waits
         and decodes, with the next tile's code words and scales read from its ring slot (brought by TMA with B's tile)
@@ -816,7 +829,7 @@ if gluon is not None:
         acc, a0, a1 = _halves_first(ki, acc, a0, a1, b_smem, ready, empty, B_STAGES)
         a1 = _a_decode_half(hi, hs, a_h, ROWS)
         acc, a0, a1 = _halves_second(ki, acc, a0, a1, b_smem, B_STAGES)
-        c, s = _a_tile_smem(ki + 1, a_words, s_bytes, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
+        c, s = _a_tile_smem(ki + 1, a_ring, num_k, ROW0, ROWS, B_STAGES, num_warps)
         n0, n1 = gl.split(c)
         a0 = _a_decode_half(n0, s, a_h, ROWS)
         if PRODUCE:
@@ -824,21 +837,19 @@ if gluon is not None:
         return acc, a0, a1, n1, s
 
     @gluon.jit
-    def _mixed_tma_partition(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
-                             ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
+    def _mixed_tma_partition(a_ring, b_desc, b_smem, ready, empty, off_m, off_n, num_k, ROW0: gl.constexpr,
+                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
                              num_warps: gl.constexpr, PRODUCE: gl.constexpr):
         """One warpgroup of an ``A_TMA`` ``SPLIT`` tile (rows ``ROW0`` to ``ROW0 + ROWS`` of the block at ``off_m``):
         the ``HALVES`` loop of :func:`_mixed_mma_partition` with A's code bytes and scale bytes in the ring slots
         beside B's tile (:func:`_ring_load`; the first partition, ``PRODUCE``, issues all of a slot's loads), so
-        the ring's mbarrier tracks their arrival and no global load sits in the loop. Returns the FP32
-        accumulator."""
+        mbarriers track their arrival and no global load sits in the loop. Returns the FP32 accumulator."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         a_h: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        a_ring = (a_desc, s_desc, a_smem, s_smem)
         if PRODUCE:
             _b_ring_start(b_desc, b_smem, ready, off_n, num_k, a_ring, off_m, B_STAGES, True)
-        c0, s0 = _a_tile_smem(0, a_smem, s_smem, ready, num_k, ROW0, ROWS, B_STAGES, num_warps)
+        c0, s0 = _a_tile_smem(0, a_ring, num_k, ROW0, ROWS, B_STAGES, num_warps)
         w0, w1 = gl.split(c0)
         a0 = _a_decode_half(w0, s0, a_h, ROWS)
         a1 = _a_decode_half(w1, s0, a_h, ROWS)
@@ -848,23 +859,22 @@ if gluon is not None:
         # unrolled by 4 K-tiles: a slot's scale words then come from a known column (kt % 4 is the unrolled step)
         for kb in range(num_k // 4):
             for u in gl.static_range(4):
-                acc, a0, a1, hi, hs = _halves_tile_tma(kb * 4 + u, acc, a0, a1, hi, hs, a_smem, s_smem, a_ring,
-                                                       b_desc, b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0,
-                                                       ROWS, B_STAGES, PRODUCE, num_warps)
+                acc, a0, a1, hi, hs = _halves_tile_tma(kb * 4 + u, acc, a0, a1, hi, hs, a_ring, b_desc, b_smem,
+                                                       ready, empty, off_m, off_n, num_k, a_h, ROW0, ROWS, B_STAGES,
+                                                       PRODUCE, num_warps)
         for ki in range(num_k // 4 * 4, num_k):
-            acc, a0, a1, hi, hs = _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_smem, s_smem, a_ring, b_desc,
-                                                   b_smem, ready, empty, off_m, off_n, num_k, a_h, ROW0, ROWS,
-                                                   B_STAGES, PRODUCE, num_warps)
+            acc, a0, a1, hi, hs = _halves_tile_tma(ki, acc, a0, a1, hi, hs, a_ring, b_desc, b_smem, ready, empty,
+                                                   off_m, off_n, num_k, a_h, ROW0, ROWS, B_STAGES, PRODUCE, num_warps)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a0, a1))[0]
         return (acc,)
 
     @gluon.jit
-    def _mixed_tma_consumer(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr,
-                            off_m, off_n, M, N, num_k, stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                            B_STAGES: gl.constexpr, OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
+    def _mixed_tma_consumer(a_ring, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m, off_n, M, N, num_k,
+                            stride_om, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, B_STAGES: gl.constexpr,
+                            OUT_FP32: gl.constexpr, num_warps: gl.constexpr):
         """The second warpgroup of an ``A_TMA`` tile: its K loop (rows ``ROWS`` on) and its own epilogue."""
-        acc = _mixed_tma_partition(a_desc, s_desc, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
-                                   ROWS, ROWS, BLOCK_N, B_STAGES, num_warps, False)[0]
+        acc = _mixed_tma_partition(a_ring, b_desc, b_smem, ready, empty, off_m, off_n, num_k, ROWS, ROWS, BLOCK_N,
+                                   B_STAGES, num_warps, False)[0]
         _epilogue(acc, ag_ptr, bg_ptr, out_ptr, M, N, off_m + ROWS, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
                   num_warps, 256.0)
 
@@ -987,16 +997,22 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
         if A_TMA:
-            # A's code bytes [BLOCK_M, 32] and 16 scale bytes a row (4 used) per ring slot, beside B's tile
+            # A's code bytes [BLOCK_M, 32] and 16 scale bytes a row (4 used) per ring slot, beside B's tile, each
+            # with its own mbarrier (Triton puts a CTA barrier between two TMA loads counted on one mbarrier)
             ROWS: gl.constexpr = BLOCK_M // 2
             a_smem = gl.allocate_shared_memory(gl.uint8, [B_STAGES, BLOCK_M, 32], a_c.layout)
             s_smem = gl.allocate_shared_memory(gl.int32, [B_STAGES, BLOCK_M, 4], a_s.layout)
+            ready_a = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
+            ready_s = gl.allocate_shared_memory(gl.int64, [B_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(B_STAGES):
+                mbarrier.init(ready_a.index(i), count=1)
+                mbarrier.init(ready_s.index(i), count=1)
+            a_ring = (a_c, a_s, a_smem, s_smem, ready_a, ready_s)
             res = gl.warp_specialize([
-                (_mixed_tma_partition, (a_c, a_s, a_smem, s_smem, b_desc, b_smem, ready, empty, off_m, off_n, num_k,
-                                        0, ROWS, BLOCK_N, B_STAGES, num_warps, True)),
-                (_mixed_tma_consumer, (a_c, a_s, a_smem, s_smem, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr,
-                                       out_ptr, off_m, off_n, M, N, num_k, stride_om, ROWS, BLOCK_N, B_STAGES,
-                                       OUT_FP32, num_warps)),
+                (_mixed_tma_partition, (a_ring, b_desc, b_smem, ready, empty, off_m, off_n, num_k, 0, ROWS, BLOCK_N,
+                                        B_STAGES, num_warps, True)),
+                (_mixed_tma_consumer, (a_ring, b_desc, b_smem, ready, empty, ag_ptr, bg_ptr, out_ptr, off_m, off_n, M,
+                                       N, num_k, stride_om, ROWS, BLOCK_N, B_STAGES, OUT_FP32, num_warps)),
             ], [num_warps], [CONSUMER_REGS])
             _epilogue(res[0], ag_ptr, bg_ptr, out_ptr, M, N, off_m, off_n, stride_om, ROWS, BLOCK_N, OUT_FP32,
                       num_warps, 256.0)
