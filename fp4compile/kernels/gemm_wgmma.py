@@ -81,8 +81,9 @@ rows are whole 16-byte pieces (:func:`a_tma_ok`: K % 256 == 0 for contiguous ope
 with global loads). Static SASS, per K-tile and warp: the second warpgroup's loop 131 instructions and 2 named
 barriers (157 and 2 with global loads; 129 and 3 with one mbarrier), the first's 183 and 5 (185 and 4; 178 and 7),
 which also gets one ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S`` per K-tile (Triton fences the async proxy before a
-TMA write into a slot that was read by ``LDS``). The version that ran on the GPU had the unaligned scale box; the fixed one compiled and
-passes the SASS tests but has not run on a GPU (device starts failed for the rest of sessions 76 and 77).
+TMA write into a slot that was read by ``LDS``). The version that ran on the GPU had the unaligned scale box; the
+fixed one compiled and passes the SASS tests but has not run on a GPU (device starts failed for the rest of session
+76 and all of session 77).
 
 A one-warp loader partition issuing every slot's loads, so that both warpgroups only consume, does not fit Triton
 3.6: the CTA then has three warpgroups (384 threads), ptxas compiles every partition under 65536 / 384 = 168
@@ -998,7 +999,7 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
         if A_TMA:
             # A's code bytes [BLOCK_M, 32] and 16 scale bytes a row (4 used) per ring slot, beside B's tile, each
-            # with its own mbarrier (Triton puts a CTA barrier between two TMA loads counted on one mbarrier)
+            # with its own mbarrier (Triton puts a barrier of the warpgroup between two TMA loads counted on one)
             ROWS: gl.constexpr = BLOCK_M // 2
             a_smem = gl.allocate_shared_memory(gl.uint8, [B_STAGES, BLOCK_M, 32], a_c.layout)
             s_smem = gl.allocate_shared_memory(gl.int32, [B_STAGES, BLOCK_M, 4], a_s.layout)
