@@ -708,18 +708,16 @@ if gluon is not None:
         is a whole 16-byte piece starting 16-byte aligned; the reader keeps tile ``kt``'s 4 bytes, zeros past K),
         each counted on its own mbarrier: Triton's shared-memory analysis puts a barrier of the warpgroup between
         two TMA loads counted on one."""
-        if A_TMA:
+        mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
+        if A_TMA:       # every expect before the first load: then one barrier precedes the three loads
             a_desc, s_desc, a_smem, s_smem, ready_a, ready_s = a_ring
             mbarrier.expect(ready_a.index(slot), a_desc.block_type.nbytes, pred=pred)
             mbarrier.expect(ready_s.index(slot), s_desc.block_type.nbytes, pred=pred)
-            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
             tma.async_copy_global_to_shared(a_desc, [off_m, kt * 32], ready_a.index(slot), a_smem.index(slot),
                                             pred=pred)
             # a box must start 16-byte aligned in its row (an unaligned start is an illegal instruction on an H100)
             tma.async_copy_global_to_shared(s_desc, [off_m, kt // 4 * 4], ready_s.index(slot), s_smem.index(slot),
                                             pred=pred)
-        else:
-            mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(b_desc, [off_n, kt * 64], ready.index(slot), b_smem.index(slot), pred=pred)
 
     @gluon.jit
