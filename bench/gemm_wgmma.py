@@ -18,7 +18,12 @@ benchmark also checks that both give the same bits). Sums per training step (12 
 GPT-124M, 16 x 12 for ~1B).
 
     python bench/gemm_wgmma.py [--rep 20] [--only 124M,1B,square] [--kinds sp,ws,rs,mixed,diag,diag_rs,diag_mixed]
-        [--match REGEX] [--json out.json]
+        [--match REGEX] [--json out.json] [--no-proxy-fence]
+
+``--no-proxy-fence`` is a diagnostic: it turns off Triton's proxy-fence insertion pass for every kernel this process
+compiles (into a fresh cache directory), which removes the ``fence.proxy.async`` Triton puts between a slot's
+shared-memory reads and its next TMA write (CUTLASS's sm90 mixed-input mainloop has none there). The checks still run;
+the times say what the fence costs, not a supported configuration.
 """
 from __future__ import annotations
 
@@ -72,6 +77,17 @@ _HALVES_256 = next(c for c in W.MIXED_CONFIGS if c.get("HALVES") and not c.get("
 DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, W.MIXED_SPLIT_LDG) for d in (1, 2, 3)]
 
 
+def _drop_proxy_fences():
+    """Turn off Triton's proxy-fence insertion pass in this process, compiling into a fresh cache directory (the cache
+    key does not see the change)."""
+    import tempfile
+
+    from triton._C.libtriton import nvidia
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-nofence-")
+    nvidia.passes.ttnvgpuir.add_proxy_fence_insertion = lambda pm, *a: None
+    print("diagnostic: Triton's proxy-fence insertion pass is off", flush=True)
+
+
 def check_decode_exact(cfg) -> int:
     """Mismatches of the exhaustive decode check (see module docstring)."""
     dev = "cuda"
@@ -106,7 +122,11 @@ def main(argv=None):
                          "diag_mixed: the diagnostics")
     ap.add_argument("--match", default=None,
                     help="keep only the configs whose name (as printed) matches this regular expression")
+    ap.add_argument("--no-proxy-fence", action="store_true",
+                    help="diagnostic: compile every kernel without Triton's proxy-fence insertion pass")
     args = ap.parse_args(argv)
+    if args.no_proxy_fence:
+        _drop_proxy_fences()
     kinds = set(args.kinds.split(","))
     checked = [c for c in CHECKED if _kind(c) in kinds and (args.match is None or re.search(args.match, _cfg_name(c)))]
     diag = (DIAG if "diag" in kinds else []) + (DIAG_RS if "diag_rs" in kinds else [])
