@@ -101,6 +101,15 @@ def test_supports_and_argument_checks():
         assert not W.a_tma_ok(moved, qk.scales.view(torch.uint8))
 
 
+def test_mixed_default_is_the_a_tma_form_of_the_global_load_tile():
+    """``impl="mixed"``'s tile is the ``A_TMA`` config (session 78's step A/B) and differs from the global-load tile
+    only in that key, so an A/B that flips ``MIXED_DEFAULT["A_TMA"]`` compares the two forms of one tile."""
+    from fp4compile.kernels import gemm as G
+    assert G.MIXED_DEFAULT is W.MIXED_SPLIT_ATMA and W.MIXED_SPLIT_ATMA in W.MIXED_CONFIGS
+    assert W.MIXED_SPLIT_ATMA["A_TMA"] is True and W.MIXED_SPLIT_LDG["A_TMA"] is False
+    assert dict(W.MIXED_SPLIT_LDG, A_TMA=True) == W.MIXED_SPLIT_ATMA
+
+
 @needs_gluon
 @pytest.mark.parametrize("cfg", W.WS_CONFIGS, ids=_cfg_id)
 def test_sm90_sass_of_the_warp_specialized_kernel(cfg):

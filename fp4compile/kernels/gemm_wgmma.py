@@ -69,8 +69,8 @@ tile; by its SASS ptxas still puts loads of different ages on one scoreboard, so
 and the words staged in a shared-memory ring by cp.async (17 % slower: its loop is not unrolled and holds one or two
 more barriers per K-tile).
 
-Session 76 built the third way, **not yet measured** (``A_TMA``, :func:`_mixed_tma_partition`; opt-in, never chosen
-by ``impl="mixed"`` or ``"auto"``): A's code bytes ([128, 32] a K-tile) and scale words arrive by TMA in the same ring
+Session 76 built the third way (``A_TMA``, :func:`_mixed_tma_partition`; ``impl="mixed"``'s tile since session 78,
+:data:`MIXED_SPLIT_ATMA`): A's code bytes ([128, 32] a K-tile) and scale words arrive by TMA in the same ring
 slot as B's tile, each of the three loads counted on its own mbarrier (session 77: one mbarrier for all three made
 Triton put a warpgroup barrier between every two of them), so their arrival is tracked exactly and the loop holds no
 global load (each warpgroup reads its rows by ``LDS.64`` after the slot's waits). A TMA box row must be a whole
@@ -81,9 +81,11 @@ rows are whole 16-byte pieces (:func:`a_tma_ok`: K % 256 == 0 for contiguous ope
 with global loads). Static SASS, per K-tile and warp: the second warpgroup's loop 131 instructions and 2 named
 barriers (157 and 2 with global loads; 129 and 3 with one mbarrier), the first's 183 and 5 (185 and 4; 178 and 7),
 which also gets one ``MEMBAR.ALL.CTA`` + ``FENCE.VIEW.ASYNC.S`` per K-tile (Triton fences the async proxy before a
-TMA write into a slot that was read by ``LDS``). The version that ran on the GPU had the unaligned scale box; the
-fixed one compiled and passes the SASS tests but has not run on a GPU (device starts failed for the rest of session
-76 and all of session 77).
+TMA write into a slot that was read by ``LDS``). Session 78 ran it on an H100: exact, and over the 144 GEMMs of a
+124M step (kernel only) 17.72 ms against the global-load tile's 17.93 (cuBLAS 12.19); as ``impl="mixed"``'s tile the
+linear-only 124M step took 0.17 ms less (47.36 against 47.51 ms, 95 % CI [-0.20, -0.14], ``bench/step_ab.py``). With
+Triton's proxy-fence pass off (``bench/gemm_wgmma.py --no-proxy-fence``, a diagnostic) it took 17.37 against 18.04 in
+one run: the fence may cost ~2 %, not yet confirmed.
 
 A one-warp loader partition issuing every slot's loads, so that both warpgroups only consume, does not fit Triton
 3.6: the CTA then has three warpgroups (384 threads), ptxas compiles every partition under 65536 / 384 = 168
@@ -137,7 +139,7 @@ register relabelling (``convert_layout(..., assert_trivial=True)`` checks it at 
 Public names: :func:`nvfp4_gemm_wgmma`, :func:`supports`, :func:`available`, :func:`offline_cubin`,
 :data:`WGMMA_CONFIGS`, :data:`WS_CONFIGS`, :data:`RS_CONFIGS`, :func:`nvfp4_gemm_mixed`, :func:`prepare_b`,
 :func:`fragment_permutation`, :func:`offline_cubin_mixed`, :data:`MIXED_CONFIGS`, :data:`MIXED_SPLIT_LDG`,
-:func:`a_tma_ok`. Imports
+:data:`MIXED_SPLIT_ATMA`, :func:`a_tma_ok`. Imports
 cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
@@ -168,7 +170,8 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
            "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation",
-           "offline_cubin_mixed", "a_tma_ok", "MIXED_SPLIT_LDG"]
+           "offline_cubin_mixed", "a_tma_ok", "MIXED_SPLIT_LDG",
+           "MIXED_SPLIT_ATMA"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -202,7 +205,7 @@ RS_CONFIGS = [
 #: register cap per thread the kernel is compiled under (so that several one-warpgroup CTAs fit an SM). ``SPLIT``
 #: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
 #: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74). ``A_TMA`` (``SPLIT``
-#: only): A's code bytes and scale words come by TMA in B's ring slots (session 76; not yet run on a GPU in this form).
+#: only): A's code bytes and scale words come by TMA in B's ring slots (session 76; measured in session 78).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -217,12 +220,17 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
          A_TMA=True),
 ]
-#: the 128 x 256 ``SPLIT`` tile with a 4-slot B ring and A's code words by global loads: ``impl="mixed"``'s tile
-#: (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) and the one the timing diagnostics and scheduling checks examine.
-#: Its ``A_TMA`` key is written out (False) so that an A/B can switch it in place, e.g. ``bench/step_ab.py --arm
-#: 'atma:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=true'``.
+#: the 128 x 256 ``SPLIT`` tile with a 4-slot B ring and A's code words by global loads: ``impl="mixed"``'s tile until
+#: session 78, and the one the timing diagnostics and scheduling checks examine. Its ``A_TMA`` key is written out
+#: (False) to show it is the global-load form.
 MIXED_SPLIT_LDG = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
-                       and not c.get("A_TMA"))
+                       and c.get("A_TMA") is False)
+#: the same tile with A's code bytes and scale words by TMA (``A_TMA``; global loads where :func:`a_tma_ok` says no):
+#: ``impl="mixed"``'s tile (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) since session 78. An A/B against the
+#: global-load form switches it in place:
+#: ``bench/step_ab.py --arm 'ldg:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=false'``.
+MIXED_SPLIT_ATMA = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
+                        and c.get("A_TMA") is True)
 
 
 def supports(M: int, N: int, K: int) -> bool:
