@@ -55,6 +55,7 @@ def _cfg_name(c):
             + (f" ws{c['DECODE_WARPS']}x2" if c.get("WS") else "") + (" rs" if c.get("RS") else "")
             + (" mixed" if c.get("MIXED") else "") + (" halves" if c.get("HALVES") else "")
             + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "") + (" atma" if c.get("A_TMA") else "")
+            + (" nofence" if c.get("NO_PROXY_FENCE") else "")
             + (f" r{c['maxnreg']}" if c.get("maxnreg") else "")
             + ({0: "", 1: " NOLOAD NODEC", 2: " DEC OFFPATH", 3: " LOADS ONLY"} if c.get("MIXED") else
                {0: "", 1: " NODEQ", 2: " NOMMA", 3: " NOFENCE", 4: " NOB", 5: " NODEC"})[c.get("DIAG", 0)])

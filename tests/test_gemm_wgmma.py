@@ -29,7 +29,8 @@ def _cfg_id(c: dict) -> str:
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}"
             + ("ws" if c.get("WS") else "rs" if c.get("RS") else "mixed" if c.get("MIXED") else "")
             + ("halves" if c.get("HALVES") else "") + ("split" if c.get("SPLIT") else "")
-            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("atma" if c.get("A_TMA") else ""))
+            + (f"b{c['B_STAGES']}" if c.get("SPLIT") else "") + ("atma" if c.get("A_TMA") else "")
+            + ("nofence" if c.get("NO_PROXY_FENCE") else ""))
 
 
 def _main_loop(sass: str) -> list:
@@ -108,6 +109,25 @@ def test_mixed_default_is_the_a_tma_form_of_the_global_load_tile():
     assert G.MIXED_DEFAULT is W.MIXED_SPLIT_ATMA and W.MIXED_SPLIT_ATMA in W.MIXED_CONFIGS
     assert W.MIXED_SPLIT_ATMA["A_TMA"] is True and W.MIXED_SPLIT_LDG["A_TMA"] is False
     assert dict(W.MIXED_SPLIT_LDG, A_TMA=True) == W.MIXED_SPLIT_ATMA
+
+
+@needs_gluon
+def test_no_proxy_fence_drops_the_fences_for_its_compile_only():
+    """``NO_PROXY_FENCE`` compiles the ``A_TMA`` tile without Triton's proxy fences and puts the pass back: a compile
+    of the default tile right after it still has its membar and proxy fence per K-tile. The option needs ``A_TMA``."""
+    nofence = next(c for c in W.MIXED_CONFIGS if c.get("NO_PROXY_FENCE"))
+    assert dict(nofence, NO_PROXY_FENCE=False) == dict(W.MIXED_SPLIT_ATMA, NO_PROXY_FENCE=False)
+
+    def fences(cfg):
+        sass = disassemble(W.offline_cubin_mixed(cfg))
+        return sum(ln.count("FENCE.VIEW.ASYNC.S") for lines in all_loop_lines(sass) for ln in lines)
+
+    assert fences(nofence) == 0
+    assert fences(W.MIXED_SPLIT_ATMA) > 0
+    q = nvfp4.quantize(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="NO_PROXY_FENCE is an option of the A_TMA"):
+        W.nvfp4_gemm_mixed(q.codes, q.scales.view(torch.uint8), q.global_scale, q.dequantize(), q.global_scale,
+                           config=dict(W.MIXED_SPLIT_LDG, NO_PROXY_FENCE=True))
 
 
 @needs_gluon
@@ -217,8 +237,8 @@ def test_sm90_sass_of_the_mixed_kernel(cfg):
             produce = body.count("UTMALDG.2D") == 3 * tiles
             assert produce or "UTMALDG.2D" not in body
             # Triton fences the async proxy before each refill (the slot was read by LDS): one membar and one proxy
-            # fence per K-tile, in the producing partition only
-            fences = tiles if produce else 0
+            # fence per K-tile, in the producing partition only; none when compiled without the pass
+            fences = tiles if produce and not cfg.get("NO_PROXY_FENCE") else 0
             assert body.count("MEMBAR.ALL.CTA") == fences and body.count("FENCE.VIEW.ASYNC.S") == fences
             # A's codes, A's scales and B each on their own mbarrier: Triton then puts one warpgroup barrier before a
             # slot's TMA loads instead of one between every two (5 per K-tile in the producing loop, 7 with one

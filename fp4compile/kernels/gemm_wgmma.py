@@ -144,6 +144,7 @@ cleanly without CUDA or without Gluon (:func:`available` is then False).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -206,6 +207,8 @@ RS_CONFIGS = [
 #: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
 #: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74). ``A_TMA`` (``SPLIT``
 #: only): A's code bytes and scale words come by TMA in B's ring slots (session 76; measured in session 78).
+#: ``NO_PROXY_FENCE`` (``A_TMA`` only): compiled without Triton's proxy fences (:func:`_proxy_fences`; session 78,
+#: opt-in, timed only as ``bench/gemm_wgmma.py --no-proxy-fence``).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -219,6 +222,8 @@ MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
          A_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
+         A_TMA=True, NO_PROXY_FENCE=True),
 ]
 #: the 128 x 256 ``SPLIT`` tile with a 4-slot B ring and A's code words by global loads: ``impl="mixed"``'s tile until
 #: session 78, and the one the timing diagnostics and scheduling checks examine. Its ``A_TMA`` key is written out
@@ -230,7 +235,7 @@ MIXED_SPLIT_LDG = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N
 #: global-load form switches it in place:
 #: ``bench/step_ab.py --arm 'ldg:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=false'``.
 MIXED_SPLIT_ATMA = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
-                        and c.get("A_TMA") is True)
+                        and c.get("A_TMA") is True and not c.get("NO_PROXY_FENCE"))
 
 
 def supports(M: int, N: int, K: int) -> bool:
@@ -990,11 +995,14 @@ if gluon is not None:
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, OUT_FP32: gl.constexpr, B_STAGES: gl.constexpr,
                             HALVES: gl.constexpr, num_warps: gl.constexpr, SPLIT: gl.constexpr = False,
-                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0, A_TMA: gl.constexpr = False):
+                            CONSUMER_REGS: gl.constexpr = 256, DIAG: gl.constexpr = 0, A_TMA: gl.constexpr = False,
+                            NO_PROXY_FENCE: gl.constexpr = False):
         """``C = (A @ B^T) * a_global * b_global`` with A as NVFP4 codes decoded in registers and B as the exact
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
         halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
-        release its slots independently (``empty`` counts two arrivals), so no barrier spans both warpgroups."""
+        release its slots independently (``empty`` counts two arrivals), so no barrier spans both warpgroups.
+        ``NO_PROXY_FENCE`` is not read here: it keys the compile that :func:`_proxy_fences` makes without Triton's
+        proxy fences (``A_TMA`` only)."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         num_k = K // BLOCK_K
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [B_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -1074,6 +1082,8 @@ def _check_config(cfg: dict) -> None:
         raise ValueError("SPLIT is an option of the MIXED HALVES configs")
     if cfg.get("A_TMA") and (cfg.get("DIAG", 0) or not cfg.get("SPLIT")):
         raise ValueError(f"A_TMA is an option of the SPLIT configs, without timing diagnostics, got {cfg}")
+    if cfg.get("NO_PROXY_FENCE") and not cfg.get("A_TMA"):
+        raise ValueError(f"NO_PROXY_FENCE is an option of the A_TMA configs, got {cfg}")
     if cfg.get("MIXED") and cfg.get("DIAG", 0) and not (cfg.get("HALVES") and cfg["DIAG"] in (1, 2, 3)):
         raise ValueError(f"the mixed kernel's timing diagnostics are DIAG 1, 2, 3 of a HALVES config, got {cfg}")
 
@@ -1214,7 +1224,27 @@ def _mixed_constexprs(cfg: dict) -> dict:
     """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count), the
     timing diagnostic ``DIAG`` and ``A_TMA``."""
     return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
-                A_TMA=bool(cfg.get("A_TMA")))
+                A_TMA=bool(cfg.get("A_TMA")), NO_PROXY_FENCE=bool(cfg.get("NO_PROXY_FENCE")))
+
+
+@contextlib.contextmanager
+def _proxy_fences(on: bool):
+    """Compiles inside this block run with (``on``) or without Triton's proxy-fence insertion pass. Without it, an
+    ``A_TMA`` slot read by ``LDS`` is refilled by TMA after the consumers' mbarrier arrivals alone, with no
+    ``fence.proxy.async`` before the load (as CUTLASS's sm90 mixed-input mainloop releases its slots). The compile key
+    must differ from the fenced kernel's, which the ``NO_PROXY_FENCE`` constexpr does; a kernel already compiled is
+    not recompiled."""
+    if on:
+        yield
+        return
+    from triton._C.libtriton import nvidia
+    mod = nvidia.passes.ttnvgpuir
+    saved = mod.add_proxy_fence_insertion
+    mod.add_proxy_fence_insertion = lambda pm, *args: None
+    try:
+        yield
+    finally:
+        mod.add_proxy_fence_insertion = saved
 
 
 def _a_tma_layouts():
@@ -1274,11 +1304,13 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
                                      ls)
         else:
             cfg.pop("A_TMA")
-    _nvfp4_mixed_kernel[grid](a_arg, s_arg, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
-                              a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                              OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
-                              HALVES=bool(cfg.get("HALVES")), num_warps=nw, **_mixed_constexprs(cfg),
-                              **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+            cfg.pop("NO_PROXY_FENCE", None)
+    with _proxy_fences(not cfg.get("NO_PROXY_FENCE")):
+        _nvfp4_mixed_kernel[grid](a_arg, s_arg, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
+                                  a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                  OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
+                                  HALVES=bool(cfg.get("HALVES")), num_warps=nw, **_mixed_constexprs(cfg),
+                                  **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     return out
 
 
@@ -1302,10 +1334,11 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
                  OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], HALVES=bool(cfg.get("HALVES")),
                  num_warps=cfg["num_warps"], **_mixed_constexprs(cfg))
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
-    return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
-                           divisible_by_16=(["out_ptr"] if cfg.get("A_TMA") else ["a_c", "a_s", "out_ptr"])
-                           + ["K", "stride_aw", "stride_as", "stride_om"],
-                           **extra)
+    with _proxy_fences(not cfg.get("NO_PROXY_FENCE")):
+        return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
+                               divisible_by_16=(["out_ptr"] if cfg.get("A_TMA") else ["a_c", "a_s", "out_ptr"])
+                               + ["K", "stride_aw", "stride_as", "stride_om"],
+                               **extra)
 
 
 stable_cache_keys(globals())  # Triton cache keys independent of launch order (kernels/launch.py)
