@@ -108,7 +108,7 @@ def test_mixed_default_is_the_a_tma_form_of_the_global_load_tile():
     from fp4compile.kernels import gemm as G
     assert G.MIXED_DEFAULT is W.MIXED_SPLIT_ATMA and W.MIXED_SPLIT_ATMA in W.MIXED_CONFIGS
     assert W.MIXED_SPLIT_ATMA["A_TMA"] is True and W.MIXED_SPLIT_LDG["A_TMA"] is False
-    assert dict(W.MIXED_SPLIT_LDG, A_TMA=True) == W.MIXED_SPLIT_ATMA
+    assert dict(W.MIXED_SPLIT_LDG, A_TMA=True, NO_PROXY_FENCE=False) == W.MIXED_SPLIT_ATMA
 
 
 @needs_gluon

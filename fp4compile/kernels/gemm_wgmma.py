@@ -221,7 +221,7 @@ MIXED_CONFIGS = [
          A_TMA=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
-         A_TMA=True),
+         A_TMA=True, NO_PROXY_FENCE=False),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=4, MIXED=True, B_STAGES=4, HALVES=True, SPLIT=True,
          A_TMA=True, NO_PROXY_FENCE=True),
 ]
@@ -232,7 +232,7 @@ MIXED_SPLIT_LDG = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N
                        and c.get("A_TMA") is False)
 #: the same tile with A's code bytes and scale words by TMA (``A_TMA``; global loads where :func:`a_tma_ok` says no):
 #: ``impl="mixed"``'s tile (:data:`fp4compile.kernels.gemm.MIXED_DEFAULT`) since session 78. An A/B against the
-#: global-load form switches it in place:
+#: global-load form switches it in place (its ``NO_PROXY_FENCE`` key is written out, False, for the same reason):
 #: ``bench/step_ab.py --arm 'ldg:fp4compile.kernels.gemm.MIXED_DEFAULT[A_TMA]=false'``.
 MIXED_SPLIT_ATMA = next(c for c in MIXED_CONFIGS if c.get("SPLIT") and c["BLOCK_N"] == 256 and c["B_STAGES"] == 4
                         and c.get("A_TMA") is True and not c.get("NO_PROXY_FENCE"))
