@@ -29,7 +29,8 @@ def name(c: dict) -> str:
     """A config's label: tile, warps, family and options."""
     return (f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}" + (" rs" if c.get("RS") else " mixed")
             + (" halves" if c.get("HALVES") else "") + (f" split b{c['B_STAGES']}" if c.get("SPLIT") else "")
-            + (" atma" if c.get("A_TMA") else "") + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
+            + (" atma" if c.get("A_TMA") else "") + (" nofence" if c.get("NO_PROXY_FENCE") else "")
+            + (f" maxnreg {c['maxnreg']}" if c.get("maxnreg") else ""))
 
 
 def loop_rows(cubin: bytes) -> list:
