@@ -113,16 +113,20 @@ def test_mixed_default_is_the_a_tma_form_of_the_global_load_tile():
 
 @needs_gluon
 def test_no_proxy_fence_drops_the_fences_for_its_compile_only():
-    """``NO_PROXY_FENCE`` compiles the ``A_TMA`` tile without Triton's proxy fences and puts the pass back: a compile
-    of the default tile right after it still has its membar and proxy fence per K-tile. The option needs ``A_TMA``."""
+    """``NO_PROXY_FENCE`` compiles the ``A_TMA`` tile without Triton's proxy fences and puts Triton's pass back
+    afterwards (the default tile keeps its proxy fences). The option needs ``A_TMA``."""
+    from triton._C.libtriton import nvidia
+
     nofence = next(c for c in W.MIXED_CONFIGS if c.get("NO_PROXY_FENCE"))
     assert dict(nofence, NO_PROXY_FENCE=False) == dict(W.MIXED_SPLIT_ATMA, NO_PROXY_FENCE=False)
+    the_pass = nvidia.passes.ttnvgpuir.add_proxy_fence_insertion
 
     def fences(cfg):
         sass = disassemble(W.offline_cubin_mixed(cfg))
         return sum(ln.count("FENCE.VIEW.ASYNC.S") for lines in all_loop_lines(sass) for ln in lines)
 
     assert fences(nofence) == 0
+    assert nvidia.passes.ttnvgpuir.add_proxy_fence_insertion is the_pass
     assert fences(W.MIXED_SPLIT_ATMA) > 0
     q = nvfp4.quantize(torch.randn(128, 256))
     with pytest.raises(ValueError, match="NO_PROXY_FENCE is an option of the A_TMA"):

@@ -171,8 +171,7 @@ except ImportError:  # pragma: no cover - CPU wheels without Triton, or a Triton
 
 __all__ = ["nvfp4_gemm_wgmma", "available", "supports", "offline_cubin", "WGMMA_CONFIGS", "WS_CONFIGS",
            "RS_CONFIGS", "MIXED_CONFIGS", "nvfp4_gemm_mixed", "prepare_b", "fragment_permutation",
-           "offline_cubin_mixed", "a_tma_ok", "MIXED_SPLIT_LDG",
-           "MIXED_SPLIT_ATMA"]
+           "offline_cubin_mixed", "a_tma_ok", "MIXED_SPLIT_LDG", "MIXED_SPLIT_ATMA"]
 
 #: tile configurations (BLOCK_M, BLOCK_N, BLOCK_K = 64, num_warps); the first is the default
 WGMMA_CONFIGS = [
@@ -1222,7 +1221,7 @@ def prepare_b(b_codes, b_scales, *, fused: bool = True) -> torch.Tensor:
 
 def _mixed_constexprs(cfg: dict) -> dict:
     """The mixed kernel's optional constexprs of a config: ``SPLIT`` (and its consumers' register count), the
-    timing diagnostic ``DIAG`` and ``A_TMA``."""
+    timing diagnostic ``DIAG``, ``A_TMA`` and ``NO_PROXY_FENCE``."""
     return dict(SPLIT=bool(cfg.get("SPLIT")), CONSUMER_REGS=cfg.get("CONSUMER_REGS", 256), DIAG=cfg.get("DIAG", 0),
                 A_TMA=bool(cfg.get("A_TMA")), NO_PROXY_FENCE=bool(cfg.get("NO_PROXY_FENCE")))
 
