@@ -32,6 +32,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 import torch
@@ -78,17 +79,6 @@ _HALVES_256 = next(c for c in W.MIXED_CONFIGS if c.get("HALVES") and not c.get("
 DIAG_MIXED = [dict(c, DIAG=d) for c in (_HALVES_256, W.MIXED_SPLIT_LDG) for d in (1, 2, 3)]
 
 
-def _drop_proxy_fences():
-    """Turn off Triton's proxy-fence insertion pass in this process, compiling into a fresh cache directory (the cache
-    key does not see the change)."""
-    import tempfile
-
-    from triton._C.libtriton import nvidia
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-nofence-")
-    nvidia.passes.ttnvgpuir.add_proxy_fence_insertion = lambda pm, *a: None
-    print("diagnostic: Triton's proxy-fence insertion pass is off", flush=True)
-
-
 def check_decode_exact(cfg) -> int:
     """Mismatches of the exhaustive decode check (see module docstring)."""
     dev = "cuda"
@@ -126,8 +116,16 @@ def main(argv=None):
     ap.add_argument("--no-proxy-fence", action="store_true",
                     help="diagnostic: compile every kernel without Triton's proxy-fence insertion pass")
     args = ap.parse_args(argv)
-    if args.no_proxy_fence:
-        _drop_proxy_fences()
+    if not args.no_proxy_fence:
+        return _run(args)
+    # every kernel of this process compiled without the pass, into a fresh cache (its keys do not see the pass)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-nofence-")
+    print("diagnostic: Triton's proxy-fence insertion pass is off", flush=True)
+    with W._without_proxy_fences():
+        return _run(args)
+
+
+def _run(args):
     kinds = set(args.kinds.split(","))
     checked = [c for c in CHECKED if _kind(c) in kinds and (args.match is None or re.search(args.match, _cfg_name(c)))]
     diag = (DIAG if "diag" in kinds else []) + (DIAG_RS if "diag_rs" in kinds else [])

@@ -206,8 +206,8 @@ RS_CONFIGS = [
 #: (``HALVES`` only; BLOCK_M = 32 * num_warps): the two warpgroups of a 128-row tile as two partitions that share the B
 #: ring with no CTA-wide barrier, the first one also loading B (module docstring; session 74). ``A_TMA`` (``SPLIT``
 #: only): A's code bytes and scale words come by TMA in B's ring slots (session 76; measured in session 78).
-#: ``NO_PROXY_FENCE`` (``A_TMA`` only): compiled without Triton's proxy fences (:func:`_proxy_fences`; session 78,
-#: opt-in, timed only as ``bench/gemm_wgmma.py --no-proxy-fence``).
+#: ``NO_PROXY_FENCE`` (``A_TMA`` only): compiled without Triton's proxy fences (:func:`_without_proxy_fences`;
+#: session 78, opt-in, timed only as ``bench/gemm_wgmma.py --no-proxy-fence``).
 MIXED_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, MIXED=True, B_STAGES=4),
@@ -1000,8 +1000,8 @@ if gluon is not None:
         bf16 values ``q * S`` (K in :func:`_fragment_order`) behind a TMA descriptor. ``SPLIT``: the tile's two
         halves of rows are two partitions of ``num_warps`` warps (one warpgroup each) that share the B ring and
         release its slots independently (``empty`` counts two arrivals), so no barrier spans both warpgroups.
-        ``NO_PROXY_FENCE`` is not read here: it keys the compile that :func:`_proxy_fences` makes without Triton's
-        proxy fences (``A_TMA`` only)."""
+        ``NO_PROXY_FENCE`` is not read here: it keys the compile made under :func:`_without_proxy_fences`
+        (``A_TMA`` only)."""
         off_m, off_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         num_k = K // BLOCK_K
         b_smem = gl.allocate_shared_memory(gl.bfloat16, [B_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -1227,15 +1227,12 @@ def _mixed_constexprs(cfg: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _proxy_fences(on: bool):
-    """Compiles inside this block run with (``on``) or without Triton's proxy-fence insertion pass. Without it, an
-    ``A_TMA`` slot read by ``LDS`` is refilled by TMA after the consumers' mbarrier arrivals alone, with no
-    ``fence.proxy.async`` before the load (as CUTLASS's sm90 mixed-input mainloop releases its slots). The compile key
-    must differ from the fenced kernel's, which the ``NO_PROXY_FENCE`` constexpr does; a kernel already compiled is
-    not recompiled."""
-    if on:
-        yield
-        return
+def _without_proxy_fences():
+    """Compiles inside this block run without Triton's proxy-fence insertion pass: an ``A_TMA`` slot read by ``LDS``
+    is then refilled by TMA after the consumers' mbarrier arrivals alone, with no ``fence.proxy.async`` before the
+    load (as CUTLASS's sm90 mixed-input mainloop releases its slots). The pass is put back on exit. A kernel already
+    compiled is not recompiled, and the cache key does not see the pass: a kernel compiled here needs a key of its own
+    (the ``NO_PROXY_FENCE`` constexpr; ``bench/gemm_wgmma.py --no-proxy-fence`` uses a fresh cache directory)."""
     from triton._C.libtriton import nvidia
     mod = nvidia.passes.ttnvgpuir
     saved = mod.add_proxy_fence_insertion
@@ -1244,6 +1241,12 @@ def _proxy_fences(on: bool):
         yield
     finally:
         mod.add_proxy_fence_insertion = saved
+
+
+def _fences_of(cfg: dict):
+    """The context a config's kernel is compiled in: :func:`_without_proxy_fences` for ``NO_PROXY_FENCE``, else
+    nothing (a ``nullcontext``: no generator on every launch)."""
+    return _without_proxy_fences() if cfg.get("NO_PROXY_FENCE") else contextlib.nullcontext()
 
 
 def _a_tma_layouts():
@@ -1304,7 +1307,7 @@ def nvfp4_gemm_mixed(a_codes, a_scales, a_global, b16, b_global, out_dtype=torch
         else:
             cfg.pop("A_TMA")
             cfg.pop("NO_PROXY_FENCE", None)
-    with _proxy_fences(not cfg.get("NO_PROXY_FENCE")):
+    with _fences_of(cfg):
         _nvfp4_mixed_kernel[grid](a_arg, s_arg, b_desc, ag, bg, out, M, N, K, a_codes.stride(0) // 4,
                                   a_scales.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                   OUT_FP32=out_dtype == torch.float32, B_STAGES=cfg["B_STAGES"],
@@ -1333,7 +1336,7 @@ def offline_cubin_mixed(config: Optional[dict] = None, out_fp32: bool = False) -
                  OUT_FP32=out_fp32, B_STAGES=cfg["B_STAGES"], HALVES=bool(cfg.get("HALVES")),
                  num_warps=cfg["num_warps"], **_mixed_constexprs(cfg))
     extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
-    with _proxy_fences(not cfg.get("NO_PROXY_FENCE")):
+    with _fences_of(cfg):
         return compile_offline(_nvfp4_mixed_kernel, sig, const, cfg["num_warps"], upto="cubin",
                                divisible_by_16=(["out_ptr"] if cfg.get("A_TMA") else ["a_c", "a_s", "out_ptr"])
                                + ["K", "stride_aw", "stride_as", "stride_om"],
